@@ -1,0 +1,169 @@
+// tierzero's configuration: one JSON file, DeepSpeed-compatible.
+//
+// A DeepSpeed config works unchanged: its `zero_optimization` block (stage,
+// offload_param, offload_optimizer, sub_group_size, stage3_* ...) and its `aio`
+// block mean what they mean in DeepSpeed, and so do the training keys we use
+// (train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+// gradient_clipping, fp16, bf16, optimizer). tierzero's own settings live in a
+// top-level `tierzero` block:
+//
+//   "tierzero": {
+//     "backend": "auto",                     // "auto" | "cuda" | "host"
+//     "placement": "auto",                   // "auto" | "deepspeed" (default: see below)
+//     "tiers": {
+//       "gpu_bytes": "auto",                 // bytes, "80GB"/"64GiB", or "auto" (free memory)
+//       "cpu_bytes": "120GB",
+//       "nvme_bytes": "2TB",
+//       "nvme_paths": ["/nvme0/tz", "/nvme1/tz"],   // striped
+//       "numa_node": "auto"                  // or a node number for pinned memory
+//     },
+//     "aio": { "auto_tune": false, "sqpoll": false, "fixed_buffers": true,
+//              "allow_buffered_io": false }
+//   }
+//
+// Rules (README "Configuration" lists every key):
+// - DeepSpeed keys that tierzero has no use for (scheduler, logging, profilers,
+//   overlap_comm, ...) are accepted and returned in Config::ignored_keys; the
+//   loader logs them once as a single warning.
+// - A key nobody knows is an InvalidArgument error naming its dotted path and
+//   the nearest known key ("did you mean ...?").
+// - A wrong type or an impossible value is an error naming the key, the value,
+//   and what is allowed.
+// - Integer keys accept JSON numbers written as 5e8 when they are whole.
+// - Placement: with "placement" unset, a config that has an offload_param or
+//   offload_optimizer block follows it (as DeepSpeed would); otherwise "auto".
+//
+// Parsing never touches the file system; check_paths() does, separately, so a
+// DeepSpeed config can be validated on a machine without its NVMe mount.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tierzero/common/status.h"
+
+namespace tz {
+
+enum class OffloadDevice { kNone, kCpu, kNvme };
+std::string_view offload_device_name(OffloadDevice device);  // "none" | "cpu" | "nvme"
+
+// A budget in bytes, or "auto" (resolved later from free memory / free space).
+struct ByteBudget {
+  bool is_auto = true;
+  std::uint64_t bytes = 0;  // meaningful when !is_auto
+
+  static ByteBudget automatic() { return {}; }
+  static ByteBudget of(std::uint64_t b) { return {false, b}; }
+};
+
+// zero_optimization.offload_param
+struct OffloadParamConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;                       // required when device == kNvme
+  bool pin_memory = false;
+  std::int64_t buffer_count = 5;               // staging buffers for NVMe reads
+  std::int64_t buffer_size = 100'000'000;      // elements per staging buffer
+  std::int64_t max_in_cpu = 1'000'000'000;     // elements kept in CPU memory when device == kNvme
+};
+
+// zero_optimization.offload_optimizer
+struct OffloadOptimizerConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;
+  bool pin_memory = false;
+  std::int64_t buffer_count = 4;
+  bool pipeline_read = false;                  // overlap reading the next sub-group with the step
+  bool pipeline_write = false;                 // overlap writing the last sub-group with the step
+  double ratio = 1.0;                          // fraction of optimizer states to offload (0, 1]
+};
+
+struct ZeroConfig {
+  int stage = 0;                                            // 0..3
+  OffloadParamConfig offload_param;
+  OffloadOptimizerConfig offload_optimizer;
+  bool has_offload_param = false;                           // the block was present
+  bool has_offload_optimizer = false;
+  std::int64_t sub_group_size = 1'000'000'000;              // elements per optimizer sub-group
+  std::int64_t stage3_prefetch_bucket_size = 50'000'000;    // elements prefetched ahead
+  std::int64_t stage3_max_live_parameters = 1'000'000'000;  // elements resident whole on GPU
+  std::int64_t stage3_param_persistence_threshold = 100'000;  // blocks below stay whole on GPU
+};
+
+// The `aio` block, plus tierzero.aio.
+struct AioConfig {
+  std::int64_t block_size = 1'048'576;   // bytes per I/O request; multiple of 4096
+  int queue_depth = 8;                   // requests in flight per ring, 1..32768
+  int intra_op_parallelism = 1;          // rings/threads per request, 1..1024
+  bool single_submit = false;
+  bool overlap_events = true;
+  // ours
+  bool auto_tune = false;                // sweep block size/depth at start-up
+  bool sqpoll = false;                   // IORING_SETUP_SQPOLL
+  bool fixed_buffers = true;             // register staging buffers with the ring
+  bool allow_buffered_io = false;        // fall back to buffered I/O where O_DIRECT is refused
+};
+
+struct OptimizerConfig {
+  std::string type = "AdamW";            // Adam | AdamW | Adagrad | Lion (case-insensitive on input)
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool amsgrad = false;
+  bool present = false;                  // the block was present
+};
+
+struct PrecisionConfig {
+  bool fp16 = false;
+  bool bf16 = false;
+  double loss_scale = 0.0;               // 0 = dynamic
+  int initial_scale_power = 16;          // dynamic scale starts at 2^power
+  int loss_scale_window = 1000;
+  int hysteresis = 2;
+  double min_loss_scale = 1.0;
+};
+
+enum class BackendChoice { kAuto, kCuda, kHost };
+enum class PlacementMode { kAuto, kDeepSpeed };
+
+struct TierConfig {
+  ByteBudget gpu;
+  ByteBudget cpu;
+  ByteBudget nvme;
+  std::vector<std::string> nvme_paths;   // tierzero.tiers.nvme_paths, in order
+  std::optional<int> numa_node;          // nullopt = auto (nearest the GPU)
+};
+
+struct Config {
+  std::string source;                    // file name, or "<string>"
+  std::int64_t train_micro_batch_size_per_gpu = 1;
+  std::int64_t gradient_accumulation_steps = 1;
+  double gradient_clipping = 0.0;        // 0 = off
+  PrecisionConfig precision;
+  OptimizerConfig optimizer;
+  ZeroConfig zero;
+  AioConfig aio;
+  TierConfig tiers;
+  BackendChoice backend = BackendChoice::kAuto;
+  PlacementMode placement = PlacementMode::kAuto;
+  // Dotted paths of keys accepted but unused, in file order.
+  std::vector<std::string> ignored_keys;
+
+  // Every NVMe directory named anywhere (tiers.nvme_paths, then the offload
+  // blocks' nvme_path), without duplicates, in that order.
+  std::vector<std::string> all_nvme_paths() const;
+};
+
+// Parses JSON text. `source` names it in errors. Logs ignored keys once.
+Expected<Config> parse_config(std::string_view json_text, std::string_view source = "<string>");
+// Reads and parses a file; errors name the path.
+Expected<Config> load_config(const std::string& path);
+// Every NVMe path exists, is a directory and is writable; the error names the
+// key and the path.
+Status check_paths(const Config& config);
+
+}  // namespace tz
