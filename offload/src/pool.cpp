@@ -1,0 +1,191 @@
+#include "tierzero/offload/pool.h"
+
+#include <algorithm>
+
+namespace tz {
+
+PoolBlock& PoolBlock::operator=(PoolBlock&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pool_ = std::exchange(other.pool_, nullptr);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    size_bytes_ = std::exchange(other.size_bytes_, 0);
+    capacity_bytes_ = std::exchange(other.capacity_bytes_, 0);
+  }
+  return *this;
+}
+
+void PoolBlock::reset() {
+  if (ptr_ != nullptr) pool_->release(ptr_, capacity_bytes_);
+  pool_ = nullptr;
+  ptr_ = nullptr;
+  size_bytes_ = capacity_bytes_ = 0;
+}
+
+MemoryPool::MemoryPool(PoolOptions options, std::unique_ptr<RawAllocator> allocator, Device* device)
+    : options_(std::move(options)), allocator_(std::move(allocator)), device_(device) {
+  stats_.budget_bytes = options_.budget_bytes;
+}
+
+MemoryPool::~MemoryPool() {
+  std::lock_guard lock(mu_);
+  reap_pending_locked(/*wait=*/true);
+  trim_locked();
+  if (stats_.in_use_bytes != 0) {
+    // Blocks still out would dangle; they are a caller bug, not a run-time condition.
+    TZ_LOG_ERROR("offload", "{} pool destroyed with {} still in use", options_.tier,
+                 format_bytes(stats_.in_use_bytes));
+  }
+}
+
+Expected<PoolBlock> MemoryPool::allocate(std::size_t bytes) {
+  const std::size_t capacity = align_up(std::max<std::size_t>(bytes, 1), options_.granularity_bytes);
+  std::lock_guard lock(mu_);
+  ++stats_.requests;
+  reap_pending_locked(/*wait=*/false);
+  if (auto [ptr, block_capacity] = take_cached_locked(capacity); ptr != nullptr) {
+    ++stats_.cache_hits;
+    return PoolBlock(this, ptr, bytes, block_capacity);
+  }
+  if (stats_.reserved_bytes + capacity > options_.budget_bytes) {
+    // Make room: cached blocks first, then blocks still pending on a stream.
+    trim_locked();
+    if (stats_.reserved_bytes + capacity > options_.budget_bytes && !pending_.empty()) {
+      reap_pending_locked(/*wait=*/true);
+      if (auto [ptr, block_capacity] = take_cached_locked(capacity); ptr != nullptr) {
+        ++stats_.cache_hits;
+        return PoolBlock(this, ptr, bytes, block_capacity);
+      }
+      trim_locked();
+    }
+    if (stats_.reserved_bytes + capacity > options_.budget_bytes) return over_budget_locked(bytes, capacity);
+  }
+  Expected<void*> ptr = allocator_->allocate(capacity);
+  if (!ptr.ok() && trim_locked() > 0) ptr = allocator_->allocate(capacity);  // fragmentation: one retry
+  if (!ptr.ok()) {
+    return std::move(ptr).status().with_context(
+        fmt::format("{} pool: allocating {} ({} in use of a {} budget)", options_.tier, format_bytes(capacity),
+                    format_bytes(stats_.in_use_bytes), format_bytes(options_.budget_bytes)));
+  }
+  ++stats_.backend_allocations;
+  stats_.reserved_bytes += capacity;
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+  note_in_use_locked(capacity);
+  return PoolBlock(this, *ptr, bytes, capacity);
+}
+
+Status MemoryPool::release_after(PoolBlock block, Stream& stream) {
+  if (!block.valid()) return ok_status();
+  if (block.pool_ != this) return invalid_argument("{} pool: block belongs to another pool", options_.tier);
+  if (device_ == nullptr) {
+    return failed_precondition("{} pool: release_after needs a pool created with a device", options_.tier);
+  }
+  std::unique_ptr<Event> done;
+  {
+    std::lock_guard lock(mu_);
+    if (!spare_events_.empty()) {
+      done = std::move(spare_events_.back());
+      spare_events_.pop_back();
+    }
+  }
+  if (!done) {
+    TZ_ASSIGN_OR_RETURN(done, device_->create_event());
+  }
+  TZ_TRY(device_->record_event(*done, stream));
+  std::lock_guard lock(mu_);
+  void* ptr = std::exchange(block.ptr_, nullptr);
+  std::size_t capacity = block.capacity_bytes_;
+  stats_.in_use_bytes -= capacity;
+  stats_.pending_bytes += capacity;
+  pending_.push_back(Pending{ptr, capacity, std::move(done)});
+  return ok_status();
+}
+
+void MemoryPool::release(void* ptr, std::size_t capacity) {
+  std::lock_guard lock(mu_);
+  stats_.in_use_bytes -= capacity;
+  stats_.cached_bytes += capacity;
+  cached_.emplace(capacity, ptr);
+}
+
+void MemoryPool::reap_pending_locked(bool wait) {
+  // Events complete in stream order only per stream; scan them all.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    bool done = true;
+    if (wait) {
+      Status s = device_->synchronize_event(*it->done);
+      if (!s.ok()) TZ_LOG_ERROR("offload", "{} pool: waiting for a released block: {}", options_.tier, s.to_string());
+    } else {
+      Expected<bool> d = device_->event_done(*it->done);
+      done = d.ok() ? *d : true;  // an errored stream no longer uses the block
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    stats_.pending_bytes -= it->capacity;
+    stats_.cached_bytes += it->capacity;
+    cached_.emplace(it->capacity, it->ptr);
+    spare_events_.push_back(std::move(it->done));
+    it = pending_.erase(it);
+  }
+}
+
+std::uint64_t MemoryPool::trim_locked() {
+  std::uint64_t freed = 0;
+  for (auto& [capacity, ptr] : cached_) {
+    allocator_->deallocate(ptr, capacity);
+    freed += capacity;
+    ++stats_.backend_frees;
+  }
+  cached_.clear();
+  stats_.cached_bytes -= freed;
+  stats_.reserved_bytes -= freed;
+  return freed;
+}
+
+std::pair<void*, std::size_t> MemoryPool::take_cached_locked(std::size_t capacity) {
+  auto it = cached_.lower_bound(capacity);
+  if (it == cached_.end()) return {nullptr, 0};
+  const auto limit = static_cast<std::size_t>(static_cast<double>(capacity) * (1.0 + options_.max_slack));
+  if (it->first > std::max(limit, capacity)) return {nullptr, 0};
+  const auto [block_capacity, ptr] = *it;
+  cached_.erase(it);
+  stats_.cached_bytes -= block_capacity;
+  note_in_use_locked(block_capacity);
+  return {ptr, block_capacity};
+}
+
+void MemoryPool::note_in_use_locked(std::size_t capacity) {
+  stats_.in_use_bytes += capacity;
+  stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
+}
+
+Status MemoryPool::over_budget_locked(std::size_t request, std::size_t capacity) const {
+  return out_of_memory(
+      "{} tier out of budget: requested {} ({} reserved), budget {} ({}), in use {}, pending release {}, "
+      "peak in use {}. Raise {}{}{}",
+      options_.tier, format_bytes(request), format_bytes(capacity), format_bytes(options_.budget_bytes),
+      options_.budget_key, format_bytes(stats_.in_use_bytes), format_bytes(stats_.pending_bytes),
+      format_bytes(stats_.peak_in_use_bytes), options_.budget_key, options_.hint.empty() ? "" : ", or ",
+      options_.hint);
+}
+
+PoolStats MemoryPool::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+void MemoryPool::reset_peak() {
+  std::lock_guard lock(mu_);
+  stats_.peak_in_use_bytes = stats_.in_use_bytes;
+  stats_.peak_reserved_bytes = stats_.reserved_bytes;
+}
+
+std::uint64_t MemoryPool::trim() {
+  std::lock_guard lock(mu_);
+  reap_pending_locked(/*wait=*/false);
+  return trim_locked();
+}
+
+}  // namespace tz

@@ -12,4 +12,5 @@
 #include "tierzero/common/log.h"
 #include "tierzero/common/probe.h"
 #include "tierzero/common/status.h"
+#include "tierzero/common/sysinfo.h"
 #include "tierzero/common/units.h"

@@ -70,6 +70,11 @@ class MappedRegion {
 
   void* data() const { return addr_; }
   size_t size_bytes() const { return size_bytes_; }
+  // Gives up ownership without unmapping; returns the address.
+  void* release() {
+    size_bytes_ = 0;
+    return std::exchange(addr_, nullptr);
+  }
   void reset();
 
  private:

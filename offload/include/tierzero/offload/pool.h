@@ -1,0 +1,146 @@
+// MemoryPool: a budgeted caching allocator for one tier (device memory, or
+// pinned host memory), after PyTorch's CUDACachingAllocator.
+//
+// Blocks are carved by a RawAllocator (the device, or page-locked host memory)
+// and cached when released, keyed by size, so a workload that asks for the same
+// sizes every step allocates nothing from the backend after its first step.
+// Every block counts against a fixed budget; a request that would exceed it
+// first releases cached blocks, and then fails with an OutOfMemory Status that
+// names the tier, the budget, the request, what is in use, and the config key
+// that raises the budget. Nothing aborts.
+//
+//   TZ_ASSIGN_OR_RETURN(auto pool, tz::make_device_pool(*device, 8 * tz::kGiB));
+//   TZ_ASSIGN_OR_RETURN(tz::PoolBlock buf, pool->allocate(64 * tz::kMiB));
+//   TZ_TRY(device->copy_async(buf.data(), h_src, buf.size_bytes(), *stream));
+//   TZ_TRY(pool->release_after(std::move(buf), *stream));  // reusable once the copy is done
+//
+// Sizes: requests round up to the granularity (4 KiB default); a cached block
+// up to `max_slack` larger than the rounded request is reused, larger ones are
+// left for bigger requests. Blocks are never split.
+// Threads: every method is thread-safe. The pool must outlive its blocks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tierzero/common.h"
+#include "tierzero/offload/device.h"
+
+namespace tz {
+
+// Where a pool's blocks come from. deallocate() logs failures (it runs from
+// destructors) and never throws.
+class RawAllocator {
+ public:
+  virtual ~RawAllocator() = default;
+  virtual Expected<void*> allocate(std::size_t bytes) = 0;
+  virtual void deallocate(void* ptr, std::size_t bytes) = 0;
+};
+
+struct PoolOptions {
+  std::string tier = "gpu";                          // named in errors and stats
+  std::string budget_key = "tierzero.tiers.gpu_bytes";  // the setting that raises the budget
+  std::string hint;                                  // extra advice for out-of-memory messages
+  std::uint64_t budget_bytes = 0;
+  std::size_t granularity_bytes = 4096;
+  double max_slack = 0.125;
+};
+
+struct PoolStats {
+  std::uint64_t budget_bytes = 0;
+  std::uint64_t in_use_bytes = 0;          // handed out now (rounded sizes)
+  std::uint64_t peak_in_use_bytes = 0;
+  std::uint64_t reserved_bytes = 0;        // held from the backend: in use + cached + pending
+  std::uint64_t peak_reserved_bytes = 0;
+  std::uint64_t cached_bytes = 0;          // free, ready for reuse
+  std::uint64_t pending_bytes = 0;         // released, waiting for a stream to finish with them
+  std::uint64_t requests = 0;
+  std::uint64_t cache_hits = 0;
+  std::uint64_t backend_allocations = 0;   // raw allocations ever made
+  std::uint64_t backend_frees = 0;
+};
+
+class MemoryPool;
+
+// A block handed out by a pool; returns itself to the pool when destroyed.
+class PoolBlock {
+ public:
+  PoolBlock() = default;
+  ~PoolBlock() { reset(); }
+  PoolBlock(PoolBlock&& other) noexcept { *this = std::move(other); }
+  PoolBlock& operator=(PoolBlock&& other) noexcept;
+  PoolBlock(const PoolBlock&) = delete;
+  PoolBlock& operator=(const PoolBlock&) = delete;
+
+  void* data() const { return ptr_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  std::size_t size_bytes() const { return size_bytes_; }          // as requested
+  std::size_t capacity_bytes() const { return capacity_bytes_; }  // as reserved
+  bool valid() const { return ptr_ != nullptr; }
+  void reset();  // returns the block to its pool now
+
+ private:
+  friend class MemoryPool;
+  PoolBlock(MemoryPool* pool, void* ptr, std::size_t size, std::size_t capacity)
+      : pool_(pool), ptr_(ptr), size_bytes_(size), capacity_bytes_(capacity) {}
+  MemoryPool* pool_ = nullptr;
+  void* ptr_ = nullptr;
+  std::size_t size_bytes_ = 0;
+  std::size_t capacity_bytes_ = 0;
+};
+
+class MemoryPool {
+ public:
+  // `device` is needed only for release_after() (it records events).
+  MemoryPool(PoolOptions options, std::unique_ptr<RawAllocator> allocator, Device* device = nullptr);
+  ~MemoryPool();  // frees cached blocks; waits for pending ones
+  MemoryPool(const MemoryPool&) = delete;
+  MemoryPool& operator=(const MemoryPool&) = delete;
+
+  Expected<PoolBlock> allocate(std::size_t bytes);
+  // Releases a block that work already issued on `stream` may still use: it is
+  // reused only after that work completes (an event recorded now).
+  Status release_after(PoolBlock block, Stream& stream);
+
+  PoolStats stats() const;
+  void reset_peak();
+  // Frees every cached block to the backend; returns the bytes freed.
+  std::uint64_t trim();
+  const PoolOptions& options() const { return options_; }
+
+ private:
+  friend class PoolBlock;
+  struct Pending {
+    void* ptr;
+    std::size_t capacity;
+    std::unique_ptr<Event> done;
+  };
+
+  void release(void* ptr, std::size_t capacity);
+  // With mu_ held:
+  void reap_pending_locked(bool wait);
+  std::uint64_t trim_locked();
+  // A cached block of at least `capacity` within the slack: {ptr, its capacity}, or {nullptr, 0}.
+  std::pair<void*, std::size_t> take_cached_locked(std::size_t capacity);
+  Status over_budget_locked(std::size_t request, std::size_t capacity) const;
+  void note_in_use_locked(std::size_t capacity);
+
+  PoolOptions options_;
+  std::unique_ptr<RawAllocator> allocator_;
+  Device* device_;
+  mutable std::mutex mu_;
+  std::multimap<std::size_t, void*> cached_;     // capacity -> block
+  std::deque<Pending> pending_;
+  std::vector<std::unique_ptr<Event>> spare_events_;
+  PoolStats stats_;
+};
+
+}  // namespace tz
