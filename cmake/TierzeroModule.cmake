@@ -15,6 +15,7 @@ function(tz_add_module name)
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${TIERZERO_WARNINGS}>)
   target_link_libraries(${target} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   set_property(GLOBAL APPEND PROPERTY TIERZERO_MODULES ${target})
+  install(DIRECTORY include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endfunction()
 
 # tz_add_test(NAME SOURCES ... DEPS ...): one GoogleTest binary per module.
@@ -27,5 +28,6 @@ function(tz_add_test name)
     TIERZERO_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
     TIERZERO_SHARED_DIR="${PROJECT_SOURCE_DIR}/../shared")
   # Tests that need a GPU call GTEST_SKIP() with the reason; everything else must run.
-  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 300)
+  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60
+    PROPERTIES TIMEOUT 300 SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]")
 endfunction()

@@ -1,0 +1,801 @@
+#include "tierzero/common/config.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#include "tierzero/common/handles.h"
+#include "tierzero/common/log.h"
+#include "tierzero/common/units.h"
+
+namespace tz {
+
+std::string_view offload_device_name(OffloadDevice device) {
+  switch (device) {
+    case OffloadDevice::kCpu: return "cpu";
+    case OffloadDevice::kNvme: return "nvme";
+    case OffloadDevice::kNone: break;
+  }
+  return "none";
+}
+
+namespace {
+
+// ordered_json keeps the file's key order, so ignored_keys and the first error
+// follow the file.
+using Json = nlohmann::ordered_json;
+
+constexpr std::int64_t kMaxInt = std::numeric_limits<std::int64_t>::max();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr std::int64_t kMaxNumaNode = 1023;  // Linux: at most 2^NODES_SHIFT = 1024 nodes
+
+// Note [Config schema]
+// Every JSON object tierzero reads is a Block: a list of keys, each with a
+// setter that checks the value and writes it into Config. A key without a
+// setter is a DeepSpeed key we accept and ignore (recorded, never descended
+// into, so an ignored block like "scheduler" is one entry). The same tables
+// answer "did you mean ...?" and "it belongs in ...", so a key added here is
+// known everywhere at once.
+struct ParseState {
+  Config config;
+  bool placement_given = false;
+  std::string legacy_optimizer_offload;  // path of zero_optimization.cpu_offload: true
+  std::string legacy_param_offload;      // path of zero_optimization.cpu_offload_param(s): true
+};
+
+using Setter = std::function<Status(ParseState&, const Json&, const std::string& path)>;
+
+struct Key {
+  std::string_view name;
+  Setter set;  // empty: accepted and ignored
+};
+
+struct Block {
+  std::vector<Key> keys;
+
+  const Key* find(std::string_view name) const {
+    for (const Key& key : keys) {
+      if (key.name == name) return &key;
+    }
+    return nullptr;
+  }
+};
+
+using Schema = const Block& (*)();
+
+// ---- messages ---------------------------------------------------------------
+
+std::string shown(const Json& value) {
+  std::string text = value.dump();
+  if (text.size() > 80) text = text.substr(0, 77) + "...";
+  return text;
+}
+
+Status key_error(const ParseState& st, std::string_view path, std::string_view what) {
+  return invalid_argument("{}: {}: {}", st.config.source, path, what);
+}
+
+Status type_error(const ParseState& st, std::string_view path, const Json& value, std::string_view want) {
+  return key_error(st, path, fmt::format("expected {}, got {} ({})", want, shown(value), value.type_name()));
+}
+
+Status range_error(const ParseState& st, std::string_view path, const Json& value, std::string_view allowed) {
+  return key_error(st, path, fmt::format("{} is out of range (allowed: {})", shown(value), allowed));
+}
+
+std::string lower(std::string_view text) {
+  std::string out(text);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      std::size_t above = row[j];
+      std::size_t substitute = diagonal + (a[i - 1] == b[j - 1] ? 0 : 1);
+      row[j] = std::min({above + 1, row[j - 1] + 1, substitute});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// ---- value readers ----------------------------------------------------------
+
+bool is_auto(const Json& value) { return value.is_string() && value.get_ref<const std::string&>() == "auto"; }
+
+// Integers may be written 5e8 (a JSON float) when the value is whole.
+Expected<std::int64_t> as_integer(const ParseState& st, const Json& value, std::string_view path,
+                                  std::string_view want) {
+  if (value.is_number_unsigned()) {
+    auto u = value.get<std::uint64_t>();
+    if (u > static_cast<std::uint64_t>(kMaxInt)) return range_error(st, path, value, "below 2^63");
+    return static_cast<std::int64_t>(u);
+  }
+  if (value.is_number_integer()) return value.get<std::int64_t>();
+  if (value.is_number_float()) {
+    double d = value.get<double>();
+    if (d != std::floor(d)) {
+      return key_error(st, path, fmt::format("expected a whole number, got {}", shown(value)));
+    }
+    if (d < -0x1p63 || d >= 0x1p63) return range_error(st, path, value, "below 2^63");
+    return static_cast<std::int64_t>(d);
+  }
+  return type_error(st, path, value, want);
+}
+
+std::string int_range(std::int64_t lo, std::int64_t hi) {
+  return hi == kMaxInt ? fmt::format(">= {}", lo) : fmt::format("{}..{}", lo, hi);
+}
+
+struct RealRange {
+  double lo;
+  bool lo_open;
+  double hi;  // kInf: no upper bound
+  bool hi_open;
+
+  bool contains(double x) const {
+    return (lo_open ? x > lo : x >= lo) && (hi_open ? x < hi : x <= hi);
+  }
+  std::string describe() const {
+    if (std::isinf(hi)) return fmt::format("{} {}", lo_open ? ">" : ">=", lo);
+    return fmt::format("{}{}, {}{}", lo_open ? '(' : '[', lo, hi, hi_open ? ')' : ']');
+  }
+};
+constexpr RealRange kPositive{0, true, kInf, false};
+constexpr RealRange kNonNegative{0, false, kInf, false};
+constexpr RealRange kFraction{0, true, 1, false};  // (0, 1]
+constexpr RealRange kBeta{0, false, 1, true};      // [0, 1)
+
+// Index of `value` in `names`, or an error listing them.
+Expected<std::size_t> pick(const ParseState& st, const Json& value, std::string_view path,
+                           const std::vector<std::string_view>& names, bool ignore_case) {
+  std::vector<std::string> quoted;
+  for (std::string_view name : names) quoted.push_back(fmt::format("\"{}\"", name));
+  std::string allowed = fmt::format("one of {}", fmt::join(quoted, ", "));
+  if (!value.is_string()) return type_error(st, path, value, allowed);
+  const auto& text = value.get_ref<const std::string&>();
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (text == names[i] || (ignore_case && lower(text) == lower(names[i]))) return i;
+  }
+  return key_error(st, path, fmt::format("{} is not allowed; use {}", shown(value), allowed));
+}
+
+// ---- key kinds --------------------------------------------------------------
+
+enum class AutoOk : bool { kNo, kYes };  // "auto" (HF Trainer style) keeps tierzero's default
+
+#define TZ_FIELD(member) [](Config& c) -> auto& { return c.member; }
+
+template <typename Get>
+Key int_key(std::string_view name, Get get, std::int64_t lo, std::int64_t hi = kMaxInt,
+            AutoOk auto_ok = AutoOk::kYes) {
+  using T = std::remove_reference_t<std::invoke_result_t<Get, Config&>>;
+  hi = std::min<std::int64_t>(hi, std::numeric_limits<T>::max());
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            bool allow_auto = auto_ok == AutoOk::kYes;
+            if (allow_auto && is_auto(v)) return ok_status();
+            TZ_ASSIGN_OR_RETURN(std::int64_t n,
+                                as_integer(st, v, path, allow_auto ? "an integer or \"auto\"" : "an integer"));
+            if (n < lo || n > hi) return range_error(st, path, v, int_range(lo, hi));
+            get(st.config) = static_cast<T>(n);
+            return ok_status();
+          }};
+}
+
+template <typename Get>
+Key real_key(std::string_view name, Get get, RealRange range) {
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (is_auto(v)) return ok_status();
+            if (!v.is_number()) return type_error(st, path, v, "a number or \"auto\"");
+            double x = v.get<double>();
+            if (!range.contains(x)) return range_error(st, path, v, range.describe());
+            get(st.config) = x;
+            return ok_status();
+          }};
+}
+
+template <typename Get>
+Key bool_key(std::string_view name, Get get, AutoOk auto_ok = AutoOk::kYes) {
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            bool allow_auto = auto_ok == AutoOk::kYes;
+            if (allow_auto && is_auto(v)) return ok_status();
+            if (!v.is_boolean()) {
+              return type_error(st, path, v, allow_auto ? "true, false or \"auto\"" : "true or false");
+            }
+            get(st.config) = v.get<bool>();
+            return ok_status();
+          }};
+}
+
+template <typename T, typename Get>
+Key choice_key(std::string_view name, Get get, std::vector<std::pair<std::string_view, T>> options,
+               bool ignore_case = false) {
+  std::vector<std::string_view> names;
+  for (const auto& option : options) names.push_back(option.first);
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            TZ_ASSIGN_OR_RETURN(std::size_t i, pick(st, v, path, names, ignore_case));
+            get(st.config) = options[i].second;
+            return ok_status();
+          }};
+}
+
+// Runs `after` once `key` has accepted its value.
+Key then(Key key, void (*after)(ParseState&)) {
+  return {key.name, [set = std::move(key.set), after](ParseState& st, const Json& v, const std::string& path) {
+            Status status = set(st, v, path);
+            if (status.ok()) after(st);
+            return status;
+          }};
+}
+
+Status parse_block(ParseState& st, const Json& object, const std::string& path, const Block& block);
+
+// A nested object; JSON null means absent, as in DeepSpeed.
+Key block_key(std::string_view name, Schema schema, void (*on_present)(Config&) = nullptr) {
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (v.is_null()) return ok_status();
+            if (!v.is_object()) return type_error(st, path, v, "an object");
+            if (on_present != nullptr) on_present(st.config);
+            return parse_block(st, v, path, schema());
+          }};
+}
+
+template <typename Get>
+Key device_key(Get get) {
+  Key choose = choice_key<OffloadDevice>(
+      "device", get,
+      {{"none", OffloadDevice::kNone}, {"cpu", OffloadDevice::kCpu}, {"nvme", OffloadDevice::kNvme}});
+  return {"device", [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (v.is_null()) {
+              get(st.config) = OffloadDevice::kNone;
+              return ok_status();
+            }
+            return choose.set(st, v, path);
+          }};
+}
+
+template <typename Get>
+Key path_key(std::string_view name, Get get) {
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (v.is_null()) return ok_status();
+            if (!v.is_string()) return type_error(st, path, v, "a directory path (string) or null");
+            get(st.config) = v.get<std::string>();
+            return ok_status();
+          }};
+}
+
+Key block_size_key() {
+  return {"block_size", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (is_auto(v)) return ok_status();
+            TZ_ASSIGN_OR_RETURN(std::int64_t n, as_integer(st, v, path, "an integer or \"auto\""));
+            if (n <= 0 || n % 4096 != 0 || n > static_cast<std::int64_t>(kGiB)) {
+              return range_error(st, path, v, "a positive multiple of 4096, at most 1 GiB = 1073741824");
+            }
+            st.config.aio.block_size = n;
+            return ok_status();
+          }};
+}
+
+Key betas_key() {
+  return {"betas", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (is_auto(v)) return ok_status();
+            if (!v.is_array() || v.size() != 2 || !v[0].is_number() || !v[1].is_number()) {
+              return type_error(st, path, v, "an array of 2 numbers [beta1, beta2] or \"auto\"");
+            }
+            for (std::size_t i = 0; i < 2; ++i) {
+              if (!kBeta.contains(v[i].get<double>())) {
+                return range_error(st, fmt::format("{}[{}]", path, i), v[i], kBeta.describe());
+              }
+            }
+            st.config.optimizer.beta1 = v[0].get<double>();
+            st.config.optimizer.beta2 = v[1].get<double>();
+            return ok_status();
+          }};
+}
+
+template <typename Get>
+Key budget_key(std::string_view name, Get get) {
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (is_auto(v)) {
+              get(st.config) = ByteBudget::automatic();
+            } else if (v.is_string()) {
+              Expected<std::uint64_t> bytes = parse_bytes(v.get_ref<const std::string&>());
+              if (!bytes.ok()) return key_error(st, path, bytes.status().message());
+              get(st.config) = ByteBudget::of(*bytes);
+            } else if (v.is_number()) {
+              TZ_ASSIGN_OR_RETURN(std::int64_t n, as_integer(st, v, path, "a number of bytes"));
+              if (n < 0) return range_error(st, path, v, ">= 0 bytes");
+              get(st.config) = ByteBudget::of(static_cast<std::uint64_t>(n));
+            } else {
+              return type_error(st, path, v, "a number of bytes, a size such as \"80GB\" or \"64GiB\", or \"auto\"");
+            }
+            return ok_status();
+          }};
+}
+
+Key numa_key() {
+  return {"numa_node", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (is_auto(v)) {
+              st.config.tiers.numa_node.reset();
+              return ok_status();
+            }
+            TZ_ASSIGN_OR_RETURN(std::int64_t n, as_integer(st, v, path, "a NUMA node number or \"auto\""));
+            if (n < 0 || n > kMaxNumaNode) {
+              return range_error(st, path, v, fmt::format("\"auto\" or a node number 0..{}", kMaxNumaNode));
+            }
+            st.config.tiers.numa_node = static_cast<int>(n);
+            return ok_status();
+          }};
+}
+
+Key nvme_paths_key() {
+  return {"nvme_paths", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (!v.is_array()) return type_error(st, path, v, "an array of directory paths");
+            std::vector<std::string> paths;
+            for (std::size_t i = 0; i < v.size(); ++i) {
+              std::string item_path = fmt::format("{}[{}]", path, i);
+              if (!v[i].is_string() || v[i].get_ref<const std::string&>().empty()) {
+                return type_error(st, item_path, v[i], "a non-empty directory path");
+              }
+              const auto& dir = v[i].get_ref<const std::string&>();
+              if (std::find(paths.begin(), paths.end(), dir) != paths.end()) {
+                return key_error(st, item_path, fmt::format("'{}' is listed twice", dir));
+              }
+              paths.push_back(dir);
+            }
+            st.config.tiers.nvme_paths = std::move(paths);
+            return ok_status();
+          }};
+}
+
+// DeepSpeed's deprecated booleans: `true` means an offload block with device
+// cpu, as DeepSpeed itself maps them. Applied after the whole block is read.
+Key legacy_offload_key(std::string_view name, std::string ParseState::*slot) {
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (!v.is_boolean()) return type_error(st, path, v, "true or false");
+            if (v.get<bool>()) st.*slot = path;
+            return ok_status();
+          }};
+}
+
+void ignore(Block& block, std::initializer_list<std::string_view> names) {
+  for (std::string_view name : names) block.keys.push_back({name, nullptr});
+}
+
+// ---- schema (Note [Config schema]) -----------------------------------------
+
+const Block& fp16_block();
+const Block& bf16_block();
+const Block& optimizer_block();
+const Block& optimizer_params_block();
+const Block& zero_block();
+const Block& offload_param_block();
+const Block& offload_optimizer_block();
+const Block& aio_block();
+const Block& tierzero_block();
+const Block& tiers_block();
+const Block& tierzero_aio_block();
+
+const Block& top_block() {
+  static const Block block = [] {
+    Block b{{
+        int_key("train_micro_batch_size_per_gpu", TZ_FIELD(train_micro_batch_size_per_gpu), 1),
+        int_key("gradient_accumulation_steps", TZ_FIELD(gradient_accumulation_steps), 1),
+        real_key("gradient_clipping", TZ_FIELD(gradient_clipping), kNonNegative),
+        block_key("fp16", fp16_block),
+        block_key("bf16", bf16_block),
+        block_key("bfloat16", bf16_block),  // DeepSpeed's older spelling
+        block_key("optimizer", optimizer_block, [](Config& c) { c.optimizer.present = true; }),
+        block_key("zero_optimization", zero_block),
+        block_key("aio", aio_block),
+        block_key("tierzero", tierzero_block),
+    }};
+    ignore(b, {"train_batch_size", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+               "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp32_allreduce",
+               "disable_allgather", "communication_data_type", "seq_parallel_communication_data_type",
+               "data_types", "amp", "scheduler", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+               "activation_checkpointing", "sparse_attention", "flops_profiler", "tensorboard", "wandb",
+               "csv_monitor", "comet", "monitor_config", "comms_logger", "autotuning", "elasticity",
+               "data_efficiency", "curriculum_learning", "compression_training", "quantize_training",
+               "eigenvalue", "progressive_layer_drop", "checkpoint", "load_universal_checkpoint",
+               "use_node_local_storage", "nebula", "pipeline", "hybrid_engine", "weight_quantization", "compile",
+               "timers", "dataloader_drop_last", "vocabulary_size", "graph_harvesting",
+               "use_data_before_expert_parallelism", "torch_autocast", "tensor_parallel"});
+    return b;
+  }();
+  return block;
+}
+
+const Block& fp16_block() {
+  static const Block block = [] {
+    Block b{{
+        bool_key("enabled", TZ_FIELD(precision.fp16)),
+        real_key("loss_scale", TZ_FIELD(precision.loss_scale), kNonNegative),
+        int_key("initial_scale_power", TZ_FIELD(precision.initial_scale_power), 0, 63),
+        int_key("loss_scale_window", TZ_FIELD(precision.loss_scale_window), 1),
+        int_key("hysteresis", TZ_FIELD(precision.hysteresis), 1),
+        real_key("min_loss_scale", TZ_FIELD(precision.min_loss_scale), kPositive),
+    }};
+    ignore(b, {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads", "immediate_grad_update"});
+    return b;
+  }();
+  return block;
+}
+
+const Block& bf16_block() {
+  static const Block block = [] {
+    Block b{{bool_key("enabled", TZ_FIELD(precision.bf16))}};
+    ignore(b, {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+               "bf16_optimizer_states"});
+    return b;
+  }();
+  return block;
+}
+
+const Block& optimizer_block() {
+  static const Block block = [] {
+    Block b{{
+        choice_key<std::string_view>("type", TZ_FIELD(optimizer.type),
+                                     {{"Adam", "Adam"}, {"AdamW", "AdamW"}, {"Adagrad", "Adagrad"}, {"Lion", "Lion"}},
+                                     /*ignore_case=*/true),
+        block_key("params", optimizer_params_block),
+    }};
+    ignore(b, {"legacy_fusion"});
+    return b;
+  }();
+  return block;
+}
+
+const Block& optimizer_params_block() {
+  static const Block block = [] {
+    Block b{{
+        real_key("lr", TZ_FIELD(optimizer.lr), kPositive),
+        betas_key(),
+        real_key("eps", TZ_FIELD(optimizer.eps), kPositive),
+        real_key("weight_decay", TZ_FIELD(optimizer.weight_decay), kNonNegative),
+        bool_key("amsgrad", TZ_FIELD(optimizer.amsgrad)),
+    }};
+    ignore(b, {"bias_correction", "adam_w_mode", "torch_adam", "fused", "set_grad_none", "max_grad_norm",
+               "freeze_step", "cuda_aware", "comm_backend_name", "foreach", "capturable", "maximize",
+               "differentiable", "fp32_optimizer_states"});
+    return b;
+  }();
+  return block;
+}
+
+const Block& zero_block() {
+  static const Block block = [] {
+    Block b{{
+        int_key("stage", TZ_FIELD(zero.stage), 0, 3, AutoOk::kNo),
+        block_key("offload_param", offload_param_block, [](Config& c) { c.zero.has_offload_param = true; }),
+        block_key("offload_optimizer", offload_optimizer_block,
+                  [](Config& c) { c.zero.has_offload_optimizer = true; }),
+        int_key("sub_group_size", TZ_FIELD(zero.sub_group_size), 1),
+        int_key("stage3_prefetch_bucket_size", TZ_FIELD(zero.stage3_prefetch_bucket_size), 0),
+        int_key("stage3_max_live_parameters", TZ_FIELD(zero.stage3_max_live_parameters), 0),
+        int_key("stage3_param_persistence_threshold", TZ_FIELD(zero.stage3_param_persistence_threshold), 0),
+        // DeepSpeed also takes its pydantic field names for the stage3_ keys.
+        int_key("prefetch_bucket_size", TZ_FIELD(zero.stage3_prefetch_bucket_size), 0),
+        int_key("max_live_parameters", TZ_FIELD(zero.stage3_max_live_parameters), 0),
+        int_key("param_persistence_threshold", TZ_FIELD(zero.stage3_param_persistence_threshold), 0),
+        legacy_offload_key("cpu_offload", &ParseState::legacy_optimizer_offload),
+        legacy_offload_key("cpu_offload_param", &ParseState::legacy_param_offload),
+        legacy_offload_key("cpu_offload_params", &ParseState::legacy_param_offload),
+    }};
+    ignore(b, {"contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+               "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
+               "load_from_fp32_weights", "elastic_checkpoint", "stage3_max_reuse_distance", "max_reuse_distance",
+               "stage3_model_persistence_threshold", "model_persistence_threshold",
+               "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+               "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1",
+               "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
+               "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
+               "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
+               "pipeline_loading_checkpoint", "override_module_apply", "cpu_offload_use_pin_memory",
+               "log_trace_cache_warnings", "stage3_module_granularity_threshold", "module_granularity_threshold",
+               "stage3_use_all_reduce_for_fetch_params"});
+    return b;
+  }();
+  return block;
+}
+
+const Block& offload_param_block() {
+  static const Block block{{
+      device_key(TZ_FIELD(zero.offload_param.device)),
+      path_key("nvme_path", TZ_FIELD(zero.offload_param.nvme_path)),
+      bool_key("pin_memory", TZ_FIELD(zero.offload_param.pin_memory)),
+      int_key("buffer_count", TZ_FIELD(zero.offload_param.buffer_count), 1),
+      int_key("buffer_size", TZ_FIELD(zero.offload_param.buffer_size), 1),
+      int_key("max_in_cpu", TZ_FIELD(zero.offload_param.max_in_cpu), 0),
+  }};
+  return block;
+}
+
+const Block& offload_optimizer_block() {
+  static const Block block = [] {
+    Block b{{
+        device_key(TZ_FIELD(zero.offload_optimizer.device)),
+        path_key("nvme_path", TZ_FIELD(zero.offload_optimizer.nvme_path)),
+        bool_key("pin_memory", TZ_FIELD(zero.offload_optimizer.pin_memory)),
+        int_key("buffer_count", TZ_FIELD(zero.offload_optimizer.buffer_count), 1),
+        bool_key("pipeline_read", TZ_FIELD(zero.offload_optimizer.pipeline_read)),
+        bool_key("pipeline_write", TZ_FIELD(zero.offload_optimizer.pipeline_write)),
+        real_key("ratio", TZ_FIELD(zero.offload_optimizer.ratio), kFraction),
+    }};
+    ignore(b, {"fast_init", "super_offload", "cpuadam_cores_perc"});
+    return b;
+  }();
+  return block;
+}
+
+const Block& aio_block() {
+  static const Block block = [] {
+    Block b{{
+        block_size_key(),
+        int_key("queue_depth", TZ_FIELD(aio.queue_depth), 1, 32768),
+        int_key("intra_op_parallelism", TZ_FIELD(aio.intra_op_parallelism), 1, 1024),
+        int_key("thread_count", TZ_FIELD(aio.intra_op_parallelism), 1, 1024),  // older DeepSpeed name
+        bool_key("single_submit", TZ_FIELD(aio.single_submit)),
+        bool_key("overlap_events", TZ_FIELD(aio.overlap_events)),
+    }};
+    ignore(b, {"use_gds"});
+    return b;
+  }();
+  return block;
+}
+
+const Block& tierzero_block() {
+  static const Block block{{
+      choice_key<BackendChoice>(
+          "backend", TZ_FIELD(backend),
+          {{"auto", BackendChoice::kAuto}, {"cuda", BackendChoice::kCuda}, {"host", BackendChoice::kHost}}),
+      then(choice_key<PlacementMode>("placement", TZ_FIELD(placement),
+                                     {{"auto", PlacementMode::kAuto}, {"deepspeed", PlacementMode::kDeepSpeed}}),
+           [](ParseState& st) { st.placement_given = true; }),
+      block_key("tiers", tiers_block),
+      block_key("aio", tierzero_aio_block),
+  }};
+  return block;
+}
+
+const Block& tiers_block() {
+  static const Block block{{
+      budget_key("gpu_bytes", TZ_FIELD(tiers.gpu)),
+      budget_key("cpu_bytes", TZ_FIELD(tiers.cpu)),
+      budget_key("nvme_bytes", TZ_FIELD(tiers.nvme)),
+      nvme_paths_key(),
+      numa_key(),
+  }};
+  return block;
+}
+
+const Block& tierzero_aio_block() {
+  static const Block block{{
+      bool_key("auto_tune", TZ_FIELD(aio.auto_tune), AutoOk::kNo),
+      bool_key("sqpoll", TZ_FIELD(aio.sqpoll), AutoOk::kNo),
+      bool_key("fixed_buffers", TZ_FIELD(aio.fixed_buffers), AutoOk::kNo),
+      bool_key("allow_buffered_io", TZ_FIELD(aio.allow_buffered_io), AutoOk::kNo),
+  }};
+  return block;
+}
+
+#undef TZ_FIELD
+
+// Every block with where it lives, for "it belongs in ...".
+const std::vector<std::pair<std::string_view, const Block*>>& all_blocks() {
+  static const std::vector<std::pair<std::string_view, const Block*>> blocks = {
+      {"the top level", &top_block()}, {"fp16", &fp16_block()}, {"bf16", &bf16_block()},
+      {"optimizer", &optimizer_block()}, {"optimizer.params", &optimizer_params_block()},
+      {"zero_optimization", &zero_block()}, {"zero_optimization.offload_param", &offload_param_block()},
+      {"zero_optimization.offload_optimizer", &offload_optimizer_block()}, {"aio", &aio_block()},
+      {"tierzero", &tierzero_block()}, {"tierzero.tiers", &tiers_block()}, {"tierzero.aio", &tierzero_aio_block()},
+  };
+  return blocks;
+}
+
+// ---- parsing ----------------------------------------------------------------
+
+// The key in `block` nearest to `name` by edit distance, if near enough to be
+// a likely typo.
+const Key* nearest_key(const Block& block, std::string_view name) {
+  const Key* best = nullptr;
+  std::size_t best_distance = std::numeric_limits<std::size_t>::max();
+  for (const Key& key : block.keys) {
+    std::size_t d = edit_distance(lower(name), lower(key.name));
+    if (d < best_distance) {
+      best = &key;
+      best_distance = d;
+    }
+  }
+  return best_distance <= std::max<std::size_t>(2, name.size() / 3) ? best : nullptr;
+}
+
+std::string unknown_key_hint(const Block& block, std::string_view name) {
+  std::vector<std::string_view> homes;
+  for (const auto& [where, other] : all_blocks()) {
+    if (other != &block && other->find(name) != nullptr) homes.push_back(where);
+  }
+  const Key* near = nearest_key(block, name);
+  if (near != nullptr && !homes.empty()) {
+    return fmt::format("did you mean '{}'? ('{}' belongs in {})", near->name, name, fmt::join(homes, " or "));
+  }
+  if (near != nullptr) return fmt::format("did you mean '{}'?", near->name);
+  if (!homes.empty()) return fmt::format("it belongs in {}", fmt::join(homes, " or "));
+  std::vector<std::string_view> used;
+  for (const Key& key : block.keys) {
+    if (key.set) used.push_back(key.name);
+  }
+  return fmt::format("keys tierzero reads here: {}", fmt::join(used, ", "));
+}
+
+Status parse_block(ParseState& st, const Json& object, const std::string& path, const Block& block) {
+  for (const auto& item : object.items()) {
+    const std::string& name = item.key();
+    std::string key_path = path.empty() ? name : path + "." + name;
+    const Key* key = block.find(name);
+    if (key == nullptr) return key_error(st, key_path, "unknown key; " + unknown_key_hint(block, name));
+    if (!key->set) {
+      st.config.ignored_keys.push_back(std::move(key_path));
+      continue;
+    }
+    TZ_TRY(key->set(st, item.value(), key_path));
+  }
+  return ok_status();
+}
+
+// zero_optimization.cpu_offload / cpu_offload_param(s): true, DeepSpeed's
+// deprecated spellings of an offload block with device "cpu".
+Status apply_legacy_offload(ParseState& st, const std::string& legacy_path, std::string_view block,
+                            bool& has_block, OffloadDevice& device) {
+  if (legacy_path.empty()) return ok_status();
+  if (has_block) {
+    return key_error(st, legacy_path,
+                     fmt::format("deprecated DeepSpeed key; remove it when zero_optimization.{} is given", block));
+  }
+  has_block = true;
+  device = OffloadDevice::kCpu;
+  return ok_status();
+}
+
+Status check_nvme_target(const ParseState& st, std::string_view block, OffloadDevice device,
+                         const std::string& nvme_path) {
+  if (device != OffloadDevice::kNvme || !nvme_path.empty() || !st.config.tiers.nvme_paths.empty()) {
+    return ok_status();
+  }
+  return key_error(st, fmt::format("zero_optimization.{}.device", block),
+                   fmt::format("\"nvme\" needs zero_optimization.{}.nvme_path (or tierzero.tiers.nvme_paths)", block));
+}
+
+// Rules that involve more than one key.
+Status check_consistency(const ParseState& st) {
+  const Config& c = st.config;
+  if (c.precision.fp16 && c.precision.bf16) {
+    return invalid_argument("{}: fp16.enabled and bf16.enabled are both true; enable at most one", c.source);
+  }
+  TZ_TRY(check_nvme_target(st, "offload_param", c.zero.offload_param.device, c.zero.offload_param.nvme_path));
+  TZ_TRY(check_nvme_target(st, "offload_optimizer", c.zero.offload_optimizer.device,
+                           c.zero.offload_optimizer.nvme_path));
+  if (c.zero.offload_optimizer.ratio < 1.0 && c.zero.stage != 3) {
+    return key_error(st, "zero_optimization.offload_optimizer.ratio",
+                     fmt::format("{} (partial offload) needs zero_optimization.stage 3, not {}",
+                                 c.zero.offload_optimizer.ratio, c.zero.stage));
+  }
+  return ok_status();
+}
+
+// nlohmann's message starts with "[json.exception.parse_error.101] "; the rest
+// carries the line and column.
+std::string_view parser_message(std::string_view what) {
+  auto end = what.find("] ");
+  return what.starts_with("[json.exception.") && end != std::string_view::npos ? what.substr(end + 2) : what;
+}
+
+// (config key, directory) for each NVMe path, without duplicates.
+std::vector<std::pair<std::string, std::string>> nvme_path_sources(const Config& config) {
+  std::vector<std::pair<std::string, std::string>> out;
+  auto add = [&out](std::string key, const std::string& dir) {
+    if (dir.empty()) return;
+    for (const auto& seen : out) {
+      if (seen.second == dir) return;
+    }
+    out.emplace_back(std::move(key), dir);
+  };
+  for (std::size_t i = 0; i < config.tiers.nvme_paths.size(); ++i) {
+    add(fmt::format("tierzero.tiers.nvme_paths[{}]", i), config.tiers.nvme_paths[i]);
+  }
+  // An nvme_path beside device "cpu" is common in the wild and DeepSpeed never
+  // touches it; neither do we.
+  if (config.zero.offload_param.device == OffloadDevice::kNvme) {
+    add("zero_optimization.offload_param.nvme_path", config.zero.offload_param.nvme_path);
+  }
+  if (config.zero.offload_optimizer.device == OffloadDevice::kNvme) {
+    add("zero_optimization.offload_optimizer.nvme_path", config.zero.offload_optimizer.nvme_path);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> Config::all_nvme_paths() const {
+  std::vector<std::string> paths;
+  for (auto& source_and_path : nvme_path_sources(*this)) paths.push_back(std::move(source_and_path.second));
+  return paths;
+}
+
+Expected<Config> parse_config(std::string_view json_text, std::string_view source) {
+  ParseState st;
+  st.config.source = std::string(source);
+  Json root;
+  try {
+    root = Json::parse(json_text.begin(), json_text.end());
+  } catch (const Json::parse_error& e) {
+    return invalid_argument("{}: malformed JSON: {}", source, parser_message(e.what()));
+  }
+  if (!root.is_object()) {
+    return invalid_argument("{}: expected a JSON object at the top level, got {} ({})", source, shown(root),
+                            root.type_name());
+  }
+  TZ_TRY(parse_block(st, root, "", top_block()));
+  ZeroConfig& zero = st.config.zero;
+  TZ_TRY(apply_legacy_offload(st, st.legacy_optimizer_offload, "offload_optimizer", zero.has_offload_optimizer,
+                              zero.offload_optimizer.device));
+  TZ_TRY(apply_legacy_offload(st, st.legacy_param_offload, "offload_param", zero.has_offload_param,
+                              zero.offload_param.device));
+  TZ_TRY(check_consistency(st));
+  Config& config = st.config;
+  if (!st.placement_given) {
+    bool has_offload = config.zero.has_offload_param || config.zero.has_offload_optimizer;
+    config.placement = has_offload ? PlacementMode::kDeepSpeed : PlacementMode::kAuto;
+  }
+  if (!config.ignored_keys.empty()) {
+    TZ_LOG_WARN("config", "{}: ignoring {} DeepSpeed key(s) tierzero has no use for: {}", config.source,
+                config.ignored_keys.size(), fmt::join(config.ignored_keys, ", "));
+  }
+  return std::move(st.config);
+}
+
+Expected<Config> load_config(const std::string& path) {
+  TZ_ASSIGN_OR_RETURN(UniqueFd fd, open_file(path, O_RDONLY));
+  std::string text;
+  char buffer[1 << 16];
+  for (;;) {
+    ssize_t n = ::read(fd.get(), buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno_status(errno, fmt::format("reading config {}", path));
+    if (n == 0) break;
+    text.append(buffer, static_cast<std::size_t>(n));
+  }
+  return parse_config(text, path);
+}
+
+Status check_paths(const Config& config) {
+  for (const auto& [key, dir] : nvme_path_sources(config)) {
+    std::string what = fmt::format("{}: {} '{}'", config.source, key, dir);
+    struct stat info {};
+    if (::stat(dir.c_str(), &info) != 0) return errno_status(errno, what);
+    if (!S_ISDIR(info.st_mode)) return invalid_argument("{}: not a directory", what);
+    if (::access(dir.c_str(), W_OK) != 0) return errno_status(errno, fmt::format("{}: not writable", what));
+  }
+  return ok_status();
+}
+
+}  // namespace tz

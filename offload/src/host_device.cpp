@@ -2,8 +2,6 @@
 // worker thread that runs its operations in issue order. This gives CPU-only
 // machines the same asynchronous contract as CUDA, so the engine's overlap
 // logic runs, and is tested, without a GPU.
-#include <sys/mman.h>
-
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -144,10 +142,7 @@ class HostDevice final : public Device {
   }
 
   Status pin(void* h_ptr, std::size_t bytes) override { return lock_host_pages(h_ptr, bytes); }
-  Status unpin(void* h_ptr, std::size_t bytes) override {
-    TZ_SYSCALL_CHECK(::munlock(h_ptr, bytes));
-    return ok_status();
-  }
+  Status unpin(void* h_ptr, std::size_t bytes) override { return unlock_host_pages(h_ptr, bytes); }
 
   Status copy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) override {
     host(stream).enqueue([dst, src, bytes] { std::memcpy(dst, src, bytes); });

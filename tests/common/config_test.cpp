@@ -1,0 +1,494 @@
+#include "tierzero/common/config.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include "tierzero/common/log.h"
+#include "tierzero/common/units.h"
+
+namespace tz {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string fixture(std::string_view name) {
+  return fmt::format("{}/tests/fixtures/configs/{}", TIERZERO_SOURCE_DIR, name);
+}
+
+// The shared copy is the reference; the tree carries a verbatim copy for
+// checkouts without ../shared.
+std::string zero_infinity_fixture() {
+  std::string shared = TIERZERO_SHARED_DIR "/fixtures/ds_zero_infinity.json";
+  return fs::exists(shared) ? shared : fixture("ds_zero_infinity.json");
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool contains(const std::vector<std::string>& items, std::string_view item) {
+  return std::find(items.begin(), items.end(), item) != items.end();
+}
+
+std::size_t count_of(std::string_view haystack, std::string_view needle) {
+  std::size_t n = 0;
+  for (auto at = haystack.find(needle); at != std::string_view::npos; at = haystack.find(needle, at + 1)) ++n;
+  return n;
+}
+
+Config parse_ok(std::string_view json) {
+  Expected<Config> config = parse_config(json, "test.json");
+  EXPECT_TRUE(config.ok()) << config.status().to_string();
+  return config.ok() ? std::move(config).value() : Config{};
+}
+
+// The error is InvalidArgument, names the source, and contains every needle.
+void expect_invalid(std::string_view json, std::initializer_list<std::string_view> needles) {
+  Expected<Config> config = parse_config(json, "bad.json");
+  ASSERT_FALSE(config.ok()) << "accepted: " << json;
+  Status status = config.status();
+  EXPECT_EQ(status.code(), ErrorCode::kInvalidArgument) << status.to_string();
+  const std::string& message = status.message();
+  EXPECT_NE(message.find("bad.json"), std::string::npos) << message;
+  for (std::string_view needle : needles) {
+    EXPECT_NE(message.find(needle), std::string::npos) << "'" << needle << "' missing from: " << message;
+  }
+}
+
+// A fresh directory under the test temp dir, removed at scope exit.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = testing::TempDir() + "tz_config_XXXXXX";
+    path_ = ::mkdtemp(pattern.data()) != nullptr ? pattern : "";
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    if (!path_.empty()) fs::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// ---- configs that load ------------------------------------------------------
+
+TEST(Config, SharedZeroInfinityFixtureLoadsUnchanged) {
+  Expected<Config> loaded = load_config(zero_infinity_fixture());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  const Config& c = *loaded;
+  EXPECT_EQ(c.source, zero_infinity_fixture());
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  EXPECT_EQ(c.gradient_accumulation_steps, 8);
+  EXPECT_DOUBLE_EQ(c.gradient_clipping, 1.0);
+  EXPECT_TRUE(c.precision.bf16);
+  EXPECT_FALSE(c.precision.fp16);
+  EXPECT_TRUE(c.optimizer.present);
+  EXPECT_EQ(c.optimizer.type, "AdamW");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 3e-4);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.9);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-8);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.1);
+  EXPECT_EQ(c.zero.stage, 3);
+  EXPECT_EQ(c.zero.sub_group_size, 1'000'000'000);
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 50'000'000);
+  EXPECT_EQ(c.zero.stage3_max_live_parameters, 1'000'000'000);
+  EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 100'000);
+  ASSERT_TRUE(c.zero.has_offload_param);
+  EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_EQ(c.zero.offload_param.nvme_path, "/local_nvme");
+  EXPECT_TRUE(c.zero.offload_param.pin_memory);
+  EXPECT_EQ(c.zero.offload_param.buffer_count, 5);
+  EXPECT_EQ(c.zero.offload_param.buffer_size, 100'000'000);
+  EXPECT_EQ(c.zero.offload_param.max_in_cpu, 1'000'000'000);
+  ASSERT_TRUE(c.zero.has_offload_optimizer);
+  EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kNvme);
+  EXPECT_EQ(c.zero.offload_optimizer.buffer_count, 4);
+  EXPECT_TRUE(c.zero.offload_optimizer.pipeline_read);
+  EXPECT_TRUE(c.zero.offload_optimizer.pipeline_write);
+  EXPECT_EQ(c.aio.block_size, 1'048'576);
+  EXPECT_EQ(c.aio.queue_depth, 8);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 1);
+  EXPECT_FALSE(c.aio.single_submit);
+  EXPECT_TRUE(c.aio.overlap_events);
+  EXPECT_EQ(c.placement, PlacementMode::kDeepSpeed);
+  EXPECT_EQ(c.backend, BackendChoice::kAuto);
+  EXPECT_EQ(c.all_nvme_paths(), std::vector<std::string>{"/local_nvme"});
+  for (std::string_view key : {"zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+                               "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_max_reuse_distance",
+                               "zero_optimization.offload_optimizer.fast_init"}) {
+    EXPECT_TRUE(contains(c.ignored_keys, key)) << key;
+  }
+  EXPECT_EQ(c.ignored_keys.front(), "zero_optimization.contiguous_gradients") << "file order";
+}
+
+TEST(Config, IgnoredKeysAreLoggedOnceAsOneWarning) {
+  ASSERT_TRUE(log::configure("info"));
+  testing::internal::CaptureStderr();
+  Expected<Config> loaded = load_config(zero_infinity_fixture());
+  std::string err = testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  EXPECT_EQ(count_of(err, "ignoring"), 1u) << err;
+  EXPECT_EQ(count_of(err, "\n"), 1u) << err;
+  EXPECT_NE(err.find("[tierzero:config]"), std::string::npos) << err;
+  for (const std::string& key : loaded->ignored_keys) EXPECT_NE(err.find(key), std::string::npos) << key;
+
+  testing::internal::CaptureStderr();
+  Config quiet = parse_ok(R"({"zero_optimization": {"stage": 1}})");
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(quiet.ignored_keys.empty());
+  EXPECT_EQ(err.find("ignoring"), std::string::npos) << err;
+}
+
+TEST(Config, CheckPathsNamesTheMissingNvmeMount) {
+  Expected<Config> loaded = load_config(zero_infinity_fixture());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  if (fs::exists("/local_nvme")) {
+    // A machine with the fixture's mount: point the config at a path that cannot exist instead.
+    TempDir dir;
+    ASSERT_FALSE(dir.path().empty());
+    loaded->zero.offload_param.nvme_path = dir.path() + "/missing/local_nvme";
+  }
+  Status status = check_paths(*loaded);
+  ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.code(), ErrorCode::kNotFound);
+  EXPECT_NE(status.message().find(loaded->zero.offload_param.nvme_path), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("zero_optimization.offload_param.nvme_path"), std::string::npos)
+      << status.message();
+}
+
+TEST(Config, CheckPathsPassesWhenNvmePathIsAWritableDirectory) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  std::string text = read_text(zero_infinity_fixture());
+  for (auto at = text.find("/local_nvme"); at != std::string::npos; at = text.find("/local_nvme", at)) {
+    text.replace(at, std::string_view("/local_nvme").size(), dir.path());
+    at += dir.path().size();
+  }
+  Expected<Config> config = parse_config(text, "moved.json");
+  ASSERT_TRUE(config.ok()) << config.status().to_string();
+  EXPECT_EQ(config->all_nvme_paths(), std::vector<std::string>{dir.path()});
+  Status status = check_paths(*config);
+  EXPECT_TRUE(status.ok()) << status.to_string();
+}
+
+TEST(Config, CheckPathsRejectsAFileAndNamesItsKey) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  std::string file = dir.path() + "/not_a_dir";
+  std::ofstream(file) << "x";
+  Config c;
+  c.source = "striped.json";
+  c.tiers.nvme_paths = {dir.path(), file};
+  Status status = check_paths(c);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("tierzero.tiers.nvme_paths[1]"), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find(file), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("not a directory"), std::string::npos) << status.message();
+}
+
+TEST(Config, CpuOffloadWithFp16DynamicScalingAndSchedulerLoads) {
+  Expected<Config> loaded = load_config(fixture("ds_zero_offload_cpu_fp16.json"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  const Config& c = *loaded;
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 8);
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  EXPECT_TRUE(c.precision.fp16);
+  EXPECT_FALSE(c.precision.bf16);
+  EXPECT_DOUBLE_EQ(c.precision.loss_scale, 0.0);
+  EXPECT_EQ(c.precision.initial_scale_power, 32);
+  EXPECT_EQ(c.precision.loss_scale_window, 500);
+  EXPECT_EQ(c.precision.hysteresis, 2);
+  EXPECT_DOUBLE_EQ(c.precision.min_loss_scale, 1.0);
+  EXPECT_EQ(c.optimizer.type, "Adam") << "case-insensitive type, canonical spelling";
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-4);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
+  EXPECT_EQ(c.zero.stage, 2);
+  EXPECT_FALSE(c.zero.has_offload_param);
+  EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kNone);
+  ASSERT_TRUE(c.zero.has_offload_optimizer);
+  EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kCpu);
+  EXPECT_TRUE(c.zero.offload_optimizer.pin_memory);
+  EXPECT_EQ(c.placement, PlacementMode::kDeepSpeed);
+  EXPECT_TRUE(c.all_nvme_paths().empty());
+  EXPECT_TRUE(check_paths(c).ok());
+  // Ignored blocks are one entry each; nothing inside them is listed.
+  EXPECT_TRUE(contains(c.ignored_keys, "scheduler"));
+  EXPECT_TRUE(contains(c.ignored_keys, "activation_checkpointing"));
+  EXPECT_TRUE(contains(c.ignored_keys, "tensorboard"));
+  EXPECT_TRUE(contains(c.ignored_keys, "fp16.auto_cast"));
+  EXPECT_TRUE(contains(c.ignored_keys, "optimizer.params.adam_w_mode"));
+  for (const std::string& key : c.ignored_keys) {
+    EXPECT_FALSE(key.starts_with("scheduler.")) << key;
+    EXPECT_FALSE(key.starts_with("tensorboard.")) << key;
+  }
+  EXPECT_EQ(c.ignored_keys.front(), "train_batch_size");
+}
+
+TEST(Config, HfTrainerAutoValuesKeepTierzeroDefaults) {
+  Expected<Config> loaded = load_config(fixture("hf_trainer_zero3_auto.json"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  const Config& c = *loaded;
+  Config defaults;
+  EXPECT_FALSE(c.precision.fp16);
+  EXPECT_FALSE(c.precision.bf16);
+  EXPECT_EQ(c.optimizer.type, "AdamW");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, defaults.optimizer.lr);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, defaults.optimizer.beta2);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, defaults.train_micro_batch_size_per_gpu);
+  EXPECT_EQ(c.gradient_accumulation_steps, defaults.gradient_accumulation_steps);
+  EXPECT_DOUBLE_EQ(c.gradient_clipping, defaults.gradient_clipping);
+  EXPECT_EQ(c.zero.stage, 3);
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, defaults.zero.stage3_prefetch_bucket_size);
+  EXPECT_EQ(c.zero.stage3_param_persistence_threshold, defaults.zero.stage3_param_persistence_threshold);
+  EXPECT_EQ(c.zero.stage3_max_live_parameters, 1'000'000'000);
+  EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kCpu);
+  EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kCpu);
+  EXPECT_EQ(c.placement, PlacementMode::kDeepSpeed);
+  EXPECT_TRUE(contains(c.ignored_keys, "zero_optimization.reduce_bucket_size"));
+  EXPECT_TRUE(contains(c.ignored_keys, "zero_optimization.stage3_gather_16bit_weights_on_model_save"));
+}
+
+TEST(Config, TierzeroBlockWithStripedNvmePathsAndByteStrings) {
+  Expected<Config> loaded = load_config(fixture("tierzero_striped_nvme.json"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  const Config& c = *loaded;
+  EXPECT_EQ(c.backend, BackendChoice::kCuda);
+  EXPECT_EQ(c.placement, PlacementMode::kAuto) << "explicit placement wins over the offload blocks";
+  EXPECT_FALSE(c.tiers.gpu.is_auto);
+  EXPECT_EQ(c.tiers.gpu.bytes, 72 * kGiB);
+  EXPECT_EQ(c.tiers.cpu.bytes, 480'000'000'000ULL);
+  EXPECT_EQ(c.tiers.nvme.bytes, 6'000'000'000'000ULL);
+  EXPECT_EQ(c.tiers.numa_node, 1);
+  std::vector<std::string> stripes = {"/mnt/nvme0/tz", "/mnt/nvme1/tz", "/mnt/nvme2/tz"};
+  EXPECT_EQ(c.tiers.nvme_paths, stripes);
+  EXPECT_EQ(c.all_nvme_paths(), stripes);
+  EXPECT_EQ(c.optimizer.type, "Lion");
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.99);
+  EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_TRUE(c.zero.offload_param.nvme_path.empty()) << "the stripes serve it";
+  EXPECT_EQ(c.zero.offload_param.buffer_count, 8);
+  EXPECT_EQ(c.zero.offload_param.max_in_cpu, 0);
+  EXPECT_EQ(c.zero.offload_optimizer.buffer_count, 6);
+  EXPECT_DOUBLE_EQ(c.zero.offload_optimizer.ratio, 0.3);
+  EXPECT_EQ(c.zero.sub_group_size, 500'000'000);
+  EXPECT_EQ(c.aio.block_size, 8 * 1'048'576);
+  EXPECT_EQ(c.aio.queue_depth, 64);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 4);
+  EXPECT_TRUE(c.aio.auto_tune);
+  EXPECT_TRUE(c.aio.sqpoll);
+  EXPECT_TRUE(c.aio.fixed_buffers);
+  EXPECT_FALSE(c.aio.allow_buffered_io);
+  EXPECT_TRUE(c.ignored_keys.empty());
+}
+
+TEST(Config, EmptyConfigGivesDefaultsAndAutoPlacement) {
+  Config c = parse_ok("{}");
+  EXPECT_EQ(c.source, "test.json");
+  EXPECT_EQ(c.zero.stage, 0);
+  EXPECT_EQ(c.placement, PlacementMode::kAuto);
+  EXPECT_TRUE(c.tiers.gpu.is_auto);
+  EXPECT_TRUE(c.tiers.cpu.is_auto);
+  EXPECT_FALSE(c.tiers.numa_node.has_value());
+  EXPECT_FALSE(c.optimizer.present);
+  EXPECT_TRUE(c.ignored_keys.empty());
+}
+
+TEST(Config, LegacyCpuOffloadMeansOptimizerOffloadToCpu) {
+  Config c = parse_ok(R"({"zero_optimization": {"stage": 2, "cpu_offload": true}})");
+  EXPECT_TRUE(c.zero.has_offload_optimizer);
+  EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kCpu);
+  EXPECT_EQ(c.placement, PlacementMode::kDeepSpeed);
+  expect_invalid(R"({"zero_optimization": {"cpu_offload": true, "offload_optimizer": {"device": "cpu"}}})",
+                 {"zero_optimization.cpu_offload", "offload_optimizer"});
+}
+
+TEST(Config, BfloatAliasAndNullDeviceAndNumaNumbers) {
+  Config c = parse_ok(R"({"bfloat16": {"enabled": true},
+                          "zero_optimization": {"offload_param": {"device": null, "nvme_path": null}},
+                          "tierzero": {"tiers": {"numa_node": 0, "gpu_bytes": 8e10, "cpu_bytes": "auto"}}})");
+  EXPECT_TRUE(c.precision.bf16);
+  EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kNone);
+  EXPECT_EQ(c.tiers.numa_node, 0);
+  EXPECT_EQ(c.tiers.gpu.bytes, 80'000'000'000ULL);
+  EXPECT_TRUE(c.tiers.cpu.is_auto);
+}
+
+TEST(Config, WholeFloatsAreAcceptedForIntegerKeys) {
+  Config c = parse_ok(R"({"zero_optimization": {"stage": 3.0, "sub_group_size": 5e8,
+                          "offload_param": {"device": "cpu", "buffer_count": 4e0}}})");
+  EXPECT_EQ(c.zero.stage, 3);
+  EXPECT_EQ(c.zero.sub_group_size, 500'000'000);
+  EXPECT_EQ(c.zero.offload_param.buffer_count, 4);
+}
+
+TEST(Config, AllNvmePathsIsStripesThenOffloadPathsWithoutDuplicates) {
+  Config c = parse_ok(R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "nvme", "nvme_path": "/b"},
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/a"}},
+      "tierzero": {"tiers": {"nvme_paths": ["/a", "/c"]}}})");
+  EXPECT_EQ(c.all_nvme_paths(), (std::vector<std::string>{"/a", "/c", "/b"}));
+  Config cpu = parse_ok(R"({"zero_optimization": {"offload_optimizer": {"device": "cpu", "nvme_path": "/x"}}})");
+  EXPECT_TRUE(cpu.all_nvme_paths().empty()) << "an nvme_path beside device cpu is unused";
+}
+
+TEST(Config, DeepSpeedAliasesSetTheSameFields) {
+  Config c = parse_ok(R"({"aio": {"thread_count": 3},
+      "zero_optimization": {"stage": 3, "prefetch_bucket_size": 7, "max_live_parameters": 8,
+                            "param_persistence_threshold": 9, "cpu_offload_param": true}})");
+  EXPECT_EQ(c.aio.intra_op_parallelism, 3);
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 7);
+  EXPECT_EQ(c.zero.stage3_max_live_parameters, 8);
+  EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 9);
+  EXPECT_TRUE(c.zero.has_offload_param);
+  EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kCpu);
+  EXPECT_TRUE(c.ignored_keys.empty());
+}
+
+// ---- configs that are refused -----------------------------------------------
+
+TEST(Config, MisspeltKeySuggestsTheNearestKey) {
+  expect_invalid(R"({"zero_optimization": {"offload_param": {"device": "cpu", "nvme_pth": "/x"}}})",
+                 {"zero_optimization.offload_param.nvme_pth", "did you mean 'nvme_path'?"});
+  expect_invalid(R"({"zero_optimisation": {}})", {"zero_optimisation", "did you mean 'zero_optimization'?"});
+}
+
+TEST(Config, MisspeltKeyInTierzeroBlockSuggestsTheNearestKey) {
+  expect_invalid(R"({"tierzero": {"tiers": {"cpu_byte": "1GB"}}})",
+                 {"tierzero.tiers.cpu_byte", "did you mean 'cpu_bytes'?"});
+  expect_invalid(R"({"tierzero": {"aio": {"sq_poll": true}}})", {"tierzero.aio.sq_poll", "'sqpoll'"});
+}
+
+TEST(Config, KeyAtTheWrongLevelSaysWhereItBelongs) {
+  expect_invalid(R"({"zero_optimization": {"nvme_path": "/local_nvme"}})",
+                 {"zero_optimization.nvme_path", "it belongs in zero_optimization.offload_param"});
+  expect_invalid(R"({"stage": 3})", {"bad.json: stage: unknown key", "it belongs in zero_optimization"});
+  expect_invalid(R"({"tierzero": {"block_size": 4096}})", {"tierzero.block_size", "belongs in aio"});
+  expect_invalid(R"({"tierzero": {"tiers": {"nvme_path": "/x"}}})",
+                 {"tierzero.tiers.nvme_path", "did you mean 'nvme_paths'?", "belongs in zero_optimization"});
+}
+
+TEST(Config, UnknownKeyFarFromAnyListsTheKnownKeys) {
+  expect_invalid(R"({"tierzero": {"frobnicate": 1}})",
+                 {"tierzero.frobnicate", "backend", "placement", "tiers", "aio"});
+}
+
+TEST(Config, WrongTypeNamesKeyValueAndExpectedType) {
+  expect_invalid(R"({"aio": {"queue_depth": "8"}})", {"aio.queue_depth", "\"8\"", "an integer"});
+  expect_invalid(R"({"zero_optimization": {"stage": {"value": 3}}})",
+                 {"zero_optimization.stage", "{\"value\":3}", "expected an integer"});
+  expect_invalid(R"({"zero_optimization": {"offload_param": {"pin_memory": "yes"}}})",
+                 {"zero_optimization.offload_param.pin_memory", "\"yes\"", "true, false"});
+  expect_invalid(R"({"zero_optimization": true})", {"zero_optimization", "expected an object"});
+}
+
+TEST(Config, OutOfRangeValuesNameTheAllowedRange) {
+  expect_invalid(R"({"zero_optimization": {"stage": 4}})", {"zero_optimization.stage", "4", "0..3"});
+  expect_invalid(R"({"aio": {"block_size": 1000}})", {"aio.block_size", "1000", "multiple of 4096"});
+  expect_invalid(R"({"aio": {"block_size": 2147483648}})", {"aio.block_size", "1 GiB"});
+  expect_invalid(R"({"aio": {"queue_depth": 0}})", {"aio.queue_depth", "0", "1..32768"});
+  expect_invalid(R"({"aio": {"intra_op_parallelism": 2000}})", {"aio.intra_op_parallelism", "1..1024"});
+  expect_invalid(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1.5}}})",
+                 {"zero_optimization.offload_optimizer.ratio", "1.5", "(0, 1]"});
+  expect_invalid(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0}}})", {"optimizer.params.lr", "> 0"});
+  expect_invalid(R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}})",
+                 {"optimizer.params.betas[1]", "[0, 1)"});
+  expect_invalid(R"({"train_micro_batch_size_per_gpu": 0})", {"train_micro_batch_size_per_gpu", ">= 1"});
+  expect_invalid(R"({"gradient_clipping": -1})", {"gradient_clipping", "-1", ">= 0"});
+  expect_invalid(R"({"zero_optimization": {"offload_param": {"buffer_count": 0}}})",
+                 {"zero_optimization.offload_param.buffer_count", ">= 1"});
+  expect_invalid(R"({"fp16": {"hysteresis": 1e10}})", {"fp16.hysteresis", "1..2147483647"});
+  expect_invalid(R"({"zero_optimization": {"stage3_max_live_parameters": -1}})",
+                 {"zero_optimization.stage3_max_live_parameters", "-1", ">= 0"});
+}
+
+TEST(Config, BetasMustBeAPair) {
+  expect_invalid(R"({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.95, 0.99]}}})",
+                 {"optimizer.params.betas", "[0.9,0.95,0.99]", "2 numbers"});
+}
+
+TEST(Config, Fp16AndBf16TogetherAreRefused) {
+  expect_invalid(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", {"fp16.enabled", "bf16.enabled"});
+}
+
+TEST(Config, NvmeDeviceNeedsAPath) {
+  expect_invalid(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
+                 {"zero_optimization.offload_param.device", "nvme_path", "tierzero.tiers.nvme_paths"});
+  expect_invalid(R"({"zero_optimization": {"offload_optimizer": {"device": "disk"}}})",
+                 {"zero_optimization.offload_optimizer.device", "\"disk\"", "\"none\", \"cpu\", \"nvme\""});
+}
+
+TEST(Config, FractionalIntegerIsRefused) {
+  expect_invalid(R"({"zero_optimization": {"offload_param": {"buffer_count": 1.5}}})",
+                 {"zero_optimization.offload_param.buffer_count", "whole number", "1.5"});
+}
+
+TEST(Config, MalformedJsonReportsLineAndColumn) {
+  expect_invalid("{\n  \"aio\": {\n    \"queue_depth\": 8,\n  }\n}", {"malformed JSON", "line 4", "column 3"});
+  expect_invalid("[1, 2]", {"JSON object"});
+}
+
+TEST(Config, BadByteStringNamesKeyAndText) {
+  expect_invalid(R"({"tierzero": {"tiers": {"cpu_bytes": "80 gigs"}}})",
+                 {"tierzero.tiers.cpu_bytes", "80 gigs", "GiB"});
+  expect_invalid(R"({"tierzero": {"tiers": {"nvme_bytes": true}}})", {"tierzero.tiers.nvme_bytes", "\"auto\""});
+}
+
+TEST(Config, UnknownOptimizerTypeListsTheSupportedOnes) {
+  expect_invalid(R"({"optimizer": {"type": "OneBitAdam"}})",
+                 {"optimizer.type", "\"OneBitAdam\"", "\"Adam\"", "\"AdamW\"", "\"Adagrad\"", "\"Lion\""});
+}
+
+TEST(Config, NegativeNumaNodeIsRefused) {
+  expect_invalid(R"({"tierzero": {"tiers": {"numa_node": -1}}})", {"tierzero.tiers.numa_node", "-1", "\"auto\""});
+}
+
+TEST(Config, TierzeroEnumsAndPathListsAreChecked) {
+  expect_invalid(R"({"tierzero": {"backend": "rocm"}})", {"tierzero.backend", "\"rocm\"", "\"host\""});
+  expect_invalid(R"({"tierzero": {"placement": "manual"}})", {"tierzero.placement", "\"deepspeed\""});
+  expect_invalid(R"({"tierzero": {"tiers": {"nvme_paths": ["/a", "/a"]}}})",
+                 {"tierzero.tiers.nvme_paths[1]", "listed twice"});
+  expect_invalid(R"({"tierzero": {"tiers": {"nvme_paths": "/a"}}})", {"tierzero.tiers.nvme_paths", "array"});
+  expect_invalid(R"({"tierzero": {"aio": {"sqpoll": "auto"}}})", {"tierzero.aio.sqpoll", "true or false"});
+}
+
+TEST(Config, PartialOptimizerOffloadNeedsStage3) {
+  expect_invalid(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})",
+                 {"zero_optimization.offload_optimizer.ratio", "stage 3"});
+}
+
+TEST(Config, LoadConfigOnAMissingFileIsNotFound) {
+  Expected<Config> loaded = load_config("/nonexistent/tz/ds_config.json");
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.status().code(), ErrorCode::kNotFound);
+  EXPECT_NE(loaded.status().message().find("/nonexistent/tz/ds_config.json"), std::string::npos)
+      << loaded.status().message();
+}
+
+TEST(Config, LoadConfigErrorsNameTheFile) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  std::string path = dir.path() + "/ds_config.json";
+  std::ofstream(path) << R"({"aio": {"queue_depth": -3}})";
+  Expected<Config> loaded = load_config(path);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(loaded.status().message().find(path), std::string::npos) << loaded.status().message();
+  EXPECT_NE(loaded.status().message().find("aio.queue_depth"), std::string::npos) << loaded.status().message();
+}
+
+}  // namespace
+}  // namespace tz

@@ -21,7 +21,7 @@
 //              "allow_buffered_io": false }
 //   }
 //
-// Rules (README "Configuration" lists every key):
+// Rules (docs/configuration.md lists every key):
 // - DeepSpeed keys that tierzero has no use for (scheduler, logging, profilers,
 //   overlap_comm, ...) are accepted and returned in Config::ignored_keys; the
 //   loader logs them once as a single warning.
@@ -153,8 +153,9 @@ struct Config {
   // Dotted paths of keys accepted but unused, in file order.
   std::vector<std::string> ignored_keys;
 
-  // Every NVMe directory named anywhere (tiers.nvme_paths, then the offload
-  // blocks' nvme_path), without duplicates, in that order.
+  // Every NVMe directory in use (tiers.nvme_paths, then the nvme_path of each
+  // offload block whose device is "nvme"), without duplicates, in that order.
+  // An nvme_path beside device "cpu" is unused, as in DeepSpeed, and not listed.
   std::vector<std::string> all_nvme_paths() const;
 };
 

@@ -109,4 +109,12 @@ Expected<PathCapabilities> probe_path(const std::string& directory);
 std::string describe(const Capabilities& caps);
 std::string describe(const PathCapabilities& path);
 
+namespace detail {
+// What probe_path() falls back to on kernels without STATX_DIOALIGN (< 6.1):
+// the smallest offset/length alignment and buffer alignment, each one of 512,
+// 1024, 2048 or 4096 bytes, at which pwrite and pread on `fd` (an O_DIRECT
+// file it may overwrite) succeed. Exposed for tests.
+Status measure_dio_alignment(int fd, std::uint32_t* mem_align, std::uint32_t* offset_align);
+}  // namespace detail
+
 }  // namespace tz

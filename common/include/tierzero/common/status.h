@@ -201,7 +201,8 @@ void Expected<T>::check_ok() const {
   } while (0)
 
 // TZ_ASSIGN_OR_RETURN(auto x, expected_expr): declares/assigns the value or
-// returns the error.
+// returns the error. It expands to several statements: brace it when it is
+// the body of an if.
 #define TZ_ASSIGN_OR_RETURN(lhs, expr) \
   TZ_ASSIGN_OR_RETURN_IMPL_(TZ_CONCAT_(tz_expected_, __LINE__), lhs, expr)
 #define TZ_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr)                             \
