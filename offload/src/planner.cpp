@@ -1,0 +1,413 @@
+// The placement planner: layout, needs, traffic, and the search over
+// placements. Reports, budgets and names live in planner_report.cpp.
+//
+// Note [Planner formulas]: docs/placement.md derives every number computed
+// here; a change to one is a change to the other, and to planner_test.cpp's
+// hand-computed expectations.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "planner_internal.h"
+#include "tierzero/offload/planner.h"
+
+namespace tz {
+
+using planner_internal::deepspeed_error;
+using planner_internal::evaluate_placement;
+using planner_internal::no_fit_error;
+using planner_internal::Placement;
+
+namespace {
+
+// Each shard is a whole number of 2048 elements: 4 KiB of bf16, the O_DIRECT
+// unit, so a shard's file extent never shares a page with its neighbour.
+constexpr std::uint64_t kShardAlignNumel = 2048;
+// 2^50 elements (a quadrillion) keeps every byte count below 2^64 even at 16 B/elem.
+constexpr std::uint64_t kMaxModelNumel = std::uint64_t{1} << 50;
+// CPU Adam touches 30 B per element of its shard: reads fp32 p, g, m, v (16),
+// writes p, m, v (12) and the new 16-bit parameter (2).
+constexpr std::uint64_t kCpuAdamBytesPerElem = 30;
+
+std::uint64_t sat_mul(std::uint64_t a, std::uint64_t b) {
+  if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) {
+    return std::numeric_limits<std::uint64_t>::max();
+  }
+  return a * b;
+}
+
+std::uint64_t sat_add(std::uint64_t a, std::uint64_t b) {
+  return b > std::numeric_limits<std::uint64_t>::max() - a ? std::numeric_limits<std::uint64_t>::max() : a + b;
+}
+
+std::uint64_t as_u64(std::int64_t v) { return v < 0 ? 0 : static_cast<std::uint64_t>(v); }
+
+struct SizeField {
+  const char* key;
+  std::int64_t value;
+  std::int64_t min;
+};
+
+Status validate_sizes(const PlanInput& in) {
+  const SizeField fields[] = {
+      {"zero_optimization.stage3_param_persistence_threshold", in.persistence_threshold, 0},
+      {"zero_optimization.stage3_prefetch_bucket_size", in.prefetch_bucket_size, 0},
+      {"zero_optimization.stage3_max_live_parameters", in.max_live_parameters, 0},
+      {"zero_optimization.sub_group_size", in.sub_group_size, 1},
+      {"zero_optimization.offload_param.buffer_count", in.param_buffer_count, 0},
+      {"zero_optimization.offload_param.buffer_size", in.param_buffer_size, 0},
+      {"zero_optimization.offload_param.max_in_cpu", in.max_in_cpu, 0},
+  };
+  for (const SizeField& f : fields) {
+    if (f.value < f.min) return invalid_argument("{} is {}; it must be at least {}", f.key, f.value, f.min);
+  }
+  const std::pair<const char*, double> links[] = {{"nvme_read_Bps", in.links.nvme_read_Bps},
+                                                  {"nvme_write_Bps", in.links.nvme_write_Bps},
+                                                  {"pcie_Bps", in.links.pcie_Bps},
+                                                  {"cpu_mem_Bps", in.links.cpu_mem_Bps}};
+  for (const auto& [name, speed] : links) {
+    if (!(speed > 0) || !std::isfinite(speed)) {
+      return invalid_argument("link speed {} is {}; it must be a positive number of bytes/second", name, speed);
+    }
+  }
+  return ok_status();
+}
+
+Status validate_blocks(const std::vector<std::uint64_t>& blocks) {
+  if (blocks.empty()) return invalid_argument("the model has no blocks (block_numel is empty)");
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    if (blocks[i] == 0) return invalid_argument("block {} has 0 elements; every block must hold at least one", i);
+    if (blocks[i] > kMaxModelNumel || total + blocks[i] > kMaxModelNumel) {
+      return invalid_argument("the model has more than 2^50 elements (block {} reaches it); too large to plan", i);
+    }
+    total += blocks[i];
+  }
+  return ok_status();
+}
+
+Status validate(const PlanInput& in) {
+  if (in.ranks < 1) return invalid_argument("ranks is {}; it must be at least 1", in.ranks);
+  if (in.ranks_per_node < 0 || in.ranks_per_node > in.ranks ||
+      (in.ranks_per_node > 0 && in.ranks % in.ranks_per_node != 0)) {
+    return invalid_argument("ranks_per_node is {}; it must divide ranks ({}), or be 0 for all ranks on one node",
+                            in.ranks_per_node, in.ranks);
+  }
+  if (in.stage < 0 || in.stage > 3) {
+    return invalid_argument("ZeRO stage is {}; it must be 0, 1, 2 or 3 (zero_optimization.stage)", in.stage);
+  }
+  if (in.gradient_accumulation_steps < 1) {
+    return invalid_argument("gradient_accumulation_steps is {}; it must be at least 1",
+                            in.gradient_accumulation_steps);
+  }
+  TZ_TRY(validate_blocks(in.block_numel));
+  return validate_sizes(in);
+}
+
+PlanLayout compute_layout(const PlanInput& in) {
+  PlanLayout l;
+  const auto ranks = static_cast<std::uint64_t>(in.ranks);
+  const bool stage3 = in.stage == 3;
+  l.blocks = in.block_numel.size();
+  for (std::uint64_t n : in.block_numel) {
+    const std::uint64_t shard = align_up((n + ranks - 1) / ranks, kShardAlignNumel);
+    const std::uint64_t whole = align_up(n, kShardAlignNumel);
+    l.model_numel += n;
+    l.largest_block_numel = std::max(l.largest_block_numel, n);
+    if (stage3 && n < as_u64(in.persistence_threshold)) {
+      ++l.persistent_blocks;
+      l.persistent_numel += whole;
+      l.persistent_shard_numel += shard;
+    } else if (stage3) {
+      l.param_numel += shard;
+      l.gathered_block_numel = std::max(l.gathered_block_numel, shard * ranks);
+    } else {
+      l.param_numel += whole;
+    }
+    l.grad_numel += in.stage >= 2 ? shard : whole;
+    l.optimizer_numel += in.stage >= 1 ? shard : whole;
+  }
+  return l;
+}
+
+std::size_t idx(StateClass s) { return static_cast<std::size_t>(s); }
+std::size_t idx(Tier t) { return static_cast<std::size_t>(t); }
+
+std::string class_label(StateClass s, Tier t, std::uint64_t numel) {
+  static constexpr std::string_view kWhat[] = {"16-bit params", "grads", "fp32 master weights",
+                                               "Adam moments exp_avg + exp_avg_sq"};
+  std::string what(kWhat[idx(s)]);
+  if (s == StateClass::kGrad) what = t == Tier::kGpu ? "16-bit grads" : "fp32 grads";
+  return fmt::format("{} ({} B x {} elem)", what, state_elem_bytes(s, t), format_count(static_cast<double>(numel)));
+}
+
+void add_item(TierUsage& usage, std::string what, std::uint64_t bytes) {
+  if (bytes == 0) return;
+  usage.breakdown.push_back({std::move(what), bytes});
+  // Saturate rather than wrap: absurd buffer settings must read as "too big".
+  usage.per_rank_bytes = sat_add(usage.per_rank_bytes, bytes);
+}
+
+void add_gpu_extras(const PlanInput& in, Plan& plan) {
+  const PlanLayout& l = plan.layout;
+  TierUsage& gpu = plan.usage[idx(Tier::kGpu)];
+  add_item(gpu,
+           fmt::format("{} persistent blocks, whole: 16-bit params + grads (4 B x {} elem)", l.persistent_blocks,
+                       format_count(static_cast<double>(l.persistent_numel))),
+           4 * l.persistent_numel);
+  if (in.stage != 3 || l.gathered_block_numel == 0) return;
+  // Note [Gather window]: the current block plus what is prefetched behind it,
+  // capped by max_live_parameters but never below one whole block, which must
+  // be gathered to compute at all.
+  const std::uint64_t largest = l.gathered_block_numel;
+  const std::uint64_t window = largest + std::max(largest, as_u64(in.prefetch_bucket_size));
+  const std::uint64_t live = std::max(largest, std::min(as_u64(in.max_live_parameters), window));
+  add_item(gpu,
+           fmt::format("gathered 16-bit params, current + prefetch (2 B x {} elem)",
+                       format_count(static_cast<double>(live))),
+           2 * live);
+  add_item(gpu,
+           fmt::format("16-bit gradient of the block in backward (2 B x {} elem)",
+                       format_count(static_cast<double>(largest))),
+           2 * largest);
+}
+
+void add_cpu_extras(const PlanInput& in, Plan& plan) {
+  const PlanLayout& l = plan.layout;
+  TierUsage& cpu = plan.usage[idx(Tier::kCpu)];
+  if (plan.tier_of(StateClass::kParam16) == Tier::kNvme) {
+    add_item(cpu,
+             fmt::format("param NVMe staging buffers ({} x {} elem x 2 B)", in.param_buffer_count,
+                         format_count(static_cast<double>(in.param_buffer_size))),
+             sat_mul(2, sat_mul(as_u64(in.param_buffer_count), as_u64(in.param_buffer_size))));
+    const std::uint64_t cached = std::min(as_u64(in.max_in_cpu), l.param_numel);
+    add_item(cpu, fmt::format("param cache, max_in_cpu (2 B x {} elem)", format_count(static_cast<double>(cached))),
+             2 * cached);
+  }
+  std::uint64_t nvme_elem_bytes = 0;
+  std::string names;
+  for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) {
+    if (plan.tier_of(s) != Tier::kNvme) continue;
+    nvme_elem_bytes += state_elem_bytes(s, Tier::kNvme);
+    names += names.empty() ? "" : " + ";
+    names += state_class_name(s);
+  }
+  if (nvme_elem_bytes == 0) return;
+  // Three sub-groups in flight: reading the next, updating this, writing the last.
+  const std::uint64_t group = std::min(as_u64(in.sub_group_size), l.optimizer_numel);
+  add_item(cpu,
+           fmt::format("optimizer sub-group staging (3 x {} elem x {} B: {})", format_count(static_cast<double>(group)),
+                       nvme_elem_bytes, names),
+           3 * group * nvme_elem_bytes);
+}
+
+void fill_usage(const PlanInput& in, Plan& plan) {
+  const PlanLayout& l = plan.layout;
+  const std::uint64_t numel[] = {l.param_numel, l.grad_numel, l.optimizer_numel, l.optimizer_numel};
+  for (std::size_t c = 0; c < kNumStateClasses; ++c) {
+    const auto s = static_cast<StateClass>(c);
+    add_item(plan.usage[idx(plan.tier[c])], class_label(s, plan.tier[c], numel[c]), plan.class_bytes[c]);
+  }
+  add_gpu_extras(in, plan);
+  add_cpu_extras(in, plan);
+  const std::uint64_t budgets[] = {in.gpu_bytes, in.cpu_bytes, in.nvme_bytes};
+  for (std::size_t t = 0; t < kNumTiers; ++t) {
+    TierUsage& u = plan.usage[t];
+    u.ranks_sharing = t == idx(Tier::kGpu) ? 1 : in.effective_ranks_per_node();
+    u.need_bytes = sat_mul(u.per_rank_bytes, static_cast<std::uint64_t>(u.ranks_sharing));
+    u.budget_bytes = budgets[t];
+  }
+}
+
+void add_param_traffic(const PlanInput& in, const Plan& plan, StepTraffic& t) {
+  const std::uint64_t g = static_cast<std::uint64_t>(in.gradient_accumulation_steps);
+  const std::uint64_t p = plan.layout.param_numel;
+  const Tier where = plan.tier_of(StateClass::kParam16);
+  const bool gpu_optimizer = plan.tier_of(StateClass::kMaster) == Tier::kGpu;
+  // Off-GPU shards come up once for forward and once for backward per micro-batch.
+  if (where != Tier::kGpu) t.h2d_bytes += 2 * p * 2 * g;
+  if (where == Tier::kNvme) {
+    const std::uint64_t cached = std::min(as_u64(in.max_in_cpu), p);
+    t.nvme_read_bytes += 2 * (p - cached) * 2 * g;
+    t.nvme_write_bytes += 2 * p;  // the new 16-bit shard after the step
+  }
+  if (gpu_optimizer) {
+    if (where != Tier::kGpu) t.d2h_bytes += 2 * p;  // GPU Adam's new params go down to their tier
+  } else {
+    if (where == Tier::kGpu) t.h2d_bytes += 2 * p;  // CPU Adam's new params come up
+    t.h2d_bytes += 2 * plan.layout.persistent_shard_numel;
+    t.cpu_optimizer_bytes += kCpuAdamBytesPerElem * plan.layout.optimizer_numel;
+  }
+}
+
+StepTraffic step_traffic(const PlanInput& in, const Plan& plan) {
+  StepTraffic t;
+  add_param_traffic(in, plan, t);
+  const std::uint64_t g = static_cast<std::uint64_t>(in.gradient_accumulation_steps);
+  const std::uint64_t grad = plan.layout.grad_numel;
+  const std::uint64_t opt = plan.layout.optimizer_numel;
+  if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) t.d2h_bytes += 2 * grad * g;
+  if (plan.tier_of(StateClass::kGrad) == Tier::kNvme) {
+    // Each micro-batch writes its accumulated fp32 grads; every one but the
+    // first reads them back to accumulate, and the step reads them once.
+    t.nvme_write_bytes += 4 * grad * g;
+    t.nvme_read_bytes += 4 * grad * (g - 1) + 4 * grad;
+  }
+  if (plan.tier_of(StateClass::kMaster) == Tier::kNvme) {
+    t.nvme_read_bytes += 4 * opt;
+    t.nvme_write_bytes += 4 * opt;
+  }
+  if (plan.tier_of(StateClass::kMoments) == Tier::kNvme) {
+    t.nvme_read_bytes += 8 * opt;
+    t.nvme_write_bytes += 8 * opt;
+  }
+  const LinkSpeeds& s = in.links;
+  t.estimated_seconds = static_cast<double>(t.nvme_read_bytes) / s.nvme_read_Bps +
+                        static_cast<double>(t.nvme_write_bytes) / s.nvme_write_Bps +
+                        static_cast<double>(t.h2d_bytes + t.d2h_bytes) / s.pcie_Bps +
+                        static_cast<double>(t.cpu_optimizer_bytes) / s.cpu_mem_Bps;
+  return t;
+}
+
+std::vector<Placement> candidate_placements(const PlanInput& in) {
+  std::vector<Tier> param_tiers = {Tier::kGpu};
+  if (in.stage == 3) param_tiers = {Tier::kGpu, Tier::kCpu, Tier::kNvme};
+  std::vector<Placement> out;
+  for (Tier param : param_tiers) {
+    out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
+    for (Tier master : {Tier::kCpu, Tier::kNvme}) {
+      for (Tier grad : {Tier::kCpu, Tier::kNvme}) {
+        for (Tier moments : {Tier::kCpu, Tier::kNvme}) out.push_back({param, grad, master, moments});
+      }
+    }
+  }
+  return out;
+}
+
+// Note [Tie-break]: equal movement time (within rounding) goes to fewer bytes
+// on the slower tiers (NVMe, then CPU), then to the hotter state on the faster
+// tier: grads are touched every micro-batch, params every pass, master and
+// moments once a step.
+bool preferred(const Plan& a, const Plan& b) {
+  const double ta = a.traffic.estimated_seconds;
+  const double tb = b.traffic.estimated_seconds;
+  if (std::abs(ta - tb) > 1e-9 * std::max(ta, tb)) return ta < tb;
+  for (Tier t : {Tier::kNvme, Tier::kCpu}) {
+    if (a.usage_of(t).need_bytes != b.usage_of(t).need_bytes) {
+      return a.usage_of(t).need_bytes < b.usage_of(t).need_bytes;
+    }
+  }
+  for (StateClass s : {StateClass::kGrad, StateClass::kParam16, StateClass::kMaster, StateClass::kMoments}) {
+    if (a.tier_of(s) != b.tier_of(s)) return a.tier_of(s) < b.tier_of(s);
+  }
+  return false;
+}
+
+Expected<Plan> plan_auto(const PlanInput& in, const PlanLayout& layout) {
+  const std::vector<Placement> all = candidate_placements(in);
+  std::optional<Plan> best;
+  std::size_t feasible = 0;
+  // least[t]: tier t's smallest need among the placements whose faster tiers
+  // fit, so a no-fit message can say how far each budget is from enough.
+  std::array<std::uint64_t, kNumTiers> least;
+  least.fill(std::numeric_limits<std::uint64_t>::max());
+  for (const Placement& p : all) {
+    Plan plan = evaluate_placement(in, layout, p);
+    for (std::size_t t = 0; t < kNumTiers && (t == 0 || plan.usage[t - 1].fits()); ++t) {
+      least[t] = std::min(least[t], plan.usage[t].need_bytes);
+    }
+    if (!plan.fits()) continue;
+    ++feasible;
+    if (!best || preferred(plan, *best)) best = std::move(plan);
+  }
+  if (!best) return no_fit_error(in, layout, least, all.size());
+  best->mode = PlacementMode::kAuto;  // also when asked for as DeepSpeed mode's alternative
+  best->candidates = all.size();
+  best->feasible_candidates = feasible;
+  return *std::move(best);
+}
+
+Tier device_tier(OffloadDevice d) {
+  switch (d) {
+    case OffloadDevice::kCpu: return Tier::kCpu;
+    case OffloadDevice::kNvme: return Tier::kNvme;
+    case OffloadDevice::kNone: break;
+  }
+  return Tier::kGpu;
+}
+
+Expected<Plan> plan_deepspeed(const PlanInput& in, const PlanLayout& layout) {
+  if (in.offload_param != OffloadDevice::kNone && in.stage != 3) {
+    return invalid_argument("zero_optimization.offload_param.device \"{}\" needs ZeRO stage 3, but stage is {}",
+                            offload_device_name(in.offload_param), in.stage);
+  }
+  const Tier param = device_tier(in.offload_param);
+  Placement p = {param, Tier::kGpu, Tier::kGpu, Tier::kGpu};
+  if (in.offload_optimizer == OffloadDevice::kCpu) p = {param, Tier::kCpu, Tier::kCpu, Tier::kCpu};
+  if (in.offload_optimizer == OffloadDevice::kNvme) p = {param, Tier::kCpu, Tier::kNvme, Tier::kNvme};
+  Plan plan = evaluate_placement(in, layout, p);
+  // DeepSpeed keeps the fp32 grad partition in CPU memory; where that does not
+  // fit we let it follow the optimizer states to NVMe.
+  if (in.offload_optimizer == OffloadDevice::kNvme && !plan.usage_of(Tier::kCpu).fits()) {
+    p[idx(StateClass::kGrad)] = Tier::kNvme;
+    plan = evaluate_placement(in, layout, p);
+  }
+  plan.candidates = 1;
+  plan.feasible_candidates = plan.fits() ? 1 : 0;
+  if (!plan.fits()) {
+    Expected<Plan> alternative = plan_auto(in, layout);
+    return deepspeed_error(in, plan, alternative.ok() ? &*alternative : nullptr, alternative.status());
+  }
+  return plan;
+}
+
+}  // namespace
+
+std::uint64_t state_elem_bytes(StateClass state, Tier tier) {
+  switch (state) {
+    case StateClass::kParam16: return 2;
+    case StateClass::kGrad: return tier == Tier::kGpu ? 2 : 4;
+    case StateClass::kMaster: return 4;
+    case StateClass::kMoments: return 8;
+  }
+  return 0;
+}
+
+std::int64_t TierUsage::headroom_bytes() const {
+  constexpr auto kMax = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  if (budget_bytes >= need_bytes) return static_cast<std::int64_t>(std::min(budget_bytes - need_bytes, kMax));
+  return -static_cast<std::int64_t>(std::min(need_bytes - budget_bytes, kMax));
+}
+
+bool Plan::fits() const {
+  return std::all_of(usage.begin(), usage.end(), [](const TierUsage& u) { return u.fits(); });
+}
+
+Plan planner_internal::evaluate_placement(const PlanInput& in, const PlanLayout& layout,
+                                          const Placement& placement) {
+  Plan plan;
+  plan.tier = placement;
+  plan.layout = layout;
+  plan.mode = in.mode;
+  const std::uint64_t numel[] = {layout.param_numel, layout.grad_numel, layout.optimizer_numel,
+                                 layout.optimizer_numel};
+  for (std::size_t c = 0; c < kNumStateClasses; ++c) {
+    plan.class_bytes[c] = state_elem_bytes(static_cast<StateClass>(c), placement[c]) * numel[c];
+  }
+  fill_usage(in, plan);
+  plan.traffic = step_traffic(in, plan);
+  plan.summary = planner_internal::plan_summary(plan);
+  return plan;
+}
+
+Expected<Plan> plan_placement(const PlanInput& input) {
+  TZ_TRY(validate(input));
+  const PlanLayout layout = compute_layout(input);
+  if (input.mode == PlacementMode::kDeepSpeed) return plan_deepspeed(input, layout);
+  return plan_auto(input, layout);
+}
+
+}  // namespace tz

@@ -1,0 +1,455 @@
+// The placement planner against hand-computed numbers (docs/placement.md has
+// the formulas). Shorthands used in the arithmetic below:
+//   A(x)  = align_up(x, 2048)
+//   P     = per-rank 16-bit param shard numel, Gd = grad numel, O = optimizer numel
+//   ws    = stage-3 GPU working set = 2 B x max(L, min(max_live, L + max(L, prefetch))) + 2 B x L,
+//           L = largest gathered block (ranks x shard)
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tierzero/offload.h"
+
+namespace tz {
+namespace {
+
+constexpr std::uint64_t kHuge = 1'000'000'000'000'000;  // 1 PB: never the constraint
+
+// 1e9 params in 4 blocks of 250e6: A(250e6) = 122071 x 2048 = 250'001'408 per block,
+// so with 1 rank P = Gd = O = 4 x 250'001'408 = 1'000'005'632.
+constexpr std::uint64_t kBlock1B = 250'001'408;
+constexpr std::uint64_t kP1B = 1'000'005'632;
+// ws for it: L = 250'001'408; window = L + max(L, 50e6) = 500'002'816 < max_live 1e9,
+// gather 2 x 500'002'816 = 1'000'005'632, backward grad 2 x L = 500'002'816.
+constexpr std::uint64_t kWs1B = 1'000'005'632 + 500'002'816;  // 1'500'008'448
+
+PlanInput one_billion(std::uint64_t gpu, std::uint64_t cpu, std::uint64_t nvme) {
+  PlanInput in;
+  in.block_numel.assign(4, 250'000'000);
+  in.gpu_bytes = gpu;
+  in.cpu_bytes = cpu;
+  in.nvme_bytes = nvme;
+  return in;
+}
+
+Plan must_plan(const PlanInput& in) {
+  Expected<Plan> plan = plan_placement(in);
+  EXPECT_TRUE(plan.ok()) << plan.status().to_string();
+  return plan.ok() ? *std::move(plan) : Plan{};
+}
+
+using Tiers = std::array<Tier, kNumStateClasses>;  // param16, grad, master, moments
+constexpr Tier G = Tier::kGpu, C = Tier::kCpu, N = Tier::kNvme;
+
+TEST(PlanPlacement, HugeBudgetsKeepEverythingOnGpu) {
+  const Plan plan = must_plan(one_billion(kHuge, kHuge, kHuge));
+  EXPECT_EQ(plan.tier, (Tiers{G, G, G, G}));
+  EXPECT_EQ(plan.layout.param_numel, kP1B);
+  EXPECT_EQ(plan.layout.gathered_block_numel, kBlock1B);
+  EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 2 * kP1B);  // 2'000'011'264
+  EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 2 * kP1B);     // 16-bit on GPU
+  EXPECT_EQ(plan.bytes_of(StateClass::kMaster), 4 * kP1B);
+  EXPECT_EQ(plan.bytes_of(StateClass::kMoments), 8 * kP1B);
+  // 16 x P + ws = 16'000'090'112 + 1'500'008'448
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 17'500'098'560u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 0u);
+  EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 0u);
+  EXPECT_EQ(plan.traffic.h2d_bytes + plan.traffic.d2h_bytes + plan.traffic.nvme_read_bytes, 0u);
+  EXPECT_EQ(plan.traffic.estimated_seconds, 0.0);
+  EXPECT_EQ(plan.candidates, 27u);  // 3 param tiers x (1 GPU optimizer + 2 x 2 x 2 CPU ones)
+  EXPECT_TRUE(plan.fits());
+}
+
+TEST(PlanPlacement, SmallGpuMovesOptimizerToCpu) {
+  // GPU 4e9: params 2P + ws = 3'500'019'712 fit, any GPU optimizer (14 P more) does not.
+  const Plan plan = must_plan(one_billion(4'000'000'000, kHuge, kHuge));
+  EXPECT_EQ(plan.tier, (Tiers{G, C, C, C}));
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 2 * kP1B + kWs1B);
+  EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 4 * kP1B);  // fp32 off the GPU
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 16 * kP1B);  // 4 + 4 + 8 B
+  // H2D: new params after the step, 2P; D2H: grads, 2P x 1 micro-batch; CPU Adam 30 P.
+  EXPECT_EQ(plan.traffic.h2d_bytes, 2 * kP1B);
+  EXPECT_EQ(plan.traffic.d2h_bytes, 2 * kP1B);
+  EXPECT_EQ(plan.traffic.cpu_optimizer_bytes, 30 * kP1B);
+  // 4'000'022'528 / 25e9 + 30'000'168'960 / 40e9 = 0.16000090112 + 0.750004224
+  EXPECT_NEAR(plan.traffic.estimated_seconds, 0.91000512512, 1e-12);
+}
+
+TEST(PlanPlacement, SmallCpuMovesOptimizerStatesToNvme) {
+  PlanInput in = one_billion(4'000'000'000, 10'000'000'000, kHuge);
+  in.sub_group_size = 100'000'000;
+  // CPU options with params on GPU (staging = 3 x 1e8 x bytes of the NVMe classes):
+  //   grad cpu, master cpu, moments nvme:  8P + 3e8 x 8  = 10'400'045'056  > 10e9
+  //   grad cpu, master nvme, moments nvme: 4P + 3e8 x 12 =  7'600'022'528  fits  <- chosen
+  //   grad nvme, master cpu, moments nvme: 4P + 3e8 x 12 =  7'600'022'528  fits, same traffic,
+  //     same NVMe bytes (12 P): the tie goes to grads on the faster tier.
+  const Plan plan = must_plan(in);
+  EXPECT_EQ(plan.tier, (Tiers{G, C, N, N}));
+  EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 12 * kP1B);  // 12'000'067'584
+  ASSERT_EQ(plan.usage_of(Tier::kCpu).breakdown.size(), 2u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).breakdown[0].bytes, 4 * kP1B);             // fp32 grads
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).breakdown[1].bytes, 3'600'000'000u);        // 3 x 1e8 x 12 B
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 7'600'022'528u);
+  EXPECT_EQ(plan.traffic.nvme_read_bytes, 12 * kP1B);
+  EXPECT_EQ(plan.traffic.nvme_write_bytes, 12 * kP1B);
+  // 2 x 12'000'067'584 / 2e9 + 4'000'022'528 / 25e9 + 30'000'168'960 / 40e9
+  EXPECT_NEAR(plan.traffic.estimated_seconds, 12.000067584 + 0.16000090112 + 0.750004224, 1e-9);
+}
+
+PlanInput zero_infinity() {
+  PlanInput in = one_billion(4'000'000'000, 20'000'000'000, kHuge);
+  in.mode = PlacementMode::kDeepSpeed;
+  in.offload_param = OffloadDevice::kNvme;
+  in.offload_optimizer = OffloadDevice::kNvme;
+  in.gradient_accumulation_steps = 2;
+  in.sub_group_size = 100'000'000;
+  in.max_in_cpu = 300'000'000;
+  return in;  // buffer_count 5, buffer_size 1e8 (defaults)
+}
+
+TEST(PlanDeepSpeed, ZeroInfinityNeeds) {
+  const Plan plan = must_plan(zero_infinity());
+  EXPECT_EQ(plan.tier, (Tiers{N, C, N, N}));
+  EXPECT_EQ(plan.mode, PlacementMode::kDeepSpeed);
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, kWs1B);  // nothing resident, only the working set
+  // CPU: fp32 grads 4P = 4'000'022'528, param staging 5 x 1e8 x 2 = 1e9, param cache
+  // min(3e8, P) x 2 = 6e8, optimizer staging 3 x min(1e8, P) x (4 + 8) = 3.6e9.
+  const TierUsage& cpu = plan.usage_of(Tier::kCpu);
+  ASSERT_EQ(cpu.breakdown.size(), 4u);
+  EXPECT_EQ(cpu.breakdown[0].bytes, 4 * kP1B);
+  EXPECT_EQ(cpu.breakdown[1].bytes, 1'000'000'000u);
+  EXPECT_EQ(cpu.breakdown[2].bytes, 600'000'000u);
+  EXPECT_EQ(cpu.breakdown[3].bytes, 3'600'000'000u);
+  EXPECT_EQ(cpu.need_bytes, 9'200'022'528u);
+  // NVMe: params 2P + master 4P + moments 8P = 14P.
+  EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 14 * kP1B);  // 14'000'078'848
+}
+
+TEST(PlanTraffic, ZeroInfinityStepHandComputed) {
+  const Plan plan = must_plan(zero_infinity());  // G = 2 micro-batches
+  const StepTraffic& t = plan.traffic;
+  // params: H2D 2P x 2 passes x 2 = 8P; NVMe read of the uncached part
+  // 2 x (P - 3e8) x 2 x 2 = 8 x 700'005'632 = 5'600'045'056; NVMe write 2P after the step.
+  // master + moments: read 12P, write 12P. grads (CPU): D2H 2P x 2 = 4P.
+  EXPECT_EQ(t.h2d_bytes, 8 * kP1B);                                 // 8'000'045'056
+  EXPECT_EQ(t.d2h_bytes, 4 * kP1B);                                 // 4'000'022'528
+  EXPECT_EQ(t.nvme_read_bytes, 5'600'045'056u + 12 * kP1B);         // 17'600'112'640
+  EXPECT_EQ(t.nvme_write_bytes, 2 * kP1B + 12 * kP1B);              // 14'000'078'848
+  EXPECT_EQ(t.cpu_optimizer_bytes, 30 * kP1B);                      // 30'000'168'960
+  // 17'600'112'640/2e9 + 14'000'078'848/2e9 + 12'000'067'584/25e9 + 30'000'168'960/40e9
+  EXPECT_NEAR(t.estimated_seconds, 8.80005632 + 7.000039424 + 0.48000270336 + 0.750004224, 1e-9);
+}
+
+TEST(PlanTraffic, GradsOnNvmeAreReadBackEachAccumulation) {
+  PlanInput in = zero_infinity();
+  // With grads on CPU the need is 9'200'022'528 > 7e9, so DeepSpeed mode moves them to
+  // NVMe: 1e9 + 6e8 + 3 x 1e8 x (4 + 4 + 8) = 6'400'000'000.
+  in.cpu_bytes = 7'000'000'000;
+  const Plan plan = must_plan(in);
+  EXPECT_EQ(plan.tier, (Tiers{N, N, N, N}));
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 6'400'000'000u);
+  EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 18 * kP1B);  // 2 + 4 + 4 + 8 B
+  // grads add NVMe write 4P x 2 and read 4P x (2 - 1) + 4P (the step).
+  EXPECT_EQ(plan.traffic.nvme_write_bytes, 14 * kP1B + 8 * kP1B);
+  EXPECT_EQ(plan.traffic.nvme_read_bytes, 5'600'045'056u + 12 * kP1B + 8 * kP1B);
+}
+
+TEST(PlanDeepSpeed, OverBudgetNamesTierBudgetKeyAndAlternative) {
+  PlanInput in = one_billion(4'000'000'000, 10'000'000'000, kHuge);
+  in.sub_group_size = 100'000'000;
+  in.mode = PlacementMode::kDeepSpeed;
+  in.offload_optimizer = OffloadDevice::kCpu;  // CPU needs 16P = 16'000'090'112 = 14.90 GiB
+  const Expected<Plan> plan = plan_placement(in);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), ErrorCode::kOutOfMemory);
+  const std::string msg = plan.status().message();
+  EXPECT_NE(msg.find("cpu needs 14.90 GiB per node"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tierzero.tiers.cpu_bytes is 9.31 GiB"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("zero_optimization.offload_optimizer.device to \"nvme\""), std::string::npos) << msg;
+  EXPECT_NE(msg.find("placement 'auto' would fit: params gpu, grads cpu, master nvme, moments nvme"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(PlanDeepSpeed, ParamOffloadNeedsStage3) {
+  PlanInput in = one_billion(kHuge, kHuge, kHuge);
+  in.mode = PlacementMode::kDeepSpeed;
+  in.offload_param = OffloadDevice::kCpu;
+  in.stage = 2;
+  const Expected<Plan> plan = plan_placement(in);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("stage is 2"), std::string::npos) << plan.status().message();
+}
+
+TEST(PlanAuto, NothingFitsReportsLeastNeedsAndKeys) {
+  // GPU 1e9 < the working set alone (1'500'008'448 = 1.40 GiB), whatever is offloaded.
+  const Expected<Plan> plan = plan_placement(one_billion(1'000'000'000, kHuge, kHuge));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), ErrorCode::kOutOfMemory);
+  const std::string msg = plan.status().message();
+  EXPECT_NE(msg.find("no placement of 1.0B parameters fits"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("params nvme, grads nvme, master nvme, moments nvme"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("gpu needs 1.40 GiB per rank but tierzero.tiers.gpu_bytes is 953.67 MiB"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("gpu 1.40 GiB per rank (budget 953.67 MiB, tierzero.tiers.gpu_bytes)"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("cpu: no placement where the gpu fits (budget"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tierzero.tiers.cpu_bytes"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("To fit: raise tierzero.tiers.gpu_bytes"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tierzero.tiers.nvme_bytes"), std::string::npos) << msg;
+}
+
+TEST(PlanAuto, PicksTheFasterOfTwoFeasiblePlans) {
+  // GPU 16e9: the GPU optimizer with params on CPU needs 14P + ws = 15'500'087'296 (fits);
+  // params on GPU with CPU Adam needs 2P + ws = 3'500'019'712 (fits); all on GPU
+  // (17'500'098'560) does not. No NVMe.
+  PlanInput in = one_billion(16'000'000'000, kHuge, 0);
+  // Default links: X = params cpu, rest gpu: H2D 4P + D2H 2P = 6'000'033'792 / 25e9 = 0.24 s;
+  // Y = params gpu, CPU Adam: 4P / 25e9 + 30P / 40e9 = 0.91 s.  X wins.
+  Plan plan = must_plan(in);
+  EXPECT_EQ(plan.tier, (Tiers{C, G, G, G}));
+  EXPECT_NEAR(plan.traffic.estimated_seconds, 0.24000135168, 1e-12);
+  // A slow PCIe (1 GB/s) and fast CPU memory (1 TB/s): X = 6.0 s, Y = 4.0 + 0.03 s. Y wins.
+  in.links.pcie_Bps = 1e9;
+  in.links.cpu_mem_Bps = 1e12;
+  plan = must_plan(in);
+  EXPECT_EQ(plan.tier, (Tiers{G, C, C, C}));
+  EXPECT_NEAR(plan.traffic.estimated_seconds, 4.000022528 + 0.03000016896, 1e-9);
+}
+
+// Blocks 1e6 and 3e6 over 4 ranks:
+//   shards: A(250'000) = 251'904, A(750'000) = 751'616 -> 1'003'520 per rank
+//   whole:  A(1e6) = 1'001'472,   A(3e6) = 3'000'320   -> 4'001'792
+PlanInput four_ranks(int stage) {
+  PlanInput in;
+  in.block_numel = {1'000'000, 3'000'000};
+  in.ranks = 4;
+  in.stage = stage;
+  in.gpu_bytes = in.cpu_bytes = in.nvme_bytes = kHuge;
+  return in;
+}
+
+TEST(PlanLayout, ShardSizesPerStage) {
+  const PlanLayout s3 = must_plan(four_ranks(3)).layout;
+  EXPECT_EQ(s3.param_numel, 1'003'520u);
+  EXPECT_EQ(s3.grad_numel, 1'003'520u);
+  EXPECT_EQ(s3.optimizer_numel, 1'003'520u);
+  EXPECT_EQ(s3.gathered_block_numel, 4 * 751'616u);
+  const PlanLayout s2 = must_plan(four_ranks(2)).layout;
+  EXPECT_EQ(s2.param_numel, 4'001'792u);
+  EXPECT_EQ(s2.grad_numel, 1'003'520u);
+  EXPECT_EQ(s2.optimizer_numel, 1'003'520u);
+  EXPECT_EQ(s2.gathered_block_numel, 0u);
+  const PlanLayout s1 = must_plan(four_ranks(1)).layout;
+  EXPECT_EQ(s1.param_numel, 4'001'792u);
+  EXPECT_EQ(s1.grad_numel, 4'001'792u);
+  EXPECT_EQ(s1.optimizer_numel, 1'003'520u);
+  const PlanLayout s0 = must_plan(four_ranks(0)).layout;
+  EXPECT_EQ(s0.optimizer_numel, 4'001'792u);
+}
+
+TEST(PlanLayout, GpuNeedPerStage) {
+  // Stage 3: 16 x 1'003'520 = 16'056'320 of states; L = 3'006'464, window
+  // L + max(L, 50e6) = 53'006'464 -> gather 106'012'928, backward grad 6'012'928.
+  EXPECT_EQ(must_plan(four_ranks(3)).usage_of(Tier::kGpu).need_bytes, 128'082'176u);
+  // Stage 1, no working set: 2 x 4'001'792 (params) + 2 x 4'001'792 (grads) + 12 x 1'003'520.
+  EXPECT_EQ(must_plan(four_ranks(1)).usage_of(Tier::kGpu).need_bytes, 28'049'408u);
+}
+
+TEST(PlanLayout, ShardsArePaddedTo2048Elements) {
+  PlanInput in;
+  in.block_numel = {1, 2048, 2049};
+  in.persistence_threshold = 0;
+  in.gpu_bytes = in.cpu_bytes = in.nvme_bytes = kHuge;
+  EXPECT_EQ(must_plan(in).layout.param_numel, 2048u + 2048u + 4096u);
+  in.block_numel = {6145};
+  in.ranks = 3;  // ceil(6145 / 3) = 2049 -> 4096 per shard, 12288 gathered
+  const Plan plan = must_plan(in);
+  EXPECT_EQ(plan.layout.param_numel, 4096u);
+  EXPECT_EQ(plan.layout.gathered_block_numel, 12'288u);
+}
+
+TEST(PlanLayout, PersistenceThresholdKeepsSmallBlocksWholeOnGpu) {
+  PlanInput in = four_ranks(3);
+  in.block_numel = {50'000, 1'000'000};  // 50'000 < threshold 100'000
+  in.mode = PlacementMode::kDeepSpeed;
+  in.offload_param = OffloadDevice::kCpu;
+  in.offload_optimizer = OffloadDevice::kCpu;
+  const Plan plan = must_plan(in);
+  // Persistent: A(50'000) = 51'200 whole, shard A(12'500) = 14'336. Others: 251'904.
+  EXPECT_EQ(plan.layout.persistent_blocks, 1u);
+  EXPECT_EQ(plan.layout.persistent_numel, 51'200u);
+  EXPECT_EQ(plan.layout.param_numel, 251'904u);
+  EXPECT_EQ(plan.layout.optimizer_numel, 251'904u + 14'336u);
+  EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 2 * 251'904u);  // on CPU
+  // GPU: persistent 4 B x 51'200 = 204'800; L = 4 x 251'904 = 1'007'616,
+  // gather 2 x (L + 50e6) = 102'015'232, backward 2 x L = 2'015'232.
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 204'800u + 102'015'232u + 2'015'232u);
+  // H2D: params 2 x 251'904 x 2 passes + the persistent shard's new values 2 x 14'336.
+  EXPECT_EQ(plan.traffic.h2d_bytes, 1'007'616u + 28'672u);
+}
+
+TEST(PlanLayout, RanksPerNodeScalesCpuNeed) {
+  PlanInput in;
+  in.block_numel = {8'000'000};
+  in.ranks = 8;  // shard A(1e6) = 1'001'472; CPU Adam: 16 B x 1'001'472 = 16'023'552 per rank
+  in.gpu_bytes = in.cpu_bytes = in.nvme_bytes = kHuge;
+  in.mode = PlacementMode::kDeepSpeed;
+  in.offload_optimizer = OffloadDevice::kCpu;
+  Plan plan = must_plan(in);  // ranks_per_node 0 = all 8
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).per_rank_bytes, 16'023'552u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 8 * 16'023'552u);
+  const std::uint64_t gpu_need = plan.usage_of(Tier::kGpu).need_bytes;
+  in.ranks_per_node = 4;
+  plan = must_plan(in);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).ranks_sharing, 4);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 4 * 16'023'552u);
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, gpu_need);  // per rank either way
+}
+
+void expect_invalid(const PlanInput& in, const std::string& fragment) {
+  const Expected<Plan> plan = plan_placement(in);
+  ASSERT_FALSE(plan.ok()) << fragment;
+  EXPECT_EQ(plan.status().code(), ErrorCode::kInvalidArgument) << plan.status().to_string();
+  EXPECT_NE(plan.status().message().find(fragment), std::string::npos) << plan.status().message();
+}
+
+TEST(PlanInvalid, InputsAreRefusedWithTheValue) {
+  const PlanInput good = one_billion(kHuge, kHuge, kHuge);
+  PlanInput in = good;
+  in.ranks = 0;
+  expect_invalid(in, "ranks is 0");
+  in = good;
+  in.block_numel.clear();
+  expect_invalid(in, "no blocks");
+  in = good;
+  in.block_numel[2] = 0;
+  expect_invalid(in, "block 2 has 0 elements");
+  in = good;
+  in.stage = 4;
+  expect_invalid(in, "stage is 4");
+  in = good;
+  in.ranks = 4;
+  in.ranks_per_node = 3;
+  expect_invalid(in, "ranks_per_node is 3");
+  in.ranks_per_node = 8;
+  expect_invalid(in, "ranks_per_node is 8");
+  in = good;
+  in.gradient_accumulation_steps = 0;
+  expect_invalid(in, "gradient_accumulation_steps is 0");
+  in = good;
+  in.sub_group_size = 0;
+  expect_invalid(in, "zero_optimization.sub_group_size is 0");
+  in = good;
+  in.links.pcie_Bps = 0;
+  expect_invalid(in, "pcie_Bps");
+}
+
+TEST(PlanFormat, ReportHasTablesAndSummary) {
+  const PlanInput in = zero_infinity();
+  const Plan plan = must_plan(in);
+  const std::string text = format_plan(plan, in);
+  for (const char* part : {"state class", "bytes/elem", "headroom", "moments", "nvme need per node",
+                           "optimizer sub-group staging", "estimated data movement: 17.03 s"}) {
+    EXPECT_NE(text.find(part), std::string::npos) << part << "\n" << text;
+  }
+  EXPECT_NE(plan.summary.find("params nvme, grads cpu, master nvme, moments nvme"), std::string::npos)
+      << plan.summary;
+  EXPECT_EQ(tier_name(Tier::kNvme), "nvme");
+  EXPECT_EQ(state_class_name(StateClass::kMoments), "moments");
+}
+
+TEST(PlanInput, FromConfigCopiesZeroSettings) {
+  Config config;
+  config.zero.stage = 3;
+  config.zero.offload_param.device = OffloadDevice::kNvme;
+  config.zero.offload_param.max_in_cpu = 123;
+  config.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  config.zero.sub_group_size = 456;
+  config.gradient_accumulation_steps = 8;
+  config.placement = PlacementMode::kDeepSpeed;
+  ResolvedBudgets budgets;
+  budgets.gpu_bytes = 1;
+  budgets.cpu_bytes = 2;
+  budgets.nvme_bytes = 3;
+  const PlanInput in = PlanInput::from_config(config, {10, 20}, 4, 2, budgets);
+  EXPECT_EQ(in.block_numel, (std::vector<std::uint64_t>{10, 20}));
+  EXPECT_EQ(in.ranks, 4);
+  EXPECT_EQ(in.effective_ranks_per_node(), 2);
+  EXPECT_EQ(in.gradient_accumulation_steps, 8);
+  EXPECT_EQ(in.mode, PlacementMode::kDeepSpeed);
+  EXPECT_EQ(in.offload_param, OffloadDevice::kNvme);
+  EXPECT_EQ(in.offload_optimizer, OffloadDevice::kCpu);
+  EXPECT_EQ(in.max_in_cpu, 123);
+  EXPECT_EQ(in.sub_group_size, 456);
+  EXPECT_EQ(in.gpu_bytes + in.cpu_bytes + in.nvme_bytes, 6u);
+}
+
+TEST(ResolveBudgets, ExplicitBudgetsPassThrough) {
+  TierConfig tiers;
+  tiers.gpu = ByteBudget::of(80'000'000'000);
+  tiers.cpu = ByteBudget::of(120'000'000'000);
+  tiers.nvme = ByteBudget::of(2'000'000'000'000);
+  const Expected<ResolvedBudgets> b = resolve_budgets(tiers, Capabilities{}, {});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ(b->gpu_bytes, 80'000'000'000u);
+  EXPECT_EQ(b->cpu_bytes, 120'000'000'000u);
+  EXPECT_EQ(b->nvme_bytes, 2'000'000'000'000u);
+  EXPECT_EQ(b->gpu_source, "config");
+  EXPECT_EQ(b->nvme_source, "config");
+}
+
+TEST(ResolveBudgets, AutoCpuIsNinetyPercentOfMemAvailable) {
+  TierConfig tiers;  // all auto
+  tiers.gpu = ByteBudget::of(1);
+  Capabilities caps;
+  caps.memory.available_bytes = 100'000'000'005;
+  const Expected<ResolvedBudgets> b = resolve_budgets(tiers, caps, {});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ(b->cpu_bytes, 90'000'000'004u);  // floor(0.9 x 100'000'000'005)
+  EXPECT_NE(b->cpu_source.find("90% of MemAvailable"), std::string::npos) << b->cpu_source;
+  EXPECT_EQ(b->nvme_bytes, 0u);  // no paths
+  EXPECT_NE(b->nvme_source.find("no NVMe paths"), std::string::npos) << b->nvme_source;
+}
+
+TEST(ResolveBudgets, AutoGpuUsesDeviceZeroOrSaysThereIsNone) {
+  TierConfig tiers;
+  tiers.cpu = ByteBudget::of(1);
+  tiers.nvme = ByteBudget::of(1);
+  Capabilities caps;
+  caps.cuda.status = "built without CUDA";
+  Expected<ResolvedBudgets> b = resolve_budgets(tiers, caps, {});
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), ErrorCode::kUnavailable);
+  EXPECT_NE(b.status().message().find("tierzero.tiers.gpu_bytes"), std::string::npos) << b.status().message();
+  EXPECT_NE(b.status().message().find("built without CUDA"), std::string::npos) << b.status().message();
+  GpuDevice h100;
+  h100.name = "NVIDIA H100";
+  h100.total_memory_bytes = 80'000'000'000;
+  caps.cuda.devices.push_back(h100);
+  b = resolve_budgets(tiers, caps, {});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ(b->gpu_bytes, 72'000'000'000u);
+  EXPECT_NE(b->gpu_source.find("NVIDIA H100"), std::string::npos) << b->gpu_source;
+}
+
+TEST(ResolveBudgets, AutoNvmeSumsFreeSpaceOrNamesTheBadPath) {
+  TierConfig tiers;
+  tiers.gpu = ByteBudget::of(1);
+  tiers.cpu = ByteBudget::of(1);
+  const std::string missing = ::testing::TempDir() + "tierzero_planner_no_such_dir";
+  Expected<ResolvedBudgets> b = resolve_budgets(tiers, Capabilities{}, {missing});
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find(missing), std::string::npos) << b.status().message();
+  EXPECT_NE(b.status().message().find("tierzero.tiers.nvme_bytes"), std::string::npos) << b.status().message();
+  const std::string dir = ::testing::TempDir();
+  b = resolve_budgets(tiers, Capabilities{}, {dir});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_GT(b->nvme_bytes, 0u);
+  EXPECT_NE(b->nvme_source.find(dir), std::string::npos) << b->nvme_source;
+}
+
+}  // namespace
+}  // namespace tz

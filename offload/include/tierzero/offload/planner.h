@@ -1,0 +1,191 @@
+// The placement planner: which tier (GPU HBM, pinned CPU memory, NVMe) holds
+// each class of model state, decided before anything is allocated.
+//
+// Mixed-precision Adam keeps four state classes per parameter:
+//
+//   class     bytes/elem                         where the optimizer allows it
+//   param16   2 (bf16/fp16)                      gpu | cpu | nvme (off-GPU needs stage 3)
+//   grad      2 on gpu (16-bit), 4 off it (fp32) with the optimizer, see below
+//   master    4 (fp32)                           gpu | cpu | nvme
+//   moments   8 (fp32 exp_avg + exp_avg_sq)      with the optimizer, see below
+//
+// The optimizer runs where `master` lives: master on gpu puts grad and moments
+// on gpu (GPU Adam); master on cpu or nvme puts grad and moments each on cpu or
+// nvme (CPU Adam; NVMe-resident states stream through pinned CPU buffers).
+//
+// Partitioning follows ZeRO `stage` over `ranks`: stage 3 shards everything,
+// stage 2 grads and optimizer states, stage 1 optimizer states (master,
+// moments) only, stage 0 nothing. Every block (a flattened layer) is padded so
+// each shard is a whole number of 2048 elements (4 KiB of bf16, for O_DIRECT):
+//   shard_numel(n) = align_up(ceil(n / ranks), 2048),  whole_numel(n) = align_up(n, 2048).
+// At stage 3, blocks with n < persistence_threshold stay whole on every GPU
+// (16-bit params and 16-bit grads); their optimizer states follow the plan.
+// docs/placement.md gives every formula and a worked example.
+//
+// Units: byte counts are bytes; numel counts are elements. GPU needs and
+// budgets are per GPU (= per rank); CPU and NVMe needs and budgets are per node,
+// shared by `ranks_per_node` ranks. Traffic is per rank per optimizer step
+// (gradient_accumulation_steps micro-batches); link speeds are bytes/second.
+//
+// Errors: invalid input (ranks < 1, an empty block list, stage outside 0..3,
+// ranks_per_node not dividing ranks, ...) is kInvalidArgument naming the value.
+// A plan that cannot fit is kOutOfMemory whose message names the tier, its
+// need, its budget, and the config keys that would change the answer.
+//
+// Example:
+//
+//   tz::PlanInput in;
+//   in.block_numel.assign(32, 625'000'000);           // a 20B model, 32 layers
+//   in.gpu_bytes = 80'000'000'000;                     // per GPU
+//   in.cpu_bytes = 120'000'000'000;                    // per node
+//   in.nvme_bytes = 2'000'000'000'000;                 // per node
+//   TZ_ASSIGN_OR_RETURN(tz::Plan plan, tz::plan_placement(in));
+//   if (plan.tier_of(tz::StateClass::kMaster) == tz::Tier::kNvme) { ... }
+//   fmt::print("{}", tz::format_plan(plan, in));
+//
+// Thread safety: pure functions of their arguments, except resolve_budgets,
+// which probes NVMe paths through probe_path() (itself thread-safe).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tierzero/common.h"
+
+namespace tz {
+
+enum class Tier : std::uint8_t { kGpu, kCpu, kNvme };
+inline constexpr std::size_t kNumTiers = 3;
+enum class StateClass : std::uint8_t { kParam16, kGrad, kMaster, kMoments };
+inline constexpr std::size_t kNumStateClasses = 4;
+
+std::string_view tier_name(Tier tier);                  // "gpu" | "cpu" | "nvme"
+std::string_view state_class_name(StateClass state);    // "param16" | "grad" | "master" | "moments"
+// Bytes per element of a state class on a tier (grad: 2 on gpu, 4 elsewhere).
+std::uint64_t state_elem_bytes(StateClass state, Tier tier);
+
+// Sustained link speeds, bytes/second, for the movement-time estimate.
+struct LinkSpeeds {
+  double nvme_read_Bps = 2e9;
+  double nvme_write_Bps = 2e9;
+  double pcie_Bps = 25e9;      // host <-> device, each direction
+  double cpu_mem_Bps = 40e9;   // CPU Adam's streaming memory bandwidth
+};
+
+// Budgets after "auto" is resolved, with where each number came from.
+struct ResolvedBudgets {
+  std::uint64_t gpu_bytes = 0;   // per GPU
+  std::uint64_t cpu_bytes = 0;   // per node
+  std::uint64_t nvme_bytes = 0;  // per node
+  std::string gpu_source;        // "config", "auto: 90% of GPU 0 (NVIDIA H100) total memory", ...
+  std::string cpu_source;        // "config", "auto: 90% of MemAvailable"
+  std::string nvme_source;       // "config", "auto: free space on /nvme0/tz", "auto: no NVMe paths ..."
+};
+
+// Resolves "auto" budgets: GPU = 90% of device 0's total memory (no GPU is
+// kUnavailable naming tierzero.tiers.gpu_bytes); CPU = 90% of MemAvailable;
+// NVMe = the sum of free bytes over `nvme_paths` (probe_path each; an empty
+// list gives 0 with a note in nvme_source; a path that cannot be probed is the
+// probe's error with the key as context). Explicit budgets pass through.
+Expected<ResolvedBudgets> resolve_budgets(const TierConfig& tiers, const Capabilities& caps,
+                                          const std::vector<std::string>& nvme_paths);
+
+struct PlanInput {
+  std::vector<std::uint64_t> block_numel;  // elements per block, in model order; none may be 0
+  int ranks = 1;                           // data-parallel world size
+  int ranks_per_node = 0;                  // 0 = ranks (one node); must divide ranks
+  int stage = 3;                           // ZeRO stage 0..3
+  int gradient_accumulation_steps = 1;     // micro-batches per optimizer step
+  std::uint64_t gpu_bytes = 0;             // budget per GPU
+  std::uint64_t cpu_bytes = 0;             // budget per node
+  std::uint64_t nvme_bytes = 0;            // budget per node
+  PlacementMode mode = PlacementMode::kAuto;
+  OffloadDevice offload_param = OffloadDevice::kNone;      // kDeepSpeed mode only
+  OffloadDevice offload_optimizer = OffloadDevice::kNone;  // kDeepSpeed mode only
+  std::int64_t persistence_threshold = 100'000;   // elements (stage3_param_persistence_threshold)
+  std::int64_t prefetch_bucket_size = 50'000'000; // elements (stage3_prefetch_bucket_size)
+  std::int64_t max_live_parameters = 1'000'000'000;  // elements (stage3_max_live_parameters)
+  std::int64_t sub_group_size = 1'000'000'000;    // elements per optimizer sub-group
+  std::int64_t param_buffer_count = 5;            // offload_param.buffer_count
+  std::int64_t param_buffer_size = 100'000'000;   // elements (offload_param.buffer_size)
+  std::int64_t max_in_cpu = 1'000'000'000;        // elements (offload_param.max_in_cpu)
+  LinkSpeeds links;
+
+  // Stage, accumulation, mode, offload devices, thresholds and buffer sizes
+  // from `config`; budgets from `budgets`.
+  static PlanInput from_config(const Config& config, std::vector<std::uint64_t> block_numel, int ranks,
+                               int ranks_per_node, ResolvedBudgets budgets);
+  int effective_ranks_per_node() const { return ranks_per_node == 0 ? ranks : ranks_per_node; }
+};
+
+// How the blocks partition, per rank, in elements (padding included).
+struct PlanLayout {
+  std::uint64_t model_numel = 0;          // sum of block_numel, unpadded
+  std::size_t blocks = 0;
+  std::uint64_t largest_block_numel = 0;  // unpadded
+  std::uint64_t param_numel = 0;          // 16-bit param shard (stage 3: non-persistent blocks)
+  std::uint64_t grad_numel = 0;           // gradient accumulator the optimizer reads
+  std::uint64_t optimizer_numel = 0;      // master and moments
+  std::size_t persistent_blocks = 0;      // stage 3 blocks kept whole on GPU
+  std::uint64_t persistent_numel = 0;     // their whole (padded) numel
+  std::uint64_t persistent_shard_numel = 0;  // their shard of the optimizer states
+  std::uint64_t gathered_block_numel = 0;    // largest all-gathered block, ranks x shard (stage 3)
+};
+
+struct NeedItem {
+  std::string what;          // "grad (fp32)", "optimizer sub-group staging (3 x ...)", ...
+  std::uint64_t bytes = 0;   // per rank
+};
+
+struct TierUsage {
+  std::uint64_t per_rank_bytes = 0;   // sum of breakdown
+  int ranks_sharing = 1;              // 1 for gpu, ranks_per_node for cpu and nvme
+  std::uint64_t need_bytes = 0;       // per_rank_bytes x ranks_sharing
+  std::uint64_t budget_bytes = 0;
+  std::vector<NeedItem> breakdown;
+
+  bool fits() const { return need_bytes <= budget_bytes; }
+  std::int64_t headroom_bytes() const;  // budget - need; negative when over
+};
+
+// Per rank, per optimizer step.
+struct StepTraffic {
+  std::uint64_t nvme_read_bytes = 0;
+  std::uint64_t nvme_write_bytes = 0;
+  std::uint64_t h2d_bytes = 0;
+  std::uint64_t d2h_bytes = 0;
+  std::uint64_t cpu_optimizer_bytes = 0;  // memory traffic of CPU Adam: 30 B x optimizer shard
+  double estimated_seconds = 0;           // the four above over their link speeds, summed (no overlap)
+};
+
+struct Plan {
+  std::array<Tier, kNumStateClasses> tier{};               // indexed by StateClass
+  std::array<std::uint64_t, kNumStateClasses> class_bytes{};  // per rank, indexed by StateClass
+  std::array<TierUsage, kNumTiers> usage{};                // indexed by Tier
+  StepTraffic traffic;
+  PlanLayout layout;
+  PlacementMode mode = PlacementMode::kAuto;
+  std::size_t candidates = 0;           // placements considered (1 in kDeepSpeed mode)
+  std::size_t feasible_candidates = 0;  // of those, how many fit
+  std::string summary;                  // one line: tiers, needs vs budgets, seconds
+
+  Tier tier_of(StateClass state) const { return tier[static_cast<std::size_t>(state)]; }
+  std::uint64_t bytes_of(StateClass state) const { return class_bytes[static_cast<std::size_t>(state)]; }
+  const TierUsage& usage_of(Tier t) const { return usage[static_cast<std::size_t>(t)]; }
+  bool fits() const;
+};
+
+// kDeepSpeed: follows offload_param / offload_optimizer (see docs/placement.md)
+// and fails with kOutOfMemory when that does not fit, saying what would.
+// kAuto: the feasible placement with the least estimated movement time.
+Expected<Plan> plan_placement(const PlanInput& input);
+
+// The human-readable report tierzero-estimate prints: inputs, the state-class
+// table, the tier table with headroom, each tier's breakdown, the traffic.
+std::string format_plan(const Plan& plan, const PlanInput& input);
+
+}  // namespace tz
