@@ -74,6 +74,13 @@ tz::Expected<StepResult> run_step(tz::Device& device, tz::MemoryPool& device_poo
   const auto chunk_bytes = static_cast<std::size_t>(opt.chunk_mib * tz::kMiB);
   const std::uint64_t allocations_before = device_pool.stats().backend_allocations + host_pool.stats().backend_allocations;
   std::vector<tz::PoolBlock> staged, returned;
+  // On an error part-way, copies may still be running: drain both streams
+  // before the blocks above go back to their pools. (Declared after them, so
+  // it runs first.)
+  tz::Cleanup drain([&] {
+    (void)device.synchronize_stream(h2d).ok();
+    (void)device.synchronize_stream(d2h).ok();
+  });
   for (int c = 0; c < opt.chunks; ++c) {
     TZ_ASSIGN_OR_RETURN(tz::PoolBlock h_param, host_pool.allocate(chunk_bytes));
     fill(h_param.data(), chunk_bytes, static_cast<std::uint64_t>(step) * 1000 + static_cast<std::uint64_t>(c));
@@ -133,12 +140,20 @@ tz::Status run(const Options& opt) {
   // 2. The tiers at work.
   const auto chunk_bytes = static_cast<std::uint64_t>(opt.chunk_mib * tz::kMiB);
   const std::uint64_t per_step = chunk_bytes * static_cast<std::uint64_t>(opt.chunks);
-  const bool pinned = config.zero.offload_param.pin_memory || config.zero.offload_optimizer.pin_memory ||
-                      device->kind() == tz::BackendKind::kCuda;
+  bool pinned = config.zero.offload_param.pin_memory || config.zero.offload_optimizer.pin_memory ||
+                device->kind() == tz::BackendKind::kCuda;
+  const std::uint64_t host_budget = std::min(budgets.cpu_bytes, 2 * per_step);
+  if (pinned && device->kind() == tz::BackendKind::kHost && !tz::has_cap_ipc_lock() &&
+      host_budget > tz::memlock_limit_bytes()) {
+    // The library refuses such a pool (with the advice); the demo says so and goes on unpinned.
+    std::printf("note: %s of pinned memory exceeds this process's memlock limit (%s); using pageable memory. "
+                "Raise it with `ulimit -l unlimited` to demo pinned memory.\n",
+                tz::format_bytes(host_budget).c_str(), tz::format_bytes(tz::memlock_limit_bytes()).c_str());
+    pinned = false;
+  }
   TZ_ASSIGN_OR_RETURN(int numa_node, tz::resolve_numa_node(*device, config.tiers.numa_node));
   TZ_ASSIGN_OR_RETURN(auto device_pool, tz::make_device_pool(*device, std::min(budgets.gpu_bytes, per_step)));
-  TZ_ASSIGN_OR_RETURN(auto host_pool, tz::make_host_pool(*device, std::min(budgets.cpu_bytes, 2 * per_step),
-                                                         {.pinned = pinned, .numa_node = numa_node}));
+  TZ_ASSIGN_OR_RETURN(auto host_pool, tz::make_host_pool(*device, host_budget, {.pinned = pinned, .numa_node = numa_node}));
   TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::Stream> h2d, device->create_stream());
   TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::Stream> d2h, device->create_stream());
   std::vector<std::unique_ptr<tz::Event>> events;

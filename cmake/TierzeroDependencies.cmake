@@ -17,10 +17,12 @@ pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
 
 if(TIERZERO_CUDA)
   find_package(CUDAToolkit REQUIRED)
-  # NCCL ships inside the toolkit tree here; elsewhere point NCCL_ROOT at it.
+  # NCCL ships inside the toolkit tree on our machines; elsewhere point
+  # NCCL_ROOT at it. Nothing links it until the engine's collectives land
+  # (issue #5), so for now a missing NCCL is only reported.
   find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ENV NCCL_ROOT PATH_SUFFIXES include)
   find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} ENV NCCL_ROOT PATH_SUFFIXES lib lib64)
   if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
-    message(FATAL_ERROR "TIERZERO_CUDA=ON but NCCL was not found (set NCCL_ROOT, or -DTIERZERO_CUDA=OFF)")
+    message(STATUS "NCCL not found (set NCCL_ROOT); the NCCL backend will need it")
   endif()
 endif()

@@ -36,6 +36,15 @@ std::uint64_t memlock_limit_bytes() {
   return limit.rlim_cur;
 }
 
+std::uint64_t locked_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6)) * 1024;  // "VmLck:  1234 kB"
+  }
+  return 0;
+}
+
 bool has_cap_ipc_lock() {
   constexpr int kCapIpcLock = 14;  // linux/capability.h
   std::ifstream in("/proc/self/status");

@@ -1,5 +1,6 @@
 // CUDA casts fp32 -> bf16/fp16. The conversion intrinsics round to nearest
-// even, matching the CPU twins bit for bit (tests/kernels compare them).
+// even, matching the CPU twins bit for bit except for NaN payloads
+// (tests/kernels compare them).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

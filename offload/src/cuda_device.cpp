@@ -12,9 +12,13 @@ namespace {
 class CudaStream final : public Stream {
  public:
   explicit CudaStream(cudaStream_t s) : stream_(s) {}
+  void* native_handle() const override { return stream_; }
   ~CudaStream() override {
-    // Destroying a stream with pending work is legal; CUDA finishes it first.
-    if (stream_ != nullptr && cudaStreamDestroy(stream_) != cudaSuccess) (void)cudaGetLastError();
+    // cudaStreamDestroy returns at once; the contract (device.h) is that the
+    // stream's work is finished, so memory freed next is no longer in use.
+    if (stream_ == nullptr) return;
+    if (cudaStreamSynchronize(stream_) != cudaSuccess) (void)cudaGetLastError();
+    if (cudaStreamDestroy(stream_) != cudaSuccess) (void)cudaGetLastError();
   }
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
@@ -51,16 +55,10 @@ class CudaDevice final : public Device {
   CudaDevice(int ordinal, std::string name, int numa_node)
       : ordinal_(ordinal), name_(std::move(name)), numa_node_(numa_node) {}
 
-  Status init() {
-    TZ_TRY(make_current());
-    // Keep freed stream-ordered memory in the driver's pool instead of
-    // returning it at every synchronization: steady state must not allocate.
-    cudaMemPool_t pool;
-    TZ_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, ordinal_));
-    std::uint64_t threshold = UINT64_MAX;
-    TZ_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
-    return ok_status();
-  }
+  // Caching is MemoryPool's job (it allocates synchronously, below the
+  // stream-ordered allocator); the driver's default pool keeps its default
+  // release threshold, so other libraries sharing it see no change.
+  Status init() { return make_current(); }
 
   BackendKind kind() const override { return BackendKind::kCuda; }
   std::string name() const override { return name_; }
@@ -147,6 +145,7 @@ class CudaDevice final : public Device {
     return ok_status();
   }
   Expected<bool> event_done(Event& event) override {
+    TZ_TRY(make_current());
     cudaError_t err = cudaEventQuery(raw(event));
     if (err == cudaErrorNotReady) {
       (void)cudaGetLastError();
@@ -156,10 +155,12 @@ class CudaDevice final : public Device {
     return true;
   }
   Status synchronize_event(Event& event) override {
+    TZ_TRY(make_current());
     TZ_CUDA_CHECK(cudaEventSynchronize(raw(event)));
     return ok_status();
   }
   Status synchronize_stream(Stream& stream) override {
+    TZ_TRY(make_current());
     TZ_CUDA_CHECK(cudaStreamSynchronize(raw(stream)));
     return ok_status();
   }

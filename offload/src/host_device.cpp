@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -64,6 +65,7 @@ class HostEvent final : public Event {
 class HostStream final : public Stream {
  public:
   HostStream() : worker_([this] { run(); }) {}
+  void* native_handle() const override { return nullptr; }
   ~HostStream() override {
     {
       std::lock_guard lock(mu_);
@@ -125,6 +127,9 @@ class HostDevice final : public Device {
 
   Expected<void*> allocate(std::size_t bytes, Stream* /*stream*/) override {
     // Allocation needs no ordering on the host: memory is usable at once.
+    if (bytes > (std::numeric_limits<std::size_t>::max() >> 1)) {
+      return invalid_argument("host device: allocation of {} bytes is beyond any address space", bytes);
+    }
     void* ptr = std::aligned_alloc(kHostDeviceAlignment, align_up(bytes == 0 ? 1 : bytes, kHostDeviceAlignment));
     if (ptr == nullptr) {
       return out_of_memory("host device: allocating {} failed", format_bytes(bytes));

@@ -85,11 +85,17 @@ std::unique_ptr<RawAllocator> make_host_allocator(Device& device, HostMemoryOpti
 
 Expected<std::unique_ptr<MemoryPool>> make_host_pool(Device& device, std::uint64_t budget_bytes,
                                                      HostMemoryOptions options) {
-  // mlock is bound by RLIMIT_MEMLOCK (cudaHostRegister is not): say so now, not mid-step.
-  if (options.pinned && device.kind() == BackendKind::kHost && !has_cap_ipc_lock() &&
-      budget_bytes > memlock_limit_bytes()) {
-    return out_of_memory("cpu tier: pinned budget {} (tierzero.tiers.cpu_bytes) exceeds the memlock limit; {}",
-                         format_bytes(budget_bytes), memlock_advice(budget_bytes));
+  // mlock is bound by RLIMIT_MEMLOCK (cudaHostRegister is not): say so now,
+  // not mid-step. What is locked already (other pools) counts against it too.
+  if (options.pinned && device.kind() == BackendKind::kHost && !has_cap_ipc_lock()) {
+    const std::uint64_t limit = memlock_limit_bytes();
+    const std::uint64_t locked = locked_bytes();
+    if (locked > limit || budget_bytes > limit - locked) {
+      return out_of_memory(
+          "cpu tier: pinned budget {} (tierzero.tiers.cpu_bytes) plus {} already locked exceeds the memlock "
+          "limit; {}",
+          format_bytes(budget_bytes), format_bytes(locked), memlock_advice(budget_bytes + locked));
+    }
   }
   PoolOptions pool_options;
   pool_options.tier = options.pinned ? "pinned cpu" : "cpu";

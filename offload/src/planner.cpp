@@ -6,6 +6,7 @@
 // hand-computed expectations.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <string>
@@ -222,24 +223,32 @@ void fill_usage(const PlanInput& in, Plan& plan) {
   }
 }
 
+// counter += the product of `factors`, saturating at 2^64 - 1 (a step of a
+// huge model with many micro-batches can pass 2^64 bytes).
+void add_bytes(std::uint64_t& counter, std::initializer_list<std::uint64_t> factors) {
+  std::uint64_t product = 1;
+  for (std::uint64_t f : factors) product = sat_mul(product, f);
+  counter = sat_add(counter, product);
+}
+
 void add_param_traffic(const PlanInput& in, const Plan& plan, StepTraffic& t) {
   const std::uint64_t g = static_cast<std::uint64_t>(in.gradient_accumulation_steps);
   const std::uint64_t p = plan.layout.param_numel;
   const Tier where = plan.tier_of(StateClass::kParam16);
   const bool gpu_optimizer = plan.tier_of(StateClass::kMaster) == Tier::kGpu;
   // Off-GPU shards come up once for forward and once for backward per micro-batch.
-  if (where != Tier::kGpu) t.h2d_bytes += 2 * p * 2 * g;
+  if (where != Tier::kGpu) add_bytes(t.h2d_bytes, {2, p, 2, g});
   if (where == Tier::kNvme) {
     const std::uint64_t cached = std::min(as_u64(in.max_in_cpu), p);
-    t.nvme_read_bytes += 2 * (p - cached) * 2 * g;
-    t.nvme_write_bytes += 2 * p;  // the new 16-bit shard after the step
+    add_bytes(t.nvme_read_bytes, {2, p - cached, 2, g});
+    add_bytes(t.nvme_write_bytes, {2, p});  // the new 16-bit shard after the step
   }
   if (gpu_optimizer) {
-    if (where != Tier::kGpu) t.d2h_bytes += 2 * p;  // GPU Adam's new params go down to their tier
+    if (where != Tier::kGpu) add_bytes(t.d2h_bytes, {2, p});  // GPU Adam's new params go down to their tier
   } else {
-    if (where == Tier::kGpu) t.h2d_bytes += 2 * p;  // CPU Adam's new params come up
-    t.h2d_bytes += 2 * plan.layout.persistent_shard_numel;
-    t.cpu_optimizer_bytes += kCpuAdamBytesPerElem * plan.layout.optimizer_numel;
+    if (where == Tier::kGpu) add_bytes(t.h2d_bytes, {2, p});  // CPU Adam's new params come up
+    add_bytes(t.h2d_bytes, {2, plan.layout.persistent_shard_numel});
+    add_bytes(t.cpu_optimizer_bytes, {kCpuAdamBytesPerElem, plan.layout.optimizer_numel});
   }
 }
 
@@ -249,25 +258,25 @@ StepTraffic step_traffic(const PlanInput& in, const Plan& plan) {
   const std::uint64_t g = static_cast<std::uint64_t>(in.gradient_accumulation_steps);
   const std::uint64_t grad = plan.layout.grad_numel;
   const std::uint64_t opt = plan.layout.optimizer_numel;
-  if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) t.d2h_bytes += 2 * grad * g;
+  if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) add_bytes(t.d2h_bytes, {2, grad, g});
   if (plan.tier_of(StateClass::kGrad) == Tier::kNvme) {
     // Each micro-batch writes its accumulated fp32 grads; every one but the
     // first reads them back to accumulate, and the step reads them once.
-    t.nvme_write_bytes += 4 * grad * g;
-    t.nvme_read_bytes += 4 * grad * (g - 1) + 4 * grad;
+    add_bytes(t.nvme_write_bytes, {4, grad, g});
+    add_bytes(t.nvme_read_bytes, {4, grad, g});
   }
   if (plan.tier_of(StateClass::kMaster) == Tier::kNvme) {
-    t.nvme_read_bytes += 4 * opt;
-    t.nvme_write_bytes += 4 * opt;
+    add_bytes(t.nvme_read_bytes, {4, opt});
+    add_bytes(t.nvme_write_bytes, {4, opt});
   }
   if (plan.tier_of(StateClass::kMoments) == Tier::kNvme) {
-    t.nvme_read_bytes += 8 * opt;
-    t.nvme_write_bytes += 8 * opt;
+    add_bytes(t.nvme_read_bytes, {8, opt});
+    add_bytes(t.nvme_write_bytes, {8, opt});
   }
   const LinkSpeeds& s = in.links;
   t.estimated_seconds = static_cast<double>(t.nvme_read_bytes) / s.nvme_read_Bps +
                         static_cast<double>(t.nvme_write_bytes) / s.nvme_write_Bps +
-                        static_cast<double>(t.h2d_bytes + t.d2h_bytes) / s.pcie_Bps +
+                        (static_cast<double>(t.h2d_bytes) + static_cast<double>(t.d2h_bytes)) / s.pcie_Bps +
                         static_cast<double>(t.cpu_optimizer_bytes) / s.cpu_mem_Bps;
   return t;
 }

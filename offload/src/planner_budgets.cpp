@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <limits>
 #include <set>
+#include <sys/stat.h>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "tierzero/offload/planner.h"
@@ -29,14 +29,15 @@ Expected<std::uint64_t> auto_gpu_bytes(const Capabilities& caps, std::string* so
   return ninety_percent(device.total_memory_bytes);
 }
 
-// Free space summed over the paths; two paths on one block device count once.
+// Free space summed over the paths; two paths on one file system (same
+// st_dev: a block device, or one tmpfs/overlay/btrfs subvolume) count once.
 Expected<std::uint64_t> auto_nvme_bytes(const std::vector<std::string>& paths, std::string* source) {
   if (paths.empty()) {
     *source = "auto: no NVMe paths given (tierzero.tiers.nvme_paths), so no NVMe tier";
     return std::uint64_t{0};
   }
   std::uint64_t total = 0;
-  std::set<std::tuple<std::string, std::string, std::uint64_t>> seen;
+  std::set<dev_t> seen;
   std::vector<std::string> counted;
   for (const std::string& path : paths) {
     Expected<PathCapabilities> probed = probe_path(path);
@@ -44,9 +45,8 @@ Expected<std::uint64_t> auto_nvme_bytes(const std::vector<std::string>& paths, s
       return std::move(probed).status().with_context(
           fmt::format("resolving tierzero.tiers.nvme_bytes \"auto\" from NVMe path {}", path));
     }
-    if (!probed->device.empty() && !seen.emplace(probed->device, probed->filesystem, probed->total_bytes).second) {
-      continue;
-    }
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && !seen.insert(st.st_dev).second) continue;
     total += probed->free_bytes;
     counted.push_back(fmt::format("{} ({} free)", path, format_bytes(probed->free_bytes)));
   }

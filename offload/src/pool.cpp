@@ -28,8 +28,8 @@ MemoryPool::MemoryPool(PoolOptions options, std::unique_ptr<RawAllocator> alloca
 }
 
 MemoryPool::~MemoryPool() {
-  std::lock_guard lock(mu_);
-  reap_pending_locked(/*wait=*/true);
+  std::unique_lock lock(mu_);
+  wait_for_pending(lock);
   trim_locked();
   if (stats_.in_use_bytes != 0) {
     // Blocks still out would dangle; they are a caller bug, not a run-time condition.
@@ -39,10 +39,12 @@ MemoryPool::~MemoryPool() {
 }
 
 Expected<PoolBlock> MemoryPool::allocate(std::size_t bytes) {
-  const std::size_t capacity = align_up(std::max<std::size_t>(bytes, 1), options_.granularity_bytes);
-  std::lock_guard lock(mu_);
+  std::unique_lock lock(mu_);
   ++stats_.requests;
-  reap_pending_locked(/*wait=*/false);
+  // Checked before rounding, so a huge request cannot wrap around align_up.
+  if (bytes > options_.budget_bytes) return over_budget_locked(bytes, bytes);
+  const std::size_t capacity = align_up(std::max<std::size_t>(bytes, 1), options_.granularity_bytes);
+  reap_pending_locked();
   if (auto [ptr, block_capacity] = take_cached_locked(capacity); ptr != nullptr) {
     ++stats_.cache_hits;
     return PoolBlock(this, ptr, bytes, block_capacity);
@@ -51,7 +53,7 @@ Expected<PoolBlock> MemoryPool::allocate(std::size_t bytes) {
     // Make room: cached blocks first, then blocks still pending on a stream.
     trim_locked();
     if (stats_.reserved_bytes + capacity > options_.budget_bytes && !pending_.empty()) {
-      reap_pending_locked(/*wait=*/true);
+      wait_for_pending(lock);
       if (auto [ptr, block_capacity] = take_cached_locked(capacity); ptr != nullptr) {
         ++stats_.cache_hits;
         return PoolBlock(this, ptr, bytes, block_capacity);
@@ -88,10 +90,24 @@ Status MemoryPool::release_after(PoolBlock block, Stream& stream) {
       spare_events_.pop_back();
     }
   }
+  Status recorded = ok_status();
   if (!done) {
-    TZ_ASSIGN_OR_RETURN(done, device_->create_event());
+    Expected<std::unique_ptr<Event>> created = device_->create_event();
+    if (created.ok()) done = std::move(*created);
+    else recorded = std::move(created).status();
   }
-  TZ_TRY(device_->record_event(*done, stream));
+  if (recorded.ok()) recorded = device_->record_event(*done, stream);
+  if (!recorded.ok()) {
+    // The stream may still be using the block: it must not reach the cache
+    // before that work is done. Wait for the stream, then let `block` go.
+    Status drained = device_->synchronize_stream(stream);
+    if (!drained.ok()) TZ_LOG_ERROR("offload", "{} pool: draining a stream: {}", options_.tier, drained.to_string());
+    if (done) {
+      std::lock_guard lock(mu_);
+      spare_events_.push_back(std::move(done));
+    }
+    return recorded.with_context(fmt::format("{} pool: release_after", options_.tier));
+  }
   std::lock_guard lock(mu_);
   void* ptr = std::exchange(block.ptr_, nullptr);
   std::size_t capacity = block.capacity_bytes_;
@@ -108,27 +124,38 @@ void MemoryPool::release(void* ptr, std::size_t capacity) {
   cached_.emplace(capacity, ptr);
 }
 
-void MemoryPool::reap_pending_locked(bool wait) {
-  // Events complete in stream order only per stream; scan them all.
+void MemoryPool::reap_pending_locked() {
+  // Events complete in order only within one stream; scan them all.
   for (auto it = pending_.begin(); it != pending_.end();) {
-    bool done = true;
-    if (wait) {
-      Status s = device_->synchronize_event(*it->done);
-      if (!s.ok()) TZ_LOG_ERROR("offload", "{} pool: waiting for a released block: {}", options_.tier, s.to_string());
-    } else {
-      Expected<bool> d = device_->event_done(*it->done);
-      done = d.ok() ? *d : true;  // an errored stream no longer uses the block
-    }
-    if (!done) {
+    Expected<bool> done = device_->event_done(*it->done);
+    if (done.ok() && !*done) {
       ++it;
       continue;
     }
+    // Done, or the stream failed and no longer runs anything that could use the block.
     stats_.pending_bytes -= it->capacity;
     stats_.cached_bytes += it->capacity;
     cached_.emplace(it->capacity, it->ptr);
     spare_events_.push_back(std::move(it->done));
     it = pending_.erase(it);
   }
+}
+
+void MemoryPool::wait_for_pending(std::unique_lock<std::mutex>& lock) {
+  if (pending_.empty()) return;
+  // Wait without the lock: work on those streams (a host function) may call
+  // into this pool. Events are owned by the pool until it is destroyed, so the
+  // pointers stay valid even if another thread reaps the entries meanwhile.
+  std::vector<Event*> events;
+  events.reserve(pending_.size());
+  for (const Pending& p : pending_) events.push_back(p.done.get());
+  lock.unlock();
+  for (Event* event : events) {
+    Status s = device_->synchronize_event(*event);
+    if (!s.ok()) TZ_LOG_ERROR("offload", "{} pool: waiting for a released block: {}", options_.tier, s.to_string());
+  }
+  lock.lock();
+  reap_pending_locked();
 }
 
 std::uint64_t MemoryPool::trim_locked() {
@@ -184,7 +211,7 @@ void MemoryPool::reset_peak() {
 
 std::uint64_t MemoryPool::trim() {
   std::lock_guard lock(mu_);
-  reap_pending_locked(/*wait=*/false);
+  reap_pending_locked();
   return trim_locked();
 }
 

@@ -6,6 +6,8 @@
 //           L = largest gathered block (ranks x shard)
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <string>
 #include <vector>
 
@@ -449,6 +451,29 @@ TEST(ResolveBudgets, AutoNvmeSumsFreeSpaceOrNamesTheBadPath) {
   ASSERT_TRUE(b.ok()) << b.status().to_string();
   EXPECT_GT(b->nvme_bytes, 0u);
   EXPECT_NE(b->nvme_source.find(dir), std::string::npos) << b->nvme_source;
+}
+
+}  // namespace
+}  // namespace tz
+
+namespace tz {
+namespace {
+
+TEST(PlanTraffic, SaturatesInsteadOfWrapping) {
+  // 10^13 parameters with 2^20 micro-batches: the true host-to-device traffic
+  // (~4 x 10^13 x 2^20 bytes) is past 2^64; the count must pin at the maximum,
+  // not wrap to a small number that would make this placement look cheap.
+  PlanInput in;
+  in.block_numel.assign(1000, 10'000'000'000);
+  in.gradient_accumulation_steps = 1 << 20;
+  in.mode = PlacementMode::kDeepSpeed;
+  in.offload_param = OffloadDevice::kCpu;
+  in.offload_optimizer = OffloadDevice::kCpu;
+  in.gpu_bytes = in.cpu_bytes = in.nvme_bytes = std::numeric_limits<std::uint64_t>::max() / 2;
+  const Plan plan = must_plan(in);
+  EXPECT_EQ(plan.traffic.h2d_bytes, std::numeric_limits<std::uint64_t>::max());
+  EXPECT_EQ(plan.traffic.d2h_bytes, std::numeric_limits<std::uint64_t>::max());
+  EXPECT_GT(plan.traffic.estimated_seconds, 1e8);
 }
 
 }  // namespace

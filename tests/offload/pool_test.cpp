@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <future>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -207,6 +210,99 @@ TEST(MemoryPool, ConcurrentUseKeepsAccountsStraight) {
   EXPECT_EQ(stats.requests, 800u);
   EXPECT_EQ(stats.reserved_bytes, stats.cached_bytes);
   EXPECT_LE(stats.backend_allocations, 4u * 8u);
+}
+
+}  // namespace
+}  // namespace tz
+
+namespace tz {
+namespace {
+
+TEST(MemoryPool, HugeRequestIsRefusedWithoutWrapping) {
+  PoolFixture f(64 * kMiB);
+  Expected<PoolBlock> b = f.pool->allocate(std::numeric_limits<std::size_t>::max() - 100);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), ErrorCode::kOutOfMemory);
+  EXPECT_EQ(f.backend->allocations, 0);
+  EXPECT_EQ(f.pool->stats().reserved_bytes, 0u);
+}
+
+TEST(MemoryPool, WaitingForAStreamDoesNotHoldThePoolLock) {
+  // Work on the stream calls into the pool (as an engine callback might) while
+  // another thread's allocate waits for that stream to free a block.
+  std::unique_ptr<Device> device = create_host_device();
+  auto stream = device->create_stream();
+  ASSERT_TRUE(stream.ok());
+  PoolFixture f(4 * kMiB, device.get());
+  std::promise<void> gate;
+  std::atomic<bool> callback_ran{false};
+  ASSERT_TRUE(device->launch_host_func(**stream, [&, g = gate.get_future().share()] {
+    g.wait();
+    (void)f.pool->stats();  // takes the pool's lock
+    callback_ran = true;
+  }).ok());
+  auto block = f.pool->allocate(4 * kMiB);
+  ASSERT_TRUE(block.ok());
+  ASSERT_TRUE(f.pool->release_after(std::move(*block), **stream).ok());
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    gate.set_value();
+  });
+  auto next = f.pool->allocate(4 * kMiB);  // over budget: waits for the stream, lock released
+  opener.join();
+  ASSERT_TRUE(next.ok()) << next.status().to_string();
+  EXPECT_TRUE(callback_ran.load());
+}
+
+// A device whose record_event fails, to see where a released block goes.
+class RecordFailsDevice final : public Device {
+ public:
+  explicit RecordFailsDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
+  BackendKind kind() const override { return inner_->kind(); }
+  std::string name() const override { return inner_->name(); }
+  int numa_node() const override { return inner_->numa_node(); }
+  Expected<DeviceMemoryInfo> memory_info() override { return inner_->memory_info(); }
+  Expected<std::unique_ptr<Stream>> create_stream() override { return inner_->create_stream(); }
+  Expected<std::unique_ptr<Event>> create_event() override { return inner_->create_event(); }
+  Expected<void*> allocate(std::size_t b, Stream* s) override { return inner_->allocate(b, s); }
+  Status deallocate(void* p, std::size_t b, Stream* s) override { return inner_->deallocate(p, b, s); }
+  Status pin(void* p, std::size_t b) override { return inner_->pin(p, b); }
+  Status unpin(void* p, std::size_t b) override { return inner_->unpin(p, b); }
+  Status copy_async(void* d, const void* s, std::size_t b, Stream& st) override { return inner_->copy_async(d, s, b, st); }
+  Status memset_async(void* d, int v, std::size_t b, Stream& st) override { return inner_->memset_async(d, v, b, st); }
+  Status launch_host_func(Stream& st, std::function<void()> fn) override { return inner_->launch_host_func(st, std::move(fn)); }
+  Status record_event(Event&, Stream&) override { return internal_error("injected record_event failure"); }
+  Status stream_wait_event(Stream& st, Event& e) override { return inner_->stream_wait_event(st, e); }
+  Expected<bool> event_done(Event& e) override { return inner_->event_done(e); }
+  Status synchronize_event(Event& e) override { return inner_->synchronize_event(e); }
+  Status synchronize_stream(Stream& st) override { return inner_->synchronize_stream(st); }
+
+ private:
+  std::unique_ptr<Device> inner_;
+};
+
+TEST(MemoryPool, FailedReleaseAfterWaitsForTheStreamBeforeReuse) {
+  RecordFailsDevice device(create_host_device());
+  auto stream = device.create_stream();
+  ASSERT_TRUE(stream.ok());
+  PoolFixture f(64 * kMiB, &device);
+  auto block = f.pool->allocate(1 * kMiB);
+  ASSERT_TRUE(block.ok());
+  char* data = block->as<char>();
+  std::atomic<bool> stream_done{false};
+  ASSERT_TRUE(device.launch_host_func(**stream, [&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    data[0] = 42;  // the stream still writes to the block
+    stream_done = true;
+  }).ok());
+  Status s = f.pool->release_after(std::move(*block), **stream);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("injected record_event failure"), std::string::npos) << s.message();
+  EXPECT_TRUE(stream_done.load()) << "the block reached the cache while the stream could still use it";
+  auto reused = f.pool->allocate(1 * kMiB);
+  ASSERT_TRUE(reused.ok());
+  EXPECT_EQ(reused->as<char>(), data);
+  EXPECT_EQ(f.pool->stats().pending_bytes, 0u);
 }
 
 }  // namespace

@@ -3,14 +3,17 @@
 // backend and are the reference the CUDA versions are tested against).
 //
 // This first set converts fp32 to the 16-bit formats the engine stores
-// parameters in. Rounding: round-to-nearest-even for finite values, NaN stays
-// NaN (quiet), overflow to fp16 saturates to +-inf as IEEE conversion does.
+// parameters in. Rounding: round-to-nearest-even for finite values, overflow
+// to fp16 goes to +-inf as IEEE conversion does; CUDA and CPU agree bit for bit
+// there. NaN stays NaN (quiet), but its payload and sign may differ between
+// the CPU twin (kept) and CUDA (canonical NaN).
 //
 //   tz::kernels::cast_fp32_to_bf16_cpu(master.data(), bf16.data(), n);
 //   TZ_TRY(tz::kernels::cast_fp32_to_bf16_cuda(d_src, d_dst, n, stream_handle));
 //
 // Pointers: `src` and `dst` must not overlap; CUDA versions take device
-// pointers and a cudaStream_t passed as void* (so this header needs no CUDA).
+// pointers and a cudaStream_t passed as void* (so this header needs no CUDA):
+// tz::Stream::native_handle() of a CUDA-backend stream.
 #pragma once
 
 #include <cstddef>

@@ -11,7 +11,7 @@
 //     "backend": "auto",                     // "auto" | "cuda" | "host"
 //     "placement": "auto",                   // "auto" | "deepspeed" (default: see below)
 //     "tiers": {
-//       "gpu_bytes": "auto",                 // bytes, "80GB"/"64GiB", or "auto" (free memory)
+//       "gpu_bytes": "auto",                 // bytes, "80GB"/"64GiB", or "auto" (90% of GPU 0's memory)
 //       "cpu_bytes": "120GB",
 //       "nvme_bytes": "2TB",
 //       "nvme_paths": ["/nvme0/tz", "/nvme1/tz"],   // striped

@@ -17,6 +17,8 @@ struct HostMemoryReading {
 Expected<HostMemoryReading> read_host_memory();
 // RLIMIT_MEMLOCK soft limit in bytes; UINT64_MAX when unlimited.
 std::uint64_t memlock_limit_bytes();
+// Bytes this process has locked now (VmLck in /proc/self/status).
+std::uint64_t locked_bytes();
 // CAP_IPC_LOCK in this process's effective set (then RLIMIT_MEMLOCK does not apply).
 bool has_cap_ipc_lock();
 

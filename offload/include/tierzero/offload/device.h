@@ -42,6 +42,9 @@ std::string_view backend_name(BackendKind kind);  // "host" | "cuda"
 class Stream {
  public:
   virtual ~Stream() = default;
+  // The backend's handle: a cudaStream_t on CUDA (pass it to tz::kernels'
+  // *_cuda functions to order kernels with this stream's copies), nullptr on Host.
+  virtual void* native_handle() const = 0;
 };
 
 // A point in a stream's work. Recording it again moves the point; an event
@@ -86,7 +89,11 @@ class Device {
   virtual Status copy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) = 0;
   virtual Status memset_async(void* d_ptr, int value, std::size_t bytes, Stream& stream) = 0;
   // Runs fn on a host thread after all earlier work on `stream`; later work on
-  // the stream waits for it. fn must not call into this stream.
+  // the stream waits for it. As with cudaLaunchHostFunc, fn must not call this
+  // Device (or a pool that records events on it), must not block on other
+  // streams' work, and must not throw: CUDA forbids device calls there and may
+  // run several streams' host functions one at a time on one thread. The Host
+  // backend is more lenient; code written for both must follow these rules.
   virtual Status launch_host_func(Stream& stream, std::function<void()> fn) = 0;
 
   virtual Status record_event(Event& event, Stream& stream) = 0;

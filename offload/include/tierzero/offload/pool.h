@@ -126,7 +126,9 @@ class MemoryPool {
 
   void release(void* ptr, std::size_t capacity);
   // With mu_ held:
-  void reap_pending_locked(bool wait);
+  void reap_pending_locked();  // moves finished pending blocks to the cache, never blocks
+  // Waits, with mu_ released, for every block pending now; then reaps.
+  void wait_for_pending(std::unique_lock<std::mutex>& lock);
   std::uint64_t trim_locked();
   // A cached block of at least `capacity` within the slack: {ptr, its capacity}, or {nullptr, 0}.
   std::pair<void*, std::size_t> take_cached_locked(std::size_t capacity);
