@@ -1,0 +1,151 @@
+// tierzero/cpu_adam.h: the CPU optimizers that update offloaded states.
+//
+// One fused pass per element does the whole step: gradient scale (1/loss
+// scale times the clip coefficient), weight decay, moment updates, parameter
+// update and, when asked, the 16-bit copy of the new parameter into a separate
+// buffer (the pinned buffer the engine uploads from). Each byte of optimizer
+// state is read and written once per step. Semantics follow torch.optim:
+//
+//   Adam     g += wd * p (L2);  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+//            p -= lr / (1-b1^t) * m / (sqrt(v) / sqrt(1-b2^t) + eps)
+//   AdamW    as Adam, but weight decay is decoupled: p *= 1 - lr * wd first
+//   amsgrad  vmax = max(vmax, v), and vmax replaces v in the denominator
+//   Adagrad  g += wd * p;  s += g^2;  p -= lr / (1 + (t-1) lr_decay) * g / (sqrt(s) + eps)
+//   Lion     p *= 1 - lr * wd;  p -= lr * sign(b1 m + (1-b1) g);  m = b2 m + (1-b2) g
+//
+// Arithmetic is fp32 (as torch's CPU kernels for fp32 params); bias
+// corrections are computed once per step in double. Gradients may be fp32,
+// bf16 or fp16; master weights fp32; moments fp32 or bf16 (bf16 moments are
+// stored round-to-nearest-even). The 16-bit copy-out is bf16 (round to nearest
+// even; NaN stays NaN: (bits >> 16) | 0x40) or fp16 (round to nearest even,
+// overflow to inf, NaN as F16C converts it); every variant writes the same
+// bits. Where the CPU allows (AVX2, AVX-512) the copy-out is written with
+// non-temporal stores in whole 64-byte lines: it is not left in the cache,
+// and its lines are not read before being written.
+//
+// SIMD: xsimd kernels compiled once per instruction set (AVX-512, AVX2+FMA,
+// SSE4.2, scalar) and picked at run time: the widest the CPU runs, unless
+// Options::simd or the TIERZERO_SIMD environment variable ("avx512", "avx2",
+// "sse4.2", "scalar") forces one. The choice is logged once.
+// Threads: a oneTBB task arena of Options::threads threads (the caller's
+// thread takes part), whose workers are pinned with hwloc to the CPUs of one
+// NUMA node while they work for it (the caller's thread is left as it is).
+// Work is split in cache-sized tiles (automatic ones are a multiple of 64
+// elements, so with 64-byte-aligned spans no two threads write one cache line). Results do not
+// depend on the thread count or the tile size: every element gets the same
+// arithmetic.
+//
+// Example:
+//   TZ_ASSIGN_OR_RETURN(auto opt, tz::cpu_adam::CpuOptimizer::create({.threads = 2}));
+//   tz::cpu_adam::Hyper hyper{.algorithm = tz::cpu_adam::Algorithm::kAdamW, .lr = 3e-4, .weight_decay = 0.1};
+//   tz::cpu_adam::Spans s{.n = n, .param = master, .grad = grad, .exp_avg = m, .exp_avg_sq = v,
+//                         .param16 = bf16_out};
+//   TZ_TRY(opt->step(hyper, {.step = t, .grad_scale = clip / loss_scale}, s));
+//
+// Errors: every input is checked before any memory is touched (null spans,
+// spans not aligned to their element size or overlapping each other, dtypes a
+// span cannot have, NaN or out-of-range hyperparameters, step < 1); on an
+// error nothing is written and the InvalidArgument message names the value and
+// its range ("lr = nan is not a number", "beta1 = 1 is outside [0, 1)").
+// Hyperparameters are checked even when n == 0 (which is otherwise a no-op).
+// Thread safety: one CpuOptimizer may be called from several threads; calls
+// run one at a time inside its arena.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "tierzero/common.h"
+
+namespace tz::cpu_adam {
+
+enum class Simd : std::uint8_t { kScalar, kSse4_2, kAvx2, kAvx512 };
+std::string_view simd_name(Simd simd);            // "scalar" | "sse4.2" | "avx2" | "avx512"
+Expected<Simd> parse_simd(std::string_view name);  // the names above; error lists them
+std::vector<Simd> compiled_variants();             // in this build, narrowest first
+bool cpu_supports(Simd simd);                      // this CPU (and OS) can run it
+Simd best_supported();                             // widest compiled variant the CPU runs
+
+enum class DType : std::uint8_t { kFp32, kBf16, kFp16 };
+std::string_view dtype_name(DType dtype);
+
+enum class Algorithm : std::uint8_t { kAdam, kAdamW, kAdagrad, kLion };
+std::string_view algorithm_name(Algorithm algorithm);
+
+struct Hyper {
+  Algorithm algorithm = Algorithm::kAdamW;
+  double lr = 1e-3;            // > 0
+  double beta1 = 0.9;          // [0, 1); Lion: interpolation for the update sign
+  double beta2 = 0.999;        // [0, 1); Lion: momentum decay
+  double eps = 1e-8;           // > 0 (Adam, AdamW, Adagrad)
+  double weight_decay = 0.0;   // >= 0
+  bool amsgrad = false;        // Adam/AdamW only
+  double lr_decay = 0.0;       // Adagrad only, >= 0
+};
+
+struct StepArgs {
+  std::int64_t step = 1;       // 1-based number of this step (bias correction, Adagrad's lr decay)
+  double grad_scale = 1.0;     // every gradient is multiplied by this first; finite, > 0
+};
+
+// One shard's state as spans of n elements. Which spans an algorithm needs:
+//   Adam/AdamW  param, grad, exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)
+//   Adagrad     param, grad, exp_avg_sq (the running sum of squares; the caller
+//               fills it with torch's initial_accumulator_value, 0 by default)
+//   Lion        param, grad, exp_avg (the momentum)
+// Spans may start anywhere aligned to their element (4 bytes for fp32, 2 for
+// 16-bit); they must not overlap each other. Spans an algorithm does not use
+// are ignored.
+struct Spans {
+  std::size_t n = 0;
+  float* param = nullptr;              // (n,) fp32 master weights, updated in place
+  const void* grad = nullptr;          // (n,) grad_dtype
+  DType grad_dtype = DType::kFp32;     // fp32 | bf16 | fp16
+  void* exp_avg = nullptr;             // (n,) moment_dtype
+  void* exp_avg_sq = nullptr;          // (n,) moment_dtype
+  DType moment_dtype = DType::kFp32;   // fp32 | bf16
+  float* max_exp_avg_sq = nullptr;     // (n,) fp32, amsgrad only
+  void* param16 = nullptr;             // (n,) optional copy of the new param in param16_dtype
+  DType param16_dtype = DType::kBf16;  // bf16 | fp16
+};
+
+// What a gradient-arrival pass saw in the accumulated buffer.
+struct GradStats {
+  double sum_squares = 0;   // sum of acc[i]^2 after accumulation: fp32 lanes over 64 vectors at a time,
+                            // then fp64 (relative error < 4e-6; squares beyond fp32 range are redone in fp64)
+  bool non_finite = false;  // some acc[i] is inf or NaN (sum_squares is then inf or NaN)
+};
+
+struct Options {
+  int threads = 0;                 // 0: every CPU of the NUMA node (or of the machine); at most the CPUs
+                                   // this process may use (more would only queue)
+  int numa_node = -1;              // pin workers to this node's CPUs; -1: the node of CPU 0, no pinning on 1-node machines
+  std::optional<Simd> simd;        // force a variant (must be compiled and supported); else TIERZERO_SIMD
+  std::size_t tile_elems = 0;      // elements per task, a multiple of 16; 0: half of L2 over the pass's
+                                   // arrays, 16K-64K elements
+};
+
+class CpuOptimizer {
+ public:
+  static Expected<std::unique_ptr<CpuOptimizer>> create(const Options& options);
+  virtual ~CpuOptimizer() = default;
+
+  // One optimizer step over the spans (see the formulas above).
+  virtual Status step(const Hyper& hyper, const StepArgs& args, const Spans& spans) = 0;
+
+  // The gradient-arrival pass: acc[i] = (overwrite ? 0 : acc[i]) + scale * grad[i],
+  // returning the squared L2 norm and non-finite flag of the new acc in the same read.
+  // acc is (n,) fp32, grad (n,) grad_dtype; they must not overlap; scale must be
+  // finite in fp32. With overwrite, acc is only written (old inf/NaN are forgotten).
+  virtual Expected<GradStats> accumulate_grad(float* acc, const void* grad, DType grad_dtype, std::size_t n,
+                                              bool overwrite, double scale = 1.0) = 0;
+
+  virtual Simd simd() const = 0;
+  virtual int threads() const = 0;
+};
+
+}  // namespace tz::cpu_adam

@@ -1,0 +1,301 @@
+// The optimizer and gradient-arrival kernels, written once over an Ops type
+// (simd_ops.h) and instantiated by each kernels_<isa>.cpp for its ISA.
+//
+// Note [One object per instruction set]
+// Each kernels_<isa>.cpp is compiled with that ISA's -m flags and everything
+// else in cpu_adam with the baseline ones, so the library runs on any x86-64
+// and picks a table at run time. Code built with wider flags must never be
+// linked in place of baseline code: a weak (inline or template) symbol emitted
+// by two objects is merged by the linker, which keeps one arbitrarily. So
+// everything here is a template on the Ops type (distinct symbols per ISA) or
+// always inlined, the scalar helpers of convert.h are used only by the scalar
+// object, and the kernel objects have no dynamically initialised globals (their
+// tables are constinit). std:: and xsimd templates that all objects share are
+// inlined at -O1 and above; at -O0 a shared instantiation of one could in
+// principle be taken from a wider object.
+//
+// Note [Tails and unaligned spans]
+// The vector loop runs over whole vectors with unaligned loads and stores. A
+// part-vector (the tail, or the head before the 16-bit output is aligned for
+// non-temporal stores) is copied into zero-padded stack buffers, run through
+// the same vector body, and copied back, so every element gets the same
+// arithmetic whatever its position, tile or thread count. Zero padding is
+// harmless: every formula maps zero state and gradient to finite values.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "kernel_api.h"
+#include "simd_ops.h"
+
+namespace tz::cpu_adam::detail {
+
+template <DType D>
+inline constexpr std::size_t kElemBytes = D == DType::kFp32 ? 4 : 2;
+// The element type a span of dtype D is stored as.
+template <DType D>
+using Elem = std::conditional_t<D == DType::kFp32, float, std::uint16_t>;
+
+template <Kind K>
+inline constexpr bool kUsesExpAvg = K != Kind::kAdagrad;
+template <Kind K>
+inline constexpr bool kUsesExpAvgSq = K != Kind::kLion;
+template <Kind K>
+inline constexpr bool kAmsgrad = K == Kind::kAdamL2Ams || K == Kind::kAdamWAms;
+template <Kind K>
+inline constexpr bool kAdamL2 = K == Kind::kAdamL2 || K == Kind::kAdamL2Ams;
+
+// The per-call constants, broadcast once per range.
+template <class O>
+struct VConsts {
+  using V = typename O::V;
+  explicit VConsts(const StepConsts& c)
+      : scale(O::splat(c.scale)), l2(O::splat(c.l2)), decay(O::splat(c.decay)), beta1(O::splat(c.beta1)),
+        one_minus_beta1(O::splat(c.one_minus_beta1)), beta2(O::splat(c.beta2)),
+        one_minus_beta2(O::splat(c.one_minus_beta2)), eps(O::splat(c.eps)), neg_step(O::splat(c.neg_step)),
+        inv_sqrt_bc2(O::splat(c.inv_sqrt_bc2)) {}
+  V scale, l2, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step, inv_sqrt_bc2;
+};
+
+template <class O, DType D>
+TZ_ADAM_INLINE typename O::V load_as(const void* base, std::size_t i) {
+  if constexpr (D == DType::kFp32) {
+    return O::load(static_cast<const float*>(base) + i);
+  } else if constexpr (D == DType::kBf16) {
+    return O::load_bf16(static_cast<const std::uint16_t*>(base) + i);
+  } else {
+    return O::load_fp16(static_cast<const std::uint16_t*>(base) + i);
+  }
+}
+
+template <class O, DType D>
+TZ_ADAM_INLINE void store_as(void* base, std::size_t i, const typename O::V& x) {
+  if constexpr (D == DType::kFp32) {
+    O::store(static_cast<float*>(base) + i, x);
+  } else if constexpr (D == DType::kBf16) {
+    O::store_bf16(static_cast<std::uint16_t*>(base) + i, x);
+  } else {
+    O::store_fp16(static_cast<std::uint16_t*>(base) + i, x);
+  }
+}
+
+template <Copy C>
+inline constexpr DType kCopyDtype = C == Copy::kBf16 ? DType::kBf16 : DType::kFp16;
+
+// One vector of the step at element i (tierzero/cpu_adam.h has the formulas):
+// updates the state in place and returns the new parameters for the copy-out.
+template <class O, Kind K, DType G, DType M>
+TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s, std::size_t i) {
+  using V = typename O::V;
+  V p = O::load(s.param + i);
+  V g = load_as<O, G>(s.grad, i) * k.scale;
+  if constexpr (K == Kind::kLion) {
+    V m = load_as<O, M>(s.exp_avg, i);
+    p = p * k.decay;
+    const V c = O::fma(k.beta1, m, k.one_minus_beta1 * g);
+    p = O::fma(k.neg_step, O::sign(c), p);
+    m = O::fma(k.beta2, m, k.one_minus_beta2 * g);
+    store_as<O, M>(s.exp_avg, i, m);
+  } else if constexpr (K == Kind::kAdagrad) {
+    V sum = load_as<O, M>(s.exp_avg_sq, i);
+    g = O::fma(k.l2, p, g);
+    sum = O::fma(g, g, sum);
+    p = O::fma(k.neg_step, g / (O::sqrt(sum) + k.eps), p);
+    store_as<O, M>(s.exp_avg_sq, i, sum);
+  } else {
+    V m = load_as<O, M>(s.exp_avg, i);
+    V v = load_as<O, M>(s.exp_avg_sq, i);
+    if constexpr (kAdamL2<K>) {
+      g = O::fma(k.l2, p, g);
+    } else {
+      p = p * k.decay;
+    }
+    m = O::fma(k.beta1, m, k.one_minus_beta1 * g);
+    v = O::fma(k.beta2, v, (k.one_minus_beta2 * g) * g);
+    V d = v;
+    if constexpr (kAmsgrad<K>) {
+      d = O::max(O::load(s.max_exp_avg_sq + i), v);
+      O::store(s.max_exp_avg_sq + i, d);
+    }
+    // torch: sqrt(v) / sqrt(bc2) + eps; the division by the per-step constant
+    // is a multiply by its reciprocal (one more rounding, well inside fp32).
+    const V denom = O::fma(O::sqrt(d), k.inv_sqrt_bc2, k.eps);
+    p = O::fma(k.neg_step, m / denom, p);
+    store_as<O, M>(s.exp_avg, i, m);
+    store_as<O, M>(s.exp_avg_sq, i, v);
+  }
+  O::store(s.param + i, p);
+  return p;
+}
+
+// One vector with a plain store of its copy-out.
+template <class O, Kind K, DType G, DType M, Copy C>
+TZ_ADAM_INLINE void step_block(const VConsts<O>& k, const StepPtrs& s, std::size_t i) {
+  const typename O::V p = step_vector<O, K, G, M>(k, s, i);
+  if constexpr (C != Copy::kNone) store_as<O, kCopyDtype<C>>(s.param16, i, p);
+}
+
+TZ_ADAM_INLINE void copy_elems(void* dst, const void* src, std::size_t offset_elems, std::size_t count, std::size_t bytes) {
+  std::memcpy(dst, static_cast<const unsigned char*>(src) + offset_elems * bytes, count * bytes);
+}
+TZ_ADAM_INLINE void copy_back(void* dst, std::size_t offset_elems, const void* src, std::size_t count, std::size_t bytes) {
+  std::memcpy(static_cast<unsigned char*>(dst) + offset_elems * bytes, src, count * bytes);
+}
+
+// count < kLanes elements at i, through zero-padded buffers (Note [Tails and unaligned spans]).
+template <class O, Kind K, DType G, DType M, Copy C>
+void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::size_t count) {
+  constexpr std::size_t kL = O::kLanes;
+  constexpr std::size_t kM = kElemBytes<M>;
+  alignas(64) float param[kL] = {};
+  alignas(64) float vmax[kL] = {};
+  alignas(64) Elem<G> grad[kL] = {};
+  alignas(64) Elem<M> m[kL] = {};
+  alignas(64) Elem<M> v[kL] = {};
+  alignas(64) std::uint16_t p16[kL] = {};
+  const StepPtrs t{param, grad, m, v, vmax, p16};
+  copy_elems(param, s.param, i, count, 4);
+  copy_elems(grad, s.grad, i, count, kElemBytes<G>);
+  if constexpr (kUsesExpAvg<K>) copy_elems(m, s.exp_avg, i, count, kM);
+  if constexpr (kUsesExpAvgSq<K>) copy_elems(v, s.exp_avg_sq, i, count, kM);
+  if constexpr (kAmsgrad<K>) copy_elems(vmax, s.max_exp_avg_sq, i, count, 4);
+  step_block<O, K, G, M, C>(k, t, 0);
+  copy_back(s.param, i, param, count, 4);
+  if constexpr (kUsesExpAvg<K>) copy_back(s.exp_avg, i, m, count, kM);
+  if constexpr (kUsesExpAvgSq<K>) copy_back(s.exp_avg_sq, i, v, count, kM);
+  if constexpr (kAmsgrad<K>) copy_back(s.max_exp_avg_sq, i, vmax, count, 4);
+  if constexpr (C != Copy::kNone) copy_back(s.param16, i, p16, count, 2);
+}
+
+// Elements [begin, end) with plain stores.
+template <class O, Kind K, DType G, DType M, Copy C>
+TZ_ADAM_INLINE void step_plain(const VConsts<O>& k, const StepPtrs& s, std::size_t begin, std::size_t end) {
+  std::size_t i = begin;
+  for (; i + O::kLanes <= end; i += O::kLanes) step_block<O, K, G, M, C>(k, s, i);
+  if (i < end) step_partial<O, K, G, M, C>(k, s, i, end - i);
+}
+
+// A StepFn: elements [begin, end).
+template <class O, Kind K, DType G, DType M, Copy C>
+void step_range(const StepConsts& consts, const StepPtrs& ptrs, std::size_t begin, std::size_t end) {
+  const VConsts<O> k(consts);
+  // A local copy whose address never escapes: the vector stores (may-alias
+  // types) cannot change it, so the pointers stay in registers.
+  const StepPtrs s = ptrs;
+  if constexpr (O::kStream && C != Copy::kNone) {
+    // Note [Non-temporal copy-out]: the 16-bit copy is written once and read
+    // by the engine's upload, not by us, so it bypasses the cache: whole
+    // 64-byte lines of non-temporal stores, which need no read of the line
+    // first. Elements before the first line boundary go the plain way.
+    auto* p16 = static_cast<std::uint16_t*>(s.param16);
+    const std::size_t misalign = reinterpret_cast<std::uintptr_t>(p16 + begin) % 64;
+    std::size_t i = begin + (misalign == 0 ? 0 : (64 - misalign) / sizeof(std::uint16_t));
+    if (i > end) i = end;
+    step_plain<O, K, G, M, C>(k, s, begin, i);
+    for (; i + O::kLineElems <= end; i += O::kLineElems) {
+      typename O::V line[O::kLineVectors];
+      for (std::size_t v = 0; v < O::kLineVectors; ++v) line[v] = step_vector<O, K, G, M>(k, s, i + v * O::kLanes);
+      O::template stream_line<kCopyDtype<C>>(p16 + i, line);
+    }
+    step_plain<O, K, G, M, C>(k, s, i, end);
+    O::fence();
+  } else {
+    step_plain<O, K, G, M, C>(k, s, begin, end);
+  }
+}
+
+// One vector of the gradient-arrival pass: acc = (overwrite ? 0 : acc) + scale * g,
+// with its squares and a NaN-if-non-finite probe (x * 0) accumulated in lanes.
+template <class O, DType G, bool kOverwrite>
+TZ_ADAM_INLINE void acc_block(const AccPtrs& a, const typename O::V& scale, std::size_t i, typename O::V& squares,
+                              typename O::V& probe) {
+  using V = typename O::V;
+  const V g = load_as<O, G>(a.grad, i);
+  V x;
+  if constexpr (kOverwrite) {
+    x = g * scale;
+  } else {
+    x = O::fma(scale, g, O::load(a.acc + i));
+  }
+  O::store(a.acc + i, x);
+  squares = O::fma(x, x, squares);
+  probe = O::fma(x, O::splat(0.0f), probe);
+}
+
+template <class O, DType G, bool kOverwrite>
+void acc_partial(const AccPtrs a, const typename O::V& scale, std::size_t i, std::size_t count,
+                 typename O::V& squares, typename O::V& probe) {
+  constexpr std::size_t kL = O::kLanes;
+  alignas(64) float acc[kL] = {};
+  alignas(64) Elem<G> grad[kL] = {};
+  if constexpr (!kOverwrite) copy_elems(acc, a.acc, i, count, 4);
+  copy_elems(grad, a.grad, i, count, kElemBytes<G>);
+  const AccPtrs t{acc, grad, a.scale};
+  acc_block<O, G, kOverwrite>(t, scale, 0, squares, probe);
+  copy_back(a.acc, i, acc, count, 4);
+}
+
+template <class O>
+double sum_squares_f64(const float* x, std::size_t count) {
+  double s = 0;
+  for (std::size_t i = 0; i < count; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return s;
+}
+
+// An AccFn. Squares are summed in fp32 lanes over chunks of 64 vectors (at
+// most 64 roundings per lane, relative error < 4e-6), then in double.
+template <class O, DType G, bool kOverwrite>
+TileStat acc_range(const AccPtrs& ptrs, std::size_t begin, std::size_t end) {
+  using V = typename O::V;
+  const AccPtrs a = ptrs;  // kept in registers, as in step_range
+  constexpr std::size_t kL = O::kLanes;
+  constexpr std::size_t kChunk = 64 * kL;
+  const V scale = O::splat(a.scale);
+  TileStat stat;
+  for (std::size_t c = begin; c < end;) {
+    const std::size_t chunk_end = end - c > kChunk ? c + kChunk : end;
+    V squares = O::splat(0.0f), probe = O::splat(0.0f);
+    std::size_t i = c;
+    for (; i + kL <= chunk_end; i += kL) acc_block<O, G, kOverwrite>(a, scale, i, squares, probe);
+    if (i < chunk_end) acc_partial<O, G, kOverwrite>(a, scale, i, chunk_end - i, squares, probe);
+    double sum = O::sum_lanes(squares);
+    if (O::sum_lanes(probe) != 0.0) {  // NaN compares unequal: some element was inf or NaN
+      stat.non_finite = true;
+    } else if (!__builtin_isfinite(sum)) {
+      sum = sum_squares_f64<O>(a.acc + c, chunk_end - c);  // finite values whose squares overflow fp32
+    }
+    stat.sum_squares += sum;
+    c = chunk_end;
+  }
+  return stat;
+}
+
+template <class O, std::size_t... I>
+constexpr void fill_steps(KernelTable& t, std::index_sequence<I...>) {
+  constexpr std::size_t kPerKind = kGradDtypes * kMomentDtypes * kCopies;
+  constexpr std::size_t kPerGrad = kMomentDtypes * kCopies;
+  ((t.step[I / kPerKind][I / kPerGrad % kGradDtypes][I / kCopies % kMomentDtypes][I % kCopies] =
+        &step_range<O, static_cast<Kind>(I / kPerKind), static_cast<DType>(I / kPerGrad % kGradDtypes),
+                    static_cast<DType>(I / kCopies % kMomentDtypes), static_cast<Copy>(I % kCopies)>),
+   ...);
+}
+
+template <class O>
+constexpr KernelTable make_table(Simd simd) {
+  KernelTable t{};
+  t.simd = simd;
+  fill_steps<O>(t, std::make_index_sequence<kKinds * kGradDtypes * kMomentDtypes * kCopies>{});
+  t.accumulate[0][0] = &acc_range<O, DType::kFp32, false>;
+  t.accumulate[0][1] = &acc_range<O, DType::kFp32, true>;
+  t.accumulate[1][0] = &acc_range<O, DType::kBf16, false>;
+  t.accumulate[1][1] = &acc_range<O, DType::kBf16, true>;
+  t.accumulate[2][0] = &acc_range<O, DType::kFp16, false>;
+  t.accumulate[2][1] = &acc_range<O, DType::kFp16, true>;
+  return t;
+}
+
+}  // namespace tz::cpu_adam::detail

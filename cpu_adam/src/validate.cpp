@@ -1,0 +1,183 @@
+#include "validate.h"
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <string_view>
+#include <vector>
+
+namespace tz::cpu_adam::detail {
+namespace {
+
+bool is_adam(Algorithm a) { return a == Algorithm::kAdam || a == Algorithm::kAdamW; }
+
+Status require_positive(std::string_view name, double value) {
+  if (std::isfinite(value) && value > 0) return ok_status();
+  return invalid_argument("{} = {} is out of range: must be finite and > 0", name, value);
+}
+
+Status require_non_negative(std::string_view name, double value) {
+  if (std::isfinite(value) && value >= 0) return ok_status();
+  return invalid_argument("{} = {} is out of range: must be finite and >= 0", name, value);
+}
+
+Status require_beta(std::string_view name, double value) {
+  if (value >= 0 && value < 1) return ok_status();
+  return invalid_argument("{} = {} is outside [0, 1)", name, value);
+}
+
+Status require_not_nan(const Hyper& h) {
+  const struct {
+    std::string_view name;
+    double value;
+  } fields[] = {{"lr", h.lr},   {"beta1", h.beta1},       {"beta2", h.beta2},
+                {"eps", h.eps}, {"weight_decay", h.weight_decay}, {"lr_decay", h.lr_decay}};
+  for (const auto& f : fields) {
+    if (std::isnan(f.value)) return invalid_argument("{} = nan is not a number", f.name);
+  }
+  return ok_status();
+}
+
+struct SpanRange {
+  std::string_view name;
+  std::uintptr_t begin;
+  std::uintptr_t end;
+};
+
+Status check_span(std::string_view name, const void* ptr, std::size_t elem_bytes, std::size_t n,
+                  std::vector<SpanRange>* ranges) {
+  if (ptr == nullptr) return invalid_argument("{} is null (n = {})", name, n);
+  const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
+  if (begin % elem_bytes != 0) {
+    return invalid_argument("{} = {} is not aligned to its {}-byte elements", name, ptr, elem_bytes);
+  }
+  if (n > (UINTPTR_MAX - begin) / elem_bytes) {
+    return invalid_argument("{}: n = {} runs past the end of the address space", name, n);
+  }
+  ranges->push_back({name, begin, begin + n * elem_bytes});
+  return ok_status();
+}
+
+Status check_disjoint(const std::vector<SpanRange>& ranges) {
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    for (std::size_t j = i + 1; j < ranges.size(); ++j) {
+      if (ranges[i].begin < ranges[j].end && ranges[j].begin < ranges[i].end) {
+        return invalid_argument("{} and {} overlap", ranges[i].name, ranges[j].name);
+      }
+    }
+  }
+  return ok_status();
+}
+
+Status check_grad_dtype(std::string_view name, DType dtype) {
+  if (dtype == DType::kFp32 || dtype == DType::kBf16 || dtype == DType::kFp16) return ok_status();
+  return invalid_argument("{} = {} is not a dtype (fp32, bf16 or fp16)", name, static_cast<int>(dtype));
+}
+
+std::size_t dtype_bytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
+
+}  // namespace
+
+Status validate_hyper(const Hyper& h, const StepArgs& args) {
+  if (h.algorithm != Algorithm::kAdam && h.algorithm != Algorithm::kAdamW && h.algorithm != Algorithm::kAdagrad &&
+      h.algorithm != Algorithm::kLion) {
+    return invalid_argument("algorithm = {} is not one of adam, adamw, adagrad, lion", static_cast<int>(h.algorithm));
+  }
+  TZ_TRY(require_not_nan(h));
+  TZ_TRY(require_positive("lr", h.lr));
+  TZ_TRY(require_non_negative("weight_decay", h.weight_decay));
+  if (h.algorithm != Algorithm::kAdagrad) {
+    TZ_TRY(require_beta("beta1", h.beta1));
+    TZ_TRY(require_beta("beta2", h.beta2));
+  }
+  if (h.algorithm != Algorithm::kLion) TZ_TRY(require_positive("eps", h.eps));
+  if (h.algorithm == Algorithm::kAdagrad) TZ_TRY(require_non_negative("lr_decay", h.lr_decay));
+  if (h.amsgrad && !is_adam(h.algorithm)) {
+    return invalid_argument("amsgrad is only for adam and adamw, not {}", algorithm_name(h.algorithm));
+  }
+  if (args.step < 1) return invalid_argument("step = {} is out of range: must be >= 1", args.step);
+  TZ_TRY(require_positive("grad_scale", args.grad_scale));
+  return ok_status();
+}
+
+Status validate_spans(const Hyper& h, const Spans& s) {
+  TZ_TRY(check_grad_dtype("spans.grad_dtype", s.grad_dtype));
+  if (s.moment_dtype != DType::kFp32 && s.moment_dtype != DType::kBf16) {
+    return invalid_argument("spans.moment_dtype = {} is not allowed (fp32 or bf16)", dtype_name(s.moment_dtype));
+  }
+  if (s.param16 != nullptr && s.param16_dtype != DType::kBf16 && s.param16_dtype != DType::kFp16) {
+    return invalid_argument("spans.param16_dtype = {} is not allowed (bf16 or fp16)", dtype_name(s.param16_dtype));
+  }
+  if (h.amsgrad && s.max_exp_avg_sq == nullptr) {
+    return invalid_argument("spans.max_exp_avg_sq is null but amsgrad is set (n = {})", s.n);
+  }
+  std::vector<SpanRange> ranges;
+  const std::size_t m = dtype_bytes(s.moment_dtype);
+  TZ_TRY(check_span("spans.param", s.param, 4, s.n, &ranges));
+  TZ_TRY(check_span("spans.grad", s.grad, dtype_bytes(s.grad_dtype), s.n, &ranges));
+  if (h.algorithm != Algorithm::kAdagrad) TZ_TRY(check_span("spans.exp_avg", s.exp_avg, m, s.n, &ranges));
+  if (h.algorithm != Algorithm::kLion) TZ_TRY(check_span("spans.exp_avg_sq", s.exp_avg_sq, m, s.n, &ranges));
+  if (h.amsgrad) TZ_TRY(check_span("spans.max_exp_avg_sq", s.max_exp_avg_sq, 4, s.n, &ranges));
+  if (s.param16 != nullptr) TZ_TRY(check_span("spans.param16", s.param16, 2, s.n, &ranges));
+  return check_disjoint(ranges);
+}
+
+Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype, std::size_t n, double scale) {
+  TZ_TRY(check_grad_dtype("grad_dtype", grad_dtype));
+  if (!std::isfinite(static_cast<float>(scale))) {
+    return invalid_argument("scale = {} is out of range: must be finite in fp32", scale);
+  }
+  if (n == 0) return ok_status();
+  std::vector<SpanRange> ranges;
+  TZ_TRY(check_span("acc", acc, 4, n, &ranges));
+  TZ_TRY(check_span("grad", grad, dtype_bytes(grad_dtype), n, &ranges));
+  return check_disjoint(ranges);
+}
+
+Kind kind_of(const Hyper& h) {
+  switch (h.algorithm) {
+    case Algorithm::kAdam:
+      if (h.weight_decay != 0) return h.amsgrad ? Kind::kAdamL2Ams : Kind::kAdamL2;
+      return h.amsgrad ? Kind::kAdamWAms : Kind::kAdamW;
+    case Algorithm::kAdamW: return h.amsgrad ? Kind::kAdamWAms : Kind::kAdamW;
+    case Algorithm::kAdagrad: return Kind::kAdagrad;
+    case Algorithm::kLion: return Kind::kLion;
+  }
+  return Kind::kAdamW;
+}
+
+Expected<StepConsts> make_consts(const Hyper& h, const StepArgs& args) {
+  const double t = static_cast<double>(args.step);
+  StepConsts c;
+  c.scale = static_cast<float>(args.grad_scale);
+  c.beta1 = static_cast<float>(h.beta1);
+  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  c.beta2 = static_cast<float>(h.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  c.eps = static_cast<float>(h.eps);
+  const Kind kind = kind_of(h);
+  if (kind == Kind::kAdamL2 || kind == Kind::kAdamL2Ams || kind == Kind::kAdagrad) {
+    c.l2 = static_cast<float>(h.weight_decay);
+  } else {
+    c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  }
+  if (is_adam(h.algorithm)) {
+    c.neg_step = static_cast<float>(-h.lr / (1.0 - std::pow(h.beta1, t)));
+    c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(h.beta2, t)));
+  } else if (h.algorithm == Algorithm::kAdagrad) {
+    c.neg_step = static_cast<float>(-h.lr / (1.0 + (t - 1.0) * h.lr_decay));
+  } else {
+    c.neg_step = static_cast<float>(-h.lr);
+  }
+  // Values that are fine in double but overflow fp32, or underflow to a zero
+  // that would silence the gradient or divide by zero.
+  bool fits = c.scale != 0 && (h.algorithm == Algorithm::kLion || c.eps != 0);
+  for (float x : {c.scale, c.l2, c.decay, c.eps, c.neg_step, c.inv_sqrt_bc2}) fits = fits && std::isfinite(x);
+  if (!fits) {
+    return invalid_argument("hyperparameters out of fp32 range (lr = {}, eps = {}, weight_decay = {}, grad_scale = {})",
+                            h.lr, h.eps, h.weight_decay, args.grad_scale);
+  }
+  return c;
+}
+
+}  // namespace tz::cpu_adam::detail

@@ -1,0 +1,32 @@
+// Checks on every input of a call, done before any memory is touched, and the
+// per-call constants derived from valid hyperparameters.
+#pragma once
+
+#include <cstddef>
+
+#include "kernel_api.h"
+#include "tierzero/cpu_adam.h"
+
+namespace tz::cpu_adam::detail {
+
+// NaN in any field, out-of-range values for the algorithm, step < 1,
+// grad_scale not finite and > 0, amsgrad where it does not apply. The message
+// names the field, its value and the allowed range.
+Status validate_hyper(const Hyper& hyper, const StepArgs& args);
+
+// For n > 0: the spans the algorithm needs are non-null and aligned to their
+// element size, dtypes are ones the span may have, and no two spans overlap.
+Status validate_spans(const Hyper& hyper, const Spans& spans);
+
+// For n > 0: acc and grad non-null, aligned and disjoint; a gradient dtype;
+// a finite scale.
+Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype, std::size_t n, double scale);
+
+// Which element loop runs (Adam without weight decay runs AdamW's: identical).
+Kind kind_of(const Hyper& hyper);
+
+// The fp32 constants of one step (bias corrections and Adagrad's decayed lr
+// in double first). Fails when one does not fit in fp32 (lr = 1e300).
+Expected<StepConsts> make_consts(const Hyper& hyper, const StepArgs& args);
+
+}  // namespace tz::cpu_adam::detail
