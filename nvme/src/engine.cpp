@@ -1,6 +1,8 @@
 // IoEngine: options, the file table, registered buffers, and requests split
 // into pieces dealt to the rings.
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -102,6 +104,38 @@ std::string parent_dir(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+// Reserves `bytes` for an open file with fallocate, so a full disk shows now
+// and not on a write mid-run. A request beyond the space free is refused
+// before fallocate, which would otherwise fill the disk for everyone until it
+// fails.
+Status reserve(int fd, const std::string& path, std::uint64_t bytes) {
+  struct stat st {};
+  struct statvfs vfs {};
+  TZ_SYSCALL_CHECK(::fstat(fd, &st));
+  TZ_SYSCALL_CHECK(::fstatvfs(fd, &vfs));
+  const std::uint64_t have = static_cast<std::uint64_t>(st.st_blocks) * 512;
+  const std::uint64_t free = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  if (bytes > have && bytes - have > free) {
+    return Status(ErrorCode::kNoSpace, fmt::format("reserving {} for {}: only {} free there", format_bytes(bytes),
+                                                   path, format_bytes(free)), ENOSPC);
+  }
+  int rc = 0;
+  do {
+    rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  } while (rc == EINTR);
+  if (rc == EOPNOTSUPP || rc == EINVAL) {
+    TZ_LOG_WARN("nvme", "{}: the file system cannot preallocate ({}); a full disk will show on the failing write",
+                path, std::strerror(rc));
+    TZ_SYSCALL_CHECK(::ftruncate(fd, static_cast<off_t>(bytes)));
+    return ok_status();
+  }
+  if (rc != 0) {
+    return errno_status(rc, fmt::format("reserving {} for {} (free there: {})", format_bytes(bytes), path,
+                                        format_bytes(free)));
+  }
+  return ok_status();
+}
+
 struct Region {
   char* base = nullptr;
   std::size_t bytes = 0;
@@ -197,21 +231,7 @@ Expected<FileId> IoEngineImpl::open(const std::string& path, const FileOptions& 
   Cleanup remove_created([&] {
     if (!existed) ::unlink(path.c_str());
   });
-  if (options.size_bytes > 0) {
-    int rc = 0;
-    do {
-      rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(options.size_bytes));
-    } while (rc == EINTR);
-    if (rc == EOPNOTSUPP || rc == EINVAL) {
-      TZ_LOG_WARN("nvme", "{}: the file system cannot preallocate ({}); a full disk will show on the failing write",
-                  path, std::strerror(rc));
-      TZ_SYSCALL_CHECK(::ftruncate(fd.get(), static_cast<off_t>(options.size_bytes)));
-    } else if (rc != 0) {
-      Status s = errno_status(rc, fmt::format("reserving {} for {} (free there: {})", format_bytes(options.size_bytes),
-                                              path, format_bytes(caps.free_bytes)));
-      return s;
-    }
-  }
+  if (options.size_bytes > 0) TZ_TRY(reserve(fd.get(), path, options.size_bytes));
   auto file = std::make_unique<OpenFile>();
   file->path = path;
   file->writable = options.writable;
