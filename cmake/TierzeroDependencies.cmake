@@ -14,15 +14,27 @@ find_package(xsimd REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(LIBURING REQUIRED IMPORTED_TARGET liburing)
 pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
+# Gloo: the CPU collectives (libgloo-dev; imported target `gloo`).
+find_package(Gloo REQUIRED)
+if(NOT TARGET gloo)
+  message(FATAL_ERROR "Gloo was found but defines no `gloo` target; install Debian's libgloo-dev")
+endif()
 
+# NCCL: the GPU collectives. TIERZERO_NCCL says whether the engine builds its
+# NCCL backend; TIERZERO_NCCL_STATUS says why (it ends up in error messages).
+set(TIERZERO_NCCL OFF)
+set(TIERZERO_NCCL_STATUS "built with TIERZERO_CUDA=OFF")
 if(TIERZERO_CUDA)
   find_package(CUDAToolkit REQUIRED)
   # NCCL ships inside the toolkit tree on our machines; elsewhere point
-  # NCCL_ROOT at it. Nothing links it until the engine's collectives land
-  # (issue #5), so for now a missing NCCL is only reported.
+  # NCCL_ROOT at it.
   find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ENV NCCL_ROOT PATH_SUFFIXES include)
   find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} ENV NCCL_ROOT PATH_SUFFIXES lib lib64)
-  if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
-    message(STATUS "NCCL not found (set NCCL_ROOT); the NCCL backend will need it")
+  if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
+    set(TIERZERO_NCCL ON)
+    set(TIERZERO_NCCL_STATUS "NCCL ${NCCL_LIBRARY}")
+  else()
+    set(TIERZERO_NCCL_STATUS "NCCL not found at configure time; set NCCL_ROOT")
+    message(STATUS "NCCL not found (set NCCL_ROOT); building the engine without its NCCL backend")
   endif()
 endif()

@@ -15,6 +15,7 @@ packages=(
   libspdlog-dev libfmt-dev   # logging, formatting
   libcli11-dev          # command-line parsing for the tools
   libxxhash-dev         # checksums for NVMe extents
+  libgloo-dev           # Gloo: CPU collectives between ranks
   libgtest-dev libgmock-dev  # tests
   fio                   # the peer our NVMe benchmark compares against
   python3 python3-pip

@@ -1,0 +1,166 @@
+// tierzero-nvme-bench's shared pieces: the progress line, statistics, host
+// buffers, the scratch files striped over the paths, and the page cache.
+//
+// Scratch files are created exclusively in each --path as
+// tierzero-nvme-bench-<pid>-<n>.bin, reserved with fallocate, and removed by
+// ScratchFiles' destructor, on any error, and by SIGINT/SIGTERM (the signal
+// handler unlinks every registered path, then exits 128 + signal).
+#pragma once
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tierzero/common.h"
+#include "tierzero/nvme.h"
+
+namespace tzbench {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Median of the values (0 for none).
+double median(std::vector<double> values);
+
+// "128K,1M,8M" -> items, blanks trimmed.
+std::vector<std::string> split_list(const std::string& text);
+// Byte sizes ("128KiB,1MiB"; a bare K/M/G means KiB/MiB/GiB here, as fio's bs does).
+tz::Expected<std::vector<std::uint64_t>> parse_byte_list(const std::string& flag, const std::string& text);
+tz::Expected<std::uint64_t> parse_size(const std::string& flag, const std::string& text);
+tz::Expected<std::vector<int>> parse_int_list(const std::string& flag, const std::string& text, int lo, int hi);
+
+// One line on stderr, rewritten in place on a terminal; one line per call otherwise.
+class Progress {
+ public:
+  Progress() : tty_(::isatty(2) != 0) {}
+  template <typename... Args>
+  void show(fmt::format_string<Args...> format, Args&&... args) {
+    const std::string line = fmt::format(format, std::forward<Args>(args)...);
+    if (tty_) {
+      std::fprintf(stderr, "\r\033[K%s", line.c_str());
+      dirty_ = true;
+    } else {
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
+    std::fflush(stderr);
+  }
+  // A line that only a terminal shows (updates within a run).
+  template <typename... Args>
+  void update(fmt::format_string<Args...> format, Args&&... args) {
+    if (tty_) show(format, std::forward<Args>(args)...);
+  }
+  void done() {
+    if (dirty_) std::fprintf(stderr, "\r\033[K");
+    std::fflush(stderr);
+    dirty_ = false;
+  }
+
+ private:
+  bool tty_;
+  bool dirty_ = false;
+};
+
+// Anonymous memory aligned to 2 MiB, unmapped on destruction. With
+// `hugepages`, madvise(MADV_HUGEPAGE) before the first touch, so transparent
+// huge pages back it where the kernel allows (see Note [Huge pages]).
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  static tz::Expected<HostBuffer> map(std::size_t bytes, bool hugepages);
+  char* data() const { return data_; }
+  std::size_t size_bytes() const { return bytes_; }
+  // Fills with xorshift64* output from `seed` (incompressible, reproducible).
+  void fill_random(std::uint64_t seed);
+
+ private:
+  tz::MappedRegion region_;
+  char* data_ = nullptr;  // region_ rounded up to 2 MiB
+  std::size_t bytes_ = 0;
+};
+
+// Note [Huge pages]
+// A buffer on 4 KiB pages is physically scattered: every page is a DMA
+// segment, so the block layer splits a 1 MiB piece into requests of at most
+// max_segments pages (and, with io_uring fixed buffers, 512 KiB here) and
+// cannot merge neighbours. On 2 MiB pages a piece is one or two segments and
+// neighbouring pieces merge up to max_sectors_kb. On the virtio disk of the
+// machine this was written on that is 1.2 vs 3.3 GB/s for 1 MiB reads at
+// depth 16. fio gets the same chance: its buffers come from malloc, and with
+// huge pages on it runs with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which makes
+// glibc madvise them, and iomem_align=2m, which starts them on a huge page.
+
+// The largest buffer the kernel registers in one io_uring fixed-buffer slot
+// (io_uring/rsrc.c refuses iov_len > 1 GiB).
+inline constexpr std::size_t kMaxFixedBufferBytes = std::size_t{1} << 30;
+
+// Registers [data, data + bytes) with the engine in chunks of at most
+// kMaxFixedBufferBytes, each a multiple of `unit` (so no piece of `unit`-aligned
+// requests straddles two chunks); returns the chunk starts for unregistering.
+tz::Expected<std::vector<void*>> register_chunks(tz::nvme::IoEngine& engine, char* data, std::size_t bytes,
+                                                 std::size_t unit);
+void unregister_chunks(tz::nvme::IoEngine& engine, const std::vector<void*>& chunks);
+
+// Removes registered paths on SIGINT/SIGTERM. At most kMaxCleanupPaths.
+void install_signal_cleanup();
+void add_cleanup_path(const std::string& path);
+void remove_cleanup_path(const std::string& path);
+
+// One scratch file per path, each file_bytes long (the benchmark's file is
+// striped across them). Removed on destruction.
+class ScratchFiles {
+ public:
+  ScratchFiles() = default;
+  static tz::Expected<ScratchFiles> create(const std::vector<std::string>& dirs, std::uint64_t file_bytes,
+                                           const std::string& tag);
+  ScratchFiles(ScratchFiles&& other) noexcept;
+  ScratchFiles& operator=(ScratchFiles&& other) noexcept;
+  ScratchFiles(const ScratchFiles&) = delete;
+  ScratchFiles& operator=(const ScratchFiles&) = delete;
+  ~ScratchFiles();
+
+  const std::vector<std::string>& paths() const { return paths_; }
+  std::uint64_t file_bytes() const { return file_bytes_; }          // each
+  std::uint64_t total_bytes() const { return file_bytes_ * paths_.size(); }
+
+ private:
+  void remove_all();
+  std::vector<std::string> paths_;
+  std::uint64_t file_bytes_ = 0;
+};
+
+// Fails with NoSpace naming the directory, the bytes needed there and the bytes
+// free when `need_bytes` exceeds the free space under `dir`.
+tz::Status check_free_space(const std::string& dir, std::uint64_t need_bytes, const std::string& what);
+
+// Where the benchmark runs buffered: writes back dirty pages and drops the
+// page cache between runs (echo 1 > /proc/sys/vm/drop_caches) where allowed.
+class PageCache {
+ public:
+  explicit PageCache(bool buffered);
+  // Before a run; a no-op for O_DIRECT.
+  void drop() const;
+  bool buffered() const { return buffered_; }
+  bool can_drop() const { return can_drop_; }
+  // "" for O_DIRECT; else what the buffered figures mean.
+  std::string note() const;
+
+ private:
+  bool buffered_;
+  bool can_drop_ = false;
+};
+
+// "tierzero 0.1.0 (RelWithDebInfo), bench built by GCC 12.2.0".
+std::string build_summary();
+std::string cpu_model();
+
+}  // namespace tzbench

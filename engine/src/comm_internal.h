@@ -1,0 +1,51 @@
+// What the communicator backends share, private to engine/src: the options
+// after defaults are applied, each backend's factory, and the argument checks
+// every backend runs first (so a bad call reads the same whichever backend
+// it reaches).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "tierzero/engine/comm.h"
+
+namespace tz::comm_detail {
+
+// CommOptions with the backend picked and the rendezvous directory resolved.
+struct ResolvedCommOptions {
+  CommBackend backend = CommBackend::kGloo;  // never kAuto here
+  RankInfo ranks;
+  std::chrono::milliseconds timeout{0};
+  std::string rendezvous_dir;  // absolute or as given; exists
+  std::string interface;
+  Device* device = nullptr;
+};
+
+// world_size 1: no network; collectives are copies (stream-ordered through
+// the device when it is a CUDA device, memcpy otherwise).
+std::unique_ptr<Communicator> create_single_rank_communicator(const ResolvedCommOptions& options);
+Expected<std::unique_ptr<Communicator>> create_gloo_communicator(const ResolvedCommOptions& options);
+// Defined only in builds with NCCL (TIERZERO_WITH_NCCL).
+Expected<std::unique_ptr<Communicator>> create_nccl_communicator(const ResolvedCommOptions& options);
+
+// "all_gather of 1000 bf16 (rank 1 of 4)": how every error names a collective.
+std::string describe_call(std::string_view op, std::size_t count, DataType type, int rank, int size);
+
+// Argument checks (InvalidArgument naming the collective, count and rank).
+// Counts are elements; null pointers are allowed only with count 0.
+Status check_all_gather(const void* send, const void* recv, std::size_t count, DataType type, int rank,
+                        int size);
+Status check_reduce_scatter(const void* send, const void* recv, std::size_t count, DataType type, ReduceOp op,
+                            int rank, int size);
+Status check_all_reduce(const void* buf, std::size_t count, DataType type, ReduceOp op, int rank, int size);
+Status check_broadcast(const void* buf, std::size_t bytes, int root, int rank, int size);
+
+std::string_view reduce_op_name(ReduceOp op);  // "sum" | "max" | "min"
+
+// Keeps an address usable in a file name: "::1" -> "__1".
+std::string file_name_safe(std::string_view text);
+
+}  // namespace tz::comm_detail
