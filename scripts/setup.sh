@@ -35,3 +35,13 @@ if ((${#missing[@]})); then
 else
   echo "setup: all packages present"
 fi
+
+# Python packages the tests use to read what tierzero writes (safetensors for
+# the fp32 export). Where the interpreter is Debian's own (PEP 668), pip needs
+# --break-system-packages; elsewhere (pyenv, a venv) plain pip is fine.
+python_packages=(safetensors numpy)
+if ! python3 -c "import safetensors, numpy" 2>/dev/null; then
+  echo "setup: pip installing ${python_packages[*]}"
+  python3 -m pip install --quiet "${python_packages[@]}" 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages "${python_packages[@]}"
+fi

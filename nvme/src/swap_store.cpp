@@ -82,7 +82,9 @@ struct Extent {
   std::vector<std::uint64_t> pending;     // being computed by a write in flight
   ExtentState state = ExtentState::kEmpty;
   std::string failure;                    // why, when kFailed
-  bool busy = false;
+  int readers = 0;                        // reads in flight (several may share an extent)
+  bool writing = false;                   // a write in flight (excludes everything else)
+  bool busy() const { return writing || readers > 0; }
 };
 
 class SwapStoreImpl final : public SwapStore {
@@ -245,7 +247,7 @@ Status SwapStoreImpl::free(ExtentId id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = extents_.find(id);
   if (it == extents_.end()) return invalid_argument("swap store: freeing extent {}, which does not exist", id);
-  if (it->second.busy) return failed_precondition("swap store: freeing extent {} while a read or write is in flight", id);
+  if (it->second.busy()) return failed_precondition("swap store: freeing extent {} while a read or write is in flight", id);
   for (const Share& s : it->second.shares) files_[s.file].free.give(s.offset, s.bytes);
   stats_.used_bytes -= it->second.padded;
   --stats_.extents;
@@ -261,9 +263,9 @@ Status SwapStoreImpl::begin(IoOp op, ExtentId id, IoRequest& request) {
     return invalid_argument("swap store: {} of extent {}, which does not exist", io_op_name(op), id);
   }
   Extent& e = it->second;
-  if (e.busy) {
-    return failed_precondition("swap store: {} of extent {} while another read or write of it is in flight",
-                               io_op_name(op), id);
+  if (e.writing || (op == IoOp::kWrite && e.readers > 0)) {
+    return failed_precondition("swap store: {} of extent {} while a {} of it is in flight", io_op_name(op), id,
+                               e.writing ? "write" : "read");
   }
   if (op == IoOp::kRead && e.state == ExtentState::kEmpty) {
     return failed_precondition("swap store: reading extent {}, which was never written", id);
@@ -272,7 +274,11 @@ Status SwapStoreImpl::begin(IoOp op, ExtentId id, IoRequest& request) {
     return failed_precondition("swap store: reading extent {}, whose last write failed ({}): it holds no data", id,
                                e.failure);
   }
-  e.busy = true;
+  if (op == IoOp::kWrite) {
+    e.writing = true;
+  } else {
+    ++e.readers;
+  }
   ++in_flight_;
   request.segments = e.segments;
   if (options_.checksums) {
@@ -306,7 +312,11 @@ void SwapStoreImpl::start(IoOp op, ExtentId id, void* buffer, IoCallback done) {
 void SwapStoreImpl::finished(IoOp op, ExtentId id, const Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
   Extent& e = extents_.at(id);  // busy extents are never freed
-  e.busy = false;
+  if (op == IoOp::kWrite) {
+    e.writing = false;
+  } else {
+    --e.readers;
+  }
   if (op == IoOp::kWrite) {
     if (status.ok()) {
       e.checksums.swap(e.pending);

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <thread>
 
 #include "nvme_test_util.h"
 
@@ -255,6 +256,36 @@ TEST(SwapStore, MissingPathsAndBadOptionsAreNamed) {
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.status().message().find("stripe_bytes = 1000"), std::string::npos);
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
+TEST(SwapStore, ReadsOfOneExtentMayOverlapButAWriteMayNot) {
+  TempDir dir;
+  std::atomic<bool> hold{true};
+  SwapOptions o{.paths = {dir.path()}, .capacity_bytes = 4 << 20,
+                .engine = {.block_size_bytes = 65536, .queue_depth = 4, .backend = tz::nvme::IoBackend::kThreads}};
+  o.engine.fault_injector = [&](const tz::nvme::PieceInfo& p) {
+    while (p.op == tz::nvme::IoOp::kRead && hold.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return tz::nvme::Fault{};
+  };
+  auto store = make_store(o);
+  ASSERT_TRUE(store);
+  auto e = store->allocate(1 << 20);
+  ASSERT_TRUE(e.ok());
+  AlignedBuffer out(1 << 20), in1(1 << 20), in2(1 << 20);
+  out.fill_random(8);
+  hold = false;
+  ASSERT_TRUE(store->write(*e, out.data()).wait().ok());
+  hold = true;  // reads now wait in the engine until released
+  auto r1 = store->read(*e, in1.data());
+  auto r2 = store->read(*e, in2.data());
+  EXPECT_EQ(store->write(*e, out.data()).wait().code(), ErrorCode::kFailedPrecondition);
+  EXPECT_EQ(store->free(*e).code(), ErrorCode::kFailedPrecondition);
+  hold = false;
+  ASSERT_TRUE(r1.wait().ok());
+  ASSERT_TRUE(r2.wait().ok());
+  EXPECT_TRUE(in1.same_as(out));
+  EXPECT_TRUE(in2.same_as(out));
+  EXPECT_TRUE(store->free(*e).ok());
 }
 
 // A real full file system: a 16 MiB ext4 image, loop-mounted. Needs root

@@ -36,9 +36,9 @@
 //   TZ_TRY(store->read(e, host_buf).wait());
 //   TZ_TRY(store->free(e));
 //
-// Thread safety: every member may be called from any thread. Two operations on
-// one extent may not overlap (a read during its write, or a free while either
-// is in flight, is FailedPrecondition).
+// Thread safety: every member may be called from any thread. Reads of one
+// extent may overlap each other; a write may not overlap anything on its
+// extent, nor a free anything (FailedPrecondition).
 #pragma once
 
 #include <cstddef>

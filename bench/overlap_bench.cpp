@@ -1,0 +1,246 @@
+// tierzero-overlap-bench: does the prefetch scheduler hide the tiers behind
+// compute? The built-in MLP workload runs on the engine (CPU backend) with a
+// simulated compute time per block and direction; each measured step records
+// a timeline, and the bench compares the forward+backward time with its
+// critical path: the larger of the compute time and the busiest transfer
+// stage's busy time (the union of its spans: NVMe reads, host-to-device
+// copies, collectives, gradient accumulation), all measured in the same step.
+// It also reports how long compute waited on each stage.
+//
+//   tierzero-overlap-bench --layers 12 --hidden 1024 --compute-ms 15 --placement nvme
+//       --nvme-path /var/tmp/tz --steps 6 --json out.json --trace step.json
+//
+// Prints a table per step and a summary, writes JSON and one step's Chrome trace.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "tierzero/engine.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Flags {
+  int layers = 12;
+  int hidden = 1024;
+  int batch = 2;
+  double compute_ms = 15;
+  std::string placement = "nvme";
+  std::string nvme_path = "/var/tmp/tierzero-overlap";
+  int steps = 6;
+  std::int64_t prefetch_elems = 0;  // 0: 3 blocks
+  std::string json_path;
+  std::string trace_path;
+  bool synthetic = false;  // no MLP arithmetic: compute is the simulated time alone
+};
+
+// The engine's protocol without the MLP's arithmetic: fetch, "compute",
+// release; backward with a gradient buffer filled with a small constant.
+tz::Status synthetic_micro_batch(tz::ZeroEngine& engine, const tz::mlp::ComputeHook& hook) {
+  const std::size_t blocks = engine.layout().blocks.size();
+  for (std::size_t b = 0; b < blocks; ++b) {
+    TZ_ASSIGN_OR_RETURN(tz::GatheredBlock p, engine.fetch(b));
+    hook(b, false);
+  }
+  for (std::size_t b = blocks; b-- > 0;) {
+    TZ_ASSIGN_OR_RETURN(tz::GatheredBlock p, engine.fetch(b));
+    hook(b, true);
+    TZ_ASSIGN_OR_RETURN(tz::GradBlock g, engine.grad_buffer(b));
+    std::memset(g.data(), 0x3c, engine.layout().blocks[b].used_numel * tz::elem_type_bytes(g.type()));  // bf16 ~0.0115
+    TZ_TRY(engine.reduce_grads(std::move(g)));
+  }
+  return tz::ok_status();
+}
+
+// Busy seconds per track: the union of its spans (overlapping spans count once).
+std::map<std::string, double> busy_seconds(const std::string& trace_path) {
+  std::ifstream in(trace_path);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  std::map<int, std::string> names;
+  std::map<int, std::vector<std::pair<double, double>>> spans;
+  for (const auto& e : j.value("traceEvents", nlohmann::json::array())) {
+    if (e.value("ph", "") == "M") names[e.value("tid", 0)] = e["args"].value("name", "");
+    if (e.value("ph", "") == "X") {
+      const double ts = e.value("ts", 0.0);
+      spans[e.value("tid", 0)].emplace_back(ts, ts + e.value("dur", 0.0));
+    }
+  }
+  std::map<std::string, double> out;
+  for (auto& [tid, list] : spans) {
+    std::sort(list.begin(), list.end());
+    double total = 0, start = -1, end = -1;
+    for (const auto& [a, b] : list) {
+      if (a > end) {
+        total += end - start;
+        start = a;
+        end = b;
+      } else {
+        end = std::max(end, b);
+      }
+    }
+    total += end - start;
+    out[names[tid]] = total * 1e-6;
+  }
+  return out;
+}
+
+std::array<tz::Tier, tz::kNumStateClasses> parse_placement(const std::string& p) {
+  using tz::Tier;
+  if (p == "gpu") return {Tier::kGpu, Tier::kGpu, Tier::kGpu, Tier::kGpu};
+  if (p == "cpu") return {Tier::kCpu, Tier::kCpu, Tier::kCpu, Tier::kCpu};
+  return {Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme};
+}
+
+tz::Expected<tz::Config> make_config(const Flags& f) {
+  const std::int64_t block = static_cast<std::int64_t>(f.hidden) * (f.hidden + 1);
+  const std::int64_t prefetch = f.prefetch_elems > 0 ? f.prefetch_elems : 3 * block + 1;
+  return tz::parse_config(fmt::format(R"({{
+    "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "bf16": {{"enabled": true}},
+    "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
+    "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+                           "stage3_prefetch_bucket_size": {}, "sub_group_size": {}}},
+    "tierzero": {{"backend": "host", "tiers": {{"gpu_bytes": "4GiB", "cpu_bytes": "8GiB", "nvme_bytes": "64GiB",
+                  "nvme_paths": ["{}"]}}}}
+  }})",
+                                      prefetch, 4 * block, f.nvme_path),
+                          "overlap bench config");
+}
+
+struct StepRow {
+  int step = 0;
+  double forward_backward_s = 0, optimizer_s = 0;
+  double compute_s = 0;
+  std::map<std::string, double> busy;
+  double critical_s = 0;
+  std::string critical_stage;
+  double wait_s = 0, wait_nvme_s = 0, wait_h2d_s = 0, wait_gather_s = 0;
+  std::uint64_t prefetched = 0, fetches = 0;
+};
+
+tz::Status run(const Flags& f) {
+  std::filesystem::create_directories(f.nvme_path);
+  TZ_ASSIGN_OR_RETURN(tz::Config config, make_config(f));
+  const tz::mlp::MlpConfig mlp{.layers = f.layers, .hidden = f.hidden, .batch = f.batch};
+  TZ_ASSIGN_OR_RETURN(auto engine, tz::ZeroEngine::create({.config = config, .placement = parse_placement(f.placement)},
+                                                           tz::mlp::model(mlp), tz::mlp::init(mlp)));
+  std::printf("%s\n", engine->describe().c_str());
+  std::printf("model: %d layers x (%d x %d + %d) = %s parameters; simulated compute %.1f ms per block and direction\n\n",
+              f.layers, f.hidden, f.hidden, f.hidden,
+              tz::format_count(static_cast<double>(engine->layout().param_numel)).c_str(), f.compute_ms);
+  const auto compute = std::chrono::microseconds(static_cast<std::int64_t>(f.compute_ms * 1000));
+  const tz::mlp::ComputeHook hook = [&](std::size_t, bool) { std::this_thread::sleep_for(compute); };
+  const std::string tmp_trace = f.nvme_path + "/overlap-step.json";
+  std::vector<StepRow> rows;
+  std::printf("%4s %10s %10s %10s %10s %9s %-16s %8s %8s %8s %8s %6s\n", "step", "fwd+bwd s", "compute s",
+              "critical s", "ratio", "optim s", "busiest stage", "wait %", "nvme", "h2d", "gather", "pref");
+  for (int step = 0; step < f.steps; ++step) {
+    engine->clear_timeline();
+    engine->record_timeline(step > 0);  // step 0 records the trace, on demand
+    const auto start = Clock::now();
+    if (f.synthetic) {
+      TZ_TRY(synthetic_micro_batch(*engine, hook));
+    } else {
+      TZ_TRY(tz::mlp::train_micro_batch(*engine, mlp, tz::mlp::make_batch(mlp, 0, 0, step), hook).status());
+    }
+    TZ_ASSIGN_OR_RETURN(tz::StepReport r, engine->step());
+    const double total = std::chrono::duration<double>(Clock::now() - start).count();
+    engine->record_timeline(false);
+    if (step == 0) continue;
+    StepRow row{.step = step, .forward_backward_s = total - r.optimizer_seconds, .optimizer_s = r.optimizer_seconds};
+    TZ_TRY(engine->write_timeline(tmp_trace));
+    row.busy = busy_seconds(tmp_trace);
+    row.compute_s = row.busy["compute"];
+    row.critical_s = row.compute_s;
+    row.critical_stage = "compute";
+    for (const auto& [name, secs] : row.busy) {
+      if (name == "compute" || name == "optimizer") continue;
+      if (secs > row.critical_s) {
+        row.critical_s = secs;
+        row.critical_stage = name;
+      }
+    }
+    row.wait_nvme_s = r.wait_nvme_seconds;
+    row.wait_h2d_s = r.wait_h2d_seconds;
+    row.wait_gather_s = r.wait_gather_seconds;
+    row.wait_s = r.wait_nvme_seconds + r.wait_h2d_seconds + r.wait_gather_seconds;
+    row.prefetched = r.prefetched;
+    row.fetches = r.fetches;
+    std::printf("%4d %10.3f %10.3f %10.3f %10.3f %9.3f %-16s %7.1f%% %8.3f %8.3f %8.3f %3llu/%llu\n", step,
+                row.forward_backward_s, row.compute_s, row.critical_s, row.forward_backward_s / row.critical_s,
+                row.optimizer_s, row.critical_stage.substr(0, 16).c_str(), 100 * row.wait_s / row.forward_backward_s,
+                row.wait_nvme_s, row.wait_h2d_s, row.wait_gather_s,
+                static_cast<unsigned long long>(row.prefetched), static_cast<unsigned long long>(row.fetches));
+    if (!f.trace_path.empty() && step == f.steps - 1) TZ_TRY(engine->write_timeline(f.trace_path));
+    rows.push_back(row);
+  }
+  std::filesystem::remove(tmp_trace);
+  if (rows.empty()) return tz::invalid_argument("--steps must be at least 2 (step 0 records the trace)");
+  std::vector<double> ratios, waits;
+  for (const StepRow& r : rows) {
+    ratios.push_back(r.forward_backward_s / r.critical_s);
+    waits.push_back(r.wait_s / r.forward_backward_s);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  std::sort(waits.begin(), waits.end());
+  const double ratio = ratios[ratios.size() / 2], wait = waits[waits.size() / 2];
+  std::printf("\nmedian over %zu steps: forward+backward / critical path = %.3f (target <= 1.15: %s); "
+              "compute waited %.1f%% of it (target < 10%%: %s)\n",
+              rows.size(), ratio, ratio <= 1.15 ? "met" : "MISSED", 100 * wait, wait < 0.10 ? "met" : "MISSED");
+  std::printf("busy seconds per stage in the last step:");
+  for (const auto& [name, secs] : rows.back().busy) std::printf("  %s %.3f", name.c_str(), secs);
+  std::printf("\n");
+  if (!f.trace_path.empty()) std::printf("Chrome trace of step %d: %s\n", rows.back().step, f.trace_path.c_str());
+  if (!f.json_path.empty()) {
+    nlohmann::json steps = nlohmann::json::array();
+    for (const StepRow& r : rows) {
+      steps.push_back({{"step", r.step}, {"forward_backward_s", r.forward_backward_s}, {"optimizer_s", r.optimizer_s},
+                       {"compute_s", r.compute_s}, {"busy_s", r.busy}, {"critical_s", r.critical_s},
+                       {"critical_stage", r.critical_stage}, {"wait_s", r.wait_s}, {"wait_nvme_s", r.wait_nvme_s},
+                       {"wait_h2d_s", r.wait_h2d_s}, {"wait_gather_s", r.wait_gather_s},
+                       {"prefetched", r.prefetched}, {"fetches", r.fetches}});
+    }
+    const nlohmann::json out = {{"benchmark", "tierzero-overlap-bench"}, {"engine", engine->describe()},
+                                {"layers", f.layers}, {"hidden", f.hidden}, {"compute_ms", f.compute_ms},
+                                {"placement", f.placement}, {"synthetic", f.synthetic}, {"steps", steps},
+                                {"median_ratio_to_critical_path", ratio}, {"median_wait_fraction", wait}};
+    std::ofstream(f.json_path) << out.dump(2) << "\n";
+    std::printf("wrote %s\n", f.json_path.c_str());
+  }
+  return tz::ok_status();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"tierzero-overlap-bench: step time against its critical path with prefetching"};
+  Flags f;
+  app.add_option("--layers", f.layers, "blocks (layers)")->capture_default_str()->check(CLI::Range(1, 10000));
+  app.add_option("--hidden", f.hidden, "hidden size")->capture_default_str()->check(CLI::Range(8, 65536));
+  app.add_option("--batch", f.batch, "rows per micro-batch")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--compute-ms", f.compute_ms, "simulated compute per block and direction, ms")->capture_default_str();
+  app.add_option("--placement", f.placement, "nvme (params + optimizer on NVMe), cpu, gpu")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"nvme", "cpu", "gpu"}));
+  app.add_option("--nvme-path", f.nvme_path, "directory for the swap files")->capture_default_str();
+  app.add_option("--steps", f.steps, "steps (the first records the trace and is not measured)")->capture_default_str();
+  app.add_option("--prefetch-elems", f.prefetch_elems, "stage3_prefetch_bucket_size; 0: three blocks");
+  app.add_flag("--synthetic", f.synthetic, "skip the MLP arithmetic: compute is the simulated time alone");
+  app.add_option("--json", f.json_path, "write results as JSON");
+  app.add_option("--trace", f.trace_path, "write the last step's Chrome trace here");
+  CLI11_PARSE(app, argc, argv);
+  const tz::Status s = run(f);
+  if (!s.ok()) {
+    std::fprintf(stderr, "tierzero-overlap-bench: %s\n", s.message().c_str());
+    return s.code() == tz::ErrorCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}

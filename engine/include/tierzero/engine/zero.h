@@ -1,0 +1,205 @@
+// ZeroEngine: ZeRO-partitioned, tiered model states and the training step.
+//
+// The caller registers the model as blocks (tierzero/engine/model.h) and then
+// drives each micro-batch block by block, as DESIGN.md's data flow describes:
+//
+//   TZ_ASSIGN_OR_RETURN(auto engine, tz::ZeroEngine::create(options, model, init));
+//   for (micro-batch) {
+//     for (b = 0 .. blocks-1) {                       // forward
+//       TZ_ASSIGN_OR_RETURN(tz::GatheredBlock p, engine->fetch(b));
+//       compute(p.param(0), p.param(1), ...);         // whole 16-bit params, device memory
+//     }                                               // p's destructor releases the block
+//     for (b = blocks-1 .. 0) {                       // backward
+//       TZ_ASSIGN_OR_RETURN(tz::GatheredBlock p, engine->fetch(b));
+//       TZ_ASSIGN_OR_RETURN(tz::GradBlock g, engine->grad_buffer(b));   // zeroed, device memory
+//       backward(p, g.grad(0), ...);
+//       TZ_TRY(engine->reduce_grads(std::move(g)));   // reduce-scatter, accumulate on the grad tier
+//     }
+//     TZ_ASSIGN_OR_RETURN(tz::StepReport r, engine->step());   // optimizer step at the accumulation boundary
+//   }
+//
+// Each rank holds 1/ranks of every state (ZeRO stage 3: 16-bit params,
+// gradients, fp32 master weights, Adam moments), on the tier the placement
+// planner chose for its class: device memory, pinned CPU memory, or NVMe
+// (the swap store). Stages 1 and 2 keep whole 16-bit parameters on every
+// rank's device and shard the rest (stage 1: gradients are all-reduced and
+// each rank keeps its part; stage 2: reduce-scattered).
+//
+// The step: the global gradient norm (each rank's shard norms come with the
+// gradient-arrival pass, then one all-reduce), the fp16 overflow check and
+// dynamic loss scaling (an overflowing step is skipped and the scale halved
+// after `hysteresis` overflows; it doubles after `loss_scale_window` good
+// steps), clipping, then CPU Adam over sub-groups of blocks; NVMe-resident
+// master weights and moments stream through pinned staging (the next
+// sub-group is read while this one steps and the last one is written). The
+// new 16-bit parameters go back to their tier.
+//
+// Threads: fetch/grad_buffer/reduce_grads/step are called from one thread (the
+// training loop), in the same order on every rank.
+// Errors: any failure (NVMe, a collective, a budget) fails the call that
+// sees it with a Status naming what failed; the engine is then unusable
+// (a failed step leaves checkpoints on disk untouched).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tierzero/engine/comm.h"
+#include "tierzero/engine/model.h"
+#include "tierzero/offload.h"
+
+namespace tz {
+
+// The 16-bit formats (and fp32, for gradients).
+enum class ElemType : std::uint8_t { kFp32, kBf16, kFp16 };
+std::string_view elem_type_name(ElemType type);
+std::size_t elem_type_bytes(ElemType type);
+DataType data_type_of(ElemType type);        // for collectives
+
+// Fills one parameter's initial fp32 values; every rank must produce the same.
+using ParamInit = std::function<void(std::size_t block, std::size_t param, float* out, std::uint64_t numel)>;
+
+struct ZeroOptions {
+  Config config;                        // zero_optimization, optimizer, fp16/bf16, clipping, aio, tiers
+  Communicator* comm = nullptr;         // null: a single rank
+  Device* device = nullptr;             // null: created from config.backend (owned by the engine)
+  // Gradient type on the device and in the reduce-scatter: fp32, or the
+  // parameter type (half the traffic; DeepSpeed's default).
+  std::optional<ElemType> grad_type;    // default: the parameter type
+  // Overrides the planner (tests, and users who know better): tier per class.
+  std::optional<std::array<Tier, kNumStateClasses>> placement;
+  // Pinned staging for the optimizer's NVMe pipeline, bytes of each of the 3
+  // buffers; 0: sized from zero_optimization.sub_group_size.
+  std::uint64_t optimizer_staging_bytes = 0;
+};
+
+// A whole block's 16-bit parameters on the device, gathered from every rank's
+// shard. Move-only; releases the buffer when destroyed.
+class GatheredBlock {
+ public:
+  GatheredBlock() = default;
+  ~GatheredBlock();
+  GatheredBlock(GatheredBlock&& other) noexcept;
+  GatheredBlock& operator=(GatheredBlock&& other) noexcept;
+
+  std::size_t block() const { return block_; }
+  void* data() const { return data_; }        // (whole_numel,) param type, device memory
+  void* param(std::size_t i) const;           // parameter i's elements (its layout offset)
+  ElemType type() const { return type_; }
+  bool valid() const { return data_ != nullptr; }
+
+ private:
+  friend class ZeroEngineImpl;
+  struct Releaser {
+    virtual ~Releaser() = default;
+    virtual void release(std::size_t block, void* data) = 0;
+  };
+  GatheredBlock(Releaser* owner, std::size_t block, void* data, ElemType type, const BlockLayout* layout)
+      : owner_(owner), block_(block), data_(data), type_(type), layout_(layout) {}
+  void reset();
+  Releaser* owner_ = nullptr;
+  std::size_t block_ = 0;
+  void* data_ = nullptr;
+  ElemType type_ = ElemType::kBf16;
+  const BlockLayout* layout_ = nullptr;
+};
+
+// A whole block's gradient buffer on the device (zeroed), for the caller's
+// backward to fill; handed back through reduce_grads().
+class GradBlock {
+ public:
+  GradBlock() = default;
+  GradBlock(GradBlock&&) noexcept = default;
+  GradBlock& operator=(GradBlock&&) noexcept = default;
+
+  std::size_t block() const { return block_; }
+  void* data() const { return buffer_.data(); }  // (whole_numel,) grad type, device memory
+  void* grad(std::size_t i) const;
+  ElemType type() const { return type_; }
+  bool valid() const { return buffer_.valid(); }
+
+ private:
+  friend class ZeroEngineImpl;
+  std::size_t block_ = 0;
+  PoolBlock buffer_;
+  ElemType type_ = ElemType::kFp32;
+  const BlockLayout* layout_ = nullptr;
+};
+
+struct StepReport {
+  bool stepped = false;            // an optimizer step ran (accumulation boundary, no overflow)
+  bool overflow = false;           // fp16: inf/NaN gradients, step skipped
+  std::int64_t step = 0;           // optimizer steps taken so far
+  double grad_norm = 0;            // global, unscaled, before clipping
+  double clip_coef = 1;
+  double loss_scale = 1;           // the scale for the next micro-batch
+  double optimizer_seconds = 0;
+  std::uint64_t nvme_read_bytes = 0;   // this step, this rank
+  std::uint64_t nvme_write_bytes = 0;
+  std::uint64_t h2d_bytes = 0;         // 16-bit shards copied up for gathering
+  std::uint64_t gather_bytes = 0;      // received by all-gathers
+  // Seconds fetch() waited on each stage since the last report (the stage
+  // still running when the wait ended owns that part of the wait).
+  double wait_nvme_seconds = 0, wait_h2d_seconds = 0, wait_gather_seconds = 0;
+  std::uint64_t fetches = 0, prefetched = 0;   // fetches since the last report, and how many were prefetched
+};
+
+class ZeroEngine {
+ public:
+  static Expected<std::unique_ptr<ZeroEngine>> create(const ZeroOptions& options, const std::vector<BlockSpec>& model,
+                                                      const ParamInit& init);
+  virtual ~ZeroEngine() = default;
+
+  virtual Expected<GatheredBlock> fetch(std::size_t block) = 0;
+  virtual Expected<GradBlock> grad_buffer(std::size_t block) = 0;
+  virtual Status reduce_grads(GradBlock grads) = 0;
+  // Ends a micro-batch; at the accumulation boundary runs the optimizer.
+  virtual Expected<StepReport> step() = 0;
+
+  // The loss scale to multiply the loss by (1 without fp16).
+  virtual double loss_scale() const = 0;
+  virtual const ModelLayout& layout() const = 0;
+  virtual const Plan& plan() const = 0;
+  virtual ElemType param_type() const = 0;
+  virtual ElemType grad_type() const = 0;
+  virtual Device& device() = 0;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // The whole block's fp32 master weights (every rank gets them; a
+  // collective: call on every rank). For tests and export.
+  virtual Expected<std::vector<float>> gather_master(std::size_t block) = 0;
+  // Human-readable: where each state class lives, the budgets and use.
+  virtual std::string describe() const = 0;
+
+  // Checkpoints (collectives: every rank calls them at the same point).
+  // save_checkpoint writes every rank's master weights, Adam moments, step
+  // and loss-scale state under dir/step-<N>/ (per-rank shard files with XXH3
+  // checksums and a manifest), each file written under a temporary name and
+  // fsynced; only when every rank is done is the directory renamed into place
+  // and dir/latest pointed at it. A crash at any point leaves the previous
+  // checkpoint, and `latest`, intact. Call between steps.
+  virtual Status save_checkpoint(const std::string& dir) = 0;
+  // Loads dir/latest (or dir itself when it is a step directory) into this
+  // engine's tiers, whatever tiers it was saved from; the world size and the
+  // model's layout must match. Every checksum is verified before any state is
+  // replaced. Resuming continues bit for bit as the saved run would have.
+  virtual Status load_checkpoint(const std::string& dir) = 0;
+  // The full fp32 weights as one safetensors file ("<block>.<param>" tensors),
+  // like DeepSpeed's zero_to_fp32. A collective; rank 0 writes the file.
+  virtual Status export_safetensors(const std::string& path) = 0;
+
+  // Records a timeline of NVMe reads, copies, collectives, compute (from each
+  // fetch to its release), gradient accumulation and the optimizer, and
+  // writes it as a Chrome trace (opens in Perfetto).
+  virtual void record_timeline(bool on) = 0;
+  virtual Status write_timeline(const std::string& path) = 0;
+  virtual void clear_timeline() = 0;
+};
+
+}  // namespace tz

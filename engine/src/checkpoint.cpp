@@ -1,0 +1,304 @@
+// Checkpoints and the fp32 export.
+//
+// Note [Checkpoint atomicity]
+// dir/step-<N>.partial/ is filled by every rank (rank-<r>.bin with its shards,
+// rank-<r>.json with their sizes and XXH3 checksums), each file written,
+// fsynced and closed before it counts. Only when every rank reports success
+// (an all-reduce of a failure flag) does rank 0 write manifest.json, rename
+// the directory to step-<N>, and replace dir/latest by renaming a fsynced
+// latest.tmp over it. A crash anywhere before that last rename leaves the
+// old latest pointing at the old, complete checkpoint; a crash after it
+// leaves the new one. A half-written .partial directory is never read.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "host_collectives.h"
+#include "tierzero/kernels.h"
+#include "zero_engine_impl.h"
+
+namespace tz {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kFormatVersion = 1;
+
+Status write_all(int fd, const void* data, std::size_t bytes, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::write(fd, p, bytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno_status(errno, "writing " + path);
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
+  }
+  return ok_status();
+}
+
+// Writes `chunks` to path (created or truncated), fsyncs and closes it.
+Status write_durably(const std::string& path, const std::vector<std::pair<const void*, std::size_t>>& chunks) {
+  TZ_ASSIGN_OR_RETURN(UniqueFd fd, open_file(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC));
+  for (const auto& [data, bytes] : chunks) TZ_TRY(write_all(fd.get(), data, bytes, path));
+  TZ_SYSCALL_CHECK(::fsync(fd.get()));
+  return fd.close();
+}
+
+Status write_text_durably(const std::string& path, const std::string& text) {
+  return write_durably(path, {{text.data(), text.size()}});
+}
+
+Status fsync_dir(const std::string& dir) {
+  TZ_ASSIGN_OR_RETURN(UniqueFd fd, open_file(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  TZ_SYSCALL_CHECK(::fsync(fd.get()));
+  return fd.close();
+}
+
+Expected<std::string> read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return not_found("checkpoint: cannot open {}", path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+Expected<nlohmann::json> read_json(const std::string& path) {
+  TZ_ASSIGN_OR_RETURN(std::string text, read_text(path));
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return data_corruption("checkpoint: {} is not valid JSON", path);
+  return j;
+}
+
+std::string hex(std::uint64_t x) { return fmt::format("{:016x}", x); }
+
+}  // namespace
+
+Status ZeroEngineImpl::barrier() { return comm_thread_->run([&] { return comm_->barrier(); }); }
+
+// Every rank says whether it succeeded; all learn whether all did.
+Status ZeroEngineImpl::agree(const Status& mine, std::string_view what) {
+  std::int64_t failed = mine.ok() ? 0 : 1;
+  TZ_TRY(comm_thread_->run([&] {
+    return detail::all_reduce_host(*comm_, *device_, *device_pool_, &failed, 1, DataType::kInt64, ReduceOp::kSum);
+  }));
+  if (!mine.ok()) return mine;
+  if (failed > 0) return io_error("{}: {} other rank(s) failed (see their errors)", what, failed);
+  return ok_status();
+}
+
+Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
+  const int rank = comm_->rank();
+  const std::string bin = fmt::format("{}/rank-{}.bin", dir, rank);
+  nlohmann::json blocks = nlohmann::json::array();
+  std::vector<std::vector<float>> buffers;
+  std::vector<std::pair<const void*, std::size_t>> chunks;
+  std::uint64_t offset = 0;
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    nlohmann::json states = nlohmann::json::object();
+    for (const auto& [name, store] : {std::pair{"master", master_.get()}, std::pair{"exp_avg", exp_avg_.get()},
+                                      std::pair{"exp_avg_sq", exp_avg_sq_.get()}}) {
+      if (store == nullptr) continue;
+      buffers.emplace_back(layout_.blocks[b].shard_numel);
+      TZ_TRY_CTX(get(*store, b, buffers.back().data()), "reading {} of {} for the checkpoint", name,
+                 layout_.blocks[b].name);
+      const std::size_t bytes = buffers.back().size() * 4;
+      states[name] = {{"offset", offset}, {"bytes", bytes}, {"xxh3", hex(nvme::checksum(buffers.back().data(), bytes))}};
+      chunks.emplace_back(buffers.back().data(), bytes);
+      offset += bytes;
+    }
+    blocks.push_back({{"name", layout_.blocks[b].name}, {"shard_numel", layout_.blocks[b].shard_numel},
+                      {"states", states}});
+  }
+  TZ_TRY(write_durably(bin, chunks));
+  const detail::LossScaler::State ls = scaler_.state();
+  const nlohmann::json manifest = {{"format", "tierzero-checkpoint-rank"}, {"version", kFormatVersion},
+                                   {"rank", rank}, {"world_size", comm_->size()}, {"step", step_},
+                                   {"optimizer", options_.config.optimizer.type},
+                                   {"loss_scaler", {{"scale", ls.scale}, {"hysteresis_left", ls.hysteresis_left},
+                                                    {"good_steps", ls.good_steps}}},
+                                   {"file", fs::path(bin).filename().string()}, {"bytes", offset},
+                                   {"blocks", blocks}};
+  return write_text_durably(fmt::format("{}/rank-{}.json", dir, rank), manifest.dump(1));
+}
+
+Status ZeroEngineImpl::save_checkpoint(const std::string& dir) {
+  TZ_TRY(comm_thread_->wait_idle());
+  TZ_TRY(grad_thread_->wait_idle());
+  if (micro_ != 0) {
+    return failed_precondition("save_checkpoint: in the middle of gradient accumulation ({} of {} micro-batches); "
+                               "save after a step",
+                               micro_, gas_);
+  }
+  const std::string name = fmt::format("step-{}", step_);
+  const std::string final_dir = dir + "/" + name, partial = final_dir + ".partial";
+  Status prepared;
+  if (comm_->rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    fs::remove_all(partial, ec);  // a crashed earlier save of this step
+    if (!ec) fs::create_directories(partial, ec);
+    if (ec) prepared = io_error("checkpoint: preparing {}: {}", partial, ec.message());
+  }
+  TZ_TRY(agree(prepared, "checkpoint"));
+  TZ_TRY(agree(write_rank_files(partial),
+               "checkpoint " + final_dir));
+  Status published;
+  if (comm_->rank() == 0) {
+    published = [&]() -> Status {
+      const nlohmann::json manifest = {{"format", "tierzero-checkpoint"}, {"version", kFormatVersion},
+                                       {"world_size", comm_->size()}, {"step", step_},
+                                       {"blocks", layout_.blocks.size()}, {"stage", stage_}};
+      TZ_TRY(write_text_durably(partial + "/manifest.json", manifest.dump(1)));
+      TZ_TRY(fsync_dir(partial));
+      std::error_code ec;
+      const std::string replaced = final_dir + ".replaced";
+      fs::remove_all(replaced, ec);
+      if (fs::exists(final_dir)) fs::rename(final_dir, replaced, ec);
+      if (!ec) fs::rename(partial, final_dir, ec);
+      if (ec) return io_error("checkpoint: renaming {} to {}: {}", partial, final_dir, ec.message());
+      TZ_TRY(write_text_durably(dir + "/latest.tmp", name));
+      if (std::rename((dir + "/latest.tmp").c_str(), (dir + "/latest").c_str()) != 0) {
+        return errno_status(errno, "checkpoint: pointing " + dir + "/latest at " + name);
+      }
+      TZ_TRY(fsync_dir(dir));
+      fs::remove_all(replaced, ec);
+      return ok_status();
+    }();
+  }
+  TZ_TRY(agree(published, "checkpoint " + final_dir));
+  TZ_LOG_INFO("engine", "checkpoint saved: {}", final_dir);
+  return ok_status();
+}
+
+// Reads and verifies this rank's files; states[b * 3 + k] = master, exp_avg,
+// exp_avg_sq of block b (empty where the optimizer has no such state).
+Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states) {
+  const int rank = comm_->rank();
+  TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(fmt::format("{}/rank-{}.json", dir, rank)));
+  if (m.value("format", "") != "tierzero-checkpoint-rank" || m.value("version", 0) != kFormatVersion) {
+    return data_corruption("checkpoint {}: rank-{}.json is not a tierzero checkpoint (format version {})", dir, rank,
+                           kFormatVersion);
+  }
+  if (m.value("world_size", 0) != comm_->size()) {
+    return invalid_argument("checkpoint {} was saved by {} ranks; this run has {}", dir, m.value("world_size", 0),
+                            comm_->size());
+  }
+  const nlohmann::json& blocks = m["blocks"];
+  if (!blocks.is_array() || blocks.size() != layout_.blocks.size()) {
+    return invalid_argument("checkpoint {} has {} blocks; the model has {}", dir, blocks.size(), layout_.blocks.size());
+  }
+  const std::string bin = dir + "/" + m.value("file", "");
+  TZ_ASSIGN_OR_RETURN(std::string data, read_text(bin));
+  if (data.size() != m.value("bytes", std::uint64_t{0})) {
+    return data_corruption("checkpoint file {} holds {} bytes; its manifest says {} (truncated?)", bin, data.size(),
+                           m.value("bytes", std::uint64_t{0}));
+  }
+  states.assign(layout_.blocks.size() * 3, {});
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    const BlockLayout& want = layout_.blocks[b];
+    if (blocks[b].value("name", "") != want.name || blocks[b].value("shard_numel", 0ULL) != want.shard_numel) {
+      return invalid_argument("checkpoint {}: block {} is '{}' with {} elements per shard; the model has '{}' with {}",
+                              dir, b, blocks[b].value("name", ""), blocks[b].value("shard_numel", 0ULL), want.name,
+                              want.shard_numel);
+    }
+    const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
+    for (int k = 0; k < 3; ++k) {
+      if (!blocks[b]["states"].contains(names[k])) continue;
+      const nlohmann::json& s = blocks[b]["states"][names[k]];
+      const std::uint64_t offset = s.value("offset", 0ULL), bytes = s.value("bytes", 0ULL);
+      if (bytes != want.shard_numel * 4 || offset + bytes > data.size()) {
+        return data_corruption("checkpoint {}: {} of {} has a bad extent ({} bytes at {})", bin, names[k], want.name,
+                               bytes, offset);
+      }
+      if (hex(nvme::checksum(data.data() + offset, bytes)) != s.value("xxh3", "")) {
+        return data_corruption("checkpoint {}: checksum mismatch in {} of {} (bytes {}..{}): the file is corrupt", bin,
+                               names[k], want.name, offset, offset + bytes);
+      }
+      std::vector<float>& out = states[b * 3 + k];
+      out.resize(want.shard_numel);
+      std::memcpy(out.data(), data.data() + offset, bytes);
+    }
+  }
+  const nlohmann::json& ls = m["loss_scaler"];
+  step_ = m.value("step", std::int64_t{0});
+  scaler_.restore({ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})});
+  return ok_status();
+}
+
+Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
+  TZ_TRY(comm_thread_->wait_idle());
+  TZ_TRY(grad_thread_->wait_idle());
+  std::string dir = path;
+  if (fs::exists(path + "/latest")) {
+    TZ_ASSIGN_OR_RETURN(std::string name, read_text(path + "/latest"));
+    dir = path + "/" + name;
+  }
+  if (!fs::exists(dir + "/manifest.json")) {
+    return not_found("checkpoint: {} has no manifest.json (not a complete checkpoint, and no 'latest' beside it)", dir);
+  }
+  std::vector<std::vector<float>> states;
+  // Everything is read and verified before any state is replaced.
+  TZ_TRY(agree(read_rank_files(dir, states),
+               "loading checkpoint " + dir));
+  Status loaded = [&]() -> Status {
+    for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+      const std::vector<float>& master = states[b * 3];
+      TZ_TRY(put(*master_, b, master.data()));
+      if (exp_avg_) TZ_TRY(put(*exp_avg_, b, states[b * 3 + 1].data()));
+      if (exp_avg_sq_) TZ_TRY(put(*exp_avg_sq_, b, states[b * 3 + 2].data()));
+      // The 16-bit parameters are the master weights rounded, as the
+      // optimizer's copy-out wrote them.
+      std::vector<std::uint16_t> p16(master.size());
+      if (param_type_ == ElemType::kBf16) {
+        kernels::cast_fp32_to_bf16_cpu(master.data(), p16.data(), p16.size());
+      } else {
+        kernels::cast_fp32_to_fp16_cpu(master.data(), p16.data(), p16.size());
+      }
+      TZ_TRY(put(*param16_, b, p16.data()));
+    }
+    std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
+    micro_ = 0;
+    return gather_persistent();
+  }();
+  TZ_TRY(agree(loaded, "loading checkpoint " + dir));
+  nvme_read_bytes_ = 0;
+  nvme_write_bytes_ = 0;
+  TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {})", dir, step_);
+  return ok_status();
+}
+
+Status ZeroEngineImpl::export_safetensors(const std::string& path) {
+  // Header: {"<block>.<param>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  std::vector<std::vector<float>> tensors;
+  std::uint64_t offset = 0;
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    TZ_ASSIGN_OR_RETURN(std::vector<float> whole, gather_master(b));  // every rank takes part
+    for (const ParamLayout& p : layout_.blocks[b].params) {
+      const std::uint64_t bytes = p.numel * 4;
+      header[layout_.blocks[b].name + "." + p.name] = {{"dtype", "F32"}, {"shape", p.shape},
+                                                       {"data_offsets", {offset, offset + bytes}}};
+      tensors.emplace_back(whole.begin() + static_cast<std::ptrdiff_t>(p.offset),
+                           whole.begin() + static_cast<std::ptrdiff_t>(p.offset + p.numel));
+      offset += bytes;
+    }
+  }
+  Status written;
+  if (comm_->rank() == 0) {
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
+    const std::uint64_t header_len = text.size();  // little-endian u64, as on every machine we run on
+    std::vector<std::pair<const void*, std::size_t>> chunks = {{&header_len, 8}, {text.data(), text.size()}};
+    for (const auto& t : tensors) chunks.emplace_back(t.data(), t.size() * 4);
+    const std::string tmp = path + ".tmp";
+    written = write_durably(tmp, chunks);
+    if (written.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) {
+      written = errno_status(errno, "renaming " + tmp + " to " + path);
+    }
+  }
+  return agree(written, "exporting " + path);
+}
+
+}  // namespace tz

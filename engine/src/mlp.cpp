@@ -1,0 +1,286 @@
+// The built-in MLP workload and its in-memory reference (tierzero/engine/mlp.h).
+// Both run the same layer functions below on the same 16-bit-rounded
+// weights, so they differ only where the engine's reductions and fp32
+// optimizer round differently from the reference's double.
+#include "tierzero/engine/mlp.h"
+
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "tierzero/kernels.h"
+
+namespace tz::mlp {
+namespace {
+
+// splitmix64: a counter-based stream, so any (rank, micro, step) batch is
+// generated on its own without replaying the others.
+std::uint64_t mix(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+float uniform(std::uint64_t key) {  // [-1, 1)
+  return static_cast<float>(static_cast<double>(mix(key) >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+float to_float(const void* p, std::size_t i, ElemType type) {
+  switch (type) {
+    case ElemType::kFp32: return static_cast<const float*>(p)[i];
+    case ElemType::kBf16: return kernels::bf16_to_fp32(static_cast<const std::uint16_t*>(p)[i]);
+    case ElemType::kFp16: return kernels::fp16_to_fp32(static_cast<const std::uint16_t*>(p)[i]);
+  }
+  return 0;
+}
+
+// x rounded through `type` and back (what storing it in that type keeps).
+float round_through(float x, ElemType type) {
+  switch (type) {
+    case ElemType::kFp32: return x;
+    case ElemType::kBf16: return kernels::bf16_to_fp32(kernels::fp32_to_bf16(x));
+    case ElemType::kFp16: return kernels::fp16_to_fp32(kernels::fp32_to_fp16(x));
+  }
+  return x;
+}
+
+void store_as(void* p, std::size_t i, float x, ElemType type) {
+  switch (type) {
+    case ElemType::kFp32: static_cast<float*>(p)[i] = x; break;
+    case ElemType::kBf16: static_cast<std::uint16_t*>(p)[i] = kernels::fp32_to_bf16(x); break;
+    case ElemType::kFp16: static_cast<std::uint16_t*>(p)[i] = kernels::fp32_to_fp16(x); break;
+  }
+}
+
+struct Weights {
+  std::vector<float> w, b;  // (H, H) row-major out x in, (H)
+};
+
+Weights weights_from(const void* w, const void* b, int h, ElemType type) {
+  Weights out;
+  out.w.resize(static_cast<std::size_t>(h) * h);
+  out.b.resize(h);
+  for (std::size_t i = 0; i < out.w.size(); ++i) out.w[i] = to_float(w, i, type);
+  for (int i = 0; i < h; ++i) out.b[i] = to_float(b, i, type);
+  return out;
+}
+
+// y (B, H) = act(x w^T + b).
+void layer_forward(const std::vector<float>& x, const Weights& p, std::vector<float>& y, int batch, int h, bool act) {
+  y.assign(static_cast<std::size_t>(batch) * h, 0.0F);
+  for (int r = 0; r < batch; ++r) {
+    const float* xr = x.data() + static_cast<std::size_t>(r) * h;
+    for (int o = 0; o < h; ++o) {
+      const float* wo = p.w.data() + static_cast<std::size_t>(o) * h;
+      float acc = p.b[o];
+      for (int i = 0; i < h; ++i) acc += xr[i] * wo[i];
+      y[static_cast<std::size_t>(r) * h + o] = act ? std::tanh(acc) : acc;
+    }
+  }
+}
+
+// From dy (gradient at the layer's output y): dw, db (accumulated into) and dx.
+void layer_backward(const std::vector<float>& x, const std::vector<float>& y, const Weights& p, std::vector<float> dy,
+                    std::vector<float>& dw, std::vector<float>& db, std::vector<float>& dx, int batch, int h,
+                    bool act) {
+  if (act) {
+    for (std::size_t i = 0; i < dy.size(); ++i) dy[i] *= 1.0F - y[i] * y[i];
+  }
+  dx.assign(static_cast<std::size_t>(batch) * h, 0.0F);
+  for (int r = 0; r < batch; ++r) {
+    const float* dr = dy.data() + static_cast<std::size_t>(r) * h;
+    const float* xr = x.data() + static_cast<std::size_t>(r) * h;
+    float* dxr = dx.data() + static_cast<std::size_t>(r) * h;
+    for (int o = 0; o < h; ++o) {
+      const float d = dr[o];
+      db[o] += d;
+      float* dwo = dw.data() + static_cast<std::size_t>(o) * h;
+      const float* wo = p.w.data() + static_cast<std::size_t>(o) * h;
+      for (int i = 0; i < h; ++i) {
+        dwo[i] += d * xr[i];
+        dxr[i] += d * wo[i];
+      }
+    }
+  }
+}
+
+// The loss and its gradient at the output, times `scale`.
+double loss_and_grad(const std::vector<float>& y, const std::vector<float>& target, int batch, double scale,
+                     std::vector<float>& dy) {
+  double loss = 0;
+  dy.resize(y.size());
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    const float d = y[i] - target[i];
+    loss += static_cast<double>(d) * d;
+    dy[i] = static_cast<float>(d / batch * scale);
+  }
+  return loss / (2.0 * batch);
+}
+
+}  // namespace
+
+std::vector<BlockSpec> model(const MlpConfig& cfg) {
+  std::vector<BlockSpec> out;
+  for (int l = 0; l < cfg.layers; ++l) {
+    out.push_back({fmt::format("layer{}", l), {{"w", {cfg.hidden, cfg.hidden}}, {"b", {cfg.hidden}}}});
+  }
+  return out;
+}
+
+ParamInit init(const MlpConfig& cfg) {
+  return [cfg](std::size_t block, std::size_t param, float* out, std::uint64_t numel) {
+    const float bound = 1.0F / std::sqrt(static_cast<float>(cfg.hidden));
+    for (std::uint64_t i = 0; i < numel; ++i) {
+      out[i] = param == 0 ? bound * uniform(cfg.seed ^ (block << 40) ^ i) : 0.0F;
+    }
+  };
+}
+
+Batch make_batch(const MlpConfig& cfg, int rank, int micro, std::int64_t step) {
+  const std::size_t n = static_cast<std::size_t>(cfg.batch) * cfg.hidden;
+  const std::uint64_t base = mix(cfg.seed ^ mix(static_cast<std::uint64_t>(step) * 1000003 + micro * 1009 + rank));
+  Batch b;
+  b.x.resize(n);
+  b.target.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    b.x[i] = uniform(base + 2 * i);
+    b.target[i] = 0.5F * uniform(base + 2 * i + 1);
+  }
+  return b;
+}
+
+Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, const Batch& batch,
+                                   const ComputeHook& hook, bool inject_inf) {
+  const int h = cfg.hidden, layers = cfg.layers;
+  const ElemType pt = engine.param_type(), gt = engine.grad_type();
+  std::vector<std::vector<float>> acts(layers + 1);
+  acts[0] = batch.x;
+  for (int l = 0; l < layers; ++l) {
+    TZ_ASSIGN_OR_RETURN(GatheredBlock p, engine.fetch(l));
+    if (hook) hook(l, false);
+    layer_forward(acts[l], weights_from(p.param(0), p.param(1), h, pt), acts[l + 1], cfg.batch, h, l + 1 < layers);
+  }
+  std::vector<float> dy;
+  const double loss = loss_and_grad(acts[layers], batch.target, cfg.batch, engine.loss_scale(), dy);
+  for (int l = layers - 1; l >= 0; --l) {
+    TZ_ASSIGN_OR_RETURN(GatheredBlock p, engine.fetch(l));
+    if (hook) hook(l, true);
+    const Weights w = weights_from(p.param(0), p.param(1), h, pt);
+    std::vector<float> dw(static_cast<std::size_t>(h) * h, 0.0F), db(h, 0.0F), dx;
+    layer_backward(acts[l], acts[l + 1], w, dy, dw, db, dx, cfg.batch, h, l + 1 < layers);
+    TZ_ASSIGN_OR_RETURN(GradBlock g, engine.grad_buffer(l));
+    for (std::size_t i = 0; i < dw.size(); ++i) store_as(g.grad(0), i, dw[i], gt);
+    for (int i = 0; i < h; ++i) store_as(g.grad(1), i, db[i], gt);
+    if (inject_inf && l == layers - 1) store_as(g.grad(0), 0, std::numeric_limits<float>::infinity(), gt);
+    TZ_TRY(engine.reduce_grads(std::move(g)));
+    dy = std::move(dx);
+  }
+  return loss;
+}
+
+// ---------------------------------------------------------------- reference
+
+Reference::Reference(const MlpConfig& cfg, const Config& config, int world_size, std::optional<ElemType> grad_type)
+    : cfg_(cfg), config_(config), world_(world_size) {
+  param_type_ = config.precision.fp16 ? ElemType::kFp16 : ElemType::kBf16;
+  grad_type_ = grad_type.value_or(param_type_);
+  layout_ = ModelLayout::make(model(cfg), world_size, 0).value();
+  const ParamInit initialise = init(cfg);
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    const BlockLayout& block = layout_.blocks[b];
+    std::vector<float> whole(block.used_numel, 0.0F);
+    for (std::size_t p = 0; p < block.params.size(); ++p) {
+      initialise(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
+    }
+    master_.push_back(whole);
+    m_.emplace_back(whole.size(), 0.0);
+    v_.emplace_back(whole.size(), 0.0);
+  }
+}
+
+std::vector<float> Reference::master(std::size_t block) const {
+  std::vector<float> out(layout_.blocks[block].whole_numel, 0.0F);
+  std::copy(master_[block].begin(), master_[block].end(), out.begin());
+  return out;
+}
+
+double Reference::train_step(std::int64_t step) {
+  const int h = cfg_.hidden, layers = cfg_.layers;
+  const auto hh = static_cast<std::size_t>(h) * h;
+  const double loss_scale = config_.precision.fp16 ? std::ldexp(1.0, config_.precision.initial_scale_power) : 1.0;
+  const int gas = static_cast<int>(std::max<std::int64_t>(config_.gradient_accumulation_steps, 1));
+  // The weights as the engine hands them out: fp32 master rounded to 16 bits.
+  std::vector<Weights> weights(layers);
+  for (int l = 0; l < layers; ++l) {
+    const std::vector<float>& p = master_[l];
+    const std::size_t b_off = layout_.blocks[l].params[1].offset;
+    weights[l].w.resize(hh);
+    weights[l].b.resize(h);
+    for (std::size_t i = 0; i < hh; ++i) weights[l].w[i] = round_through(p[i], param_type_);
+    for (int i = 0; i < h; ++i) weights[l].b[i] = round_through(p[b_off + i], param_type_);
+  }
+  std::vector<std::vector<float>> acc(layers);
+  for (int l = 0; l < layers; ++l) acc[l].assign(master_[l].size(), 0.0F);
+  const float scale = static_cast<float>(1.0 / (static_cast<double>(world_) * gas));
+  double loss_sum = 0;
+  for (int micro = 0; micro < gas; ++micro) {
+    std::vector<std::vector<float>> sum(layers);
+    for (int l = 0; l < layers; ++l) sum[l].assign(master_[l].size(), 0.0F);
+    for (int rank = 0; rank < world_; ++rank) {
+      const Batch batch = make_batch(cfg_, rank, micro, step);
+      std::vector<std::vector<float>> acts(layers + 1);
+      acts[0] = batch.x;
+      for (int l = 0; l < layers; ++l) layer_forward(acts[l], weights[l], acts[l + 1], cfg_.batch, h, l + 1 < layers);
+      std::vector<float> dy;
+      loss_sum += loss_and_grad(acts[layers], batch.target, cfg_.batch, loss_scale, dy);
+      for (int l = layers - 1; l >= 0; --l) {
+        std::vector<float> dw(hh, 0.0F), db(h, 0.0F), dx;
+        layer_backward(acts[l], acts[l + 1], weights[l], dy, dw, db, dx, cfg_.batch, h, l + 1 < layers);
+        const std::size_t b_off = layout_.blocks[l].params[1].offset;
+        // The sum over ranks, in the gradient type (as the reduction stores it).
+        for (std::size_t i = 0; i < hh; ++i) sum[l][i] = round_through(sum[l][i] + round_through(dw[i], grad_type_), grad_type_);
+        for (int i = 0; i < h; ++i) {
+          sum[l][b_off + i] = round_through(sum[l][b_off + i] + round_through(db[i], grad_type_), grad_type_);
+        }
+        dy = std::move(dx);
+      }
+    }
+    for (int l = 0; l < layers; ++l) {
+      for (std::size_t i = 0; i < acc[l].size(); ++i) acc[l][i] += scale * sum[l][i];
+    }
+  }
+  // Global norm, clipping, Adam in double (torch.optim semantics).
+  double ss = 0;
+  for (const auto& a : acc) {
+    for (float g : a) ss += static_cast<double>(g) * g;
+  }
+  const double norm = std::sqrt(ss) / loss_scale;
+  const double max_norm = config_.gradient_clipping;
+  const double clip = max_norm > 0 ? std::min(1.0, max_norm / (norm + 1e-6)) : 1.0;
+  const OptimizerConfig& o = config_.optimizer;
+  const bool adamw = o.type == "AdamW";
+  ++steps_;
+  const double bc1 = 1 - std::pow(o.beta1, static_cast<double>(steps_));
+  const double bc2 = 1 - std::pow(o.beta2, static_cast<double>(steps_));
+  for (int l = 0; l < layers; ++l) {
+    for (std::size_t i = 0; i < acc[l].size(); ++i) {
+      double p = master_[l][i];
+      double g = acc[l][i] * (clip / loss_scale);
+      if (adamw) {
+        p *= 1 - o.lr * o.weight_decay;
+      } else {
+        g += o.weight_decay * p;
+      }
+      m_[l][i] = o.beta1 * m_[l][i] + (1 - o.beta1) * g;
+      v_[l][i] = o.beta2 * v_[l][i] + (1 - o.beta2) * g * g;
+      p -= o.lr / bc1 * m_[l][i] / (std::sqrt(v_[l][i]) / std::sqrt(bc2) + o.eps);
+      master_[l][i] = static_cast<float>(p);
+    }
+  }
+  return loss_sum / (static_cast<double>(world_) * gas);
+}
+
+}  // namespace tz::mlp

@@ -1,0 +1,232 @@
+// The step: global norm, overflow and loss scale, clipping, then CPU Adam
+// over sub-groups with NVMe-resident states streamed through pinned staging.
+//
+// Note [Optimizer pipeline]
+// Three staging sets rotate: while sub-group g steps in set g % 3, the reads
+// of g + 1 fill set (g + 1) % 3 and the writes of g - 1 drain set (g - 1) % 3.
+// Before reading into a set, the writes that last used it (g - 2) must be
+// done. Each state class on NVMe is read once and written once per step
+// (gradients only read: they are rewritten by the next micro-batch), so the
+// bytes moved per step are the planner's count, no more.
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "host_collectives.h"
+#include "zero_engine_impl.h"
+
+namespace tz {
+namespace {
+
+Status wait_all(std::vector<nvme::IoFuture>& futures) {
+  Status first;
+  for (nvme::IoFuture& f : futures) {
+    Status s = f.wait();
+    if (first.ok() && !s.ok()) first = std::move(s);
+  }
+  futures.clear();
+  return first;
+}
+
+}  // namespace
+
+cpu_adam::Hyper ZeroEngineImpl::hyper() const {
+  const OptimizerConfig& o = options_.config.optimizer;
+  cpu_adam::Hyper h{.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps, .weight_decay = o.weight_decay};
+  h.algorithm = o.type == "Adam"      ? cpu_adam::Algorithm::kAdam
+                : o.type == "Adagrad" ? cpu_adam::Algorithm::kAdagrad
+                : o.type == "Lion"    ? cpu_adam::Algorithm::kLion
+                                      : cpu_adam::Algorithm::kAdamW;
+  return h;
+}
+
+// Blocks that got no gradient in this accumulation window (not used by the
+// model this time) step with a zero gradient, not the last window's.
+Status ZeroEngineImpl::zero_stale_grads() {
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    if (grad_fresh_[b]) continue;
+    const std::vector<float> zeros(layout_.blocks[b].shard_numel, 0.0F);
+    if (grad_->tier() == Tier::kNvme) {
+      TZ_TRY(put(*grad_, b, zeros.data()));
+    } else {
+      std::memset(grad_->memory(b), 0, grad_->shard_bytes(b));
+    }
+    grad_sum_squares_[b] = 0;
+    grad_non_finite_[b] = false;
+  }
+  return ok_status();
+}
+
+// One all-reduce of {sum of squares, non-finite count} over the ranks.
+Expected<bool> ZeroEngineImpl::global_norm(double& norm) {
+  double local[2] = {0, 0};
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    local[0] += grad_sum_squares_[b];
+    local[1] += grad_non_finite_[b] ? 1 : 0;
+  }
+  TZ_TRY_CTX(comm_thread_->run([&] {
+               return detail::all_reduce_host(*comm_, *device_, *device_pool_, local, 2, DataType::kFloat64,
+                                              ReduceOp::kSum);
+             }),
+             "all-reducing the gradient norm");
+  const bool overflow = local[1] > 0 || !std::isfinite(local[0]);
+  norm = overflow ? std::numeric_limits<double>::infinity() : std::sqrt(local[0]) / scaler_.scale();
+  return overflow;
+}
+
+Expected<StepReport> ZeroEngineImpl::step() {
+  StepReport report;
+  // Every gradient of this micro-batch has reached its accumulator.
+  TZ_TRY(comm_thread_->wait_idle());
+  TZ_TRY(grad_thread_->wait_idle());
+  if (++micro_ < gas_) {
+    TZ_TRY(prefetcher_->end_micro_batch());
+    report.step = step_;
+    report.loss_scale = scaler_.scale();
+    return report;
+  }
+  micro_ = 0;
+  TZ_TRY(zero_stale_grads());
+  std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
+  TZ_ASSIGN_OR_RETURN(report.overflow, global_norm(report.grad_norm));
+  const double scale_used = scaler_.scale();
+  const bool run = scaler_.update(report.overflow);
+  report.loss_scale = scaler_.scale();
+  if (report.overflow && !options_.config.precision.fp16) {
+    TZ_LOG_ONCE_WARN("engine", "non-finite gradients without fp16 loss scaling: the step is skipped");
+  }
+  if (run) {
+    const double max_norm = options_.config.gradient_clipping;
+    report.clip_coef = max_norm > 0 ? std::min(1.0, max_norm / (report.grad_norm + 1e-6)) : 1.0;
+    ++step_;
+    const auto start = std::chrono::steady_clock::now();
+    TZ_TRY_CTX(optimizer_pass(report.clip_coef / scale_used), "optimizer step {}", step_);
+    TZ_TRY_CTX(gather_persistent(), "re-gathering the persistent blocks after step {}", step_);
+    report.optimizer_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    report.stepped = true;
+  }
+  TZ_TRY(prefetcher_->end_micro_batch());
+  report.step = step_;
+  const detail::StageWaits waits = prefetcher_->take_waits();
+  report.nvme_read_bytes = nvme_read_bytes_.exchange(0) + waits.nvme_read_bytes;
+  report.nvme_write_bytes = nvme_write_bytes_.exchange(0);
+  report.h2d_bytes = waits.h2d_bytes;
+  report.gather_bytes = waits.gather_bytes;
+  report.wait_nvme_seconds = waits.nvme;
+  report.wait_h2d_seconds = waits.h2d;
+  report.wait_gather_seconds = waits.gather;
+  report.fetches = waits.fetches;
+  report.prefetched = waits.prefetched;
+  return report;
+}
+
+// Where a state of `block` is while its sub-group steps: its own memory, or
+// its place in the staging set (blocks of a group lie one after another).
+void* ZeroEngineImpl::state_ptr(const detail::ShardStore* store, std::size_t block, StagingSet& set) {
+  if (store == nullptr) return nullptr;
+  if (store->tier() != Tier::kNvme) return store->memory(block);
+  return static_cast<char*>(set.area.at(store).data()) + offset_in_group_[block] * store->elem_bytes();
+}
+
+std::vector<nvme::IoFuture> ZeroEngineImpl::read_sub_group(std::size_t group, StagingSet& set) {
+  std::vector<nvme::IoFuture> reads;
+  for (const detail::ShardStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get(), grad_.get()}) {
+    if (store == nullptr || store->tier() != Tier::kNvme) continue;
+    for (std::size_t b : sub_groups_[group]) {
+      reads.push_back(store->read(b, state_ptr(store, b, set)));
+      nvme_read_bytes_ += store->shard_bytes(b);
+    }
+  }
+  return reads;
+}
+
+Status ZeroEngineImpl::write_sub_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes) {
+  for (const detail::ShardStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get()}) {
+    if (store == nullptr || store->tier() != Tier::kNvme) continue;
+    for (std::size_t b : sub_groups_[group]) {
+      writes.push_back(store->write(b, state_ptr(store, b, set)));
+      nvme_write_bytes_ += store->shard_bytes(b);
+    }
+  }
+  // The new 16-bit parameters to their tier (in place when they live in CPU memory).
+  for (std::size_t b : sub_groups_[group]) {
+    const std::size_t bytes = param16_->shard_bytes(b);
+    void* out = static_cast<char*>(set.param16.data()) + offset_in_group_[b] * elem_type_bytes(param_type_);
+    if (param16_->tier() == Tier::kNvme) {
+      writes.push_back(param16_->write(b, out));
+      nvme_write_bytes_ += bytes;
+    } else if (param16_->tier() == Tier::kGpu) {
+      TZ_TRY(device_->copy_async(param16_->memory(b), out, bytes, *stream_));
+    }
+  }
+  if (param16_->tier() == Tier::kGpu) TZ_TRY(sync());
+  return ok_status();
+}
+
+Status ZeroEngineImpl::step_sub_group(std::size_t group, StagingSet& set, double grad_scale) {
+  const cpu_adam::Hyper h = hyper();
+  for (std::size_t b : sub_groups_[group]) {
+    const std::uint64_t n = layout_.blocks[b].shard_numel;
+    void* param16 = param16_->tier() == Tier::kCpu
+                        ? param16_->memory(b)
+                        : static_cast<char*>(set.param16.data()) + offset_in_group_[b] * elem_type_bytes(param_type_);
+    const cpu_adam::Spans spans{.n = n,
+                                .param = static_cast<float*>(state_ptr(master_.get(), b, set)),
+                                .grad = state_ptr(grad_.get(), b, set),
+                                .grad_dtype = cpu_adam::DType::kFp32,
+                                .exp_avg = state_ptr(exp_avg_.get(), b, set),
+                                .exp_avg_sq = state_ptr(exp_avg_sq_.get(), b, set),
+                                .param16 = param16,
+                                .param16_dtype = cpu_dtype_of(param_type_)};
+    TZ_TRY_CTX(cpu_opt_->step(h, {.step = step_, .grad_scale = grad_scale}, spans), "stepping {}",
+               layout_.blocks[b].name);
+  }
+  return ok_status();
+}
+
+Status ZeroEngineImpl::optimizer_pass(double grad_scale) {
+  if (staging_.empty()) {
+    // Sized once for the largest sub-group: steady-state steps allocate nothing.
+    staging_.resize(3);
+    for (StagingSet& set : staging_) {
+      for (const detail::ShardStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get(), grad_.get()}) {
+        if (store == nullptr || store->tier() != Tier::kNvme) continue;
+        TZ_ASSIGN_OR_RETURN(set.area[store], host_pool_->allocate(sub_group_max_numel_ * 4));
+      }
+      if (param16_->tier() != Tier::kCpu) {
+        TZ_ASSIGN_OR_RETURN(set.param16, host_pool_->allocate(sub_group_max_numel_ * elem_type_bytes(param_type_)));
+      }
+    }
+  }
+  const std::size_t groups = sub_groups_.size();
+  std::vector<std::vector<nvme::IoFuture>> reads(3), writes(3);
+  reads[0] = read_sub_group(0, staging_[0]);
+  Status failed;
+  for (std::size_t g = 0; g < groups && failed.ok(); ++g) {
+    failed = wait_all(reads[g % 3]);
+    if (!failed.ok()) break;
+    if (g + 1 < groups) {
+      const std::size_t next = (g + 1) % 3;
+      failed = wait_all(writes[next]);  // the writes of g - 2 used this set
+      if (!failed.ok()) break;
+      reads[next] = read_sub_group(g + 1, staging_[next]);
+    }
+    const auto begin = std::chrono::steady_clock::now();
+    failed = step_sub_group(g, staging_[g % 3], grad_scale);
+    timeline_.record(detail::Track::kOptimizer, fmt::format("sub-group {}", g), begin, std::chrono::steady_clock::now());
+    if (failed.ok()) failed = write_sub_group(g, staging_[g % 3], writes[g % 3]);
+  }
+  // Whatever happened, nothing may still be in flight into or out of staging.
+  for (auto& r : reads) {
+    Status s = wait_all(r);
+    if (failed.ok()) failed = std::move(s);
+  }
+  for (auto& w : writes) {
+    Status s = wait_all(w);
+    if (failed.ok()) failed = std::move(s);
+  }
+  return failed;
+}
+
+}  // namespace tz

@@ -1,0 +1,258 @@
+// The prefetch scheduler (Note [Prefetch window] in prefetch.h).
+#include "prefetch.h"
+
+#include <condition_variable>
+
+#include "host_collectives.h"
+
+namespace tz::detail {
+
+using Clock = std::chrono::steady_clock;
+
+struct Prefetcher::Entry {
+  std::size_t block = 0;
+  PoolBlock owned;                    // the gathered buffer, when the pool's
+  void* whole = nullptr;              // (whole_numel,) 16-bit, device memory
+  PoolBlock staging;                  // NVMe -> pinned, until the copy is done
+  std::unique_ptr<Event> h2d_done;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool copy_issued = false;           // guarded by mu
+  bool ready = false;                 // guarded by mu
+  Status error;                       // guarded by mu
+  Clock::time_point t_issue, t_read_done, t_h2d_done, t_gather_done;
+
+  void fail(Status s) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (error.ok()) error = std::move(s);
+    }
+    cv.notify_all();
+  }
+};
+
+Prefetcher::Prefetcher(const PrefetchDeps& deps, std::uint64_t window_bytes)
+    : deps_(deps), window_bytes_(window_bytes) {
+  h2d_stream_ = deps_.device->create_stream().value();
+}
+
+Prefetcher::~Prefetcher() {
+  for (const auto& e : in_flight_) {
+    std::unique_lock<std::mutex> lock(e->mu);
+    e->cv.wait(lock, [&] { return e->ready || !e->error.ok(); });
+  }
+  (void)deps_.comm_thread->wait_idle();
+  (void)deps_.device->synchronize_stream(*h2d_stream_);
+}
+
+Status Prefetcher::start_copy(const std::shared_ptr<Entry>& e, const void* src) {
+  const std::size_t bytes = deps_.param16->shard_bytes(e->block);
+  void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
+  Device& d = *deps_.device;
+  TZ_TRY(d.copy_async(slot, src, bytes, *h2d_stream_));
+  TZ_TRY(d.launch_host_func(*h2d_stream_, [e] { e->t_h2d_done = Clock::now(); }));
+  if (!e->h2d_done) {
+    TZ_ASSIGN_OR_RETURN(e->h2d_done, d.create_event());
+  }
+  TZ_TRY(d.record_event(*e->h2d_done, *h2d_stream_));
+  {
+    std::lock_guard<std::mutex> lock(e->mu);
+    e->copy_issued = true;
+  }
+  e->cv.notify_all();
+  return ok_status();
+}
+
+std::shared_ptr<Prefetcher::Entry> Prefetcher::issue(std::size_t block, void* whole, PoolBlock owned) {
+  auto e = std::make_shared<Entry>();
+  e->block = block;
+  e->whole = whole;
+  e->owned = std::move(owned);
+  e->t_issue = Clock::now();
+  const std::size_t bytes = deps_.param16->shard_bytes(block);
+  const std::string& name = deps_.layout->blocks[block].name;
+  if (deps_.param16->tier() == Tier::kNvme) {
+    Expected<PoolBlock> staging = deps_.host_pool->allocate(bytes);
+    if (!staging.ok()) {
+      e->fail(std::move(staging).status().with_context(fmt::format("staging {} from NVMe", name)));
+    } else {
+      e->staging = std::move(*staging);
+      {
+        std::lock_guard<std::mutex> lock(waits_mu_);
+        waits_.nvme_read_bytes += bytes;
+      }
+      deps_.param16->read(block, e->staging.data(), [this, e, name](const Status& s, const nvme::IoResult&) {
+        e->t_read_done = Clock::now();
+        deps_.timeline->record(Track::kNvme, name, e->t_issue, e->t_read_done);
+        Status copied = s.ok() ? start_copy(e, e->staging.data()) : s;
+        if (!copied.ok()) e->fail(std::move(copied).with_context(fmt::format("fetching {}", name)));
+      });
+    }
+  } else {
+    e->t_read_done = e->t_issue;
+    Status copied = start_copy(e, deps_.param16->memory(block));
+    if (!copied.ok()) e->fail(std::move(copied));
+  }
+  // The all-gather is queued now, in trace order (Note [Collective order]);
+  // it starts once this rank's shard has landed.
+  deps_.comm_thread->post([this, e, name, bytes]() -> Status {
+    {
+      std::unique_lock<std::mutex> lock(e->mu);
+      e->cv.wait(lock, [&] { return e->copy_issued || !e->error.ok(); });
+      if (!e->error.ok()) return e->error;  // skipped: the others time out on it, naming it
+    }
+    Status s = deps_.device->synchronize_event(*e->h2d_done);
+    e->staging.reset();
+    const BlockLayout& b = deps_.layout->blocks[e->block];
+    void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
+    const auto start = Clock::now();
+    if (s.ok()) s = deps_.comm->all_gather(slot, e->whole, b.shard_numel, data_type_of(deps_.param_type));
+    e->t_gather_done = Clock::now();
+    deps_.timeline->record(Track::kH2D, name, e->t_read_done, e->t_h2d_done);
+    deps_.timeline->record(Track::kComm, "all-gather " + name, start, e->t_gather_done);
+    if (!s.ok()) {
+      s = std::move(s).with_context(fmt::format("all-gathering {}", name));
+      e->fail(s);
+      return s;
+    }
+    {
+      std::lock_guard<std::mutex> lock(e->mu);
+      e->ready = true;
+    }
+    e->cv.notify_all();
+    return ok_status();
+  });
+  return e;
+}
+
+Status Prefetcher::wait_ready(Entry& e, Clock::time_point start) {
+  {
+    std::unique_lock<std::mutex> lock(e.mu);
+    e.cv.wait(lock, [&] { return e.ready || !e.error.ok(); });
+    if (!e.error.ok()) return e.error;
+  }
+  const Clock::time_point end = Clock::now();
+  auto span = [](Clock::time_point a, Clock::time_point b) {
+    return b > a ? std::chrono::duration<double>(b - a).count() : 0.0;
+  };
+  // Compute waited from `start` to `end`; each stage owns the part of that
+  // interval before it finished and after the previous stage did.
+  const Clock::time_point read = std::min(std::max(e.t_read_done, start), end);
+  const Clock::time_point h2d = std::min(std::max(e.t_h2d_done, read), end);
+  std::lock_guard<std::mutex> lock(waits_mu_);
+  waits_.nvme += span(start, read);
+  waits_.h2d += span(read, h2d);
+  waits_.gather += span(h2d, end);
+  ++waits_.fetches;
+  const std::uint64_t shard = deps_.param16->shard_bytes(e.block);
+  waits_.h2d_bytes += shard;
+  waits_.gather_bytes += shard * static_cast<std::uint64_t>(deps_.comm->size() - 1);
+  return ok_status();
+}
+
+void Prefetcher::top_up() {
+  std::uint64_t in_flight_bytes = 0;
+  for (const auto& e : in_flight_) in_flight_bytes += deps_.layout->blocks[e->block].whole_numel;
+  const std::size_t elem = elem_type_bytes(deps_.param_type);
+  in_flight_bytes *= elem;
+  while (issued_until_ < trace_.size()) {
+    const std::size_t block = trace_[issued_until_];
+    const std::uint64_t bytes = deps_.layout->blocks[block].whole_numel * elem;
+    if (!in_flight_.empty() && in_flight_bytes + bytes > window_bytes_) break;
+    Expected<PoolBlock> whole = deps_.device_pool->allocate(bytes);
+    if (!whole.ok()) {
+      // Not an error yet: acquire() allocates on demand and reports it there.
+      if (in_flight_.empty()) break;
+      TZ_LOG_ONCE_WARN("engine", "prefetch window limited by the device pool: {}", whole.status().message());
+      break;
+    }
+    void* data = whole->data();
+    in_flight_.push_back(issue(block, data, std::move(*whole)));
+    in_flight_bytes += bytes;
+    ++issued_until_;
+  }
+}
+
+Expected<PoolBlock> Prefetcher::acquire(std::size_t block) {
+  const Clock::time_point start = Clock::now();
+  if (recording_ || active_) this_pass_.push_back(block);
+  if (active_ && !disabled_) {
+    if (position_ < trace_.size() && trace_[position_] == block) {
+      if (in_flight_.empty()) top_up();
+      if (!in_flight_.empty() && in_flight_.front()->block == block) {
+        std::shared_ptr<Entry> e = in_flight_.front();
+        in_flight_.pop_front();
+        ++position_;
+        top_up();
+        TZ_TRY(wait_ready(*e, start));
+        std::lock_guard<std::mutex> lock(waits_mu_);
+        ++waits_.prefetched;
+        return std::move(e->owned);
+      }
+    }
+    TZ_LOG_ONCE_WARN("engine", "the order of fetched blocks differs from the first micro-batch's (block {} at "
+                     "position {}): prefetching is off, blocks are fetched on demand from now on",
+                     block, position_);
+    disabled_ = true;
+    drain();
+  }
+  const std::uint64_t bytes = deps_.layout->blocks[block].whole_numel * elem_type_bytes(deps_.param_type);
+  Expected<PoolBlock> whole = deps_.device_pool->allocate(bytes);
+  TZ_TRY_CTX(whole, "gathering {}", deps_.layout->blocks[block].name);
+  void* data = whole->data();
+  std::shared_ptr<Entry> e = issue(block, data, std::move(*whole));
+  TZ_TRY(wait_ready(*e, start));
+  return std::move(e->owned);
+}
+
+Status Prefetcher::gather_into(std::size_t block, void* d_whole) {
+  std::shared_ptr<Entry> e = issue(block, d_whole, PoolBlock());
+  return wait_ready(*e, Clock::now());
+}
+
+void Prefetcher::drain() {
+  for (const auto& e : in_flight_) {
+    std::unique_lock<std::mutex> lock(e->mu);
+    e->cv.wait(lock, [&] { return e->ready || !e->error.ok(); });
+  }
+  in_flight_.clear();
+}
+
+Status Prefetcher::end_micro_batch() {
+  if (recording_) {
+    recording_ = false;
+    trace_ = this_pass_;
+    // Every rank must have recorded the same order (a collective: every rank
+    // calls this at the same point of its step()).
+    std::uint64_t h = 1469598103934665603ULL;
+    for (std::size_t b : trace_) h = (h ^ b) * 1099511628211ULL;
+    auto hash = static_cast<std::int64_t>(h >> 1);
+    std::int64_t both[2] = {hash, -hash};
+    TZ_TRY(deps_.comm_thread->run([&] {
+      return all_reduce_host(*deps_.comm, *deps_.device, *deps_.device_pool, both, 2, DataType::kInt64, ReduceOp::kMax);
+    }));
+    if (both[0] != hash || -both[1] != hash) {
+      TZ_LOG_ONCE_WARN("engine", "ranks recorded different block orders in their first micro-batch: prefetching "
+                       "is off, blocks are fetched on demand");
+      disabled_ = true;
+    }
+    active_ = !disabled_ && !trace_.empty();
+  } else if (active_ && !disabled_ && this_pass_ != trace_) {
+    TZ_LOG_ONCE_WARN("engine", "a micro-batch fetched {} blocks where the trace has {}: prefetching is off, blocks "
+                     "are fetched on demand", this_pass_.size(), trace_.size());
+    disabled_ = true;
+  }
+  drain();
+  this_pass_.clear();
+  position_ = 0;
+  issued_until_ = 0;
+  if (active_ && !disabled_) top_up();  // the next micro-batch's first blocks, now
+  return ok_status();
+}
+
+StageWaits Prefetcher::take_waits() {
+  std::lock_guard<std::mutex> lock(waits_mu_);
+  return std::exchange(waits_, StageWaits{});
+}
+
+}  // namespace tz::detail

@@ -1,0 +1,91 @@
+// The prefetch scheduler: brings blocks' 16-bit parameters up the tiers and
+// all-gathers them ahead of use.
+//
+// Note [Prefetch window]
+// The first micro-batch records the order of fetch() calls (the trace);
+// step() checks that every rank recorded the same one. From then on, each
+// fetch at trace position i makes sure positions i+1 .. i+k are in flight,
+// k as large as fits in the window's byte budget (stage3_prefetch_bucket_size
+// elements of 16-bit, at least one block). An entry in flight moves through
+// NVMe read (swap store, into pinned staging) -> host-to-device copy (its own
+// stream, an event marks the end) -> all-gather (the CommWorker, Note
+// [Collective order]). The window depends only on block sizes and the trace,
+// so every rank issues the same collectives in the same order. A fetch that
+// does not follow the trace switches prefetching off for good, and says so
+// once: data-dependent control flow falls back to fetching on demand.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "shard_store.h"
+#include "tierzero/engine/comm.h"
+#include "tierzero/engine/zero.h"
+#include "trace.h"
+#include "workers.h"
+
+namespace tz::detail {
+
+struct PrefetchDeps {
+  Device* device = nullptr;
+  Communicator* comm = nullptr;
+  TaskThread* comm_thread = nullptr;
+  MemoryPool* device_pool = nullptr;
+  MemoryPool* host_pool = nullptr;
+  ShardStore* param16 = nullptr;
+  const ModelLayout* layout = nullptr;
+  ElemType param_type = ElemType::kBf16;
+  Timeline* timeline = nullptr;
+};
+
+// Seconds compute spent waiting on each stage, summed over fetches.
+struct StageWaits {
+  double nvme = 0, h2d = 0, gather = 0;
+  std::uint64_t fetches = 0, prefetched = 0;
+  std::uint64_t nvme_read_bytes = 0, h2d_bytes = 0, gather_bytes = 0;
+};
+
+class Prefetcher {
+ public:
+  Prefetcher(const PrefetchDeps& deps, std::uint64_t window_bytes);
+  ~Prefetcher();  // waits for everything in flight
+
+  // The whole gathered block for the next fetch of `block`: prefetched when
+  // the trace predicted it, else fetched now. Waits; records the waits.
+  Expected<PoolBlock> acquire(std::size_t block);
+  // End of a micro-batch: the first one's trace is checked across ranks
+  // (a collective) and prefetching starts with the next.
+  Status end_micro_batch();
+  // Fetches into an existing buffer on demand (persistent blocks).
+  Status gather_into(std::size_t block, void* d_whole);
+
+  StageWaits take_waits();
+  bool active() const { return active_; }
+  const std::vector<std::size_t>& trace() const { return trace_; }
+
+ private:
+  struct Entry;
+  std::shared_ptr<Entry> issue(std::size_t block, void* whole, PoolBlock owned);
+  Status start_copy(const std::shared_ptr<Entry>& e, const void* src);
+  void top_up();
+  void drain();  // waits for every entry in flight and drops them
+  Status wait_ready(Entry& e, std::chrono::steady_clock::time_point start);
+
+  PrefetchDeps deps_;
+  std::uint64_t window_bytes_;
+  std::unique_ptr<Stream> h2d_stream_;
+  std::vector<std::size_t> trace_;          // recorded block order of one micro-batch
+  std::vector<std::size_t> this_pass_;      // fetches since the last end_micro_batch
+  bool recording_ = true, active_ = false, disabled_ = false;
+  std::size_t position_ = 0;                // next trace position to be fetched
+  std::size_t issued_until_ = 0;            // trace positions below this are in flight or used
+  std::deque<std::shared_ptr<Entry>> in_flight_;  // in trace order
+  std::mutex waits_mu_;
+  StageWaits waits_;
+};
+
+}  // namespace tz::detail

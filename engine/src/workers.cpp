@@ -1,0 +1,73 @@
+#include "workers.h"
+
+#include <exception>
+
+namespace tz::detail {
+
+TaskThread::TaskThread(std::string name) : name_(std::move(name)), thread_([this] { loop(); }) {}
+
+TaskThread::~TaskThread() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void TaskThread::post(std::function<Status()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(task));
+  }
+  cv_.notify_all();
+}
+
+Status TaskThread::wait_idle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  return error_;
+}
+
+Status TaskThread::run(std::function<Status()> task) {
+  post(std::move(task));
+  return wait_idle();
+}
+
+Status TaskThread::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+bool TaskThread::failed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !error_.ok();
+}
+
+void TaskThread::loop() {
+  for (;;) {
+    std::function<Status()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    Status s;
+    try {
+      s = task();
+    } catch (const std::exception& e) {
+      s = internal_error("{} thread: a task threw: {}", name_, e.what());
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!s.ok() && error_.ok()) error_ = std::move(s);
+      busy_ = false;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+}  // namespace tz::detail

@@ -1,0 +1,485 @@
+// ZeroEngine: creation (plan, stores, initial states), fetching parameters,
+// and the gradient path. The optimizer pass is in optimizer_pass.cpp.
+#include <algorithm>
+#include <cstring>
+
+#include "tierzero/kernels.h"
+#include "zero_engine_impl.h"
+
+namespace tz {
+
+std::string_view elem_type_name(ElemType type) {
+  switch (type) {
+    case ElemType::kFp32: return "fp32";
+    case ElemType::kBf16: return "bf16";
+    case ElemType::kFp16: return "fp16";
+  }
+  return "?";
+}
+
+std::size_t elem_type_bytes(ElemType type) { return type == ElemType::kFp32 ? 4 : 2; }
+
+DataType data_type_of(ElemType type) {
+  switch (type) {
+    case ElemType::kFp32: return DataType::kFloat32;
+    case ElemType::kBf16: return DataType::kBFloat16;
+    case ElemType::kFp16: return DataType::kFloat16;
+  }
+  return DataType::kFloat32;
+}
+
+cpu_adam::DType cpu_dtype_of(ElemType type) {
+  switch (type) {
+    case ElemType::kFp32: return cpu_adam::DType::kFp32;
+    case ElemType::kBf16: return cpu_adam::DType::kBf16;
+    case ElemType::kFp16: return cpu_adam::DType::kFp16;
+  }
+  return cpu_adam::DType::kFp32;
+}
+
+// ---------------------------------------------------------------- handles
+
+GatheredBlock::~GatheredBlock() { reset(); }
+
+GatheredBlock::GatheredBlock(GatheredBlock&& other) noexcept { *this = std::move(other); }
+
+GatheredBlock& GatheredBlock::operator=(GatheredBlock&& other) noexcept {
+  if (this != &other) {
+    reset();
+    owner_ = std::exchange(other.owner_, nullptr);
+    block_ = other.block_;
+    data_ = std::exchange(other.data_, nullptr);
+    type_ = other.type_;
+    layout_ = other.layout_;
+  }
+  return *this;
+}
+
+void GatheredBlock::reset() {
+  if (owner_ != nullptr && data_ != nullptr) owner_->release(block_, data_);
+  owner_ = nullptr;
+  data_ = nullptr;
+}
+
+void* GatheredBlock::param(std::size_t i) const {
+  return static_cast<char*>(data_) + layout_->params.at(i).offset * elem_type_bytes(type_);
+}
+
+void* GradBlock::grad(std::size_t i) const {
+  return static_cast<char*>(buffer_.data()) + layout_->params.at(i).offset * elem_type_bytes(type_);
+}
+
+// ---------------------------------------------------------------- creation
+
+ZeroEngineImpl::~ZeroEngineImpl() {
+  prefetcher_.reset();
+  if (comm_thread_) (void)comm_thread_->wait_idle();
+  if (grad_thread_) (void)grad_thread_->wait_idle();
+  live_.clear();
+  persistent_.clear();
+  // Stores free their extents and pool blocks before the swap store and pools go.
+  param16_.reset();
+  grad_.reset();
+  master_.reset();
+  exp_avg_.reset();
+  exp_avg_sq_.reset();
+  staging_.clear();
+}
+
+Status ZeroEngineImpl::make_device_and_comm() {
+  if (options_.device != nullptr) {
+    device_ = options_.device;
+  } else {
+    TZ_ASSIGN_OR_RETURN(own_device_, create_device({.backend = options_.config.backend}));
+    device_ = own_device_.get();
+  }
+  TZ_ASSIGN_OR_RETURN(stream_, device_->create_stream());
+  if (options_.comm != nullptr) {
+    comm_ = options_.comm;
+  } else {
+    TZ_ASSIGN_OR_RETURN(own_comm_, create_communicator({.device = device_}));
+    comm_ = own_comm_.get();
+  }
+  if (comm_->backend() == CommBackend::kGloo && device_->kind() == BackendKind::kCuda && comm_->size() > 1) {
+    return invalid_argument("the Gloo communicator works on host memory, but the device is {}: use NCCL",
+                            device_->name());
+  }
+  return ok_status();
+}
+
+Status ZeroEngineImpl::make_plan() {
+  const Config& c = options_.config;
+  TierConfig tiers = c.tiers;
+  if (device_->kind() == BackendKind::kHost && tiers.gpu.is_auto) {
+    // The Host backend's "device" memory is host memory: give it a quarter.
+    TZ_ASSIGN_OR_RETURN(HostMemoryReading mem, read_host_memory());
+    tiers.gpu = ByteBudget::of(mem.available_bytes / 4);
+  }
+  TZ_ASSIGN_OR_RETURN(budgets_, resolve_budgets(tiers, capabilities(), c.all_nvme_paths()));
+  PlanInput input = PlanInput::from_config(c, layout_.block_numel(), comm_->size(), 0, budgets_);
+  Expected<Plan> plan = plan_placement(input);
+  if (!plan.ok() && !options_.placement) return std::move(plan).status().with_context("placing the model states");
+  if (plan.ok()) plan_ = std::move(*plan);
+  if (options_.placement) plan_.tier = *options_.placement;
+  // The optimizer runs on the CPU (cpu_adam); on the Host backend "device"
+  // memory is host memory, so states placed there step in place. GPU Adam
+  // arrives with the CUDA kernels (issue #6).
+  if (device_->kind() == BackendKind::kCuda) {
+    for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) {
+      if (plan_.tier_of(s) == Tier::kGpu) {
+        return unavailable("placing {} on the GPU needs the GPU optimizer, which this build does not have yet; "
+                           "offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\")",
+                           state_class_name(s));
+      }
+    }
+  }
+  return ok_status();
+}
+
+Status ZeroEngineImpl::make_stores() {
+  const Config& c = options_.config;
+  TZ_ASSIGN_OR_RETURN(device_pool_, make_device_pool(*device_, budgets_.gpu_bytes));
+  const bool pinned = c.zero.offload_param.pin_memory || c.zero.offload_optimizer.pin_memory;
+  TZ_ASSIGN_OR_RETURN(int numa, resolve_numa_node(*device_, c.tiers.numa_node));
+  TZ_ASSIGN_OR_RETURN(host_pool_, make_host_pool(*device_, budgets_.cpu_bytes, {.pinned = pinned, .numa_node = numa}));
+
+  const bool adagrad = c.optimizer.type == "Adagrad", lion = c.optimizer.type == "Lion";
+  std::uint64_t nvme_bytes = 0;
+  for (std::size_t s = 0; s < kNumStateClasses; ++s) {
+    if (plan_.tier[s] != Tier::kNvme) continue;
+    const auto cls = static_cast<StateClass>(s);
+    const std::uint64_t per_elem = cls == StateClass::kParam16 ? 2 : cls == StateClass::kMoments ? 8 : 4;
+    nvme_bytes += per_elem * layout_.shard_numel;
+  }
+  if (nvme_bytes > 0) {
+    const std::vector<std::string> paths = c.all_nvme_paths();
+    if (paths.empty()) return invalid_argument("a state class is placed on NVMe, but no NVMe path is configured "
+                                               "(zero_optimization.offload_*.nvme_path or tierzero.tiers.nvme_paths)");
+    TZ_ASSIGN_OR_RETURN(std::unique_ptr<nvme::IoEngine> io, nvme::IoEngine::create(nvme::EngineOptions::from_config(c.aio)));
+    io_ = std::move(io);
+    // Room for every shard plus per-extent padding (4 KiB each at most).
+    const std::uint64_t capacity = nvme_bytes + 4096 * 5 * layout_.blocks.size() + (std::uint64_t{1} << 20);
+    TZ_ASSIGN_OR_RETURN(swap_, nvme::SwapStore::create({.paths = paths, .capacity_bytes = capacity,
+                                                        .allow_buffered = c.aio.allow_buffered_io}, io_));
+  }
+  auto make = [&](StateClass cls, std::size_t elem_bytes) -> Expected<std::unique_ptr<detail::ShardStore>> {
+    return detail::ShardStore::create({.state = cls, .tier = plan_.tier_of(cls), .elem_bytes = elem_bytes,
+                                       .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+                                       .swap = swap_.get()},
+                                      layout_);
+  };
+  TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, elem_type_bytes(param_type_)));
+  TZ_ASSIGN_OR_RETURN(grad_, make(StateClass::kGrad, 4));
+  TZ_ASSIGN_OR_RETURN(master_, make(StateClass::kMaster, 4));
+  if (!adagrad) {
+    TZ_ASSIGN_OR_RETURN(exp_avg_, make(StateClass::kMoments, 4));
+  }
+  if (!lion) {
+    TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make(StateClass::kMoments, 4));
+  }
+  return ok_status();
+}
+
+void ZeroEngineImpl::make_sub_groups() {
+  const auto limit = static_cast<std::uint64_t>(std::max<std::int64_t>(options_.config.zero.sub_group_size, 1));
+  std::uint64_t in_group = 0;
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    const std::uint64_t n = layout_.blocks[b].shard_numel;
+    if (sub_groups_.empty() || in_group + n > limit) {
+      sub_groups_.emplace_back();
+      in_group = 0;
+    }
+    sub_groups_.back().push_back(b);
+    offset_in_group_.push_back(in_group);
+    in_group += n;
+    sub_group_max_numel_ = std::max(sub_group_max_numel_, in_group);
+  }
+}
+
+Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
+  const Config& c = options_.config;
+  stage_ = c.zero.stage;
+  gas_ = static_cast<int>(std::max<std::int64_t>(c.gradient_accumulation_steps, 1));
+  param_type_ = c.precision.fp16 ? ElemType::kFp16 : ElemType::kBf16;
+  grad_type_ = options_.grad_type.value_or(param_type_);
+  TZ_TRY(make_device_and_comm());
+  // Stage 3 keeps small blocks whole; stages 0-2 keep every block whole.
+  const std::uint64_t persist_below =
+      stage_ >= 3 ? static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_param_persistence_threshold, 0))
+                  : UINT64_MAX;
+  TZ_ASSIGN_OR_RETURN(layout_, ModelLayout::make(model, comm_->size(), persist_below));
+  TZ_TRY(make_plan());
+  TZ_TRY(make_stores());
+  TZ_ASSIGN_OR_RETURN(cpu_opt_, cpu_adam::CpuOptimizer::create({}));
+  make_sub_groups();
+  const std::size_t blocks = layout_.blocks.size();
+  grad_sum_squares_.assign(blocks, 0);
+  grad_non_finite_.assign(blocks, false);
+  grad_fresh_.assign(blocks, false);
+  TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
+  comm_thread_ = std::make_unique<detail::TaskThread>("comm");
+  grad_thread_ = std::make_unique<detail::TaskThread>("grad");
+  const std::uint64_t window =
+      static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_prefetch_bucket_size, 0)) *
+      elem_type_bytes(param_type_);
+  prefetcher_ = std::make_unique<detail::Prefetcher>(
+      detail::PrefetchDeps{.device = device_, .comm = comm_, .comm_thread = comm_thread_.get(),
+                           .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+                           .param16 = param16_.get(), .layout = &layout_, .param_type = param_type_,
+                           .timeline = &timeline_},
+      window);
+  TZ_TRY(init_states(init));
+  nvme_read_bytes_ = nvme_write_bytes_ = 0;  // step reports count steps, not set-up
+  TZ_LOG_INFO("engine", "{}", describe());
+  return ok_status();
+}
+
+Status ZeroEngineImpl::init_states(const ParamInit& init) {
+  const int rank = comm_->rank();
+  persistent_.resize(layout_.blocks.size());
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    const BlockLayout& block = layout_.blocks[b];
+    std::vector<float> whole(block.whole_numel, 0.0F);
+    for (std::size_t p = 0; p < block.params.size(); ++p) {
+      init(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
+    }
+    const float* shard = whole.data() + static_cast<std::uint64_t>(rank) * block.shard_numel;
+    std::vector<std::uint16_t> shard16(block.shard_numel);
+    if (param_type_ == ElemType::kBf16) {
+      kernels::cast_fp32_to_bf16_cpu(shard, shard16.data(), shard16.size());
+    } else {
+      kernels::cast_fp32_to_fp16_cpu(shard, shard16.data(), shard16.size());
+    }
+    const std::vector<float> zeros(block.shard_numel, 0.0F);
+    TZ_TRY_CTX(put(*master_, b, shard), "initialising {}", block.name);
+    TZ_TRY_CTX(put(*param16_, b, shard16.data()), "initialising {}", block.name);
+    if (exp_avg_) TZ_TRY_CTX(put(*exp_avg_, b, zeros.data()), "initialising {}", block.name);
+    if (exp_avg_sq_) TZ_TRY_CTX(put(*exp_avg_sq_, b, zeros.data()), "initialising {}", block.name);
+    if (block.persistent) {
+      TZ_ASSIGN_OR_RETURN(persistent_[b], device_pool_->allocate(block.whole_numel * elem_type_bytes(param_type_)));
+    }
+  }
+  return gather_persistent();
+}
+
+// ---------------------------------------------------------------- movement
+
+Status ZeroEngineImpl::sync() { return device_->synchronize_stream(*stream_); }
+
+Status ZeroEngineImpl::put(detail::ShardStore& store, std::size_t block, const void* host) {
+  const std::size_t bytes = store.shard_bytes(block);
+  switch (store.tier()) {
+    case Tier::kGpu:
+      TZ_TRY(device_->copy_async(store.memory(block), host, bytes, *stream_));
+      return sync();
+    case Tier::kCpu:
+      std::memcpy(store.memory(block), host, bytes);
+      return ok_status();
+    case Tier::kNvme: {
+      // O_DIRECT wants aligned memory: go through a pool block.
+      TZ_ASSIGN_OR_RETURN(PoolBlock staging, host_pool_->allocate(bytes));
+      std::memcpy(staging.data(), host, bytes);
+      nvme_write_bytes_ += bytes;
+      return store.write(block, staging.data()).wait();
+    }
+  }
+  return ok_status();
+}
+
+Status ZeroEngineImpl::get(const detail::ShardStore& store, std::size_t block, void* host) {
+  const std::size_t bytes = store.shard_bytes(block);
+  switch (store.tier()) {
+    case Tier::kGpu:
+      TZ_TRY(device_->copy_async(host, store.memory(block), bytes, *stream_));
+      return sync();
+    case Tier::kCpu:
+      std::memcpy(host, store.memory(block), bytes);
+      return ok_status();
+    case Tier::kNvme: {
+      TZ_ASSIGN_OR_RETURN(PoolBlock staging, host_pool_->allocate(bytes));
+      TZ_TRY(store.read(block, staging.data()).wait());
+      nvme_read_bytes_ += bytes;
+      std::memcpy(host, staging.data(), bytes);
+      return ok_status();
+    }
+  }
+  return ok_status();
+}
+
+Status ZeroEngineImpl::gather_persistent() {
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    if (persistent_[b].valid()) {
+      TZ_TRY_CTX(prefetcher_->gather_into(b, persistent_[b].data()), "gathering {}", layout_.blocks[b].name);
+    }
+  }
+  return ok_status();
+}
+
+Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block) {
+  if (block >= layout_.blocks.size()) {
+    return invalid_argument("fetch: block {} does not exist (the model has {})", block, layout_.blocks.size());
+  }
+  const BlockLayout& b = layout_.blocks[block];
+  if (persistent_[block].valid()) {
+    return GatheredBlock(nullptr, block, persistent_[block].data(), param_type_, &b);
+  }
+  Expected<PoolBlock> whole = prefetcher_->acquire(block);
+  TZ_TRY_CTX(whole, "fetching {}", b.name);
+  void* data = whole->data();
+  live_.emplace(data, std::move(*whole));
+  live_since_[data] = std::chrono::steady_clock::now();
+  return GatheredBlock(this, block, data, param_type_, &b);
+}
+
+void ZeroEngineImpl::release(std::size_t block, void* data) {
+  auto since = live_since_.find(data);
+  if (since != live_since_.end()) {
+    timeline_.record(detail::Track::kCompute, layout_.blocks[block].name, since->second,
+                     std::chrono::steady_clock::now());
+    live_since_.erase(since);
+  }
+  live_.erase(data);
+}
+
+Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
+  if (block >= layout_.blocks.size()) {
+    return invalid_argument("grad_buffer: block {} does not exist (the model has {})", block, layout_.blocks.size());
+  }
+  const BlockLayout& b = layout_.blocks[block];
+  GradBlock g;
+  g.block_ = block;
+  g.type_ = grad_type_;
+  g.layout_ = &b;
+  TZ_ASSIGN_OR_RETURN(g.buffer_, device_pool_->allocate(b.whole_numel * elem_type_bytes(grad_type_)));
+  TZ_TRY(device_->memset_async(g.buffer_.data(), 0, g.buffer_.size_bytes(), *stream_));
+  TZ_TRY(sync());
+  return g;
+}
+
+// Queued in call order on the comm thread (Note [Collective order]); the
+// device-to-host copy and the fp32 accumulation follow on the grad thread,
+// so backward goes on while gradients drain. step() waits for both.
+Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
+  if (!grads.valid()) return invalid_argument("reduce_grads: an empty gradient buffer");
+  TZ_TRY(comm_thread_->error());
+  TZ_TRY(grad_thread_->error());
+  const std::size_t block = grads.block();
+  const bool first = !grad_fresh_[block];
+  grad_fresh_[block] = true;
+  auto held = std::make_shared<GradBlock>(std::move(grads));
+  comm_thread_->post([this, held, block, first]() -> Status {
+    const BlockLayout& b = layout_.blocks[block];
+    const std::size_t shard_bytes = b.shard_numel * elem_type_bytes(grad_type_);
+    const auto start = std::chrono::steady_clock::now();
+    // Stages 2 and 3 reduce-scatter; stages 0 and 1 all-reduce the whole
+    // buffer and keep their part, as DeepSpeed does.
+    auto d_shard = std::make_shared<PoolBlock>();
+    const void* shard = nullptr;
+    if (stage_ >= 2) {
+      TZ_ASSIGN_OR_RETURN(*d_shard, device_pool_->allocate(shard_bytes));
+      TZ_TRY_CTX(comm_->reduce_scatter(held->data(), d_shard->data(), b.shard_numel, data_type_of(grad_type_),
+                                       ReduceOp::kSum),
+                 "reduce-scattering the gradients of {}", b.name);
+      shard = d_shard->data();
+    } else {
+      TZ_TRY_CTX(comm_->all_reduce(held->data(), b.whole_numel, data_type_of(grad_type_), ReduceOp::kSum),
+                 "all-reducing the gradients of {}", b.name);
+      shard = static_cast<const char*>(held->data()) + static_cast<std::uint64_t>(comm_->rank()) * shard_bytes;
+    }
+    timeline_.record(detail::Track::kComm, "reduce-scatter " + b.name, start, std::chrono::steady_clock::now());
+    grad_thread_->post([this, held, d_shard, shard, block, first]() -> Status {
+      const auto begin = std::chrono::steady_clock::now();
+      Status s = accumulate(block, shard, first);
+      timeline_.record(detail::Track::kGrad, layout_.blocks[block].name, begin, std::chrono::steady_clock::now());
+      return s;
+    });
+    return ok_status();
+  });
+  return ok_status();
+}
+
+Status ZeroEngineImpl::accumulate(std::size_t block, const void* d_shard, bool first) {
+  const BlockLayout& b = layout_.blocks[block];
+  const std::size_t shard_bytes = b.shard_numel * elem_type_bytes(grad_type_);
+  TZ_ASSIGN_OR_RETURN(PoolBlock host, host_pool_->allocate(shard_bytes));
+  TZ_TRY(device_->copy_async(host.data(), d_shard, shard_bytes, *d2h_stream_));
+  TZ_TRY(device_->synchronize_stream(*d2h_stream_));
+  // The mean over ranks and micro-batches, accumulated in fp32 on the grad tier.
+  const double scale = 1.0 / (static_cast<double>(comm_->size()) * gas_);
+  PoolBlock acc_staging;
+  float* acc = static_cast<float*>(grad_->memory(block));
+  if (grad_->tier() == Tier::kNvme) {
+    TZ_ASSIGN_OR_RETURN(acc_staging, host_pool_->allocate(grad_->shard_bytes(block)));
+    acc = acc_staging.as<float>();
+    if (!first) {
+      TZ_TRY(grad_->read(block, acc).wait());
+      nvme_read_bytes_ += grad_->shard_bytes(block);
+    }
+  }
+  Expected<cpu_adam::GradStats> stats =
+      cpu_opt_->accumulate_grad(acc, host.data(), cpu_dtype_of(grad_type_), b.shard_numel, first, scale);
+  TZ_TRY_CTX(stats, "accumulating the gradients of {}", b.name);
+  if (grad_->tier() == Tier::kNvme) {
+    TZ_TRY(grad_->write(block, acc).wait());
+    nvme_write_bytes_ += grad_->shard_bytes(block);
+  }
+  grad_sum_squares_[block] = stats->sum_squares;
+  grad_non_finite_[block] = stats->non_finite;
+  return ok_status();
+}
+
+Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {
+  if (block >= layout_.blocks.size()) return invalid_argument("gather_master: block {} does not exist", block);
+  const BlockLayout& b = layout_.blocks[block];
+  std::vector<float> whole(b.whole_numel);
+  float* mine = whole.data() + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
+  TZ_TRY(get(*master_, block, mine));
+  if (comm_->size() > 1) {
+    TZ_TRY(comm_thread_->wait_idle());
+    if (device_->kind() != BackendKind::kHost) {
+      TZ_ASSIGN_OR_RETURN(PoolBlock d, device_pool_->allocate(whole.size() * 4));
+      void* d_mine = static_cast<char*>(d.data()) + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel * 4;
+      TZ_TRY(device_->copy_async(d_mine, mine, b.shard_numel * 4, *stream_));
+      TZ_TRY(comm_thread_->run(
+          [&] { return comm_->all_gather(d_mine, d.data(), b.shard_numel, DataType::kFloat32, stream_.get()); }));
+      TZ_TRY(device_->copy_async(whole.data(), d.data(), whole.size() * 4, *stream_));
+      TZ_TRY(sync());
+    } else {
+      TZ_TRY(comm_thread_->run([&] { return comm_->all_gather(mine, whole.data(), b.shard_numel, DataType::kFloat32); }));
+    }
+  }
+  return whole;
+}
+
+std::string ZeroEngineImpl::describe() const {
+  std::string out = fmt::format("ZeRO stage {} over {} rank(s) ({}), {} blocks, {} parameters ({} per rank), {} params, "
+                                "{} gradients; device {}",
+                                stage_, comm_->size(), comm_->describe(), layout_.blocks.size(),
+                                format_count(static_cast<double>(layout_.param_numel)),
+                                format_count(static_cast<double>(layout_.shard_numel)), elem_type_name(param_type_),
+                                elem_type_name(grad_type_), device_->name());
+  for (std::size_t s = 0; s < kNumStateClasses; ++s) {
+    out += fmt::format("; {} on {}", state_class_name(static_cast<StateClass>(s)), tier_name(plan_.tier[s]));
+  }
+  if (io_) out += fmt::format("; NVMe: {}", io_->describe());
+  return out;
+}
+
+// ---------------------------------------------------------------- factory
+
+Expected<std::unique_ptr<ZeroEngine>> ZeroEngine::create(const ZeroOptions& options, const std::vector<BlockSpec>& model,
+                                                         const ParamInit& init) {
+  if (!init) return invalid_argument("ZeroEngine::create: no parameter initialiser given");
+  const std::string& type = options.config.optimizer.type;
+  if (type != "Adam" && type != "AdamW" && type != "Adagrad" && type != "Lion") {
+    return invalid_argument("optimizer.type = \"{}\": the engine steps Adam, AdamW, Adagrad or Lion", type);
+  }
+  if (options.config.optimizer.amsgrad) {
+    return invalid_argument("optimizer.params.amsgrad = true is not supported by the engine yet");
+  }
+  auto engine = std::make_unique<ZeroEngineImpl>(options);
+  TZ_TRY(engine->init(model, init));
+  return std::unique_ptr<ZeroEngine>(std::move(engine));
+}
+
+}  // namespace tz

@@ -1,0 +1,143 @@
+// ZeroEngineImpl: the engine's state, shared by zero_engine.cpp (creation,
+// fetch, gradients, the step's bookkeeping) and optimizer_pass.cpp (the CPU
+// Adam pass over sub-groups with NVMe streaming).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include <atomic>
+
+#include "loss_scaler.h"
+#include "prefetch.h"
+#include "shard_store.h"
+#include "trace.h"
+#include "workers.h"
+#include "tierzero/cpu_adam.h"
+#include "tierzero/engine/zero.h"
+#include "tierzero/nvme.h"
+
+namespace tz {
+
+class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser {
+ public:
+  explicit ZeroEngineImpl(const ZeroOptions& options) : options_(options), scaler_(options.config.precision) {}
+  ~ZeroEngineImpl() override;
+
+  Status init(const std::vector<BlockSpec>& model, const ParamInit& init);
+
+  Expected<GatheredBlock> fetch(std::size_t block) override;
+  Expected<GradBlock> grad_buffer(std::size_t block) override;
+  Status reduce_grads(GradBlock grads) override;
+  Expected<StepReport> step() override;
+  double loss_scale() const override { return scaler_.scale(); }
+  const ModelLayout& layout() const override { return layout_; }
+  const Plan& plan() const override { return plan_; }
+  ElemType param_type() const override { return param_type_; }
+  ElemType grad_type() const override { return grad_type_; }
+  Device& device() override { return *device_; }
+  int rank() const override { return comm_->rank(); }
+  int world_size() const override { return comm_->size(); }
+  Expected<std::vector<float>> gather_master(std::size_t block) override;
+  std::string describe() const override;
+  Status save_checkpoint(const std::string& dir) override;
+  Status load_checkpoint(const std::string& dir) override;
+  Status export_safetensors(const std::string& path) override;
+  void record_timeline(bool on) override { timeline_.enable(on); }
+  Status write_timeline(const std::string& path) override { return timeline_.write_json(path); }
+  void clear_timeline() override { timeline_.clear(); }
+
+ private:
+  // A pinned staging set for one sub-group of the optimizer pass: for each
+  // state class that lives on NVMe (and the 16-bit copy-out when the
+  // parameters do not live in CPU memory), room for the largest sub-group.
+  struct StagingSet {
+    std::map<const detail::ShardStore*, PoolBlock> area;  // per NVMe-resident store
+    PoolBlock param16;
+  };
+
+  // --- creation (zero_engine.cpp)
+  Status make_device_and_comm();
+  Status make_plan();
+  Status make_stores();
+  Status init_states(const ParamInit& init);
+  void make_sub_groups();
+
+  // --- data movement
+  Status sync();
+  // Host bytes into a store's shard of `block` / the shard into host bytes,
+  // whatever its tier. `host` is ordinary host memory.
+  Status put(detail::ShardStore& store, std::size_t block, const void* host);
+  Status get(const detail::ShardStore& store, std::size_t block, void* host);
+  Status gather_persistent();
+  // The gradient path of one block after its reduce-scatter: device to host,
+  // accumulate in fp32 on the grad tier (the grad thread).
+  Status accumulate(std::size_t block, const void* d_shard, bool first);
+  void release(std::size_t block, void* data) override;
+
+  // --- checkpoints (checkpoint.cpp)
+  Status barrier();
+  // Every rank passes its own result; all return an error if any rank failed.
+  Status agree(const Status& mine, std::string_view what);
+  Status write_rank_files(const std::string& dir);
+  Status read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states);
+
+  // --- the step (optimizer_pass.cpp)
+  Status zero_stale_grads();
+  Expected<bool> global_norm(double& norm);  // returns overflow
+  Status optimizer_pass(double grad_scale);
+  Status step_sub_group(std::size_t group, StagingSet& set, double grad_scale);
+  std::vector<nvme::IoFuture> read_sub_group(std::size_t group, StagingSet& set);
+  Status write_sub_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes);
+  void* state_ptr(const detail::ShardStore* store, std::size_t block, StagingSet& set);
+  cpu_adam::Hyper hyper() const;
+
+  ZeroOptions options_;
+  Communicator* comm_ = nullptr;
+  std::unique_ptr<Communicator> own_comm_;
+  Device* device_ = nullptr;
+  std::unique_ptr<Device> own_device_;
+  std::unique_ptr<Stream> stream_;
+
+  ModelLayout layout_;
+  Plan plan_;
+  ResolvedBudgets budgets_;
+  int stage_ = 3;
+  int gas_ = 1;
+  ElemType param_type_ = ElemType::kBf16;
+  ElemType grad_type_ = ElemType::kBf16;
+
+  std::unique_ptr<MemoryPool> device_pool_;
+  std::unique_ptr<MemoryPool> host_pool_;
+  std::shared_ptr<nvme::IoEngine> io_;
+  std::unique_ptr<nvme::SwapStore> swap_;
+  std::unique_ptr<detail::ShardStore> param16_, grad_, master_, exp_avg_, exp_avg_sq_;
+  std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
+  std::map<void*, PoolBlock> live_;            // gathered buffers handed out
+  std::map<void*, std::chrono::steady_clock::time_point> live_since_;
+  std::unique_ptr<cpu_adam::CpuOptimizer> cpu_opt_;
+  detail::LossScaler scaler_;
+
+  std::vector<double> grad_sum_squares_;       // per block, of the accumulated shard (loss-scaled)
+  std::vector<bool> grad_non_finite_;
+  std::vector<bool> grad_fresh_;               // reduced in this accumulation window
+  std::vector<std::vector<std::size_t>> sub_groups_;
+  std::vector<std::uint64_t> offset_in_group_;  // per block: elements before it in its sub-group
+  std::uint64_t sub_group_max_numel_ = 0;
+  std::vector<StagingSet> staging_;            // 3 sets when any optimizer state is on NVMe
+  int micro_ = 0;
+  std::int64_t step_ = 0;
+  std::atomic<std::uint64_t> nvme_read_bytes_{0}, nvme_write_bytes_{0};  // since the last step report
+  std::unique_ptr<Stream> d2h_stream_;         // the grad thread's copies
+  detail::Timeline timeline_;
+  // Declared last: destroyed first, so no task outlives what it uses.
+  std::unique_ptr<detail::TaskThread> grad_thread_;
+  std::unique_ptr<detail::TaskThread> comm_thread_;
+  std::unique_ptr<detail::Prefetcher> prefetcher_;
+};
+
+// The cpu_adam dtype of an element type.
+cpu_adam::DType cpu_dtype_of(ElemType type);
+
+}  // namespace tz

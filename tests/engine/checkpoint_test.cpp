@@ -1,0 +1,180 @@
+// Checkpoints: resume is bit for bit, across placements; kill -9 during a save
+// leaves the last checkpoint loadable; corrupt or mismatched checkpoints are
+// refused before anything is replaced; the fp32 export is a valid safetensors
+// file.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "../nvme/nvme_test_util.h"
+#include "engine_test_util.h"
+
+namespace tzt {
+namespace {
+
+using tz::Tier;
+
+constexpr tz::mlp::MlpConfig kMlp{.layers = 3, .hidden = 64, .batch = 4, .seed = 5};
+const Placement kNvme{Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme};
+const Placement kCpu{Tier::kCpu, Tier::kCpu, Tier::kCpu, Tier::kCpu};
+
+std::unique_ptr<tz::ZeroEngine> make(const std::string& nvme, const Placement& p) {
+  auto e = tz::ZeroEngine::create({.config = test_config(nvme, 3, 1), .placement = p}, tz::mlp::model(kMlp),
+                                  tz::mlp::init(kMlp));
+  EXPECT_TRUE(e.ok()) << e.status().to_string();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+tz::Status train(tz::ZeroEngine& e, int from, int to) {
+  for (int step = from; step < to; ++step) {
+    TZ_TRY(tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step)).status());
+    TZ_TRY(e.step().status());
+  }
+  return tz::ok_status();
+}
+
+std::vector<std::vector<float>> masters(tz::ZeroEngine& e) {
+  std::vector<std::vector<float>> out;
+  for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) out.push_back(e.gather_master(b).value());
+  return out;
+}
+
+TEST(Checkpoint, ResumeUnderAnotherPlacementIsBitIdenticalToAnUninterruptedRun) {
+  TempDir nvme, ckpt;
+  auto a = make(nvme.path(), kNvme);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(train(*a, 0, 3).ok());
+  ASSERT_TRUE(a->save_checkpoint(ckpt.path()).ok());
+  const auto at_save = masters(*a);
+  ASSERT_TRUE(train(*a, 3, 5).ok());
+  const auto uninterrupted = masters(*a);
+
+  auto b = make(nvme.path(), kCpu);  // saved from NVMe, loaded into CPU memory
+  ASSERT_TRUE(b);
+  const tz::Status loaded = b->load_checkpoint(ckpt.path());
+  ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+  EXPECT_EQ(masters(*b), at_save);
+  ASSERT_TRUE(train(*b, 3, 5).ok());
+  EXPECT_EQ(masters(*b), uninterrupted) << "resume must continue bit for bit";
+}
+
+TEST(Checkpoint, KillDashNineDuringASaveLeavesTheLastCheckpointLoadable) {
+  TempDir nvme, ckpt;
+  std::mt19937 rng(std::random_device{}());
+  for (int round = 0; round < 3; ++round) {
+    const pid_t child = ::fork();
+    if (child == 0) {
+      // Saves after every step, forever, until killed.
+      auto e = make(nvme.path() , kNvme);
+      if (!e) ::_exit(3);
+      for (int step = 0;; ++step) {
+        if (!train(*e, step, step + 1).ok() || !e->save_checkpoint(ckpt.path()).ok()) ::_exit(4);
+      }
+    }
+    // Kill it at a random moment once a first checkpoint exists.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!std::filesystem::exists(ckpt.path() + "/latest") && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 400));
+    ::kill(child, SIGKILL);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "the child should have been killed, not exited (" << status << ")";
+  }
+  // Whatever the kill interrupted, `latest` names a complete checkpoint ...
+  auto loaded = make(nvme.path(), kCpu);
+  ASSERT_TRUE(loaded);
+  const tz::Status s = loaded->load_checkpoint(ckpt.path());
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  std::ifstream latest(ckpt.path() + "/latest");
+  std::string name;
+  latest >> name;
+  const int step = std::stoi(name.substr(5));
+  std::printf("[ engine ] after 3 kills, latest = %s\n", name.c_str());
+  // ... equal to an uninterrupted run of the same number of steps.
+  auto fresh = make(nvme.path(), kCpu);
+  ASSERT_TRUE(train(*fresh, 0, step).ok());
+  EXPECT_EQ(masters(*loaded), masters(*fresh));
+}
+
+TEST(Checkpoint, CorruptTruncatedOrMismatchedCheckpointsAreRefusedAndNothingIsReplaced) {
+  TempDir nvme, ckpt;
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 2).ok());
+  ASSERT_TRUE(e->save_checkpoint(ckpt.path()).ok());
+  ASSERT_TRUE(train(*e, 2, 3).ok());
+  const auto before = masters(*e);
+  const std::string bin = ckpt.path() + "/step-2/rank-0.bin";
+  {  // one flipped bit
+    std::fstream f(bin, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(1000);
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x04;
+    f.seekp(1000);
+    f.write(&c, 1);
+  }
+  tz::Status s = e->load_checkpoint(ckpt.path());
+  EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
+  EXPECT_NE(s.message().find("rank-0.bin"), std::string::npos) << s.message();
+  EXPECT_EQ(masters(*e), before) << "a refused load replaces nothing";
+  std::filesystem::resize_file(bin, 4096);
+  s = e->load_checkpoint(ckpt.path());
+  EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
+  EXPECT_NE(s.message().find("truncated"), std::string::npos) << s.message();
+  // A model of another shape.
+  const tz::mlp::MlpConfig other{.layers = 3, .hidden = 32, .batch = 4};
+  auto o = tz::ZeroEngine::create({.config = test_config(nvme.path(), 3, 1)}, tz::mlp::model(other), tz::mlp::init(other));
+  ASSERT_TRUE(o.ok());
+  ASSERT_TRUE((*o)->save_checkpoint(ckpt.path() + "/other").ok());
+  s = e->load_checkpoint(ckpt.path() + "/other");
+  EXPECT_EQ(s.code(), tz::ErrorCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("layer0"), std::string::npos) << s.message();
+  s = e->load_checkpoint(ckpt.path() + "/nothing-here");
+  EXPECT_EQ(s.code(), tz::ErrorCode::kNotFound) << s.to_string();
+}
+
+TEST(Checkpoint, ExportIsASafetensorsFileOfTheFullFp32Weights) {
+  TempDir nvme, out;
+  auto e = make(nvme.path(), kNvme);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 2).ok());
+  const std::string path = out.file("model.safetensors");
+  ASSERT_TRUE(e->export_safetensors(path).ok());
+  // Parse it as the format says: u64 header length, JSON header, data.
+  std::ifstream in(path, std::ios::binary);
+  std::uint64_t header_len = 0;
+  in.read(reinterpret_cast<char*>(&header_len), 8);
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  const nlohmann::json h = nlohmann::json::parse(header);
+  const auto m = masters(*e);
+  for (std::size_t b = 0; b < e->layout().blocks.size(); ++b) {
+    for (const tz::ParamLayout& p : e->layout().blocks[b].params) {
+      const auto& t = h.at(e->layout().blocks[b].name + "." + p.name);
+      EXPECT_EQ(t["dtype"], "F32");
+      EXPECT_EQ(t["shape"].get<std::vector<std::int64_t>>(), p.shape);
+      const auto offsets = t["data_offsets"].get<std::vector<std::uint64_t>>();
+      std::vector<float> data(p.numel);
+      in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
+      in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(p.numel * 4));
+      EXPECT_TRUE(std::equal(data.begin(), data.end(), m[b].begin() + static_cast<std::ptrdiff_t>(p.offset)));
+    }
+  }
+  // And the safetensors package reads it (CI installs it; see scripts/setup.sh).
+  const std::string cmd = "python3 -c \"from safetensors.numpy import load_file; t = load_file('" + path +
+                          "'); assert t['layer1.w'].shape == (64, 64), t['layer1.w'].shape; print(len(t))\"";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
+}  // namespace
+}  // namespace tzt

@@ -1,0 +1,115 @@
+// Helpers for the engine tests: configs, and training the MLP workload on the
+// engine beside its in-memory reference.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "tierzero/engine.h"
+
+namespace tzt {
+
+// A DeepSpeed-style config for the tests: ZeRO stage, AdamW, clipping,
+// accumulation, bf16 or fp16, explicit budgets and one NVMe path.
+inline tz::Config test_config(const std::string& nvme_dir, int stage = 3, int gas = 2, bool fp16 = false,
+                              const std::string& extra = "") {
+  const std::string json = fmt::format(R"({{
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": {gas},
+    "gradient_clipping": 1.0,
+    "{prec}": {{"enabled": true{fp16extra}}},
+    "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}}}},
+    "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0, "sub_group_size": 40000}},
+    "tierzero": {{"backend": "host", "tiers": {{"gpu_bytes": "512MiB", "cpu_bytes": "1GiB", "nvme_bytes": "4GiB",
+                  "nvme_paths": ["{nvme}"]}}{extra}}}
+  }})",
+                                       fmt::arg("gas", gas), fmt::arg("prec", fp16 ? "fp16" : "bf16"),
+                                       fmt::arg("fp16extra", fp16 ? R"(, "initial_scale_power": 12, "hysteresis": 1)" : ""),
+                                       fmt::arg("stage", stage), fmt::arg("nvme", nvme_dir), fmt::arg("extra", extra));
+  auto config = tz::parse_config(json, "test config");
+  EXPECT_TRUE(config.ok()) << config.status().to_string();
+  return config.ok() ? *config : tz::Config{};
+}
+
+using Placement = std::array<tz::Tier, tz::kNumStateClasses>;  // param16, grad, master, moments
+
+inline std::string placement_name(const Placement& p) {
+  std::string out;
+  for (std::size_t s = 0; s < p.size(); ++s) {
+    out += fmt::format("{}{}={}", s == 0 ? "" : ",", tz::state_class_name(static_cast<tz::StateClass>(s)),
+                       tz::tier_name(p[s]));
+  }
+  return out;
+}
+
+// Largest |engine - reference| over every block's master weights.
+struct Compare {
+  double max_abs = 0;
+  double max_ref = 0;
+};
+
+inline tz::Expected<Compare> compare_masters(tz::ZeroEngine& engine, const tz::mlp::Reference& ref) {
+  Compare c;
+  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+    TZ_ASSIGN_OR_RETURN(std::vector<float> got, engine.gather_master(b));
+    const std::vector<float> want = ref.master(b);
+    if (got.size() != want.size()) return tz::internal_error("block {}: {} vs {} elements", b, got.size(), want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      c.max_abs = std::max(c.max_abs, std::fabs(static_cast<double>(got[i]) - want[i]));
+      c.max_ref = std::max(c.max_ref, std::fabs(static_cast<double>(want[i])));
+    }
+  }
+  return c;
+}
+
+}  // namespace tzt
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <functional>
+#include <random>
+
+namespace tzt {
+
+// Runs `body(rank, ranks)` in `world` forked processes that meet through a
+// fresh rendezvous directory; returns the exit codes (0 = passed). A child
+// prints its own failures. Must be called before this process starts threads
+// that a child would need (fork keeps only the calling thread).
+inline std::vector<int> run_ranks(int world, const std::string& rendezvous_dir,
+                                  const std::function<int(const tz::RankInfo&)>& body) {
+  static std::mt19937 rng(std::random_device{}());
+  const int port = 20000 + static_cast<int>(rng() % 20000);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      tz::RankInfo info{.rank = r, .world_size = world, .local_rank = r, .local_world_size = world,
+                        .master_addr = "127.0.0.1", .master_port = port, .source = "test"};
+      ::setenv("TIERZERO_RENDEZVOUS_DIR", rendezvous_dir.c_str(), 1);
+      int code = 3;
+      try {
+        code = body(info);
+      } catch (...) {
+        code = 4;
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      ::_exit(code);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> codes;
+  for (pid_t pid : pids) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+  }
+  return codes;
+}
+
+}  // namespace tzt

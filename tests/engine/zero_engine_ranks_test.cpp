@@ -1,0 +1,114 @@
+// ZeroEngine over 2 and 4 ranks (processes on this machine, Gloo): every
+// placement trains to the in-memory reference's parameters, for ZeRO stages
+// 1, 2 and 3; a rank killed mid-step makes the others fail within the timeout.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+
+#include "../nvme/nvme_test_util.h"
+#include "engine_test_util.h"
+
+namespace tzt {
+namespace {
+
+using tz::Tier;
+
+constexpr tz::mlp::MlpConfig kMlp{.layers = 3, .hidden = 64, .batch = 4, .seed = 99};
+constexpr double kTolerance = 1e-6;  // lr 1e-3: a real error moves a weight by ~1e-3
+
+// One rank's run: engine and reference side by side; 0 when they agree.
+int train_rank(const tz::RankInfo& info, const std::string& nvme_dir, int stage, const Placement& placement,
+               int steps) {
+  const tz::Config config = test_config(nvme_dir + "/rank" + std::to_string(info.rank), stage, 2);
+  std::filesystem::create_directories(nvme_dir + "/rank" + std::to_string(info.rank));
+  auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+  if (!comm.ok()) {
+    std::fprintf(stderr, "rank %d: %s\n", info.rank, comm.status().to_string().c_str());
+    return 1;
+  }
+  auto engine = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .grad_type = tz::ElemType::kFp32,
+                                        .placement = placement},
+                                       tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  if (!engine.ok()) {
+    std::fprintf(stderr, "rank %d: %s\n", info.rank, engine.status().to_string().c_str());
+    return 1;
+  }
+  tz::mlp::Reference ref(kMlp, config, info.world_size, tz::ElemType::kFp32);
+  for (int step = 0; step < steps; ++step) {
+    for (int micro = 0; micro < 2; ++micro) {
+      auto loss = tz::mlp::train_micro_batch(**engine, kMlp, tz::mlp::make_batch(kMlp, info.rank, micro, step));
+      auto report = loss.ok() ? (*engine)->step() : tz::Expected<tz::StepReport>(loss.status());
+      if (!report.ok()) {
+        std::fprintf(stderr, "rank %d step %d: %s\n", info.rank, step, report.status().to_string().c_str());
+        return 1;
+      }
+    }
+    ref.train_step(step);
+  }
+  auto c = compare_masters(**engine, ref);
+  if (!c.ok()) {
+    std::fprintf(stderr, "rank %d: %s\n", info.rank, c.status().to_string().c_str());
+    return 1;
+  }
+  if (info.rank == 0) {
+    std::printf("[ engine ] %d ranks, stage %d, %-55s largest |master - reference|: %.3g\n", info.world_size, stage,
+                placement_name(placement).c_str(), c->max_abs);
+  }
+  return c->max_abs <= kTolerance ? 0 : 2;
+}
+
+TEST(ZeroEngineRanks, TwoAndFourRanksMatchTheReferenceForEveryPlacement) {
+  const Placement placements[] = {
+      {Tier::kGpu, Tier::kGpu, Tier::kGpu, Tier::kGpu},
+      {Tier::kGpu, Tier::kCpu, Tier::kCpu, Tier::kCpu},
+      {Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme},
+  };
+  for (int world : {2, 4}) {
+    for (const Placement& p : placements) {
+      TempDir dir;
+      const auto codes = run_ranks(world, dir.path(), [&](const tz::RankInfo& info) {
+        return train_rank(info, dir.path(), 3, p, 3);
+      });
+      for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << world << " ranks, rank " << r << ", " << placement_name(p);
+    }
+  }
+}
+
+TEST(ZeroEngineRanks, StagesOneAndTwoMatchTheReference) {
+  const Placement p{Tier::kGpu, Tier::kCpu, Tier::kCpu, Tier::kCpu};
+  for (int stage : {1, 2}) {
+    TempDir dir;
+    const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
+      return train_rank(info, dir.path(), stage, p, 3);
+    });
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "stage " << stage << ", rank " << r;
+  }
+}
+
+TEST(ZeroEngineRanks, ARankKilledMidStepMakesTheOthersFailWithinTheTimeout) {
+  TempDir dir;
+  constexpr auto kTimeout = std::chrono::seconds(3);
+  const auto start = std::chrono::steady_clock::now();
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+    const tz::Config config = test_config(dir.path(), 3, 1);
+    auto comm = tz::create_communicator({.ranks = info, .timeout = kTimeout});
+    if (!comm.ok()) return 1;
+    auto engine = tz::ZeroEngine::create({.config = config, .comm = comm->get()}, tz::mlp::model(kMlp),
+                                         tz::mlp::init(kMlp));
+    if (!engine.ok()) return 1;
+    if (info.rank == 1) ::raise(SIGKILL);  // dies before the first forward
+    auto loss = tz::mlp::train_micro_batch(**engine, kMlp, tz::mlp::make_batch(kMlp, 0, 0, 0));
+    auto report = loss.ok() ? (*engine)->step() : tz::Expected<tz::StepReport>(loss.status());
+    if (report.ok()) return 0;  // must not happen
+    std::fprintf(stderr, "rank 0 failed as it should: %s\n", report.status().to_string().c_str());
+    return 10;
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(codes[0], 10) << "the surviving rank must report an error";
+  EXPECT_EQ(codes[1], 128 + SIGKILL);
+  EXPECT_LT(seconds, 30.0) << "the survivor must not hang past its timeout";
+}
+
+}  // namespace
+}  // namespace tzt
