@@ -48,20 +48,20 @@
 #include <vector>
 
 #include "adam_stream.h"
+#include "bench_common.h"
 #include "tierzero/cpu_adam.h"
-
-#ifndef TZB_VERSION
-#define TZB_VERSION "unknown"
-#endif
-#ifndef TZB_BUILD_TYPE
-#define TZB_BUILD_TYPE "unknown"
-#endif
 
 namespace {
 
 namespace ca = tz::cpu_adam;
+using tzbench::Clock;
 using tzbench::Pattern;
-using Clock = std::chrono::steady_clock;
+using tzbench::Progress;
+using tzbench::build_summary;
+using tzbench::cpu_model;
+using tzbench::median;
+using tzbench::seconds_since;
+using tzbench::split_list;
 
 // Gradients are stored as a mixed-precision run leaves them, scaled up by the
 // loss scale; every kernel multiplies them by its inverse (the unscale).
@@ -128,18 +128,6 @@ ca::Hyper hyper_for(ca::Algorithm algorithm) {
 }
 
 // ---------------------------------------------------------------- flags
-
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    const auto b = item.find_first_not_of(" \t");
-    const auto e = item.find_last_not_of(" \t");
-    out.push_back(b == std::string::npos ? std::string() : item.substr(b, e - b + 1));
-  }
-  return out;
-}
 
 tz::Expected<std::vector<std::size_t>> parse_sizes(const std::string& text) {
   std::vector<std::size_t> sizes;
@@ -358,18 +346,6 @@ tz::Expected<Arrays> make_arrays(std::size_t n, bool hugepages, tbb::task_arena&
 
 // ---------------------------------------------------------------- machine
 
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
-    }
-  }
-  return "unknown";
-}
-
 std::string read_first_line(const char* path) {
   std::ifstream in(path);
   std::string line;
@@ -383,44 +359,6 @@ int affinity_cpus() {
   if (sched_getaffinity(0, sizeof(set), &set) != 0) return static_cast<int>(std::thread::hardware_concurrency());
   return CPU_COUNT(&set);
 }
-
-std::string build_summary() {
-#if defined(__clang__)
-  const std::string compiler = fmt::format("clang {}", __clang_version__);
-#elif defined(__GNUC__)
-  const std::string compiler = fmt::format("GCC {}", __VERSION__);
-#else
-  const std::string compiler = "unknown compiler";
-#endif
-  return fmt::format("tierzero {} ({}), bench built by {}", TZB_VERSION, TZB_BUILD_TYPE, compiler);
-}
-
-// ---------------------------------------------------------------- progress
-
-class Progress {
- public:
-  Progress() : tty_(::isatty(2) != 0) {}
-  template <typename... Args>
-  void show(fmt::format_string<Args...> format, Args&&... args) {
-    const std::string line = fmt::format(format, std::forward<Args>(args)...);
-    if (tty_) {
-      std::fprintf(stderr, "\r\033[K%s", line.c_str());
-      dirty_ = true;
-    } else {
-      std::fprintf(stderr, "%s\n", line.c_str());
-    }
-    std::fflush(stderr);
-  }
-  void done() {
-    if (dirty_) std::fprintf(stderr, "\r\033[K");
-    dirty_ = false;
-  }
-  bool tty() const { return tty_; }
-
- private:
-  bool tty_;
-  bool dirty_ = false;
-};
 
 // ---------------------------------------------------------------- measuring
 
@@ -460,14 +398,6 @@ struct Row {
   double limit_gbps() const { return bytes() / limit_median / 1e9; }
   double fraction() const { return limit_median / kernel_median; }
 };
-
-double median(std::vector<double> xs) {
-  std::sort(xs.begin(), xs.end());
-  const std::size_t k = xs.size();
-  return k % 2 == 1 ? xs[k / 2] : 0.5 * (xs[k / 2 - 1] + xs[k / 2]);
-}
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // As the library runs its tiles (optimizer.cpp, run_tiles): in the calling
 // thread, in order, with one thread; else one task per tile in the arena.

@@ -11,36 +11,9 @@
 #include <csignal>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <utility>
 
-#ifndef TZB_VERSION
-#define TZB_VERSION "unknown"
-#endif
-#ifndef TZB_BUILD_TYPE
-#define TZB_BUILD_TYPE "unknown"
-#endif
-
 namespace tzbench {
-
-double median(std::vector<double> values) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  const std::size_t k = values.size();
-  return k % 2 == 1 ? values[k / 2] : 0.5 * (values[k / 2 - 1] + values[k / 2]);
-}
-
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    const auto b = item.find_first_not_of(" \t");
-    const auto e = item.find_last_not_of(" \t");
-    out.push_back(b == std::string::npos ? std::string() : item.substr(b, e - b + 1));
-  }
-  return out;
-}
 
 tz::Expected<std::uint64_t> parse_size(const std::string& flag, const std::string& text) {
   // fio and dd read "128K" and "4G" as binary units; so do we. "4GB" stays SI
@@ -256,31 +229,6 @@ std::string PageCache::note() const {
                         std::string(kDropCaches) + "), writes end with fdatasync";
   return "buffered I/O; " + std::string(kDropCaches) +
          " is not writable here, so the buffered figures include the page cache";
-}
-
-// ---------------------------------------------------------------- machine
-
-std::string build_summary() {
-#if defined(__clang__)
-  const std::string compiler = fmt::format("clang {}", __clang_version__);
-#elif defined(__GNUC__)
-  const std::string compiler = fmt::format("GCC {}", __VERSION__);
-#else
-  const std::string compiler = "unknown compiler";
-#endif
-  return fmt::format("tierzero {} ({}), bench built by {}", TZB_VERSION, TZB_BUILD_TYPE, compiler);
-}
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
-    }
-  }
-  return "unknown";
 }
 
 }  // namespace tzbench

@@ -1,5 +1,5 @@
-// tierzero-nvme-bench's shared pieces: the progress line, statistics, host
-// buffers, the scratch files striped over the paths, and the page cache.
+// tierzero-nvme-bench's shared pieces (beyond bench_common.h): size flags,
+// host buffers, the scratch files striped over the paths, and the page cache.
 //
 // Scratch files are created exclusively in each --path as
 // tierzero-nvme-bench-<pid>-<n>.bin, reserved with fallocate, and removed by
@@ -7,68 +7,21 @@
 // handler unlinks every registered path, then exits 128 + signal).
 #pragma once
 
-#include <fmt/format.h>
-#include <unistd.h>
-
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <string>
-#include <utility>
 #include <vector>
 
+#include "bench_common.h"
 #include "tierzero/common.h"
 #include "tierzero/nvme.h"
 
 namespace tzbench {
 
-using Clock = std::chrono::steady_clock;
-
-inline double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// Median of the values (0 for none).
-double median(std::vector<double> values);
-
-// "128K,1M,8M" -> items, blanks trimmed.
-std::vector<std::string> split_list(const std::string& text);
 // Byte sizes ("128KiB,1MiB"; a bare K/M/G means KiB/MiB/GiB here, as fio's bs does).
 tz::Expected<std::vector<std::uint64_t>> parse_byte_list(const std::string& flag, const std::string& text);
 tz::Expected<std::uint64_t> parse_size(const std::string& flag, const std::string& text);
 tz::Expected<std::vector<int>> parse_int_list(const std::string& flag, const std::string& text, int lo, int hi);
-
-// One line on stderr, rewritten in place on a terminal; one line per call otherwise.
-class Progress {
- public:
-  Progress() : tty_(::isatty(2) != 0) {}
-  template <typename... Args>
-  void show(fmt::format_string<Args...> format, Args&&... args) {
-    const std::string line = fmt::format(format, std::forward<Args>(args)...);
-    if (tty_) {
-      std::fprintf(stderr, "\r\033[K%s", line.c_str());
-      dirty_ = true;
-    } else {
-      std::fprintf(stderr, "%s\n", line.c_str());
-    }
-    std::fflush(stderr);
-  }
-  // A line that only a terminal shows (updates within a run).
-  template <typename... Args>
-  void update(fmt::format_string<Args...> format, Args&&... args) {
-    if (tty_) show(format, std::forward<Args>(args)...);
-  }
-  void done() {
-    if (dirty_) std::fprintf(stderr, "\r\033[K");
-    std::fflush(stderr);
-    dirty_ = false;
-  }
-
- private:
-  bool tty_;
-  bool dirty_ = false;
-};
 
 // Anonymous memory aligned to 2 MiB, unmapped on destruction. With
 // `hugepages`, madvise(MADV_HUGEPAGE) before the first touch, so transparent
@@ -104,8 +57,11 @@ class HostBuffer {
 inline constexpr std::size_t kMaxFixedBufferBytes = std::size_t{1} << 30;
 
 // Registers [data, data + bytes) with the engine in chunks of at most
-// kMaxFixedBufferBytes, each a multiple of `unit` (so no piece of `unit`-aligned
-// requests straddles two chunks); returns the chunk starts for unregistering.
+// kMaxFixedBufferBytes, each a multiple of `unit`; returns the chunk starts
+// for unregistering. The engine would split a larger range over 1 GiB slots
+// itself, but from the range's start: a `unit` that does not divide 1 GiB
+// would leave a piece across each boundary on the plain path. Chunks of whole
+// units keep every piece of unit-aligned requests inside one slot.
 tz::Expected<std::vector<void*>> register_chunks(tz::nvme::IoEngine& engine, char* data, std::size_t bytes,
                                                  std::size_t unit);
 void unregister_chunks(tz::nvme::IoEngine& engine, const std::vector<void*>& chunks);
@@ -158,9 +114,5 @@ class PageCache {
   bool buffered_;
   bool can_drop_ = false;
 };
-
-// "tierzero 0.1.0 (RelWithDebInfo), bench built by GCC 12.2.0".
-std::string build_summary();
-std::string cpu_model();
 
 }  // namespace tzbench

@@ -411,7 +411,8 @@ tz::Expected<nlohmann::json> run_swap(Context& ctx) {
                                                    ctx.progress));
   ctx.progress.done();
   const std::uint64_t bytes = r.extents * r.extent_bytes;
-  const std::string sums = r.checksums ? "XXH3 per " + tz::format_bytes(ctx.setup.base.block_bytes) + " piece"
+  const std::string sums = r.checksums ? fmt::format("XXH3 ({} build) per {} piece", tz::nvme::checksum_variant(),
+                                                    tz::format_bytes(ctx.setup.base.block_bytes))
                                         : "NO checksums (--swap-no-checksums)";
   std::printf("\nswap store vs raw engine on the same bytes: %s in %llu extents of %s, %d in flight, %s; %zu "
               "round%s after 1 warm-up (raw write, raw read, swap write, swap read); %s verified byte for byte\n"
@@ -437,6 +438,7 @@ tz::Expected<nlohmann::json> run_swap(Context& ctx) {
   return nlohmann::json{{"engine", r.engine}, {"bytes", bytes}, {"extents", r.extents},
                         {"extent_bytes", r.extent_bytes}, {"window", r.window},
                         {"checksums", r.checksums ? "xxh3-64 per piece" : "none"},
+                        {"checksum_build", std::string(tz::nvme::checksum_variant())},
                         {"verified_bytes", r.verified_bytes}, {"rows", lines}, {"target", target},
                         {"store_stats", {{"bytes_written", r.stats.bytes_written}, {"bytes_read", r.stats.bytes_read},
                                          {"corrupt_reads", r.stats.corrupt_reads},

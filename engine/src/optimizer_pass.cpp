@@ -118,6 +118,18 @@ Expected<StepReport> ZeroEngineImpl::step() {
   report.wait_gather_seconds = waits.gather;
   report.fetches = waits.fetches;
   report.prefetched = waits.prefetched;
+  const PoolStats gpu = device_pool_->stats(), cpu = host_pool_->stats();
+  report.peak_gpu_bytes = gpu.peak_in_use_bytes;
+  report.gpu_budget_bytes = gpu.budget_bytes;
+  report.peak_cpu_bytes = cpu.peak_in_use_bytes;
+  report.cpu_budget_bytes = cpu.budget_bytes;
+  device_pool_->reset_peak();
+  host_pool_->reset_peak();
+  if (swap_) {
+    const nvme::SwapStats nvme = swap_->stats();
+    report.peak_nvme_bytes = nvme.peak_used_bytes;
+    report.nvme_capacity_bytes = nvme.capacity_bytes;
+  }
   return report;
 }
 

@@ -155,7 +155,9 @@ Status ZeroEngineImpl::make_stores() {
     const std::vector<std::string> paths = c.all_nvme_paths();
     if (paths.empty()) return invalid_argument("a state class is placed on NVMe, but no NVMe path is configured "
                                                "(zero_optimization.offload_*.nvme_path or tierzero.tiers.nvme_paths)");
-    TZ_ASSIGN_OR_RETURN(std::unique_ptr<nvme::IoEngine> io, nvme::IoEngine::create(nvme::EngineOptions::from_config(c.aio)));
+    nvme::EngineOptions eo = nvme::EngineOptions::from_config(c.aio);
+    eo.fault_injector = options_.nvme_fault_injector;
+    TZ_ASSIGN_OR_RETURN(std::unique_ptr<nvme::IoEngine> io, nvme::IoEngine::create(eo));
     io_ = std::move(io);
     // Room for every shard plus per-extent padding (4 KiB each at most).
     const std::uint64_t capacity = nvme_bytes + 4096 * 5 * layout_.blocks.size() + (std::uint64_t{1} << 20);

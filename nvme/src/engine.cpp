@@ -6,12 +6,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <shared_mutex>
 
 #include "engine_internal.h"
-
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
 namespace tz::nvme {
 
@@ -25,8 +24,6 @@ std::string_view io_backend_name(IoBackend backend) {
   }
   return "?";
 }
-
-std::uint64_t checksum(const void* data, std::size_t bytes) { return XXH3_64bits(data, bytes); }
 
 EngineOptions EngineOptions::from_config(const AioConfig& aio) {
   return {.block_size_bytes = static_cast<std::size_t>(aio.block_size),
@@ -95,6 +92,11 @@ Status validate(const EngineOptions& o) {
   if (o.rings < 1 || o.rings > 64) {
     return invalid_argument("aio intra_op_parallelism (rings) = {} is outside [1, 64]", o.rings);
   }
+  if (o.fixed_buffer_slot_bytes == 0 || o.fixed_buffer_slot_bytes % 4096 != 0 ||
+      o.fixed_buffer_slot_bytes > detail::kMaxFixedBufferSlotBytes) {
+    return invalid_argument("fixed_buffer_slot_bytes = {} must be a multiple of 4096 in [4096, 1 GiB]",
+                            o.fixed_buffer_slot_bytes);
+  }
   return ok_status();
 }
 
@@ -136,11 +138,24 @@ Status reserve(int fd, const std::string& path, std::uint64_t bytes) {
   return ok_status();
 }
 
+// A range given to register_buffer: slot_bytes-long slots from base, the
+// last one shorter (Note [Registered buffer slots]).
 struct Region {
   char* base = nullptr;
   std::size_t bytes = 0;
-  int index = -1;
+  std::vector<int> slots;  // registered-buffer index of each slot, in address order
 };
+
+// Note [Registered buffer slots]
+// The kernel registers at most 1 GiB per buffer slot (io_uring/rsrc.c refuses
+// a longer iovec with EFAULT), so register_buffer cuts a larger range into
+// slots of fixed_buffer_slot_bytes from its start. A piece may use a slot only
+// if it lies wholly inside it: READ_FIXED/WRITE_FIXED name one slot. A piece
+// that straddles a boundary goes the plain way rather than being split: the
+// pieces of a request (and so its checksums) must not depend on what is
+// registered, or a read could not be checked against its write. With
+// power-of-two blocks and a 2 MiB-aligned range no piece straddles.
+
 
 class IoEngineImpl final : public IoEngine {
  public:
@@ -176,9 +191,14 @@ class IoEngineImpl final : public IoEngine {
   mutable std::shared_mutex files_mu_;
   std::vector<std::unique_ptr<OpenFile>> files_;  // by FileId index; null where free
 
+  // Free registered-buffer slots, `count` of them; caller holds regions_mu_.
+  std::vector<int> free_slots(std::size_t count) const;
+  // Clears `slots` on every ring; caller holds regions_mu_.
+  void clear_slots(const std::vector<int>& slots);
+
   mutable std::shared_mutex regions_mu_;
-  std::vector<Region> regions_;
-  bool fixed_buffers_refused_ = false;  // guarded by regions_mu_
+  std::vector<Region> regions_;          // guarded by regions_mu_
+  int fixed_buffers_refused_errno_ = 0;  // guarded by regions_mu_: ENOMEM/EPERM, then no more tries
 };
 
 Status IoEngineImpl::start() {
@@ -277,30 +297,64 @@ Expected<FileInfo> IoEngineImpl::file_info(FileId id) const {
   return files_[id.index]->info;
 }
 
+std::vector<int> IoEngineImpl::free_slots(std::size_t count) const {
+  std::vector<bool> used(detail::kMaxFixedBuffers, false);
+  for (const Region& r : regions_) {
+    for (int slot : r.slots) used[static_cast<std::size_t>(slot)] = true;
+  }
+  std::vector<int> out;
+  for (int i = 0; i < detail::kMaxFixedBuffers && out.size() < count; ++i) {
+    if (!used[static_cast<std::size_t>(i)]) out.push_back(i);
+  }
+  return out;
+}
+
+void IoEngineImpl::clear_slots(const std::vector<int>& slots) {
+  for (auto& ring : rings_) {
+    for (int slot : slots) ring->set_buffer(slot, nullptr, 0);  // clearing a slot does not fail
+  }
+}
+
 Status IoEngineImpl::register_buffer(void* data, std::size_t bytes) {
   if (data == nullptr || bytes == 0) return invalid_argument("register_buffer: empty range");
   std::unique_lock<std::shared_mutex> lock(regions_mu_);
-  if (!core_.options().fixed_buffers || backend_ != IoBackend::kUring || fixed_buffers_refused_) return ok_status();
-  int index = 0;
-  while (index < detail::kMaxFixedBuffers &&
-         std::any_of(regions_.begin(), regions_.end(), [&](const Region& r) { return r.index == index; })) {
-    ++index;
-  }
-  if (index == detail::kMaxFixedBuffers) {
-    TZ_LOG_DEBUG("nvme", "register_buffer: all {} slots in use; {} goes unregistered", detail::kMaxFixedBuffers,
-                 format_bytes(bytes));
+  if (!core_.options().fixed_buffers || backend_ != IoBackend::kUring || fixed_buffers_refused_errno_ != 0) {
     return ok_status();
   }
-  for (std::size_t i = 0; i < rings_.size(); ++i) {
-    if (!rings_[i]->set_buffer(index, data, bytes)) {
-      for (std::size_t j = 0; j < i; ++j) rings_[j]->set_buffer(index, nullptr, 0);
-      fixed_buffers_refused_ = true;
-      TZ_LOG_WARN("nvme", "the kernel refused to register {} as a fixed buffer (memlock limit?); I/O goes on "
-                  "without fixed buffers", format_bytes(bytes));
+  const std::size_t slot_bytes = core_.options().fixed_buffer_slot_bytes;
+  const std::size_t count = (bytes + slot_bytes - 1) / slot_bytes;
+  Region region{static_cast<char*>(data), bytes, free_slots(count)};
+  if (region.slots.size() < count) {
+    TZ_LOG_DEBUG("nvme", "register_buffer: {} needs {} slots of {}, {} of {} are free; it goes unregistered",
+                 format_bytes(bytes), count, format_bytes(slot_bytes), region.slots.size(), detail::kMaxFixedBuffers);
+    return ok_status();
+  }
+  std::vector<int> filled;
+  for (std::size_t k = 0; k < count; ++k) {
+    const std::size_t at = k * slot_bytes;
+    const std::size_t len = std::min(slot_bytes, bytes - at);
+    for (auto& ring : rings_) {
+      const int err = ring->set_buffer(region.slots[k], region.base + at, len);
+      if (err == 0) continue;
+      filled.push_back(region.slots[k]);  // possibly filled on the rings before this one
+      clear_slots(filled);
+      if (err == ENOMEM || err == EPERM) {
+        fixed_buffers_refused_errno_ = err;
+        TZ_LOG_WARN("nvme", "the kernel refused to register {} as fixed buffers: {} (over the memlock limit? see "
+                    "ulimit -l); I/O goes on without fixed buffers", format_bytes(bytes), std::strerror(err));
+      } else {
+        TZ_LOG_ONCE_WARN("nvme", "the kernel refused to register {} at {} as fixed buffers ({} slot(s) of at most {}): "
+                         "{}; this range goes the plain way, later ones are still tried (further refusals are "
+                         "logged at debug level)", format_bytes(bytes), data, count, format_bytes(slot_bytes),
+                         std::strerror(err));
+        TZ_LOG_DEBUG("nvme", "register_buffer of {} at {}: slot {} of {} refused: {}", format_bytes(bytes), data,
+                     k, count, std::strerror(err));
+      }
       return ok_status();
     }
+    filled.push_back(region.slots[k]);
   }
-  regions_.push_back(Region{static_cast<char*>(data), bytes, index});
+  regions_.push_back(std::move(region));
   return ok_status();
 }
 
@@ -308,14 +362,19 @@ Status IoEngineImpl::unregister_buffer(void* data) {
   std::unique_lock<std::shared_mutex> lock(regions_mu_);
   auto it = std::find_if(regions_.begin(), regions_.end(), [&](const Region& r) { return r.base == data; });
   if (it == regions_.end()) return ok_status();  // never registered (or refused): nothing to undo
-  for (auto& ring : rings_) ring->set_buffer(it->index, nullptr, 0);
+  clear_slots(it->slots);
   regions_.erase(it);
   return ok_status();
 }
 
 int IoEngineImpl::buffer_index(const char* data, std::size_t length) const {
   for (const Region& r : regions_) {
-    if (data >= r.base && data + length <= r.base + r.bytes) return r.index;
+    if (data < r.base || data + length > r.base + r.bytes) continue;
+    // Note [Registered buffer slots]: only a piece inside one slot uses it.
+    const std::size_t slot_bytes = core_.options().fixed_buffer_slot_bytes;
+    const auto first = static_cast<std::size_t>(data - r.base);
+    const std::size_t slot = first / slot_bytes;
+    return (first + length - 1) / slot_bytes == slot ? r.slots[slot] : -1;
   }
   return -1;
 }
@@ -408,10 +467,17 @@ IoFuture IoEngineImpl::submit(IoRequest request) {
 
 std::string IoEngineImpl::describe() const {
   const EngineOptions& o = core_.options();
-  std::shared_lock<std::shared_mutex> lock(regions_mu_);
+  std::string buffers;
+  {
+    std::shared_lock<std::shared_mutex> lock(regions_mu_);
+    if (backend_ == IoBackend::kUring && o.fixed_buffers) {
+      buffers = fixed_buffers_refused_errno_ == 0
+                    ? ", fixed buffers"
+                    : fmt::format(", fixed buffers refused ({})", std::strerror(fixed_buffers_refused_errno_));
+    }
+  }
   return fmt::format("{}, {} ring{} x depth {}, {} blocks{}{}{}{}", io_backend_name(backend_), o.rings,
-                     o.rings == 1 ? "" : "s", o.queue_depth, format_bytes(o.block_size_bytes),
-                     backend_ == IoBackend::kUring && o.fixed_buffers && !fixed_buffers_refused_ ? ", fixed buffers" : "",
+                     o.rings == 1 ? "" : "s", o.queue_depth, format_bytes(o.block_size_bytes), buffers,
                      fixed_files_ ? ", fixed files" : "", o.sqpoll && backend_ == IoBackend::kUring ? ", sqpoll" : "",
                      o.single_submit ? ", single submit" : "");
 }
@@ -420,6 +486,7 @@ std::string IoEngineImpl::describe() const {
 
 Expected<std::unique_ptr<IoEngine>> IoEngine::create(const EngineOptions& options) {
   TZ_TRY(validate(options));
+  checksum_variant();  // picks and logs the XXH3 build now rather than on a ring thread
   auto engine = std::make_unique<IoEngineImpl>(options, options.backend);
   TZ_TRY(engine->start());
   TZ_LOG_DEBUG("nvme", "I/O engine: {}", engine->describe());

@@ -7,11 +7,14 @@
 
 namespace tz::nvme::detail {
 
-void EngineCore::prepare(Piece& piece) {
-  if (piece.prepared) return;
-  piece.prepared = true;
-  RequestState& r = *piece.request;
-  if (r.op == IoOp::kWrite && r.checksums != nullptr) r.checksums[piece.index] = checksum(piece.data, piece.length);
+bool EngineCore::needs_hash(const Piece& piece) {
+  return !piece.hashed && piece.request->op == IoOp::kWrite && piece.request->checksums != nullptr;
+}
+
+void EngineCore::hash_write(Piece& piece) {
+  if (!needs_hash(piece)) return;
+  piece.hashed = true;
+  piece.request->checksums[piece.index] = checksum(piece.data, piece.length);
 }
 
 Fault EngineCore::consult_injector(const Piece& piece, std::size_t length) {
@@ -50,9 +53,24 @@ EngineCore::Next EngineCore::settle(Piece& piece, long res) {
     return Next::kFinished;
   }
   if (res == 0 && rest > 0) {
-    // A read at end of file: the file is shorter than the request says.
-    fail(r, io_error("{} of {} bytes at offset {} of {}: end of file ({} of the piece's {} bytes transferred)",
-                     io_op_name(r.op), rest, at, piece.file->path, piece.done, piece.length));
+    if (r.op == IoOp::kWrite) {
+      // Not end of file: a write extends the file. Trying again would most
+      // likely loop, so the request fails here.
+      fail(r, io_error("write of {} bytes at offset {} of {}: the device accepted no bytes ({} of the piece's {} "
+                       "bytes transferred)",
+                       rest, at, piece.file->path, piece.done, piece.length));
+    } else {
+      // A read at end of file: the file is shorter than the request says.
+      fail(r, io_error("read of {} bytes at offset {} of {}: end of file ({} of the piece's {} bytes transferred)",
+                       rest, at, piece.file->path, piece.done, piece.length));
+    }
+    return Next::kFinished;
+  }
+  if (static_cast<std::size_t>(res) > rest) {
+    // The kernel never returns more than was asked; a result that says so is
+    // not trusted with the rest of the piece.
+    fail(r, io_error("{} of {} bytes at offset {} of {}: the kernel reported {} bytes transferred",
+                     io_op_name(r.op), rest, at, piece.file->path, res));
     return Next::kFinished;
   }
   piece.done += static_cast<std::size_t>(res);
@@ -62,16 +80,22 @@ EngineCore::Next EngineCore::settle(Piece& piece, long res) {
     short_transfers_.fetch_add(1, std::memory_order_relaxed);
     return skip(piece) ? Next::kFinished : Next::kResubmit;
   }
-  if (r.op == IoOp::kRead && r.checksums != nullptr) {
-    const std::uint64_t got = checksum(piece.data, piece.length);
-    if (got != r.checksums[piece.index]) {
-      fail(r, data_corruption("checksum mismatch reading {} bytes at offset {} of {} (piece {}: stored {:016x}, "
-                              "read {:016x}): the data on disk is not what was written",
-                              piece.length, piece.offset, piece.file->path, piece.index, r.checksums[piece.index],
-                              got));
-    }
+  return Next::kComplete;
+}
+
+void EngineCore::check(Piece& piece) {
+  RequestState& r = *piece.request;
+  if (r.checksums == nullptr || skip(piece)) return;  // a failed request's checksums are not used
+  if (r.op == IoOp::kWrite) {
+    hash_write(piece);
+    return;
   }
-  return Next::kFinished;
+  const std::uint64_t got = checksum(piece.data, piece.length);
+  if (got != r.checksums[piece.index]) {
+    fail(r, data_corruption("checksum mismatch reading {} bytes at offset {} of {} (piece {}: stored {:016x}, "
+                            "read {:016x}): the data on disk is not what was written",
+                            piece.length, piece.offset, piece.file->path, piece.index, r.checksums[piece.index], got));
+  }
 }
 
 void EngineCore::finish(Piece& piece) {

@@ -41,7 +41,7 @@ struct Piece {
   std::size_t index = 0;             // checksum slot
   int buffer_index = -1;             // registered buffer holding data, -1 none
   int retries = 0;                   // EAGAIN / EINTR so far
-  bool prepared = false;             // EngineCore::prepare ran
+  bool hashed = false;               // a write's checksum is computed (EngineCore::hash_write)
 };
 
 class EngineCore;
@@ -62,6 +62,26 @@ struct RequestState {
   EngineCore* core = nullptr;
 };
 
+// Note [Checksums off the I/O path]
+// Hashing is the one CPU-heavy step of a piece (XXH3 runs at 15 to 35 GB/s,
+// a few times the device's rate, not hundreds). A ring that hashed a write
+// before queueing it, and verified each read of a completion batch before
+// refilling the slots the batch freed, would leave the device idle while its
+// thread hashed: the checksums would cost their whole time on top of the I/O.
+// So the rings keep hashing out of that path:
+// - A write's checksum is computed after the piece is submitted. The buffer
+//   is the caller's and does not change while the request is in flight, so
+//   the hash is the one it would have been before submission; it only has to
+//   be done before the piece finishes (the checksums are the caller's once the
+//   request completes). The io_uring ring hashes the pieces it has just
+//   submitted before it next reaps; the thread ring hashes after its pwrite,
+//   outside its I/O slot.
+// - A read's checksum is verified after the ring has refilled the slots that
+//   completions freed, so the next pieces are on the device while it hashes.
+// Nothing else moves: each completion is settled (result checked, short
+// transfers and retries resubmitted) as it is reaped, a mismatch fails the
+// request before its callback, and a piece finishes only after its check.
+
 // The counters and piece logic every ring shares.
 class EngineCore {
  public:
@@ -69,18 +89,29 @@ class EngineCore {
 
   const EngineOptions& options() const { return options_; }
 
-  // Before each submission of a piece: the first time, a write computes its
-  // checksum.
-  void prepare(Piece& piece);
   // The test hook's verdict for one submission; counts the submission.
   Fault consult_injector(const Piece& piece, std::size_t length);
 
-  enum class Next { kResubmit, kFinished };
-  // Settles one completion of `piece` with result `res` (bytes, or -errno):
-  // kResubmit for the rest of a short transfer or a retry, kFinished when the
-  // piece is done (complete, failed, or skipped because its request failed).
-  // On kFinished the caller must call finish(piece) after forgetting it.
+  // Whether the piece is a write whose checksum is still to be computed.
+  static bool needs_hash(const Piece& piece);
+  // Computes a write piece's checksum (once). Any time from just before its
+  // first submission until finish(): see Note [Checksums off the I/O path].
+  void hash_write(Piece& piece);
+
+  enum class Next {
+    kResubmit,  // the rest of a short transfer, or a retry: submit again
+    kComplete,  // every byte transferred: call check(piece), then finish(piece)
+    kFinished,  // failed, or skipped because its request failed: call finish(piece)
+  };
+  // Settles one completion of `piece` with result `res` (bytes, or -errno).
+  // Cheap: the checksum work of a complete piece is left to check(), which a
+  // ring runs once it has refilled its queue. The caller forgets the piece
+  // before finish().
   Next settle(Piece& piece, long res);
+  // The checksum work of a piece settle() called complete: a read's checksum
+  // is verified (a mismatch fails the request with DataCorruption naming the
+  // file and offset); a write's is computed if it was not yet.
+  void check(Piece& piece);
   // Counts the piece out of its request; the last one completes the request
   // (callback or future) and frees it.
   void finish(Piece& piece);
@@ -105,10 +136,13 @@ class Ring {
   virtual void enqueue(std::vector<Piece*> pieces) = 0;
   // Registered files and buffers (no-ops where unsupported).
   virtual void set_file(std::uint32_t index, int fd) = 0;
-  virtual bool set_buffer(int index, void* data, std::size_t bytes) = 0;
+  // Fills (data != nullptr) or clears registered-buffer slot `index`: 0, or
+  // the errno the kernel refused with.
+  virtual int set_buffer(int index, void* data, std::size_t bytes) = 0;
 };
 
 inline constexpr int kMaxFixedBuffers = 64;
+inline constexpr std::size_t kMaxFixedBufferSlotBytes = std::size_t{1} << 30;  // the kernel's limit
 inline constexpr std::uint32_t kMaxFiles = 4096;
 inline constexpr int kMaxRetries = 1000;
 

@@ -1,11 +1,18 @@
-// The fallback where io_uring is refused: queue_depth threads per ring, each
-// doing one pread/pwrite at a time, with the same settle rules as io_uring.
+// The fallback where io_uring is refused: threads doing one pread/pwrite
+// each, with the same settle rules as io_uring.
+//
+// queue_depth I/O slots per ring, and one thread more than slots: a thread
+// gives its slot back as soon as its transfer is done and only then hashes
+// (Note [Checksums off the I/O path] in engine_internal.h), so the spare
+// thread keeps the depth full meanwhile. Even at depth 1 the hashing of one
+// piece overlaps the transfer of the next.
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <condition_variable>
 #include <deque>
+#include <semaphore>
 #include <thread>
 
 #include "engine_internal.h"
@@ -13,14 +20,15 @@
 namespace tz::nvme::detail {
 namespace {
 
-constexpr int kMaxThreadsPerRing = 64;
+constexpr int kMaxSlotsPerRing = 64;
 
 class ThreadRing final : public Ring {
  public:
-  ThreadRing(EngineCore& core, int id) : core_(core) {
-    const int threads = std::clamp(core.options().queue_depth, 1, kMaxThreadsPerRing);
-    TZ_LOG_DEBUG("nvme", "thread ring {}: {} pread/pwrite threads", id, threads);
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  ThreadRing(EngineCore& core, int id)
+      : core_(core), slots_(std::clamp(core.options().queue_depth, 1, kMaxSlotsPerRing)) {
+    const int slots = std::clamp(core.options().queue_depth, 1, kMaxSlotsPerRing);
+    TZ_LOG_DEBUG("nvme", "thread ring {}: {} pread/pwrite slots, {} threads", id, slots, slots + 1);
+    for (int i = 0; i <= slots; ++i) threads_.emplace_back([this] { run(); });
   }
 
   ~ThreadRing() override {
@@ -41,7 +49,7 @@ class ThreadRing final : public Ring {
   }
 
   void set_file(std::uint32_t, int) override {}
-  bool set_buffer(int, void* data, std::size_t) override { return data == nullptr; }
+  int set_buffer(int, void* data, std::size_t) override { return data == nullptr ? 0 : EOPNOTSUPP; }
 
  private:
   void run() {
@@ -54,33 +62,38 @@ class ThreadRing final : public Ring {
         p = queue_.front();
         queue_.pop_front();
       }
-      transfer(*p);
+      slots_.acquire();
+      const EngineCore::Next next = transfer(*p);
+      slots_.release();
+      if (next == EngineCore::Next::kComplete) core_.check(*p);
       core_.finish(*p);
     }
   }
 
-  // Runs one piece to its end: every retry and short-transfer rest in place.
-  void transfer(Piece& p) {
+  // Runs one piece's I/O to its end: every retry and short-transfer rest in
+  // place. kComplete or kFinished.
+  EngineCore::Next transfer(Piece& p) {
     for (;;) {
-      if (EngineCore::skip(p)) return;
-      core_.prepare(p);
+      if (EngineCore::skip(p)) return EngineCore::Next::kFinished;
       std::size_t length = p.length - p.done;
       const Fault fault = core_.consult_injector(p, length);
       long res = 0;
       if (fault.error > 0) {
         res = -fault.error;
-      } else {
+      } else if (!fault.no_bytes) {
         if (fault.short_bytes > 0 && fault.short_bytes < length) length = fault.short_bytes;
         const auto offset = static_cast<off_t>(p.offset + p.done);
         const ssize_t n = p.request->op == IoOp::kRead ? ::pread(p.file->fd.get(), p.data + p.done, length, offset)
                                                        : ::pwrite(p.file->fd.get(), p.data + p.done, length, offset);
         res = n < 0 ? -errno : n;
       }
-      if (core_.settle(p, res) == EngineCore::Next::kFinished) return;
+      const EngineCore::Next next = core_.settle(p, res);
+      if (next != EngineCore::Next::kResubmit) return next;
     }
   }
 
   EngineCore& core_;
+  std::counting_semaphore<kMaxSlotsPerRing> slots_;  // transfers in progress at most
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Piece*> queue_;  // guarded by mu_

@@ -7,6 +7,11 @@
 // eventfd outstanding; enqueue() writes the eventfd, the read completes, and
 // the thread takes the new pieces and re-arms the read. The read is not
 // counted in the queue depth.
+//
+// Each turn of the loop: take new pieces, queue and submit up to the depth,
+// hash the writes just submitted, wait, settle what completed, refill and
+// submit the freed slots, and only then verify the reads that completed
+// (Note [Checksums off the I/O path] in engine_internal.h).
 #include <liburing.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -31,15 +36,21 @@ class UringRing final : public Ring {
   Status init(bool& fixed_files);
   void enqueue(std::vector<Piece*> pieces) override;
   void set_file(std::uint32_t index, int fd) override;
-  bool set_buffer(int index, void* data, std::size_t bytes) override;
+  int set_buffer(int index, void* data, std::size_t bytes) override;
 
  private:
   void run();
   void arm_wake();
-  // Takes pieces from `pending` into SQEs up to the queue depth.
+  // Takes pieces from `pending` into SQEs up to the queue depth, submits
+  // them, then hashes the writes among them.
+  void fill_and_submit(std::deque<Piece*>& pending);
   void fill(std::deque<Piece*>& pending);
   void submit_ready();
+  // Settles one completion: resubmissions go to the front of `pending`,
+  // complete pieces to checking_.
   void complete(Piece* piece, long res, std::deque<Piece*>& pending);
+  // check() and finish() for every piece in checking_.
+  void check_completed();
   void wake();
 
   EngineCore& core_;
@@ -49,10 +60,13 @@ class UringRing final : public Ring {
   bool ring_ready_ = false;
   bool fixed_files_ = false;
   bool fixed_buffers_ = false;
+  int buffers_errno_ = 0;       // why the registered buffer table was refused
   UniqueFd wake_fd_;
   std::uint64_t wake_buf_ = 0;  // the eventfd read's target; only the kernel writes it
   int inflight_ = 0;            // pieces, not counting the wake read
   bool rearm_ = false;
+  std::vector<Piece*> to_hash_;   // writes queued by fill(), hashed once submitted
+  std::vector<Piece*> checking_;  // settled complete, awaiting check() and finish()
 
   std::mutex mu_;
   std::vector<Piece*> incoming_;  // guarded by mu_
@@ -88,6 +102,7 @@ Status UringRing::init(bool& fixed_files) {
   if (core_.options().fixed_buffers) {
     const int brc = io_uring_register_buffers_sparse(&ring_, kMaxFixedBuffers);
     fixed_buffers_ = brc >= 0;
+    buffers_errno_ = brc < 0 ? -brc : 0;
     if (brc < 0) TZ_LOG_DEBUG("nvme", "ring {}: no registered buffer table ({})", id_, std::strerror(-brc));
   }
   TZ_SYSCALL(efd, ::eventfd(0, EFD_CLOEXEC));
@@ -136,16 +151,16 @@ void UringRing::set_file(std::uint32_t index, int fd) {
   if (rc < 0) TZ_LOG_WARN("nvme", "ring {}: updating registered file {}: {}", id_, index, std::strerror(-rc));
 }
 
-bool UringRing::set_buffer(int index, void* data, std::size_t bytes) {
-  if (!fixed_buffers_) return data == nullptr;
+int UringRing::set_buffer(int index, void* data, std::size_t bytes) {
+  if (!fixed_buffers_) return data == nullptr ? 0 : buffers_errno_;
   iovec iov{data, bytes};
   __u64 tag = 0;
   const int rc = io_uring_register_buffers_update_tag(&ring_, static_cast<unsigned>(index), &iov, &tag, 1);
   if (rc < 0) {
     TZ_LOG_DEBUG("nvme", "ring {}: registering buffer slot {} ({} bytes): {}", id_, index, bytes, std::strerror(-rc));
-    return false;
+    return -rc;
   }
-  return true;
+  return 0;
 }
 
 void UringRing::arm_wake() {
@@ -165,6 +180,14 @@ void UringRing::submit_ready() {
   }
 }
 
+void UringRing::fill_and_submit(std::deque<Piece*>& pending) {
+  fill(pending);
+  submit_ready();
+  // Before this thread next reaps, so before any of these pieces can finish.
+  for (Piece* p : to_hash_) core_.hash_write(*p);
+  to_hash_.clear();
+}
+
 void UringRing::fill(std::deque<Piece*>& pending) {
   while (inflight_ < depth_ && !pending.empty()) {
     Piece* p = pending.front();
@@ -173,11 +196,10 @@ void UringRing::fill(std::deque<Piece*>& pending) {
       core_.finish(*p);
       continue;
     }
-    core_.prepare(*p);
     std::size_t length = p->length - p->done;
     const Fault fault = core_.consult_injector(*p, length);
-    if (fault.error > 0) {
-      complete(p, -fault.error, pending);
+    if (fault.error > 0 || fault.no_bytes) {
+      complete(p, fault.no_bytes ? 0 : -fault.error, pending);
       continue;
     }
     if (fault.short_bytes > 0 && fault.short_bytes < length) length = fault.short_bytes;
@@ -202,16 +224,33 @@ void UringRing::fill(std::deque<Piece*>& pending) {
     if (p->file->fixed) sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, p);
     ++inflight_;
+    // Only pieces in an SQE: one completed in this loop (an injected fault)
+    // may already be finished and freed.
+    if (EngineCore::needs_hash(*p)) to_hash_.push_back(p);
     if (core_.options().single_submit) submit_ready();
   }
 }
 
 void UringRing::complete(Piece* piece, long res, std::deque<Piece*>& pending) {
-  if (core_.settle(*piece, res) == EngineCore::Next::kResubmit) {
-    pending.push_front(piece);  // the rest of this piece goes before newer work
-  } else {
-    core_.finish(*piece);
+  switch (core_.settle(*piece, res)) {
+    case EngineCore::Next::kResubmit:
+      pending.push_front(piece);  // the rest of this piece goes before newer work
+      break;
+    case EngineCore::Next::kComplete:
+      checking_.push_back(piece);
+      break;
+    case EngineCore::Next::kFinished:
+      core_.finish(*piece);
+      break;
   }
+}
+
+void UringRing::check_completed() {
+  for (Piece* p : checking_) {
+    core_.check(*p);
+    core_.finish(*p);
+  }
+  checking_.clear();
 }
 
 void UringRing::run() {
@@ -230,8 +269,7 @@ void UringRing::run() {
       arm_wake();
       rearm_ = false;
     }
-    fill(pending);
-    submit_ready();
+    fill_and_submit(pending);
     if (stopping && inflight_ == 0 && pending.empty()) return;
 
     io_uring_cqe* cqe = nullptr;
@@ -258,6 +296,9 @@ void UringRing::run() {
       complete(reinterpret_cast<Piece*>(tag), cqe->res, pending);
     }
     io_uring_cq_advance(&ring_, seen);
+    // The freed slots go back to the device before the reads are verified.
+    fill_and_submit(pending);
+    check_completed();
   }
 }
 

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <random>
@@ -141,6 +142,69 @@ TEST(Checkpoint, CorruptTruncatedOrMismatchedCheckpointsAreRefusedAndNothingIsRe
   EXPECT_NE(s.message().find("layer0"), std::string::npos) << s.message();
   s = e->load_checkpoint(ckpt.path() + "/nothing-here");
   EXPECT_EQ(s.code(), tz::ErrorCode::kNotFound) << s.to_string();
+}
+
+TEST(Checkpoint, AnNvmeErrorMidStepFailsTheStepAndLeavesTheSavedStateIntact) {
+  TempDir nvme, ckpt;
+  std::atomic<bool> armed{false};
+  tz::ZeroOptions options{.config = test_config(nvme.path(), 3, 1), .placement = kNvme};
+  options.nvme_fault_injector = [&](const tz::nvme::PieceInfo& p) {
+    // EIO on every write once armed: the optimizer's write-back fails.
+    return armed.load() && p.op == tz::nvme::IoOp::kWrite ? tz::nvme::Fault{.error = EIO} : tz::nvme::Fault{};
+  };
+  auto e = tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  ASSERT_TRUE(train(**e, 0, 2).ok());
+  ASSERT_TRUE((*e)->save_checkpoint(ckpt.path()).ok());
+  const auto saved = masters(**e);
+  armed = true;
+  const tz::Status failed = train(**e, 2, 3);
+  ASSERT_FALSE(failed.ok()) << "the step must fail, not go on with half-written states";
+  EXPECT_EQ(failed.code(), tz::ErrorCode::kIoError) << failed.to_string();
+  EXPECT_NE(failed.message().find("Input/output error"), std::string::npos) << failed.message();
+  EXPECT_NE(failed.message().find(nvme.path()), std::string::npos) << "names the swap file: " << failed.message();
+  // The checkpoint on disk is untouched and loads into a fresh engine.
+  auto fresh = make(nvme.path(), kCpu);
+  ASSERT_TRUE(fresh);
+  ASSERT_TRUE(fresh->load_checkpoint(ckpt.path()).ok());
+  EXPECT_EQ(masters(*fresh), saved);
+}
+
+TEST(Checkpoint, TwoRanksSaveAndResumeBitIdentically) {
+  TempDir dir;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+    const std::string nvme = dir.path() + "/nvme" + std::to_string(info.rank);
+    std::filesystem::create_directories(nvme);
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    auto make_ranked = [&](const Placement& p) {
+      return tz::ZeroEngine::create({.config = test_config(nvme, 3, 1), .comm = comm->get(), .placement = p},
+                                    tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    };
+    auto a = make_ranked(kNvme);
+    if (!a.ok()) return 2;
+    auto train_ranked = [&](tz::ZeroEngine& e, int from, int to) {
+      for (int step = from; step < to; ++step) {
+        if (!tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, info.rank, 0, step)).ok()) return false;
+        if (!e.step().ok()) return false;
+      }
+      return true;
+    };
+    if (!train_ranked(**a, 0, 2) || !(*a)->save_checkpoint(dir.path() + "/ckpt").ok()) return 3;
+    if (!train_ranked(**a, 2, 4)) return 4;
+    const auto uninterrupted = masters(**a);
+    auto b = make_ranked(kCpu);
+    if (!b.ok()) return 5;
+    const tz::Status loaded = (*b)->load_checkpoint(dir.path() + "/ckpt");
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "rank %d: %s\n", info.rank, loaded.to_string().c_str());
+      return 6;
+    }
+    if (!train_ranked(**b, 2, 4)) return 7;
+    return masters(**b) == uninterrupted ? 0 : 8;
+  });
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 0);
 }
 
 TEST(Checkpoint, ExportIsASafetensorsFileOfTheFullFp32Weights) {

@@ -1,15 +1,28 @@
 // IoEngine: round trips on every backend, and each failure caused for real
-// (injected errors and short transfers, files shorter than asked, misaligned
-// requests, tmpfs and unwritable paths).
+// (injected errors, short and zero-byte transfers, files shorter than asked,
+// corrupted checksums, misaligned requests, tmpfs and unwritable paths);
+// registered buffers split over slots; every XXH3 build against the scalar one.
 #include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <atomic>
+#include <cstddef>
+#include <functional>
 #include <latch>
 #include <thread>
 
 #include "nvme_test_util.h"
+
+#define XXH_INLINE_ALL
+#define XXH_VECTOR XXH_SCALAR
+#include <xxhash.h>  // the reference the engine's builds are compared with
 
 namespace tzt {
 namespace {
@@ -228,10 +241,131 @@ TEST_P(IoEngineBackends, ChecksumsAreComputedOnWriteAndCatchAFlippedByteOnRead) 
   EXPECT_NE(s.message().find(path), std::string::npos) << s.message();
 }
 
+TEST_P(IoEngineBackends, AWriteTheDeviceAcceptsNoBytesOfFailsAsAnIoErrorNotEndOfFile) {
+  TempDir dir;
+  EngineOptions o{.block_size_bytes = 65536, .queue_depth = 4, .backend = GetParam()};
+  std::atomic<int> submissions{0};
+  o.fault_injector = [&](const tz::nvme::PieceInfo& p) {
+    ++submissions;
+    return p.offset == 3 * 65536 ? tz::nvme::Fault{.no_bytes = true} : tz::nvme::Fault{};
+  };
+  auto engine = make_engine(o);
+  ASSERT_TRUE(engine);
+  const std::size_t bytes = 1 << 20;
+  const std::string path = dir.file("zero-write");
+  const FileId f = open_new(*engine, path, bytes);
+  AlignedBuffer out(bytes);
+  out.fill_random(23);
+  const tz::Status s = engine->submit(whole(IoOp::kWrite, out.data(), f, bytes)).wait_for(std::chrono::seconds(30));
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), ErrorCode::kIoError) << s.to_string();
+  EXPECT_NE(s.message().find("accepted no bytes"), std::string::npos) << s.message();
+  EXPECT_EQ(s.message().find("end of file"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("offset 196608"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(path), std::string::npos) << s.message();
+  EXPECT_LE(submissions.load(), 16) << "the zero-byte piece was not retried";
+  // A read that gets 0 bytes is still end of file.
+  AlignedBuffer in(bytes);
+  const tz::Status r = engine->submit(whole(IoOp::kRead, in.data(), f, bytes)).wait();
+  EXPECT_NE(r.message().find("end of file"), std::string::npos) << r.message();
+}
+
+// The write's checksums are computed off the submission path and the read's
+// verified after the queue is refilled (Note [Checksums off the I/O path]):
+// each must still be of its own piece, whatever the order of completions,
+// retries and short transfers.
+TEST_P(IoEngineBackends, ChecksumsStayExactWithManyPiecesInFlightRetriesAndShortTransfers) {
+  TempDir dir;
+  EngineOptions o{.block_size_bytes = 65536, .queue_depth = 8, .rings = 2, .backend = GetParam()};
+  o.fault_injector = [](const tz::nvme::PieceInfo& p) {
+    if (p.sequence % 7 == 3) return tz::nvme::Fault{.error = EAGAIN};
+    if (p.sequence % 5 == 1 && p.length > 8192) return tz::nvme::Fault{.short_bytes = 8192};
+    return tz::nvme::Fault{};
+  };
+  auto engine = make_engine(o);
+  ASSERT_TRUE(engine);
+  const std::size_t bytes = 4 << 20;
+  const std::string path = dir.file("sums");
+  const FileId f = open_new(*engine, path, bytes);
+  AlignedBuffer out(bytes), in(bytes);
+  out.fill_random(29);
+  IoRequest w = whole(IoOp::kWrite, out.data(), f, bytes);
+  std::vector<std::uint64_t> sums(engine->piece_count(w));
+  ASSERT_EQ(sums.size(), 64U);
+  w.checksums = sums.data();
+  ASSERT_TRUE(engine->submit(w).wait().ok());
+  for (std::size_t i = 0; i < sums.size(); ++i) {
+    ASSERT_EQ(sums[i], XXH3_64bits(out.data() + i * 65536, 65536)) << "piece " << i;
+  }
+  IoRequest r = whole(IoOp::kRead, in.data(), f, bytes);
+  r.checksums = sums.data();
+  ASSERT_TRUE(engine->submit(r).wait().ok());
+  EXPECT_TRUE(in.same_as(out));
+  EXPECT_GT(engine->stats().short_transfers, 0U);
+  EXPECT_GT(engine->stats().retries, 0U);
+  // A stored checksum that no longer matches (piece 41) fails the read naming
+  // the piece's file and offset; every callback still comes exactly once.
+  sums[41] ^= 1;
+  std::atomic<int> calls{0};
+  std::latch done(1);
+  tz::Status failed;
+  engine->submit(r, [&](const tz::Status& st, const tz::nvme::IoResult&) {
+    failed = st;
+    ++calls;
+    done.count_down();
+  });
+  done.wait();
+  EXPECT_EQ(failed.code(), ErrorCode::kDataCorruption) << failed.to_string();
+  EXPECT_NE(failed.message().find("offset 2686976"), std::string::npos) << failed.message();
+  EXPECT_NE(failed.message().find(path), std::string::npos) << failed.message();
+  EXPECT_EQ(engine->stats().errors, 1U);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(calls.load(), 1);
+}
+
 std::string backend_test_name(const ::testing::TestParamInfo<IoBackend>& p) {
   return p.param == IoBackend::kUring ? "Uring" : "Threads";
 }
 INSTANTIATE_TEST_SUITE_P(, IoEngineBackends, ::testing::ValuesIn(runnable_backends()), backend_test_name);
+
+// Makes io_uring_setup fail with EPERM in this process, as a seccomp policy
+// (a container runtime's default profile) does.
+bool refuse_io_uring() {
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog prog{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+  return ::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 && ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) == 0;
+}
+
+TEST(IoEngine, WhereSeccompRefusesIoUringTheThreadPoolTakesOver) {
+  TempDir dir;
+  const pid_t child = ::fork();
+  if (child == 0) {
+    // Exit codes: 0 fell back and worked; 1 no seccomp here; 2.. failures.
+    if (!refuse_io_uring()) ::_exit(1);
+    auto engine = IoEngine::create({.block_size_bytes = 65536, .backend = IoBackend::kAuto});
+    if (!engine.ok()) ::_exit(2);
+    if ((*engine)->backend() != IoBackend::kThreads) ::_exit(3);
+    auto f = (*engine)->open(dir.file("seccomp"), {.create = true, .size_bytes = 1 << 20});
+    if (!f.ok()) ::_exit(4);
+    AlignedBuffer out(1 << 20), in(1 << 20);
+    out.fill_random(31);
+    if (!(*engine)->submit(whole(IoOp::kWrite, out.data(), *f, 1 << 20)).wait().ok()) ::_exit(5);
+    if (!(*engine)->submit(whole(IoOp::kRead, in.data(), *f, 1 << 20)).wait().ok()) ::_exit(6);
+    // Asking for io_uring by name is an error, not a silent fallback.
+    auto forced = IoEngine::create({.backend = IoBackend::kUring});
+    if (forced.ok() || forced.status().sys_errno() != EPERM) ::_exit(7);
+    ::_exit(in.same_as(out) ? 0 : 8);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "see the exit codes in the child";
+}
 
 TEST(IoEngine, IoUringRunsWhereTheProbeSaysItIsAvailable) {
   auto engine = make_engine({});
@@ -264,6 +398,115 @@ TEST(IoEngine, RegisteredBuffersAreUsedForPiecesInsideThem) {
   EXPECT_EQ(engine->stats().fixed_buffer_pieces, 32U);  // the unregistered buffer went the plain way
 }
 
+// Note [Registered buffer slots], with slots of 96 KiB and 64 KiB pieces:
+// of every three pieces from the start of a buffer, one straddles a slot
+// boundary (64 KiB..128 KiB crosses 96 KiB) and goes the plain way.
+TEST(IoEngine, ARegisteredBufferOverTheSlotLimitIsSplitOverSeveralSlots) {
+  if (!tz::capabilities().uring.available) GTEST_SKIP() << "io_uring unavailable: " << tz::capabilities().uring.unavailable_reason;
+  TempDir dir;
+  auto engine = make_engine({.block_size_bytes = 65536, .queue_depth = 4, .fixed_buffer_slot_bytes = 98304});
+  ASSERT_TRUE(engine);
+  const std::size_t bytes = 1 << 20;  // 16 pieces, 11 slots
+  const FileId f = open_new(*engine, dir.file("slots"), bytes);
+  AlignedBuffer out(bytes), in(bytes);
+  out.fill_random(31);
+  ASSERT_TRUE(engine->register_buffer(out.data(), bytes).ok());
+  ASSERT_TRUE(engine->register_buffer(in.data(), bytes).ok());
+  ASSERT_TRUE(engine->submit(whole(IoOp::kWrite, out.data(), f, bytes)).wait().ok());
+  in.fill(0);
+  ASSERT_TRUE(engine->submit(whole(IoOp::kRead, in.data(), f, bytes)).wait().ok());
+  EXPECT_TRUE(in.same_as(out));
+  EXPECT_EQ(engine->stats().fixed_buffer_pieces, 22U) << "11 of each request's 16 pieces lie inside one slot";
+  EXPECT_EQ(engine->describe().find("refused"), std::string::npos) << engine->describe();
+  // 22 of the 64 slots are taken: a range that needs 43 more is left out,
+  // without turning fixed buffers off; unregistering gives slots back.
+  AlignedBuffer big(43 * 98304);
+  ASSERT_TRUE(engine->register_buffer(big.data(), big.size()).ok());
+  ASSERT_TRUE(engine->submit(whole(IoOp::kWrite, big.data(), f, bytes)).wait().ok());
+  EXPECT_EQ(engine->stats().fixed_buffer_pieces, 22U);
+  ASSERT_TRUE(engine->unregister_buffer(in.data()).ok());
+  ASSERT_TRUE(engine->register_buffer(big.data(), big.size()).ok());
+  ASSERT_TRUE(engine->submit(whole(IoOp::kWrite, big.data(), f, bytes)).wait().ok());
+  EXPECT_EQ(engine->stats().fixed_buffer_pieces, 33U);
+}
+
+// The kernel's own limit: one slot holds at most 1 GiB (EFAULT beyond). 1.25
+// GiB of address space, of which the test writes 8 MiB; registering pins all
+// of it (1.25 GiB of memory, for the test's length).
+TEST(IoEngine, ABufferOverOneGibIsRegisteredInSlotsAndUsed) {
+  if (!tz::capabilities().uring.available) GTEST_SKIP() << "io_uring unavailable: " << tz::capabilities().uring.unavailable_reason;
+  constexpr std::size_t kGiB = std::size_t{1} << 30;
+  const std::size_t bytes = kGiB + kGiB / 4;
+  void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  ASSERT_NE(map, MAP_FAILED) << std::strerror(errno);
+  std::unique_ptr<void, std::function<void(void*)>> unmap(map, [bytes](void* p) { ::munmap(p, bytes); });
+  auto* base = static_cast<std::uint8_t*>(map);
+  TempDir dir;
+  auto engine = make_engine({.block_size_bytes = 1 << 20, .queue_depth = 4});
+  ASSERT_TRUE(engine);
+  ASSERT_TRUE(engine->register_buffer(base, bytes).ok());
+  const std::string described = engine->describe();
+  if (described.find("refused (Cannot allocate memory)") != std::string::npos ||
+      described.find("refused (Operation not permitted)") != std::string::npos) {
+    GTEST_SKIP() << "the kernel will not pin 1.25 GiB here (memlock limit): " << described;
+  }
+  ASSERT_EQ(described.find("refused"), std::string::npos) << described;
+  // 4 MiB in the first slot and 4 MiB in the second (past 1 GiB), out and back.
+  const std::size_t chunk = 4 << 20;
+  std::uint8_t* low = base + (64 << 20);
+  std::uint8_t* high = base + kGiB + (64 << 20);
+  std::mt19937_64 rng(37);
+  for (std::size_t i = 0; i < chunk; i += 8) {
+    const std::uint64_t x = rng();
+    std::memcpy(low + i, &x, 8);
+  }
+  const FileId f = open_new(*engine, dir.file("big"), chunk);
+  ASSERT_TRUE(engine->submit(whole(IoOp::kWrite, low, f, chunk)).wait().ok());
+  ASSERT_TRUE(engine->submit(whole(IoOp::kRead, high, f, chunk)).wait().ok());
+  EXPECT_EQ(std::memcmp(low, high, chunk), 0);
+  EXPECT_EQ(engine->stats().fixed_buffer_pieces, 8U);
+  // A piece across the slot boundary at 1 GiB goes the plain way, correctly.
+  std::uint8_t* across = base + kGiB - (512 << 10);
+  ASSERT_TRUE(engine->submit(whole(IoOp::kRead, across, f, 1 << 20)).wait().ok());
+  EXPECT_EQ(std::memcmp(across, low, 1 << 20), 0);
+  EXPECT_EQ(engine->stats().fixed_buffer_pieces, 8U);
+  ASSERT_TRUE(engine->unregister_buffer(base).ok());
+}
+
+TEST(IoEngine, EveryChecksumBuildAgreesWithTheScalarReference) {
+  const std::vector<std::string_view> variants = tz::nvme::checksum_variants();
+  ASSERT_FALSE(variants.empty());
+  EXPECT_EQ(variants.back(), tz::nvme::checksum_variant()) << "checksum() runs the widest runnable build";
+  EXPECT_EQ(tz::nvme::checksum(nullptr, 0), 0x2D06800538D394C2ULL);  // XXH3-64 of nothing (xxhash's test vector)
+  // Every length class of XXH3 (0-16, 17-128, 129-240, long: stripes, blocks
+  // and the last partial stripe), at odd addresses.
+  AlignedBuffer data(3 << 20);
+  data.fill_random(41);
+  std::mt19937_64 rng(43);
+  std::vector<std::size_t> lengths{0, 1, 3, 4, 8, 9, 16, 17, 64, 128, 129, 200, 240, 241, 1023, 1024, 1025, 65536, 1 << 20,
+                                   (3 << 20) - 7};
+  for (int i = 0; i < 200; ++i) lengths.push_back(rng() % (1 << 20));
+  std::size_t compared = 0;
+  for (std::size_t length : lengths) {
+    const std::size_t at = length >= data.size() ? 0 : rng() % (data.size() - length);
+    const std::uint64_t want = XXH3_64bits(data.data() + at, length);
+    EXPECT_EQ(tz::nvme::checksum(data.data() + at, length), want) << "length " << length;
+    for (std::string_view v : variants) {
+      auto got = tz::nvme::checksum_with(v, data.data() + at, length);
+      ASSERT_TRUE(got.ok()) << got.status().to_string();
+      EXPECT_EQ(*got, want) << v << ", length " << length << " at +" << at;
+      ++compared;
+    }
+  }
+  std::string names;
+  for (std::string_view v : variants) names += std::string(names.empty() ? "" : ", ") + std::string(v);
+  std::printf("[ nvme ] checksum builds: %s; running %s; %zu hashes compared, 0 allowed to differ\n", names.c_str(),
+              std::string(tz::nvme::checksum_variant()).c_str(), compared);
+  auto unknown = tz::nvme::checksum_with("neon9", data.data(), 16);
+  EXPECT_EQ(unknown.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("scalar"), std::string::npos) << unknown.status().message();
+}
+
 TEST(IoEngine, MisalignedRequestsAreRefusedBeforeAnyIo) {
   TempDir dir;
   auto engine = make_engine({});
@@ -294,6 +537,9 @@ TEST(IoEngine, BadOptionsAreRefusedByName) {
   e = IoEngine::create({.rings = 100});
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("intra_op_parallelism"), std::string::npos);
+  e = IoEngine::create({.fixed_buffer_slot_bytes = (std::size_t{1} << 30) + 4096});
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("fixed_buffer_slot_bytes"), std::string::npos);
 }
 
 TEST(IoEngine, OptionsFollowTheAioConfigBlock) {

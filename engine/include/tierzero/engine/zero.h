@@ -51,6 +51,7 @@
 
 #include "tierzero/engine/comm.h"
 #include "tierzero/engine/model.h"
+#include "tierzero/nvme.h"
 #include "tierzero/offload.h"
 
 namespace tz {
@@ -73,9 +74,8 @@ struct ZeroOptions {
   std::optional<ElemType> grad_type;    // default: the parameter type
   // Overrides the planner (tests, and users who know better): tier per class.
   std::optional<std::array<Tier, kNumStateClasses>> placement;
-  // Pinned staging for the optimizer's NVMe pipeline, bytes of each of the 3
-  // buffers; 0: sized from zero_optimization.sub_group_size.
-  std::uint64_t optimizer_staging_bytes = 0;
+  // Tests only: injects NVMe faults (see tz::nvme::EngineOptions).
+  nvme::FaultInjector nvme_fault_injector;
 };
 
 // A whole block's 16-bit parameters on the device, gathered from every rank's
@@ -147,6 +147,10 @@ struct StepReport {
   // still running when the wait ended owns that part of the wait).
   double wait_nvme_seconds = 0, wait_h2d_seconds = 0, wait_gather_seconds = 0;
   std::uint64_t fetches = 0, prefetched = 0;   // fetches since the last report, and how many were prefetched
+  // Peak bytes in use per tier since the last report (device pool, CPU pool,
+  // swap store), and each tier's budget.
+  std::uint64_t peak_gpu_bytes = 0, peak_cpu_bytes = 0, peak_nvme_bytes = 0;
+  std::uint64_t gpu_budget_bytes = 0, cpu_budget_bytes = 0, nvme_capacity_bytes = 0;
 };
 
 class ZeroEngine {

@@ -10,17 +10,22 @@
 // callback) waits.
 //
 // Every completion's result is read: a short transfer is resubmitted for the
-// rest; EAGAIN and EINTR are retried; end of file before the request is
-// satisfied, or any other error, fails the request with a Status naming the
-// file, offset, length and errno (code IoError, NoSpace for ENOSPC). A failed
+// rest; EAGAIN and EINTR are retried; end of file before a read is
+// satisfied, a write of which the device accepts no bytes, or any other error,
+// fails the request with a Status naming the file, offset, length and errno
+// (code IoError, NoSpace for ENOSPC). A failed
 // request's other pieces are not submitted, and those already in flight are
 // waited for before the request completes, so the caller's buffer is never
 // touched after completion.
 //
 // Checksums: a request may carry one XXH3-64 per piece. A write computes them
-// as its pieces are submitted; a read verifies each piece as it arrives and
-// fails with DataCorruption naming the file and offset of the first piece whose
-// data does not match. piece_count() tells how many a request needs.
+// while its pieces are in flight (the buffer does not change until completion,
+// as for any request), so they are final when the request completes; a read
+// verifies each piece after it arrives and fails with DataCorruption naming
+// the file and offset of the first piece whose data does not match.
+// piece_count() tells how many a request needs. XXH3 is built for each
+// instruction set and the widest this CPU runs is picked once, and logged
+// (checksum_variant()).
 //
 // Backends: io_uring (liburing) with O_DIRECT, registered buffers
 // (register_buffer) and registered files where the kernel allows; or a thread
@@ -52,6 +57,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -78,6 +84,8 @@ struct PieceInfo {
 struct Fault {
   int error = 0;                // > 0: complete the submission with -error without doing it
   std::size_t short_bytes = 0;  // > 0 (and < length): submit only this many bytes (a real short transfer)
+  bool no_bytes = false;        // complete the submission with 0 bytes without doing it (a device that
+                                // accepts nothing; for a read, end of file)
 };
 using FaultInjector = std::function<Fault(const PieceInfo&)>;
 
@@ -89,6 +97,8 @@ struct EngineOptions {
   bool sqpoll = false;                     // IORING_SETUP_SQPOLL (a kernel thread polls each ring)
   bool fixed_buffers = true;               // use registered buffers for memory given to register_buffer()
   bool fixed_files = true;                 // register files with the rings
+  std::size_t fixed_buffer_slot_bytes = std::size_t{1} << 30;  // largest registered-buffer slot: the
+                                           // kernel's limit (1 GiB); lower only to test the split
   IoBackend backend = IoBackend::kAuto;    // kAuto: io_uring, else (refused) threads
   FaultInjector fault_injector;            // tests only
 
@@ -189,9 +199,14 @@ class IoEngine {
   virtual Status close(FileId file) = 0;
   virtual Expected<FileInfo> file_info(FileId file) const = 0;
 
-  // Registers [data, data + bytes) with every ring as a fixed buffer: pieces
-  // inside it use READ_FIXED/WRITE_FIXED. Optional; where the kernel refuses
-  // (memlock limit), the engine logs once and goes on without. The memory
+  // Registers [data, data + bytes) with every ring as fixed buffers: pieces
+  // inside it use READ_FIXED/WRITE_FIXED. The kernel takes at most 1 GiB per
+  // buffer slot, so a larger range fills several slots of
+  // fixed_buffer_slot_bytes each, from `data` on; a piece that straddles two
+  // slots goes the plain way. Optional, and never an error for the I/O:
+  // where the kernel refuses with ENOMEM or EPERM (memlock limit), the engine
+  // logs the errno once and stops using fixed buffers; any other refusal
+  // leaves only this range unregistered, logged with its errno. The memory
   // must stay valid until unregister_buffer() or the engine's destruction.
   virtual Status register_buffer(void* data, std::size_t bytes) = 0;
   virtual Status unregister_buffer(void* data) = 0;
@@ -211,7 +226,18 @@ class IoEngine {
   virtual std::string describe() const = 0;
 };
 
-// XXH3-64 of a byte range (the checksum the engine and the swap store use).
+// XXH3-64 of a byte range (the checksum the engine and the swap store use),
+// by the variant checksum_variant() names. Every variant gives the same value.
 std::uint64_t checksum(const void* data, std::size_t bytes);
+
+// The XXH3 build checksum() runs: the widest this CPU supports of
+// checksum_variants(), picked and logged (at info) on first use.
+std::string_view checksum_variant();
+// The variants compiled in and runnable on this CPU, narrowest first:
+// "scalar", then on x86-64 "sse2", "avx2", "avx512" as supported.
+std::vector<std::string_view> checksum_variants();
+// checksum() by a named variant (tests, benchmarks); InvalidArgument naming
+// the runnable ones for any other name.
+Expected<std::uint64_t> checksum_with(std::string_view variant, const void* data, std::size_t bytes);
 
 }  // namespace tz::nvme

@@ -1,0 +1,114 @@
+// What every tierzero benchmark shares: timing, the median, comma lists, the
+// progress line on stderr, and the build and CPU summary printed above each
+// table. Header-only; each benchmark target defines TZB_VERSION and
+// TZB_BUILD_TYPE (bench/CMakeLists.txt).
+#pragma once
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#ifndef TZB_VERSION
+#define TZB_VERSION "unknown"
+#endif
+#ifndef TZB_BUILD_TYPE
+#define TZB_BUILD_TYPE "unknown"
+#endif
+
+namespace tzbench {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Median of the values (0 for none).
+inline double median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const std::size_t k = values.size();
+  return k % 2 == 1 ? values[k / 2] : 0.5 * (values[k / 2 - 1] + values[k / 2]);
+}
+
+// "128K, 1M,8M" -> {"128K", "1M", "8M"}: items split at commas, blanks
+// trimmed, empty items kept (for the caller to refuse by name).
+inline std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    const auto b = item.find_first_not_of(" \t");
+    const auto e = item.find_last_not_of(" \t");
+    out.push_back(b == std::string::npos ? std::string() : item.substr(b, e - b + 1));
+  }
+  return out;
+}
+
+// One line on stderr, rewritten in place on a terminal; one line per call otherwise.
+class Progress {
+ public:
+  Progress() : tty_(::isatty(2) != 0) {}
+  template <typename... Args>
+  void show(fmt::format_string<Args...> format, Args&&... args) {
+    const std::string line = fmt::format(format, std::forward<Args>(args)...);
+    if (tty_) {
+      std::fprintf(stderr, "\r\033[K%s", line.c_str());
+      dirty_ = true;
+    } else {
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
+    std::fflush(stderr);
+  }
+  // A line that only a terminal shows (updates within a run).
+  template <typename... Args>
+  void update(fmt::format_string<Args...> format, Args&&... args) {
+    if (tty_) show(format, std::forward<Args>(args)...);
+  }
+  // Clears the line (on a terminal) before the tables are printed.
+  void done() {
+    if (dirty_) std::fprintf(stderr, "\r\033[K");
+    std::fflush(stderr);
+    dirty_ = false;
+  }
+  bool tty() const { return tty_; }
+
+ private:
+  bool tty_;
+  bool dirty_ = false;
+};
+
+// "tierzero 0.1.0 (RelWithDebInfo), bench built by GCC 12.2.0".
+inline std::string build_summary() {
+#if defined(__clang__)
+  const std::string compiler = fmt::format("clang {}", __clang_version__);
+#elif defined(__GNUC__)
+  const std::string compiler = fmt::format("GCC {}", __VERSION__);
+#else
+  const std::string compiler = "unknown compiler";
+#endif
+  return fmt::format("tierzero {} ({}), bench built by {}", TZB_VERSION, TZB_BUILD_TYPE, compiler);
+}
+
+// /proc/cpuinfo's first "model name" ("unknown" where there is none).
+inline std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  }
+  return "unknown";
+}
+
+}  // namespace tzbench
