@@ -19,6 +19,7 @@ struct Prefetcher::Entry {
   std::condition_variable cv;
   bool copy_issued = false;           // guarded by mu
   bool ready = false;                 // guarded by mu
+  bool gather_posted = false;         // training thread only
   Status error;                       // guarded by mu
   Clock::time_point t_issue, t_read_done, t_h2d_done, t_gather_done;
 
@@ -37,10 +38,7 @@ Prefetcher::Prefetcher(const PrefetchDeps& deps, std::uint64_t window_bytes)
 }
 
 Prefetcher::~Prefetcher() {
-  for (const auto& e : in_flight_) {
-    std::unique_lock<std::mutex> lock(e->mu);
-    e->cv.wait(lock, [&] { return e->ready || !e->error.ok(); });
-  }
+  drain();
   (void)deps_.comm_thread->wait_idle();
   (void)deps_.device->synchronize_stream(*h2d_stream_);
 }
@@ -93,8 +91,19 @@ std::shared_ptr<Prefetcher::Entry> Prefetcher::issue(std::size_t block, void* wh
     Status copied = start_copy(e, deps_.param16->memory(block));
     if (!copied.ok()) e->fail(std::move(copied));
   }
-  // The all-gather is queued now, in trace order (Note [Collective order]);
-  // it starts once this rank's shard has landed.
+  return e;
+}
+
+// Queues the all-gather of an issued entry (Note [Collective order]): called
+// from the training thread at fixed points, for the block being fetched and
+// the one after it, so gradient reduce-scatters posted in between are not
+// stuck behind gathers of blocks whose NVMe reads are still far off. The
+// gather starts once this rank's shard has landed.
+void Prefetcher::post_gather(const std::shared_ptr<Entry>& e) {
+  if (e->gather_posted) return;
+  const std::string& name = deps_.layout->blocks[e->block].name;
+  const std::size_t bytes = deps_.param16->shard_bytes(e->block);
+  e->gather_posted = true;
   deps_.comm_thread->post([this, e, name, bytes]() -> Status {
     {
       std::unique_lock<std::mutex> lock(e->mu);
@@ -122,7 +131,6 @@ std::shared_ptr<Prefetcher::Entry> Prefetcher::issue(std::size_t block, void* wh
     e->cv.notify_all();
     return ok_status();
   });
-  return e;
 }
 
 Status Prefetcher::wait_ready(Entry& e, Clock::time_point start) {
@@ -183,7 +191,9 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block) {
         std::shared_ptr<Entry> e = in_flight_.front();
         in_flight_.pop_front();
         ++position_;
+        post_gather(e);
         top_up();
+        if (!in_flight_.empty()) post_gather(in_flight_.front());
         TZ_TRY(wait_ready(*e, start));
         std::lock_guard<std::mutex> lock(waits_mu_);
         ++waits_.prefetched;
@@ -201,19 +211,27 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block) {
   TZ_TRY_CTX(whole, "gathering {}", deps_.layout->blocks[block].name);
   void* data = whole->data();
   std::shared_ptr<Entry> e = issue(block, data, std::move(*whole));
+  post_gather(e);
   TZ_TRY(wait_ready(*e, start));
   return std::move(e->owned);
 }
 
 Status Prefetcher::gather_into(std::size_t block, void* d_whole) {
   std::shared_ptr<Entry> e = issue(block, d_whole, PoolBlock());
+  post_gather(e);
   return wait_ready(*e, Clock::now());
 }
 
+// Entries whose gather was posted are waited for; the others only for their
+// copy (their gather is never posted, on any rank).
 void Prefetcher::drain() {
   for (const auto& e : in_flight_) {
     std::unique_lock<std::mutex> lock(e->mu);
-    e->cv.wait(lock, [&] { return e->ready || !e->error.ok(); });
+    e->cv.wait(lock, [&] { return (e->gather_posted ? e->ready : e->copy_issued) || !e->error.ok(); });
+    if (!e->gather_posted && e->copy_issued && e->error.ok()) {
+      lock.unlock();
+      (void)deps_.device->synchronize_event(*e->h2d_done);
+    }
   }
   in_flight_.clear();
 }
@@ -246,7 +264,10 @@ Status Prefetcher::end_micro_batch() {
   this_pass_.clear();
   position_ = 0;
   issued_until_ = 0;
-  if (active_ && !disabled_) top_up();  // the next micro-batch's first blocks, now
+  if (active_ && !disabled_) {  // the next micro-batch's first blocks, now
+    top_up();
+    if (!in_flight_.empty()) post_gather(in_flight_.front());
+  }
   return ok_status();
 }
 

@@ -8,8 +8,9 @@
 // k as large as fits in the window's byte budget (stage3_prefetch_bucket_size
 // elements of 16-bit, at least one block). An entry in flight moves through
 // NVMe read (swap store, into pinned staging) -> host-to-device copy (its own
-// stream, an event marks the end) -> all-gather (the CommWorker, Note
-// [Collective order]). The window depends only on block sizes and the trace,
+// stream, an event marks the end) -> all-gather (the comm thread, Note
+// [Collective order]); reads and copies start as soon as an entry enters the
+// window, its all-gather is queued when the block before it is fetched. The window depends only on block sizes and the trace,
 // so every rank issues the same collectives in the same order. A fetch that
 // does not follow the trace switches prefetching off for good, and says so
 // once: data-dependent control flow falls back to fetching on demand.
@@ -70,6 +71,7 @@ class Prefetcher {
  private:
   struct Entry;
   std::shared_ptr<Entry> issue(std::size_t block, void* whole, PoolBlock owned);
+  void post_gather(const std::shared_ptr<Entry>& e);
   Status start_copy(const std::shared_ptr<Entry>& e, const void* src);
   void top_up();
   void drain();  // waits for every entry in flight and drops them
