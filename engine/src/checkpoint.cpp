@@ -250,13 +250,7 @@ Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
       if (exp_avg_sq_) TZ_TRY(put(*exp_avg_sq_, b, states[b * 3 + 2].data()));
       // The 16-bit parameters are the master weights rounded, as the
       // optimizer's copy-out wrote them.
-      std::vector<std::uint16_t> p16(master.size());
-      if (param_type_ == ElemType::kBf16) {
-        kernels::cast_fp32_to_bf16_cpu(master.data(), p16.data(), p16.size());
-      } else {
-        kernels::cast_fp32_to_fp16_cpu(master.data(), p16.data(), p16.size());
-      }
-      TZ_TRY(put(*param16_, b, p16.data()));
+      TZ_TRY(put(*param16_, b, to_param_type(master.data(), master.size(), param_type_).data()));
     }
     std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
     micro_ = 0;

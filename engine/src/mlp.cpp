@@ -185,7 +185,7 @@ Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, con
 
 Reference::Reference(const MlpConfig& cfg, const Config& config, int world_size, std::optional<ElemType> grad_type)
     : cfg_(cfg), config_(config), world_(world_size) {
-  param_type_ = config.precision.fp16 ? ElemType::kFp16 : ElemType::kBf16;
+  param_type_ = config.precision.fp16 ? ElemType::kFp16 : config.precision.bf16 ? ElemType::kBf16 : ElemType::kFp32;
   grad_type_ = grad_type.value_or(param_type_);
   layout_ = ModelLayout::make(model(cfg), world_size, 0).value();
   const ParamInit initialise = init(cfg);

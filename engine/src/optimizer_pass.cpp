@@ -161,10 +161,14 @@ Status ZeroEngineImpl::write_sub_group(std::size_t group, StagingSet& set, std::
       nvme_write_bytes_ += store->shard_bytes(b);
     }
   }
-  // The new 16-bit parameters to their tier (in place when they live in CPU memory).
+  // The new parameters to their tier: the 16-bit copy-out (in place when
+  // they live in CPU memory), or with fp32 parameters the master weights.
+  const bool fp32 = param_type_ == ElemType::kFp32;
   for (std::size_t b : sub_groups_[group]) {
     const std::size_t bytes = param16_->shard_bytes(b);
-    void* out = static_cast<char*>(set.param16.data()) + offset_in_group_[b] * elem_type_bytes(param_type_);
+    void* out = fp32 ? state_ptr(master_.get(), b, set)
+                     : static_cast<char*>(set.param16.data()) + offset_in_group_[b] * elem_type_bytes(param_type_);
+    if (fp32 && param16_->tier() == Tier::kCpu) std::memcpy(param16_->memory(b), out, bytes);
     if (param16_->tier() == Tier::kNvme) {
       writes.push_back(param16_->write(b, out));
       nvme_write_bytes_ += bytes;
@@ -180,7 +184,8 @@ Status ZeroEngineImpl::step_sub_group(std::size_t group, StagingSet& set, double
   const cpu_adam::Hyper h = hyper();
   for (std::size_t b : sub_groups_[group]) {
     const std::uint64_t n = layout_.blocks[b].shard_numel;
-    void* param16 = param16_->tier() == Tier::kCpu
+    void* param16 = param_type_ == ElemType::kFp32 ? nullptr  // written from the master weights
+                    : param16_->tier() == Tier::kCpu
                         ? param16_->memory(b)
                         : static_cast<char*>(set.param16.data()) + offset_in_group_[b] * elem_type_bytes(param_type_);
     const cpu_adam::Spans spans{.n = n,
@@ -190,7 +195,7 @@ Status ZeroEngineImpl::step_sub_group(std::size_t group, StagingSet& set, double
                                 .exp_avg = state_ptr(exp_avg_.get(), b, set),
                                 .exp_avg_sq = state_ptr(exp_avg_sq_.get(), b, set),
                                 .param16 = param16,
-                                .param16_dtype = cpu_dtype_of(param_type_)};
+                                .param16_dtype = param16 != nullptr ? cpu_dtype_of(param_type_) : cpu_adam::DType::kBf16};
     TZ_TRY_CTX(cpu_opt_->step(h, {.step = step_, .grad_scale = grad_scale}, spans), "stepping {}",
                layout_.blocks[b].name);
   }
@@ -206,7 +211,7 @@ Status ZeroEngineImpl::optimizer_pass(double grad_scale) {
         if (store == nullptr || store->tier() != Tier::kNvme) continue;
         TZ_ASSIGN_OR_RETURN(set.area[store], host_pool_->allocate(sub_group_max_numel_ * 4));
       }
-      if (param16_->tier() != Tier::kCpu) {
+      if (param16_->tier() != Tier::kCpu && param_type_ != ElemType::kFp32) {
         TZ_ASSIGN_OR_RETURN(set.param16, host_pool_->allocate(sub_group_max_numel_ * elem_type_bytes(param_type_)));
       }
     }

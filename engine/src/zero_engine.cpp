@@ -37,6 +37,16 @@ cpu_adam::DType cpu_dtype_of(ElemType type) {
   return cpu_adam::DType::kFp32;
 }
 
+std::vector<std::uint8_t> to_param_type(const float* src, std::size_t n, ElemType type) {
+  std::vector<std::uint8_t> out(n * elem_type_bytes(type));
+  switch (type) {
+    case ElemType::kFp32: std::memcpy(out.data(), src, n * 4); break;
+    case ElemType::kBf16: kernels::cast_fp32_to_bf16_cpu(src, reinterpret_cast<std::uint16_t*>(out.data()), n); break;
+    case ElemType::kFp16: kernels::cast_fp32_to_fp16_cpu(src, reinterpret_cast<std::uint16_t*>(out.data()), n); break;
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------- handles
 
 GatheredBlock::~GatheredBlock() { reset(); }
@@ -202,7 +212,8 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   const Config& c = options_.config;
   stage_ = c.zero.stage;
   gas_ = static_cast<int>(std::max<std::int64_t>(c.gradient_accumulation_steps, 1));
-  param_type_ = c.precision.fp16 ? ElemType::kFp16 : ElemType::kBf16;
+  // Neither fp16 nor bf16: fp32 training, as in DeepSpeed.
+  param_type_ = c.precision.fp16 ? ElemType::kFp16 : c.precision.bf16 ? ElemType::kBf16 : ElemType::kFp32;
   grad_type_ = options_.grad_type.value_or(param_type_);
   TZ_TRY(make_device_and_comm());
   // Stage 3 keeps small blocks whole; stages 0-2 keep every block whole.
@@ -246,15 +257,10 @@ Status ZeroEngineImpl::init_states(const ParamInit& init) {
       init(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
     }
     const float* shard = whole.data() + static_cast<std::uint64_t>(rank) * block.shard_numel;
-    std::vector<std::uint16_t> shard16(block.shard_numel);
-    if (param_type_ == ElemType::kBf16) {
-      kernels::cast_fp32_to_bf16_cpu(shard, shard16.data(), shard16.size());
-    } else {
-      kernels::cast_fp32_to_fp16_cpu(shard, shard16.data(), shard16.size());
-    }
+    const std::vector<std::uint8_t> params = to_param_type(shard, block.shard_numel, param_type_);
     const std::vector<float> zeros(block.shard_numel, 0.0F);
     TZ_TRY_CTX(put(*master_, b, shard), "initialising {}", block.name);
-    TZ_TRY_CTX(put(*param16_, b, shard16.data()), "initialising {}", block.name);
+    TZ_TRY_CTX(put(*param16_, b, params.data()), "initialising {}", block.name);
     if (exp_avg_) TZ_TRY_CTX(put(*exp_avg_, b, zeros.data()), "initialising {}", block.name);
     if (exp_avg_sq_) TZ_TRY_CTX(put(*exp_avg_sq_, b, zeros.data()), "initialising {}", block.name);
     if (block.persistent) {

@@ -137,6 +137,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::unique_ptr<detail::Prefetcher> prefetcher_;
 };
 
+// fp32 values in the parameter type (rounded to nearest even for 16-bit).
+std::vector<std::uint8_t> to_param_type(const float* src, std::size_t n, ElemType type);
+
 // The cpu_adam dtype of an element type.
 cpu_adam::DType cpu_dtype_of(ElemType type);
 

@@ -14,22 +14,26 @@
 namespace tzt {
 
 // A DeepSpeed-style config for the tests: ZeRO stage, AdamW, clipping,
-// accumulation, bf16 or fp16, explicit budgets and one NVMe path.
-inline tz::Config test_config(const std::string& nvme_dir, int stage = 3, int gas = 2, bool fp16 = false,
-                              const std::string& extra = "") {
+// accumulation, precision ("bf16", "fp16" or "fp32": neither block, as
+// DeepSpeed trains in fp32), explicit budgets and one NVMe path.
+inline tz::Config test_config(const std::string& nvme_dir, int stage = 3, int gas = 2,
+                              const std::string& precision = "bf16") {
+  const std::string prec_block =
+      precision == "fp16"   ? R"("fp16": {"enabled": true, "initial_scale_power": 12, "hysteresis": 1},)"
+      : precision == "bf16" ? R"("bf16": {"enabled": true},)"
+                            : "";
   const std::string json = fmt::format(R"({{
     "train_micro_batch_size_per_gpu": 8,
     "gradient_accumulation_steps": {gas},
     "gradient_clipping": 1.0,
-    "{prec}": {{"enabled": true{fp16extra}}},
+    {prec}
     "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}}}},
     "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0, "sub_group_size": 40000}},
     "tierzero": {{"backend": "host", "tiers": {{"gpu_bytes": "512MiB", "cpu_bytes": "1GiB", "nvme_bytes": "4GiB",
-                  "nvme_paths": ["{nvme}"]}}{extra}}}
+                  "nvme_paths": ["{nvme}"]}}}}
   }})",
-                                       fmt::arg("gas", gas), fmt::arg("prec", fp16 ? "fp16" : "bf16"),
-                                       fmt::arg("fp16extra", fp16 ? R"(, "initial_scale_power": 12, "hysteresis": 1)" : ""),
-                                       fmt::arg("stage", stage), fmt::arg("nvme", nvme_dir), fmt::arg("extra", extra));
+                                       fmt::arg("gas", gas), fmt::arg("prec", prec_block), fmt::arg("stage", stage),
+                                       fmt::arg("nvme", nvme_dir));
   auto config = tz::parse_config(json, "test config");
   EXPECT_TRUE(config.ok()) << config.status().to_string();
   return config.ok() ? *config : tz::Config{};

@@ -65,6 +65,23 @@ TEST(ZeroEngine, EveryPlacementMatchesTheInMemoryReference) {
   }
 }
 
+TEST(ZeroEngine, Fp32TrainingWithoutBf16OrFp16MatchesTheReference) {
+  for (const Placement& placement : {kPlacements[1], kPlacements[3]}) {
+    TempDir nvme;
+    const tz::Config config = test_config(nvme.path(), 3, 2, "fp32");
+    auto engine = tz::ZeroEngine::create({.config = config, .placement = placement}, tz::mlp::model(kMlp),
+                                         tz::mlp::init(kMlp));
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    EXPECT_EQ((*engine)->param_type(), tz::ElemType::kFp32);
+    EXPECT_EQ((*engine)->grad_type(), tz::ElemType::kFp32);
+    tz::mlp::Reference ref(kMlp, config, 1);
+    const double worst = train_and_compare(**engine, ref, 4, 2);
+    std::printf("[ engine ] fp32 params, %-55s largest |master - reference|: %.3g\n", placement_name(placement).c_str(),
+                worst);
+    EXPECT_LE(worst, 1e-6);
+  }
+}
+
 TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
   TempDir nvme;
   const tz::Config config = test_config(nvme.path(), 3, 1);
@@ -93,7 +110,7 @@ TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
 
 TEST(ZeroEngine, Fp16OverflowSkipsExactlyThatStepAndHalvesTheScale) {
   TempDir nvme;
-  const tz::Config config = test_config(nvme.path(), 3, 1, /*fp16=*/true);
+  const tz::Config config = test_config(nvme.path(), 3, 1, "fp16");
   auto engine = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
   auto& e = **engine;

@@ -18,6 +18,9 @@
 //     TZ_ASSIGN_OR_RETURN(tz::StepReport r, engine->step());   // optimizer step at the accumulation boundary
 //   }
 //
+// Parameters are bf16 or fp16 as the config's "bf16"/"fp16" block says, fp32
+// when neither is enabled (as in DeepSpeed; the "param16" state class then
+// holds fp32 copies of the master weights).
 // Each rank holds 1/ranks of every state (ZeRO stage 3: 16-bit params,
 // gradients, fp32 master weights, Adam moments), on the tier the placement
 // planner chose for its class: device memory, pinned CPU memory, or NVMe
