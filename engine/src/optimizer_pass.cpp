@@ -122,6 +122,8 @@ Expected<StepReport> ZeroEngineImpl::step() {
   report.peak_gpu_bytes = gpu.peak_in_use_bytes;
   report.gpu_budget_bytes = gpu.budget_bytes;
   report.peak_cpu_bytes = cpu.peak_in_use_bytes;
+  const std::uint64_t allocations = gpu.backend_allocations + cpu.backend_allocations;
+  report.new_allocations = allocations - std::exchange(pool_allocations_seen_, allocations);
   report.cpu_budget_bytes = cpu.budget_bytes;
   device_pool_->reset_peak();
   host_pool_->reset_peak();

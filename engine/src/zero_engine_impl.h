@@ -129,6 +129,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   int micro_ = 0;
   std::int64_t step_ = 0;
   std::atomic<std::uint64_t> nvme_read_bytes_{0}, nvme_write_bytes_{0};  // since the last step report
+  std::uint64_t pool_allocations_seen_ = 0;    // pools' backend allocations at the last report
   std::unique_ptr<Stream> d2h_stream_;         // the grad thread's copies
   detail::Timeline timeline_;
   // Declared last: destroyed first, so no task outlives what it uses.

@@ -106,6 +106,9 @@ TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
   EXPECT_EQ(r.nvme_write_bytes, shard * (4 + 4 + 4 + 2));
   EXPECT_EQ(r.fetches, 6U);
   EXPECT_EQ(r.prefetched, 6U) << "every fetch of a steady-state step follows the trace";
+  EXPECT_EQ(r.new_allocations, 0U) << "a steady-state step allocates nothing from the backends";
+  EXPECT_GT(r.peak_cpu_bytes, 0U);
+  EXPECT_LE(r.peak_cpu_bytes, r.cpu_budget_bytes);
 }
 
 TEST(ZeroEngine, Fp16OverflowSkipsExactlyThatStepAndHalvesTheScale) {

@@ -367,6 +367,21 @@ TEST(IoEngine, WhereSeccompRefusesIoUringTheThreadPoolTakesOver) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "see the exit codes in the child";
 }
 
+TEST(IoEngine, SqpollRingsMoveEveryByte) {
+  if (!tz::capabilities().uring.available) GTEST_SKIP() << "io_uring unavailable: " << tz::capabilities().uring.unavailable_reason;
+  TempDir dir;
+  auto engine = make_engine({.block_size_bytes = 262144, .queue_depth = 8, .rings = 2, .sqpoll = true});
+  ASSERT_TRUE(engine);
+  std::printf("[ nvme ] %s\n", engine->describe().c_str());
+  const std::size_t bytes = 8 << 20;
+  const FileId f = open_new(*engine, dir.file("sqpoll"), bytes);
+  AlignedBuffer out(bytes), in(bytes);
+  out.fill_random(41);
+  ASSERT_TRUE(engine->submit(whole(IoOp::kWrite, out.data(), f, bytes)).wait().ok());
+  ASSERT_TRUE(engine->submit(whole(IoOp::kRead, in.data(), f, bytes)).wait().ok());
+  EXPECT_TRUE(in.same_as(out));
+}
+
 TEST(IoEngine, IoUringRunsWhereTheProbeSaysItIsAvailable) {
   auto engine = make_engine({});
   ASSERT_TRUE(engine);

@@ -154,6 +154,9 @@ struct StepReport {
   // swap store), and each tier's budget.
   std::uint64_t peak_gpu_bytes = 0, peak_cpu_bytes = 0, peak_nvme_bytes = 0;
   std::uint64_t gpu_budget_bytes = 0, cpu_budget_bytes = 0, nvme_capacity_bytes = 0;
+  // Raw allocations the device and CPU pools made since the last report: 0 in
+  // steady state (buffers come back to the pools and are reused).
+  std::uint64_t new_allocations = 0;
 };
 
 class ZeroEngine {
