@@ -16,6 +16,7 @@ packages=(
   libcli11-dev          # command-line parsing for the tools
   libxxhash-dev         # checksums for NVMe extents
   libgloo-dev           # Gloo: CPU collectives between ranks
+  zlib1g-dev            # tierzero-train's loss-curve PNG
   libgtest-dev libgmock-dev  # tests
   fio                   # the peer our NVMe benchmark compares against
   python3 python3-pip
@@ -36,11 +37,14 @@ else
   echo "setup: all packages present"
 fi
 
-# Python packages the tests use to read what tierzero writes (safetensors for
-# the fp32 export). Where the interpreter is Debian's own (PEP 668), pip needs
+# Python packages: safetensors and numpy read what tierzero writes; the
+# Python package (bindings/, issue #7) builds with scikit-build-core and
+# nanobind and is tested with pytest against torch (CPU wheels are fine) and
+# transformers (a GPT-2-shaped model built from a config, no download).
+# Where the interpreter is Debian's own (PEP 668), pip needs
 # --break-system-packages; elsewhere (pyenv, a venv) plain pip is fine.
-python_packages=(safetensors numpy)
-if ! python3 -c "import safetensors, numpy" 2>/dev/null; then
+python_packages=(safetensors numpy scikit-build-core nanobind pytest torch transformers)
+if ! python3 -c "import safetensors, numpy, scikit_build_core, nanobind, pytest, torch, transformers" 2>/dev/null; then
   echo "setup: pip installing ${python_packages[*]}"
   python3 -m pip install --quiet "${python_packages[@]}" 2>/dev/null ||
     python3 -m pip install --quiet --break-system-packages "${python_packages[@]}"

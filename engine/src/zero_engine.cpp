@@ -359,8 +359,15 @@ Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
   g.type_ = grad_type_;
   g.layout_ = &b;
   TZ_ASSIGN_OR_RETURN(g.buffer_, device_pool_->allocate(b.whole_numel * elem_type_bytes(grad_type_)));
-  TZ_TRY(device_->memset_async(g.buffer_.data(), 0, g.buffer_.size_bytes(), *stream_));
-  TZ_TRY(sync());
+  if (device_->kind() == BackendKind::kHost) {
+    // Host "device" memory is host memory, and a block from the pool has no
+    // stream work pending: a round trip through the stream thread would only
+    // add latency to every backward call.
+    std::memset(g.buffer_.data(), 0, g.buffer_.size_bytes());
+  } else {
+    TZ_TRY(device_->memset_async(g.buffer_.data(), 0, g.buffer_.size_bytes(), *stream_));
+    TZ_TRY(sync());
+  }
   return g;
 }
 

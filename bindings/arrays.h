@@ -1,0 +1,87 @@
+// Arrays across the boundary: DLPack (numpy, PyTorch CPU/CUDA, CuPy, anything
+// with __dlpack__ or the buffer protocol), always zero-copy.
+//
+// Note [Array arguments]
+// Every array argument is an untyped nb::ndarray (read-only inputs as
+// nb::ndarray<nb::ro>), checked here against an ArraySpec: allowed dtypes,
+// dimensions, C-contiguity, device. Two reasons not to put the constraints in
+// the nb::ndarray type alone:
+//   - a typed nb::ndarray argument that does not match is *converted* when
+//     nanobind can (a float64 numpy array becomes a float32 copy): the caller's
+//     memory would silently not be the memory we update;
+//   - when it cannot, the error is "incompatible function arguments" with
+//     every overload's signature, not which argument is wrong or why.
+// check() refuses with TypeError (dtype, device) or ValueError (shape, size,
+// order) whose message names the function and the argument:
+//   "CpuOptimizer.step(): argument 'grad' must be float32, bfloat16 or
+//    float16; got float64"
+// An untyped nb::ndarray is never converted (it accepts any DLPack array as
+// it is), so what passes the check is the caller's own memory. The
+// signatures' docstrings state each argument's spec, and the Python package
+// (tierzero.optim, tierzero.nvme, tierzero.torch) checks again with the names
+// its users know (param_groups[0]['params'][3]).
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+namespace tzpy {
+
+namespace nb = nanobind;
+
+using InArray = nb::ndarray<nb::ro>;   // read by the call
+using OutArray = nb::ndarray<>;        // written by the call (must be writable)
+// Returned views of tierzero's memory: an object with __dlpack__ and
+// __dlpack_device__ (and the buffer protocol on CPU), so torch.from_dlpack,
+// numpy.from_dlpack, cupy.from_dlpack take it without a copy, whatever the
+// device or dtype (numpy has no bfloat16 and no CUDA memory).
+using ExportArray = nb::ndarray<nb::array_api>;
+
+enum class DType : std::uint8_t { kFloat32, kBFloat16, kFloat16, kUInt8, kAny };
+const char* dtype_name(DType dtype);
+nb::dlpack::dtype dlpack_dtype(DType dtype);
+// The DType of an array, kAny when it is none of the named ones.
+DType dtype_of(const nb::dlpack::dtype& dtype);
+std::string describe_dtype(const nb::dlpack::dtype& dtype);  // "float64", "int32", ...
+
+enum class DeviceKind : std::uint8_t { kCpu, kCuda, kAny };
+
+struct ArraySpec {
+  std::vector<DType> dtypes;       // allowed (kAny: any)
+  int ndim = -1;                   // -1: any
+  bool contiguous = true;          // C order (any shape with contiguous elements)
+  DeviceKind device = DeviceKind::kCpu;
+  int device_id = -1;              // kCuda: which GPU (-1: any)
+};
+
+// The checked facts about an array argument.
+struct ArrayInfo {
+  void* data = nullptr;
+  std::size_t numel = 0;
+  std::size_t nbytes = 0;
+  DType dtype = DType::kAny;
+  int device_type = 1;             // DLPack device type (1 CPU, 2 CUDA)
+  int device_id = 0;
+};
+
+// Refuses `a` (TypeError / ValueError naming `where` and `arg`) unless it fits
+// `spec`. `where` is the call ("CpuOptimizer.step()").
+ArrayInfo check(const InArray& a, const ArraySpec& spec, const char* where, const std::string& arg);
+ArrayInfo check(const OutArray& a, const ArraySpec& spec, const char* where, const std::string& arg);
+
+// "cpu" / "cuda:1" / "device type 8".
+std::string describe_device(int device_type, int device_id);
+
+}  // namespace tzpy
+
+namespace tzpy {
+// `obj` as an array (anything DLPack or buffer-protocol, never copied), or
+// TypeError naming `where` and `arg`.
+OutArray as_array(nb::handle obj, const char* where, const std::string& arg);
+}  // namespace tzpy

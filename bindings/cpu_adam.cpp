@@ -1,0 +1,180 @@
+// tierzero._core.CpuOptimizer: the SIMD CPU optimizers (tierzero/cpu_adam.h)
+// on caller arrays, zero-copy. tierzero.optim builds torch.optim optimizers on it.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "arrays.h"
+#include "errors.h"
+#include "tierzero/cpu_adam.h"
+
+namespace tzpy {
+namespace {
+
+namespace ca = tz::cpu_adam;
+
+ca::DType to_cpu_dtype(DType d) {
+  switch (d) {
+    case DType::kBFloat16: return ca::DType::kBf16;
+    case DType::kFloat16: return ca::DType::kFp16;
+    default: return ca::DType::kFp32;
+  }
+}
+
+const ArraySpec kFp32{{DType::kFloat32}};
+const ArraySpec kGrad{{DType::kFloat32, DType::kBFloat16, DType::kFloat16}};
+const ArraySpec kMoment{{DType::kFloat32, DType::kBFloat16}};
+const ArraySpec kHalf{{DType::kBFloat16, DType::kFloat16}};
+
+// One state array: checked, and its element count matched against the param's.
+void* state(const std::optional<OutArray>& a, const ArraySpec& spec, const char* arg, std::size_t n,
+            DType* dtype = nullptr) {
+  if (!a) return nullptr;
+  const ArrayInfo info = check(*a, spec, "CpuOptimizer.step()", arg);
+  if (info.numel != n) {
+    PyErr_SetString(PyExc_ValueError, fmt::format("CpuOptimizer.step(): argument '{}' has {} elements; 'param' has {}",
+                                                  arg, info.numel, n).c_str());
+    throw nb::python_error();
+  }
+  if (dtype) *dtype = info.dtype;
+  return info.data;
+}
+
+class PyCpuOptimizer {
+ public:
+  PyCpuOptimizer(int threads, std::optional<std::string> simd, std::size_t tile_elems) {
+    ca::Options o{.threads = threads, .tile_elems = tile_elems};
+    if (simd) o.simd = value_or_raise(ca::parse_simd(*simd));
+    tz::Expected<std::unique_ptr<ca::CpuOptimizer>> opt = [&] {
+      nb::gil_scoped_release release;
+      return ca::CpuOptimizer::create(o);
+    }();
+    opt_ = value_or_raise(std::move(opt));
+  }
+
+  void step(const ca::Hyper& hyper, std::int64_t step, double grad_scale, const OutArray& param, const InArray& grad,
+            const std::optional<OutArray>& exp_avg, const std::optional<OutArray>& exp_avg_sq,
+            const std::optional<OutArray>& max_exp_avg_sq, const std::optional<OutArray>& param16) {
+    const ArrayInfo p = check(param, kFp32, "CpuOptimizer.step()", "param");
+    const ArrayInfo g = check(grad, kGrad, "CpuOptimizer.step()", "grad");
+    if (g.numel != p.numel) {
+      PyErr_SetString(PyExc_ValueError,
+                      fmt::format("CpuOptimizer.step(): argument 'grad' has {} elements; 'param' has {}", g.numel,
+                                  p.numel).c_str());
+      throw nb::python_error();
+    }
+    ca::Spans s{.n = p.numel, .param = static_cast<float*>(p.data), .grad = g.data,
+                .grad_dtype = to_cpu_dtype(g.dtype)};
+    DType m_dtype = DType::kFloat32, v_dtype = DType::kFloat32, h_dtype = DType::kBFloat16;
+    s.exp_avg = state(exp_avg, kMoment, "exp_avg", p.numel, &m_dtype);
+    s.exp_avg_sq = state(exp_avg_sq, kMoment, "exp_avg_sq", p.numel, &v_dtype);
+    if (s.exp_avg && s.exp_avg_sq && m_dtype != v_dtype) {
+      PyErr_SetString(PyExc_TypeError, "CpuOptimizer.step(): 'exp_avg' and 'exp_avg_sq' must have the same dtype");
+      throw nb::python_error();
+    }
+    s.moment_dtype = to_cpu_dtype(s.exp_avg ? m_dtype : v_dtype);
+    s.max_exp_avg_sq = static_cast<float*>(state(max_exp_avg_sq, kFp32, "max_exp_avg_sq", p.numel));
+    s.param16 = state(param16, kHalf, "param16", p.numel, &h_dtype);
+    s.param16_dtype = to_cpu_dtype(h_dtype);
+    tz::Status status;
+    {
+      nb::gil_scoped_release release;
+      status = opt_->step(hyper, {.step = step, .grad_scale = grad_scale}, s);
+    }
+    check_status(status);
+  }
+
+  nb::tuple accumulate_grad(const OutArray& acc, const InArray& grad, bool overwrite, double scale) {
+    const ArrayInfo a = check(acc, kFp32, "CpuOptimizer.accumulate_grad()", "acc");
+    const ArrayInfo g = check(grad, kGrad, "CpuOptimizer.accumulate_grad()", "grad");
+    if (a.numel != g.numel) {
+      PyErr_SetString(PyExc_ValueError, fmt::format("CpuOptimizer.accumulate_grad(): 'grad' has {} elements; 'acc' "
+                                                    "has {}", g.numel, a.numel).c_str());
+      throw nb::python_error();
+    }
+    tz::Expected<ca::GradStats> stats = [&] {
+      nb::gil_scoped_release release;
+      return opt_->accumulate_grad(static_cast<float*>(a.data), g.data, to_cpu_dtype(g.dtype), a.numel, overwrite,
+                                   scale);
+    }();
+    const ca::GradStats s = value_or_raise(std::move(stats));
+    return nb::make_tuple(s.sum_squares, s.non_finite);
+  }
+
+  std::string simd() const { return std::string(ca::simd_name(opt_->simd())); }
+  int threads() const { return opt_->threads(); }
+
+ private:
+  static void check_status(const tz::Status& s) { tzpy::check(s); }
+  std::unique_ptr<ca::CpuOptimizer> opt_;
+};
+
+void bind_hyper(nb::module_& m) {
+  nb::enum_<ca::Algorithm>(m, "Algorithm")
+      .value("Adam", ca::Algorithm::kAdam)
+      .value("AdamW", ca::Algorithm::kAdamW)
+      .value("Adagrad", ca::Algorithm::kAdagrad)
+      .value("Lion", ca::Algorithm::kLion);
+  nb::class_<ca::Hyper>(m, "Hyper", "Hyperparameters of one optimizer step (tierzero/cpu_adam.h gives the formulas).")
+      .def(
+          "__init__",
+          [](ca::Hyper* h, ca::Algorithm algorithm, double lr, double beta1, double beta2, double eps,
+             double weight_decay, bool amsgrad, double lr_decay) {
+            new (h) ca::Hyper{algorithm, lr, beta1, beta2, eps, weight_decay, amsgrad, lr_decay};
+          },
+          nb::arg("algorithm") = ca::Algorithm::kAdamW, nb::arg("lr") = 1e-3, nb::arg("beta1") = 0.9,
+          nb::arg("beta2") = 0.999, nb::arg("eps") = 1e-8, nb::arg("weight_decay") = 0.0, nb::arg("amsgrad") = false,
+          nb::arg("lr_decay") = 0.0)
+      .def_rw("algorithm", &ca::Hyper::algorithm)
+      .def_rw("lr", &ca::Hyper::lr)
+      .def_rw("beta1", &ca::Hyper::beta1)
+      .def_rw("beta2", &ca::Hyper::beta2)
+      .def_rw("eps", &ca::Hyper::eps)
+      .def_rw("weight_decay", &ca::Hyper::weight_decay)
+      .def_rw("amsgrad", &ca::Hyper::amsgrad)
+      .def_rw("lr_decay", &ca::Hyper::lr_decay);
+}
+
+}  // namespace
+
+void bind_cpu_adam(nb::module_& m) {
+  bind_hyper(m);
+  nb::class_<PyCpuOptimizer>(m, "CpuOptimizer",
+                             "The SIMD CPU optimizers (Adam, AdamW, Adagrad, Lion) over caller arrays, in place and "
+                             "zero-copy. Thread-safe; calls release the GIL.")
+      .def(nb::init<int, std::optional<std::string>, std::size_t>(), nb::arg("threads") = 0,
+           nb::arg("simd") = nb::none(), nb::arg("tile_elems") = 0,
+           "threads=0: every CPU of the NUMA node; simd: 'avx512' | 'avx2' | 'sse4.2' | 'scalar' (default: the "
+           "widest this CPU runs, or $TIERZERO_SIMD).")
+      .def("step", &PyCpuOptimizer::step, nb::arg("hyper"), nb::arg("step"), nb::arg("grad_scale"),
+           nb::arg("param"), nb::arg("grad"), nb::arg("exp_avg") = nb::none(), nb::arg("exp_avg_sq") = nb::none(),
+           nb::arg("max_exp_avg_sq") = nb::none(), nb::arg("param16") = nb::none(),
+           "One step in place. param: float32, C-contiguous, cpu, n elements (updated); grad: float32 | bfloat16 | "
+           "float16, n elements; exp_avg, exp_avg_sq: float32 | bfloat16 (same dtype), n elements; max_exp_avg_sq: "
+           "float32 (amsgrad); param16: bfloat16 | float16, receives the new param rounded (the fused copy-out). "
+           "Which states an algorithm needs: tierzero/cpu_adam.h. Arrays of any shape with n contiguous elements.")
+      .def("accumulate_grad", &PyCpuOptimizer::accumulate_grad, nb::arg("acc"), nb::arg("grad"),
+           nb::arg("overwrite") = false, nb::arg("scale") = 1.0,
+           "acc = (0 if overwrite else acc) + scale * grad; returns (sum of squares of acc, any non-finite). "
+           "acc: float32 cpu; grad: float32 | bfloat16 | float16 cpu; same element count.")
+      .def_prop_ro("simd", &PyCpuOptimizer::simd, "The SIMD variant in use.")
+      .def_prop_ro("threads", &PyCpuOptimizer::threads);
+  m.def(
+      "simd_variants",
+      [] {
+        std::vector<std::string> out;
+        for (ca::Simd s : ca::compiled_variants()) {
+          if (ca::cpu_supports(s)) out.emplace_back(ca::simd_name(s));
+        }
+        return out;
+      },
+      "The SIMD variants compiled in that this CPU runs, narrowest first.");
+}
+
+}  // namespace tzpy

@@ -1,0 +1,384 @@
+// tierzero._core.Engine: the ZeroEngine (tierzero/engine/zero.h) for Python.
+// tierzero.Engine and tierzero.torch build on it.
+//
+// Note [Engine calls and the GIL]
+// Every call into the ZeroEngine runs with the GIL released (fetch waits for
+// NVMe reads and all-gathers, step runs the optimizer) and under the engine's
+// own mutex: the engine is called from one thread at a time, and gathered
+// blocks are released from wherever Python drops their last reference (the
+// autograd engine's threads among them). A thread holding the mutex never
+// takes the GIL, so the two cannot deadlock.
+//
+// Note [Gathered block lifetime]
+// fetch() returns a GatheredBlock object that owns the engine's GatheredBlock.
+// Its `data` and `param(i)` arrays (DLPack, zero-copy views of the gathered
+// device buffer) name that object as their owner: a torch tensor made from
+// them with torch.from_dlpack keeps it alive, and the engine releases the
+// buffer (back to its pool, to be refilled by a prefetch) only when the last
+// view of it is gone. No view can outlive the memory it points at. Each
+// object also holds the engine core, so an Engine dropped while views live
+// stays alive until they go. There is no explicit release(): one would leave
+// views dangling.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "arrays.h"
+#include "errors.h"
+#include "tierzero/engine.h"
+
+namespace tzpy {
+namespace {
+
+constexpr int kDLCPU = 1;
+constexpr int kDLCUDA = 2;
+
+struct EngineCore {
+  std::mutex mu;                            // Note [Engine calls and the GIL]
+  std::unique_ptr<tz::Device> device;       // declared first: destroyed last
+  std::unique_ptr<tz::Communicator> comm;
+  std::unique_ptr<tz::ZeroEngine> engine;
+  std::unique_ptr<tz::Stream> copy_stream;  // gradient copies into GradBlocks
+  int dl_device_type = kDLCPU;
+  int dl_device_id = 0;
+};
+
+// Runs fn under the engine mutex with the GIL released; raises its Status.
+template <typename Fn>
+auto locked(EngineCore& core, Fn&& fn) {
+  using R = decltype(fn());
+  std::optional<R> result;
+  {
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(core.mu);
+    result.emplace(fn());
+  }
+  if constexpr (std::is_same_v<R, tz::Status>) {
+    check(*result);
+  } else {
+    return value_or_raise(std::move(*result));
+  }
+}
+
+DType dtype_of(tz::ElemType t) {
+  switch (t) {
+    case tz::ElemType::kFp32: return DType::kFloat32;
+    case tz::ElemType::kBf16: return DType::kBFloat16;
+    case tz::ElemType::kFp16: return DType::kFloat16;
+  }
+  return DType::kFloat32;
+}
+
+class PyGathered {
+ public:
+  PyGathered(std::shared_ptr<EngineCore> core, tz::GatheredBlock block)
+      : core_(std::move(core)), block_(std::move(block)) {}
+  PyGathered(const PyGathered&) = delete;
+  ~PyGathered() {
+    // Called by Python's deallocator with the GIL held (Note [Engine calls and the GIL]).
+    if (!block_.valid()) return;
+    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+      nb::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(core_->mu);
+      block_ = tz::GatheredBlock();
+    } else {
+      std::lock_guard<std::mutex> lock(core_->mu);
+      block_ = tz::GatheredBlock();
+    }
+  }
+
+  std::size_t index() const { return block_.block(); }
+  const tz::BlockLayout& layout() const { return core_->engine->layout().blocks[block_.block()]; }
+
+  // A view of [offset, offset + numel) with `shape`, owned by this object (Note [Gathered block lifetime]).
+  ExportArray view(std::uint64_t offset, const std::vector<std::int64_t>& shape) {
+    std::vector<std::size_t> dims(shape.begin(), shape.end());
+    char* base = static_cast<char*>(block_.data()) + offset * tz::elem_type_bytes(block_.type());
+    return ExportArray(base, dims.size(), dims.data(), nb::find(this), nullptr, dlpack_dtype(dtype_of(block_.type())),
+                    core_->dl_device_type, core_->dl_device_id);
+  }
+  ExportArray data() { return view(0, {static_cast<std::int64_t>(layout().whole_numel)}); }
+  ExportArray param(std::size_t i) {
+    const tz::BlockLayout& b = layout();
+    if (i >= b.params.size()) {
+      raise_status(tz::invalid_argument("GatheredBlock.param({}): block '{}' has {} parameters", i, b.name,
+                                        b.params.size()));
+    }
+    return view(b.params[i].offset, b.params[i].shape);
+  }
+
+ private:
+  std::shared_ptr<EngineCore> core_;
+  tz::GatheredBlock block_;
+};
+
+nb::dict report_dict(const tz::StepReport& r) {
+  nb::dict d;
+  d["stepped"] = r.stepped;
+  d["overflow"] = r.overflow;
+  d["step"] = r.step;
+  d["grad_norm"] = r.grad_norm;
+  d["clip_coef"] = r.clip_coef;
+  d["loss_scale"] = r.loss_scale;
+  d["optimizer_seconds"] = r.optimizer_seconds;
+  d["nvme_read_bytes"] = r.nvme_read_bytes;
+  d["nvme_write_bytes"] = r.nvme_write_bytes;
+  d["h2d_bytes"] = r.h2d_bytes;
+  d["gather_bytes"] = r.gather_bytes;
+  d["wait_nvme_seconds"] = r.wait_nvme_seconds;
+  d["wait_h2d_seconds"] = r.wait_h2d_seconds;
+  d["wait_gather_seconds"] = r.wait_gather_seconds;
+  d["fetches"] = r.fetches;
+  d["prefetched"] = r.prefetched;
+  d["peak_gpu_bytes"] = r.peak_gpu_bytes;
+  d["peak_cpu_bytes"] = r.peak_cpu_bytes;
+  d["peak_nvme_bytes"] = r.peak_nvme_bytes;
+  d["gpu_budget_bytes"] = r.gpu_budget_bytes;
+  d["cpu_budget_bytes"] = r.cpu_budget_bytes;
+  d["nvme_capacity_bytes"] = r.nvme_capacity_bytes;
+  return d;
+}
+
+nb::list layout_list(const tz::ModelLayout& layout) {
+  nb::list blocks;
+  for (const tz::BlockLayout& b : layout.blocks) {
+    nb::dict d;
+    d["name"] = b.name;
+    nb::list params;
+    for (const tz::ParamLayout& p : b.params) {
+      nb::dict pd;
+      pd["name"] = p.name;
+      pd["shape"] = nb::tuple(nb::cast(p.shape));
+      pd["offset"] = p.offset;
+      pd["numel"] = p.numel;
+      params.append(pd);
+    }
+    d["params"] = params;
+    d["used_numel"] = b.used_numel;
+    d["shard_numel"] = b.shard_numel;
+    d["whole_numel"] = b.whole_numel;
+    d["persistent"] = b.persistent;
+    blocks.append(d);
+  }
+  return blocks;
+}
+
+using BlockList = std::vector<std::pair<std::string, std::vector<std::pair<std::string, std::vector<std::int64_t>>>>>;
+
+// The initial values: per block, per parameter, an fp32 cpu array of the
+// parameter's numel, or None for zeros. Checked and captured as pointers
+// under the GIL; the engine copies them during create() (GIL released), while
+// the caller's arrays are still referenced by the call's arguments.
+using InitArrays = std::vector<std::vector<std::optional<InArray>>>;
+
+std::vector<std::vector<const float*>> init_pointers(const BlockList& blocks, const InitArrays& init) {
+  if (!init.empty() && init.size() != blocks.size()) {
+    raise_status(tz::invalid_argument("Engine(): 'init' has {} blocks; 'blocks' has {}", init.size(), blocks.size()));
+  }
+  std::vector<std::vector<const float*>> out(blocks.size());
+  const ArraySpec spec{{DType::kFloat32}};
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    const auto& params = blocks[b].second;
+    out[b].assign(params.size(), nullptr);
+    if (init.empty()) continue;
+    if (init[b].size() != params.size()) {
+      raise_status(tz::invalid_argument("Engine(): init[{}] has {} arrays; block '{}' has {} parameters", b,
+                                        init[b].size(), blocks[b].first, params.size()));
+    }
+    for (std::size_t p = 0; p < params.size(); ++p) {
+      if (!init[b][p]) continue;
+      const std::string arg = fmt::format("init[{}][{}]", b, p);
+      const ArrayInfo a = check(*init[b][p], spec, "Engine()", arg);
+      std::uint64_t numel = 1;
+      for (std::int64_t d : params[p].second) numel *= static_cast<std::uint64_t>(std::max<std::int64_t>(d, 0));
+      if (a.numel != numel) {
+        raise_status(tz::invalid_argument("Engine(): argument '{}' ({}.{}) has {} elements; the parameter has {}", arg,
+                                          blocks[b].first, params[p].first, a.numel, numel));
+      }
+      out[b][p] = static_cast<const float*>(a.data);
+    }
+  }
+  return out;
+}
+
+tz::Config load(const std::optional<std::string>& path, const std::optional<std::string>& json) {
+  if (path.has_value() == json.has_value()) {
+    raise_status(tz::invalid_argument("Engine(): pass exactly one of config_path and config_json"));
+  }
+  return path ? value_or_raise(tz::load_config(*path)) : value_or_raise(tz::parse_config(*json, "<config dict>"));
+}
+
+tz::Status make_core(EngineCore& core, const tz::Config& config, const BlockList& blocks,
+                     const std::vector<std::vector<const float*>>& init) {
+  TZ_ASSIGN_OR_RETURN(tz::RankInfo ranks, tz::rank_info_from_env());
+  TZ_ASSIGN_OR_RETURN(core.device, tz::create_device({.backend = config.backend, .ordinal = ranks.local_rank}));
+  TZ_ASSIGN_OR_RETURN(core.comm, tz::create_communicator({.ranks = ranks, .device = core.device.get()}));
+  std::vector<tz::BlockSpec> model;
+  for (const auto& [name, params] : blocks) {
+    tz::BlockSpec spec{name, {}};
+    for (const auto& [pname, shape] : params) spec.params.push_back({pname, shape});
+    model.push_back(std::move(spec));
+  }
+  const tz::ParamInit fill = [&init](std::size_t b, std::size_t p, float* out, std::uint64_t numel) {
+    if (init[b][p] != nullptr) {
+      std::copy(init[b][p], init[b][p] + numel, out);
+    } else {
+      std::fill(out, out + numel, 0.0F);
+    }
+  };
+  TZ_ASSIGN_OR_RETURN(core.engine,
+                      tz::ZeroEngine::create({.config = config, .comm = core.comm.get(), .device = core.device.get()},
+                                             model, fill));
+  TZ_ASSIGN_OR_RETURN(core.copy_stream, core.device->create_stream());
+  if (core.device->kind() == tz::BackendKind::kCuda) {
+    core.dl_device_type = kDLCUDA;
+    core.dl_device_id = ranks.local_rank;
+  }
+  return tz::ok_status();
+}
+
+// Copies each gradient (None: zeros) into a fresh GradBlock of `block` and
+// hands it to reduce_grads. Caller holds the mutex, not the GIL.
+tz::Status reduce_from(EngineCore& core, std::size_t block, const std::vector<std::optional<ArrayInfo>>& grads) {
+  TZ_ASSIGN_OR_RETURN(tz::GradBlock g, core.engine->grad_buffer(block));
+  const std::size_t bytes = tz::elem_type_bytes(g.type());
+  const tz::BlockLayout& b = core.engine->layout().blocks[block];
+  // On the Host backend "device" memory is host memory: a memcpy, not a
+  // round trip through the backend's copy thread (tens of microseconds per
+  // parameter, most of the per-module cost of tierzero.torch on small modules).
+  const bool host = core.device->kind() == tz::BackendKind::kHost;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i]) continue;
+    const std::size_t n = b.params[i].numel * bytes;
+    if (host) {
+      std::memcpy(g.grad(i), grads[i]->data, n);
+    } else {
+      TZ_TRY(core.device->copy_async(g.grad(i), grads[i]->data, n, *core.copy_stream));
+    }
+  }
+  if (!host) TZ_TRY(core.device->synchronize_stream(*core.copy_stream));
+  return core.engine->reduce_grads(std::move(g));
+}
+
+class PyEngine {
+ public:
+  PyEngine(std::optional<std::string> config_path, std::optional<std::string> config_json, const BlockList& blocks,
+           const InitArrays& init)
+      : core_(std::make_shared<EngineCore>()) {
+    const tz::Config config = load(config_path, config_json);
+    const std::vector<std::vector<const float*>> ptrs = init_pointers(blocks, init);
+    locked(*core_, [&] { return make_core(*core_, config, blocks, ptrs); });
+  }
+
+  std::unique_ptr<PyGathered> fetch(std::size_t block) {
+    tz::GatheredBlock g = locked(*core_, [&] { return core_->engine->fetch(block); });
+    return std::make_unique<PyGathered>(core_, std::move(g));
+  }
+
+  void reduce_grads(std::size_t block, const std::vector<std::optional<InArray>>& grads) {
+    const auto& blocks = core_->engine->layout().blocks;
+    if (block >= blocks.size()) {
+      raise_status(tz::invalid_argument("reduce_grads: block {} does not exist (the model has {})", block,
+                                        blocks.size()));
+    }
+    const tz::BlockLayout& b = blocks[block];
+    if (grads.size() != b.params.size()) {
+      raise_status(tz::invalid_argument("reduce_grads: {} gradients for block '{}', which has {} parameters",
+                                        grads.size(), b.name, b.params.size()));
+    }
+    ArraySpec spec{{dtype_of(core_->engine->grad_type())}};
+    spec.device = core_->dl_device_type == kDLCUDA ? DeviceKind::kCuda : DeviceKind::kCpu;
+    spec.device_id = core_->dl_device_id;
+    std::vector<std::optional<ArrayInfo>> infos(grads.size());
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i]) continue;
+      const std::string arg = fmt::format("grads[{}] ({}.{})", i, b.name, b.params[i].name);
+      infos[i] = check(*grads[i], spec, "Engine.reduce_grads()", arg);
+      if (infos[i]->numel != b.params[i].numel) {
+        raise_status(tz::invalid_argument("Engine.reduce_grads(): argument '{}' has {} elements; the parameter has {}",
+                                          arg, infos[i]->numel, b.params[i].numel));
+      }
+    }
+    locked(*core_, [&] { return reduce_from(*core_, block, infos); });
+  }
+
+  nb::dict step() { return report_dict(locked(*core_, [&] { return core_->engine->step(); })); }
+
+  template <typename Fn>
+  void call(Fn&& fn) {
+    locked(*core_, std::forward<Fn>(fn));
+  }
+  tz::ZeroEngine& engine() { return *core_->engine; }
+  const EngineCore& core() const { return *core_; }
+
+  nb::ndarray<nb::numpy, float> gather_master(std::size_t block) {
+    std::vector<float> v = locked(*core_, [&] { return core_->engine->gather_master(block); });
+    auto* owned = new std::vector<float>(std::move(v));
+    nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+    const std::size_t n = owned->size();
+    return nb::ndarray<nb::numpy, float>(owned->data(), {n}, owner);
+  }
+
+ private:
+  std::shared_ptr<EngineCore> core_;
+};
+
+}  // namespace
+
+void bind_engine(nb::module_& m) {
+  nb::class_<PyGathered>(m, "GatheredBlock", nb::is_weak_referenceable(),
+                         "A whole block's parameters, gathered on the engine's device. Its arrays are zero-copy views "
+                         "that keep it alive; the engine gets the buffer back when the last view is gone.")
+      .def_prop_ro("index", &PyGathered::index)
+      .def_prop_ro("name", [](PyGathered& g) { return g.layout().name; })
+      .def_prop_ro("data", &PyGathered::data, "The whole gathered buffer, (whole_numel,) in the parameter dtype.")
+      .def("param", &PyGathered::param, nb::arg("i"), "Parameter i as an array of its shape (a view of data).");
+  nb::class_<PyEngine>(m, "Engine",
+                       "ZeRO-partitioned, tiered model states and the training step (tierzero/engine/zero.h). Ranks "
+                       "come from the environment as torchrun sets it (one rank without it).")
+      .def(nb::init<std::optional<std::string>, std::optional<std::string>, const BlockList&, const InitArrays&>(),
+           nb::arg("config_path") = nb::none(), nb::arg("config_json") = nb::none(),
+           nb::arg("blocks") = BlockList{}, nb::arg("init") = InitArrays{},
+           "blocks: [(block name, [(param name, shape)])]; init: per block, per parameter, a float32 cpu array of its "
+           "numel or None (zeros); empty: all zeros.")
+      .def("fetch", &PyEngine::fetch, nb::arg("block"), "The whole block, gathered (waits for NVMe and collectives).")
+      .def("reduce_grads", &PyEngine::reduce_grads, nb::arg("block"), nb::arg("grads"),
+           "Copies each parameter's gradient (the grad dtype, on the engine's device, C-contiguous, the parameter's "
+           "numel; None: zeros) into the engine's gradient buffer and queues the reduce-scatter.")
+      .def("step", &PyEngine::step, "Ends a micro-batch; at the accumulation boundary runs the optimizer. A dict.")
+      .def("save_checkpoint", [](PyEngine& e, const std::string& d) { e.call([&] { return e.engine().save_checkpoint(d); }); },
+           nb::arg("dir"))
+      .def("load_checkpoint", [](PyEngine& e, const std::string& d) { e.call([&] { return e.engine().load_checkpoint(d); }); },
+           nb::arg("dir"))
+      .def("export_safetensors",
+           [](PyEngine& e, const std::string& p) { e.call([&] { return e.engine().export_safetensors(p); }); },
+           nb::arg("path"))
+      .def("gather_master", &PyEngine::gather_master, nb::arg("block"),
+           "The block's fp32 master weights, (whole_numel,) numpy (a copy; a collective over ranks).")
+      .def("record_timeline", [](PyEngine& e, bool on) { e.engine().record_timeline(on); }, nb::arg("on"))
+      .def("write_timeline",
+           [](PyEngine& e, const std::string& p) { e.call([&] { return e.engine().write_timeline(p); }); },
+           nb::arg("path"))
+      .def("describe", [](PyEngine& e) { return e.engine().describe(); })
+      .def("layout", [](PyEngine& e) { return layout_list(e.engine().layout()); })
+      .def_prop_ro("loss_scale", [](PyEngine& e) { return e.engine().loss_scale(); })
+      .def_prop_ro("param_dtype", [](PyEngine& e) { return dtype_name(dtype_of(e.engine().param_type())); })
+      .def_prop_ro("grad_dtype", [](PyEngine& e) { return dtype_name(dtype_of(e.engine().grad_type())); })
+      .def_prop_ro("device", [](PyEngine& e) { return describe_device(e.core().dl_device_type, e.core().dl_device_id); })
+      .def_prop_ro("rank", [](PyEngine& e) { return e.engine().rank(); })
+      .def_prop_ro("world_size", [](PyEngine& e) { return e.engine().world_size(); });
+}
+
+}  // namespace tzpy

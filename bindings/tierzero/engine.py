@@ -1,0 +1,146 @@
+"""tierzero.Engine: the ZeRO engine (tierzero/engine/zero.h) for Python callers.
+
+The model is a list of blocks, each a list of named parameters; the engine
+partitions their states over ranks and tiers (GPU, pinned CPU memory, NVMe)
+as the config says, and drives the step:
+
+    engine = tierzero.Engine("ds_config.json", [("layer0", [("w", (64, 64)), ("b", (64,))])],
+                             init=[[w0, b0]])                 # float32 arrays, or None for zeros
+    g = engine.fetch(0)                                       # the whole block, gathered
+    w = torch.from_dlpack(g.param(0))                         # zero-copy view; keeps the block alive
+    ...
+    engine.reduce_grads(0, [dw, db])                          # copied into the engine, reduce-scattered
+    report = engine.step()                                    # optimizer at the accumulation boundary
+
+Gathered arrays are views of the engine's device buffer; the buffer goes back
+to the engine when the last view is gone (Note [Gathered block lifetime] in
+bindings/engine.cpp). tierzero.torch drives all of this from module hooks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from . import _core
+
+BlockSpec = Sequence[Any]  # (name, [(param name, shape), ...])
+
+
+def _normalise_blocks(blocks: Union[Mapping[str, Mapping[str, Sequence[int]]], Sequence[BlockSpec]]) -> list:
+    if isinstance(blocks, Mapping):
+        return [(str(name), [(str(p), tuple(int(d) for d in s)) for p, s in params.items()])
+                for name, params in blocks.items()]
+    return [(str(name), [(str(p), tuple(int(d) for d in s)) for p, s in params]) for name, params in blocks]
+
+
+def _config_kwargs(config: Any) -> dict:
+    from . import config_args
+
+    if config is None:
+        raise ValueError("Engine: a config (a path to a DeepSpeed-style JSON file, or a dict) is required")
+    return config_args(config)
+
+
+class Engine:
+    """ZeRO-partitioned, tiered model states and the training step.
+
+    config: a path or a dict (DeepSpeed keys plus the "tierzero" block; see
+    docs/configuration.md). blocks: [(name, [(param name, shape)])] or
+    {name: {param name: shape}}. init: per block, per parameter, a float32 CPU
+    array (numpy or torch) of the parameter's size, or None for zeros. Ranks
+    come from the environment as torchrun sets it (one rank without it).
+    Errors: ValueError (bad config or input), OSError (NVMe), MemoryError (a
+    tier budget), each with the engine's message.
+    """
+
+    def __init__(self, config: Any, blocks: Any, init: Optional[Sequence[Sequence[Any]]] = None):
+        self._blocks = _normalise_blocks(blocks)
+        arrays = [] if init is None else [[_as_cpu_array(a) for a in block] for block in init]
+        self._core = _core.Engine(blocks=self._blocks, init=arrays, **_config_kwargs(config))
+        self._layout = self._core.layout()
+
+    # --- the step
+    def fetch(self, block: int) -> _core.GatheredBlock:
+        """The whole block gathered on the engine's device; .data and .param(i) are zero-copy arrays."""
+        return self._core.fetch(block)
+
+    def reduce_grads(self, block: int, grads: Sequence[Any]) -> None:
+        """Hands the block's gradients (one array per parameter, or None) to the engine (copied)."""
+        self._core.reduce_grads(block, [None if g is None else _as_array(g) for g in grads])
+
+    def step(self) -> dict:
+        """Ends a micro-batch; at the accumulation boundary runs the optimizer. The step report as a dict."""
+        return self._core.step()
+
+    # --- state
+    def save_checkpoint(self, directory: Union[str, os.PathLike]) -> None:
+        self._core.save_checkpoint(os.fspath(directory))
+
+    def load_checkpoint(self, directory: Union[str, os.PathLike]) -> None:
+        self._core.load_checkpoint(os.fspath(directory))
+
+    def export_safetensors(self, path: Union[str, os.PathLike]) -> None:
+        self._core.export_safetensors(os.fspath(path))
+
+    def gather_master(self, block: int):
+        """The block's fp32 master weights as a numpy array (whole_numel,), a copy."""
+        return self._core.gather_master(block)
+
+    def master_params(self, block: int) -> list:
+        """The block's fp32 master weights, one numpy array per parameter, shaped."""
+        flat = self.gather_master(block)
+        return [flat[p["offset"]:p["offset"] + p["numel"]].reshape(p["shape"]) for p in self._layout[block]["params"]]
+
+    # --- facts
+    @property
+    def layout(self) -> list:
+        """Per block: name, params (name, shape, offset, numel), shard_numel, whole_numel, persistent."""
+        return self._layout
+
+    @property
+    def blocks(self) -> int:
+        return len(self._layout)
+
+    @property
+    def loss_scale(self) -> float:
+        return self._core.loss_scale
+
+    @property
+    def param_dtype(self) -> str:
+        return self._core.param_dtype
+
+    @property
+    def grad_dtype(self) -> str:
+        return self._core.grad_dtype
+
+    @property
+    def device(self) -> str:
+        return self._core.device
+
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._core.world_size
+
+    def describe(self) -> str:
+        return self._core.describe()
+
+    def record_timeline(self, on: bool = True) -> None:
+        self._core.record_timeline(on)
+
+    def write_timeline(self, path: Union[str, os.PathLike]) -> None:
+        self._core.write_timeline(os.fspath(path))
+
+
+def _as_array(a: Any) -> Any:
+    # torch refuses to export a tensor that requires grad through DLPack;
+    # detach() is a view of the same memory.
+    return a.detach() if hasattr(a, "detach") else a
+
+
+def _as_cpu_array(a: Any) -> Any:
+    return None if a is None else _as_array(a)

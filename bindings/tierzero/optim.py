@@ -1,0 +1,230 @@
+"""tierzero.optim: torch.optim optimizers stepped by tierzero's SIMD CPU kernels.
+
+    opt = tierzero.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Adam, AdamW, Adagrad and Lion subclass torch.optim.Optimizer: param groups,
+state_dict / load_state_dict (the same state keys as torch's Adam, AdamW and
+Adagrad, so a state dict moves between the two), step(closure), zero_grad.
+Each step calls the C++ kernel once per parameter on the parameter's own
+storage and its state tensors, zero-copy through DLPack, with the GIL
+released: one fused pass reads and writes each byte of state once
+(tierzero/cpu_adam.h has the formulas; they follow torch.optim).
+
+Parameters must be float32, contiguous CPU tensors (the master weights);
+gradients float32, bfloat16 or float16; state tensors are float32 CPU
+tensors. Anything else is refused with a message naming the parameter
+(param_groups[g]['params'][i]). maximize, capturable, differentiable and
+sparse gradients are not supported (refused).
+
+param16_dtype=torch.bfloat16 (or float16) adds the fused 16-bit copy-out:
+the same pass writes each new parameter rounded to 16 bits into a separate
+tensor, `optimizer.param16(p)`, for a mixed-precision model to run on. It is
+derived state: not in state_dict, rebuilt by the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Iterable, Optional
+
+import torch
+
+from . import _core
+
+__all__ = ["Adam", "AdamW", "Adagrad", "Lion"]
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_UNSUPPORTED_TRUE = ("maximize", "capturable", "differentiable")
+
+
+class _CpuOptimizer(torch.optim.Optimizer):
+    """Common machinery: validation, state, and the per-parameter kernel call."""
+
+    _algorithm: ClassVar[Any]
+    _state_keys: ClassVar[tuple[str, ...]]
+
+    def __init__(self, params: Iterable[Any], defaults: dict, *, threads: int = 0,
+                 param16_dtype: Optional[torch.dtype] = None):
+        if param16_dtype not in (None, torch.bfloat16, torch.float16):
+            raise TypeError(f"param16_dtype = {param16_dtype}: expected None, torch.bfloat16 or torch.float16")
+        super().__init__(params, defaults)
+        self._kernel = _core.CpuOptimizer(threads=threads)
+        self._param16_dtype = param16_dtype
+        self._param16: dict[torch.Tensor, torch.Tensor] = {}
+
+    @property
+    def simd(self) -> str:
+        """The SIMD variant the kernels run ("avx512", "avx2", ...)."""
+        return self._kernel.simd
+
+    def param16(self, p: torch.Tensor) -> torch.Tensor:
+        """The 16-bit copy of p written by the last step (param16_dtype must be set)."""
+        if self._param16_dtype is None:
+            raise RuntimeError("param16(): construct the optimizer with param16_dtype=torch.bfloat16 or float16")
+        if p not in self._param16:
+            raise KeyError("param16(): this parameter has not been stepped yet")
+        return self._param16[p]
+
+    def _name(self, g: int, i: int) -> str:
+        return f"{type(self).__name__}: param_groups[{g}]['params'][{i}]"
+
+    def _check(self, p: torch.Tensor, g: int, i: int) -> None:
+        if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+            raise TypeError(f"{self._name(g, i)} is a {'' if p.is_contiguous() else 'non-contiguous '}{p.dtype} "
+                            f"tensor on {p.device}; the CPU optimizer steps contiguous float32 CPU tensors")
+        grad = p.grad
+        if grad.is_sparse:
+            raise TypeError(f"{self._name(g, i)} has a sparse gradient; sparse gradients are not supported")
+        if grad.device.type != "cpu" or grad.dtype not in _GRAD_DTYPES or not grad.is_contiguous():
+            raise TypeError(f"{self._name(g, i)}.grad is a {grad.dtype} tensor on {grad.device}; expected a "
+                            "contiguous float32, bfloat16 or float16 CPU tensor")
+        if grad.shape != p.shape:
+            raise ValueError(f"{self._name(g, i)}.grad has shape {tuple(grad.shape)}; the parameter has "
+                             f"{tuple(p.shape)}")
+
+    def _check_group(self, group: dict, g: int) -> None:
+        for key in _UNSUPPORTED_TRUE:
+            if group.get(key, False):
+                raise ValueError(f"{type(self).__name__}: param_groups[{g}]['{key}'] = True is not supported")
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        state["step"] = torch.tensor(0.0)
+        for key in self._state_keys:
+            state[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+    def _state_arrays(self, state: dict, group: dict) -> dict:
+        raise NotImplementedError
+
+    def _hyper(self, group: dict) -> Any:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One step for every parameter with a gradient. Returns closure()'s loss when given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g, group in enumerate(self.param_groups):
+            self._check_group(group, g)
+            hyper = self._hyper(group)
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                self._check(p, g, i)
+                self._step_param(p, group, hyper)
+        return loss
+
+    def _step_param(self, p: torch.Tensor, group: dict, hyper: Any) -> None:
+        state = self.state[p]
+        if len(state) == 0:
+            self._init_state(p, state, group)
+        state["step"] += 1
+        param16 = None
+        if self._param16_dtype is not None:
+            param16 = self._param16.get(p)
+            if param16 is None:
+                param16 = self._param16[p] = torch.empty_like(p, dtype=self._param16_dtype)
+        # p.detach(): the same storage; torch refuses to export a tensor that requires grad.
+        self._kernel.step(hyper, int(state["step"].item()), 1.0, p.detach(), p.grad.detach(),
+                          param16=param16, **self._state_arrays(state, group))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts floating state to the parameter's dtype and device; the
+        # kernels also need contiguous memory.
+        for state in self.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor) and not value.is_contiguous():
+                    state[key] = value.contiguous()
+        self._param16.clear()
+
+
+class Adam(_CpuOptimizer):
+    """torch.optim.Adam on tierzero's SIMD kernels (L2 weight decay added to the gradient; amsgrad supported)."""
+
+    _algorithm = _core.Algorithm.Adam
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 threads: int = 0, param16_dtype: Optional[torch.dtype] = None):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype)
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        super()._init_state(p, state, group)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+    def _state_arrays(self, state: dict, group: dict) -> dict:
+        out = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        if group["amsgrad"]:
+            if "max_exp_avg_sq" not in state:  # amsgrad switched on after the first step
+                state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
+            out["max_exp_avg_sq"] = state["max_exp_avg_sq"]
+        return out
+
+    def _hyper(self, group: dict) -> Any:
+        beta1, beta2 = group["betas"]
+        return _core.Hyper(algorithm=self._algorithm, lr=float(group["lr"]), beta1=float(beta1),
+                           beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                           amsgrad=bool(group["amsgrad"]))
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW on tierzero's SIMD kernels (decoupled weight decay, default 0.01 as torch's)."""
+
+    _algorithm = _core.Algorithm.AdamW
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 threads: int = 0, param16_dtype: Optional[torch.dtype] = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, threads=threads,
+                         param16_dtype=param16_dtype)
+
+
+class Adagrad(_CpuOptimizer):
+    """torch.optim.Adagrad on tierzero's SIMD kernels (state 'sum', lr_decay, initial_accumulator_value)."""
+
+    _algorithm = _core.Algorithm.Adagrad
+    _state_keys = ("sum",)
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
+                 threads: int = 0, param16_dtype: Optional[torch.dtype] = None):
+        defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                        initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize)
+        super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype)
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        state["step"] = torch.tensor(0.0)
+        state["sum"] = torch.full_like(p, float(group["initial_accumulator_value"]),
+                                       memory_format=torch.contiguous_format)
+
+    def _state_arrays(self, state: dict, group: dict) -> dict:
+        return {"exp_avg_sq": state["sum"]}
+
+    def _hyper(self, group: dict) -> Any:
+        return _core.Hyper(algorithm=self._algorithm, lr=float(group["lr"]), eps=float(group["eps"]),
+                           weight_decay=float(group["weight_decay"]), lr_decay=float(group["lr_decay"]))
+
+
+class Lion(_CpuOptimizer):
+    """Lion (Chen et al., 2023): p *= 1 - lr*wd; p -= lr*sign(b1*m + (1-b1)*g); m = b2*m + (1-b2)*g."""
+
+    _algorithm = _core.Algorithm.Lion
+    _state_keys = ("exp_avg",)
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, *, threads: int = 0, param16_dtype: Optional[torch.dtype] = None):
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
+        super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype)
+
+    def _state_arrays(self, state: dict, group: dict) -> dict:
+        return {"exp_avg": state["exp_avg"]}
+
+    def _hyper(self, group: dict) -> Any:
+        beta1, beta2 = group["betas"]
+        return _core.Hyper(algorithm=self._algorithm, lr=float(group["lr"]), beta1=float(beta1),
+                           beta2=float(beta2), weight_decay=float(group["weight_decay"]))

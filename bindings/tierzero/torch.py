@@ -1,0 +1,487 @@
+"""tierzero.torch: train a torch model through tierzero's engine, as DeepSpeed users write it.
+
+    engine, optimizer = tierzero.torch.initialize(model, config="ds_config.json")
+    for x, y in data:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint("ckpt/")
+
+Every submodule that owns parameters becomes one engine block (its own
+parameters only); the engine partitions their states over ranks and places
+them on GPU, pinned CPU memory or NVMe as the config says (a DeepSpeed
+`zero_optimization` block works unchanged), and its optimizer (the config's
+"optimizer" block) steps them on its tiers. Frozen parameters
+(requires_grad=False) and buffers stay with torch.
+
+Note [Parameters live in the engine]
+After initialize(), a parameter's .data is an empty placeholder except while
+its module computes. A forward pre-hook fetches the module's block and points
+each parameter's .data at a zero-copy view of the gathered buffer (DLPack:
+the engine's memory, seen by torch); a forward hook sets .data back to the
+placeholder. The gathered buffer returns to the engine when no tensor views
+it any more (Note [Gathered block lifetime] in bindings/engine.cpp): torch's
+own reference counting decides, so no tensor can point at memory the engine
+has reused. Between steps, master_state_dict() gives the fp32 weights and
+detach_module() puts them back into the model.
+
+Note [Saved tensors]
+Autograd saves tensors in forward for backward: a Linear saves its weight,
+or a transposed view of it. Such a view would keep the whole gathered buffer
+alive from forward until backward, and so every block of the model at once.
+While engine(...) runs the model, a saved-tensors pack hook replaces each
+saved tensor that views a gathered buffer by (block, offset, size, stride);
+the unpack hook rebuilds the view from the block's buffer as gathered again
+for backward (or fetches it then, held until backward ends). The memory
+between a block's forward and its backward is the engine's, not torch's.
+Calling the model directly (model(x)) also works; it only keeps those
+buffers alive longer.
+
+Note [Gradients]
+The forward hook routes each module's outputs through an identity autograd
+function whose backward fetches the module's block again before the module's
+backward runs (the backward pre-hook). After each parameter's gradient is
+accumulated (a post-accumulate-grad hook), it is taken from .grad (which is
+set to None); when every parameter of a block has its gradient, they are
+copied into the engine's gradient buffer (reduce_grads: reduce-scattered over
+ranks, accumulated in fp32 on the gradient tier) and the block is released.
+At the end of backward any block still missing gradients is reduced with
+zeros for them. Gradients are averaged over ranks and over the config's
+gradient_accumulation_steps by the engine: engine.backward(loss) does not
+divide the loss, and engine.step() is called after every micro-batch (it runs
+the optimizer at the accumulation boundary).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import namedtuple
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from . import _core, config_args
+
+__all__ = ["initialize", "TorchEngine", "EngineOptimizer"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_Saved = namedtuple("_Saved", "block offset size stride")
+
+
+class _Block:
+    """One module's parameters in the engine, and their gathered state."""
+
+    def __init__(self, index: int, name: str, params: list, names: list, layout: dict):
+        self.index, self.name, self.params, self.names = index, name, params, names
+        self.slots = [(p["offset"], p["numel"], tuple(p["shape"])) for p in layout["params"]]
+        self.flat: Optional[torch.Tensor] = None   # (whole_numel,) view of the gathered buffer, while gathered
+        self.users = 0                             # acquisitions holding it (forward calls, backward)
+        self.grads: list = [None] * len(params)    # gradients arrived in this backward
+        self.arrived = 0
+        self.backward_held = False                 # fetched for this backward, released at its flush
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a module's outputs; its backward fetches the module's blocks (Note [Gradients])."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):  # noqa: D102
+        ctx.callback = callback
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: D102
+        ctx.callback()
+        return (None, *grads)
+
+
+def _flatten(obj: Any, out: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _flatten(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _flatten(x, out)
+
+
+def _replace(obj: Any, it: Iterator[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return next(it) if obj.requires_grad else obj
+    if isinstance(obj, tuple):
+        items = [_replace(x, it) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [_replace(x, it) for x in obj]
+    if isinstance(obj, dict):
+        if type(obj) is dict:
+            return {k: _replace(v, it) for k, v in obj.items()}
+        for k in list(obj.keys()):  # dict subclasses (a Hugging Face ModelOutput): in place
+            obj[k] = _replace(obj[k], it)
+        return obj
+    return obj
+
+
+class EngineOptimizer:
+    """What initialize() returns as the optimizer: the engine steps its own (the config's "optimizer" block).
+
+    step() is engine.step(); zero_grad() does nothing (the engine takes every
+    gradient out of .grad as it arrives). param_groups describe the config's
+    hyperparameters (read-only: change them in the config).
+    """
+
+    def __init__(self, engine: "TorchEngine", hyper: dict):
+        self._engine = engine
+        self.param_groups = [dict(hyper, params=[p for b in engine._blocks for p in b.params])]
+
+    def step(self, closure: Any = None) -> dict:
+        if closure is not None:
+            raise ValueError("EngineOptimizer.step(): closures are not supported; call engine.backward, engine.step")
+        return self._engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("the optimizer's states live in the engine's tiers: use engine.save_checkpoint")
+
+
+class TorchEngine:
+    """A torch module trained through tierzero's ZeRO engine. Made by initialize()."""
+
+    def __init__(self, model: torch.nn.Module, config: Any):
+        self.module = model
+        blocks, self._module_blocks = _collect_blocks(model)
+        if not blocks:
+            raise ValueError("tierzero.torch.initialize: the model has no parameters that require grad")
+        specs = [(name, [(n, tuple(p.shape)) for n, p in zip(names, params)]) for name, params, names in blocks]
+        init = [[p.detach().to("cpu", torch.float32).contiguous() for p in params] for _, params, _ in blocks]
+        self._core = _core.Engine(blocks=specs, init=init, **config_args(config))
+        layout = self._core.layout()
+        self._blocks = [_Block(i, name, params, names, layout[i]) for i, (name, params, names) in enumerate(blocks)]
+        self._dtype = _DTYPES[self._core.param_dtype]
+        self._cuda = self._core.device.startswith("cuda")
+        self._check_dtypes()
+        self._slot = {p: (b, i) for b in self._blocks for i, p in enumerate(b.params)}
+        self._live: dict[int, _Block] = {}        # gathered buffer address -> block (Note [Saved tensors])
+        self._held_for_unpack: list[_Block] = []  # fetched by the unpack hook, released when backward ends
+        self._gathered_refs: list = []            # weakrefs to gathered blocks handed out (tests: none outlive use)
+        self._callback_queued = False
+        self._placeholder = torch.empty(0, dtype=self._dtype, device=self._core.device)
+        self._hooks: list = []
+        self.last_report: dict = {}
+        self.global_steps = 0
+        # A tensor's hooks are held on the C++ side, out of the garbage collector's sight: a hook that
+        # referenced the engine would make model -> parameter -> hook -> engine -> model a cycle nothing frees.
+        engine_ref = weakref.ref(self)
+
+        def on_grad(p: torch.Tensor) -> None:
+            engine = engine_ref()
+            if engine is not None:
+                engine._on_grad(p)
+
+        for b in self._blocks:
+            for p in b.params:
+                p.data = self._placeholder
+                self._hooks.append(p.register_post_accumulate_grad_hook(on_grad))
+        for module, block_ids in self._module_blocks.items():
+            self._hooks.append(module.register_forward_pre_hook(self._make_pre_forward(block_ids)))
+            self._hooks.append(module.register_forward_hook(self._make_post_forward(block_ids)))
+
+    def _check_dtypes(self) -> None:
+        for b in self._blocks:
+            for n, p in zip(b.names, b.params):
+                if p.dtype != self._dtype:
+                    raise ValueError(f"tierzero.torch.initialize: parameter '{n}' is {p.dtype}, but the config trains "
+                                     f"{self._core.param_dtype} parameters (its bf16/fp16 blocks); convert the model "
+                                     "first (model.to(dtype))")
+
+    # ------------------------------------------------------------ gathering
+    def _acquire(self, b: _Block) -> None:
+        if b.users == 0:
+            gathered = self._core.fetch(b.index)
+            self._gathered_refs = [r for r in self._gathered_refs if r() is not None] + [weakref.ref(gathered)]
+            flat = torch.from_dlpack(gathered.data)  # zero-copy; flat's storage keeps `gathered` alive
+            b.flat = flat
+            self._live[flat.data_ptr()] = b
+            for p, (offset, numel, shape) in zip(b.params, b.slots):
+                p.data = flat[offset:offset + numel].view(shape)
+        b.users += 1
+
+    def _release(self, b: _Block) -> None:
+        b.users -= 1
+        if b.users == 0:
+            for p in b.params:
+                p.data = self._placeholder
+            del self._live[b.flat.data_ptr()]
+            b.flat = None  # the engine gets the buffer back once autograd holds no view of it either
+
+    def _make_pre_forward(self, block_ids: list):
+        blocks = [self._blocks[i] for i in block_ids]
+
+        def pre_forward(module: torch.nn.Module, args: Any) -> None:
+            for b in blocks:
+                self._acquire(b)
+        return pre_forward
+
+    def _make_post_forward(self, block_ids: list):
+        blocks = [self._blocks[i] for i in block_ids]
+
+        def fetch_for_backward() -> None:
+            self._queue_end_of_backward()
+            for b in blocks:
+                if not b.backward_held:
+                    b.backward_held = True
+                    self._acquire(b)
+
+        def post_forward(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            for b in blocks:
+                self._release(b)
+            if not torch.is_grad_enabled():
+                return output
+            tensors: list = []
+            _flatten(output, tensors)
+            if not tensors:
+                return output
+            return _replace(output, iter(_PreBackward.apply(fetch_for_backward, *tensors)))
+        return post_forward
+
+    # ------------------------------------------------------------ saved tensors
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._live or t.layout != torch.strided:
+            return t
+        b = self._live.get(t.untyped_storage().data_ptr())
+        if b is None or t.dtype != self._dtype:
+            return t
+        return _Saved(b.index, t.storage_offset(), tuple(t.shape), t.stride())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        b = self._blocks[saved.block]
+        if b.flat is None:
+            # Used by backward outside its module's backward: fetch now, hold until backward ends.
+            self._queue_end_of_backward()
+            self._acquire(b)
+            self._held_for_unpack.append(b)
+        return b.flat.as_strided(saved.size, saved.stride, saved.offset)
+
+    # ------------------------------------------------------------ gradients
+    def _on_grad(self, p: torch.Tensor) -> None:
+        b, i = self._slot[p]
+        self._queue_end_of_backward()
+        grad = p.grad
+        p.grad = None
+        if b.grads[i] is None:
+            b.arrived += 1
+            b.grads[i] = grad
+        else:  # a second backward through the same graph before the block was flushed
+            b.grads[i] = b.grads[i] + grad
+        if b.arrived == len(b.params):
+            self._flush(b)
+
+    def _flush(self, b: _Block) -> None:
+        grads = [None if g is None else g.detach().contiguous() for g in b.grads]
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()  # the engine copies on its own stream
+        self._core.reduce_grads(b.index, grads)
+        b.grads = [None] * len(b.params)
+        b.arrived = 0
+        if b.backward_held:
+            b.backward_held = False
+            self._release(b)
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        for b in self._blocks:
+            if b.arrived > 0:
+                self._flush(b)  # missing gradients go in as zeros
+            if b.backward_held:
+                b.backward_held = False
+                self._release(b)
+        while self._held_for_unpack:
+            self._release(self._held_for_unpack.pop())
+
+    # ------------------------------------------------------------ the training loop
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the model (with the saved-tensor hooks of Note [Saved tensors])."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self.module(*args, **kwargs)
+        except BaseException:
+            self._release_all()  # a forward that raised never ran the forward hooks of the modules it was in
+            raise
+
+    def _release_all(self) -> None:
+        """Drops every gathered view, so the next fetch gets current parameters."""
+        for b in self._blocks:
+            if b.users:
+                for p in b.params:
+                    p.data = self._placeholder
+                self._live.pop(b.flat.data_ptr(), None)
+                b.flat, b.users, b.backward_held = None, 0, False
+        self._held_for_unpack.clear()
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), scaled by the engine's loss scale (fp16). Do not divide by the accumulation steps."""
+        scale = self._core.loss_scale
+        (loss * scale if scale != 1.0 else loss).backward()
+        if self._callback_queued or any(b.arrived or b.backward_held for b in self._blocks):
+            self._end_of_backward()
+
+    def step(self) -> dict:
+        """Ends the micro-batch; the optimizer runs at the accumulation boundary. Returns the step report."""
+        # Blocks still gathered here (a forward without its backward) would keep showing the old
+        # parameters after the optimizer runs: let go of them first.
+        self._release_all()
+        self.last_report = self._core.step()
+        self.global_steps = self.last_report["step"]
+        return self.last_report
+
+    def train(self, mode: bool = True) -> "TorchEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "TorchEngine":
+        return self.train(False)
+
+    # ------------------------------------------------------------ state
+    def save_checkpoint(self, save_dir: Union[str, os.PathLike]) -> None:
+        """Every rank's master weights, optimizer moments, step and loss scale under save_dir/step-N (atomic)."""
+        self._core.save_checkpoint(os.fspath(save_dir))
+
+    def load_checkpoint(self, load_dir: Union[str, os.PathLike]) -> None:
+        """Loads save_dir/latest (or a step directory); training resumes bit for bit."""
+        self._core.load_checkpoint(os.fspath(load_dir))
+
+    def export_safetensors(self, path: Union[str, os.PathLike]) -> None:
+        """The fp32 weights as one safetensors file ("<block>.<param>" tensors); rank 0 writes it."""
+        self._core.export_safetensors(os.fspath(path))
+
+    def master_state_dict(self) -> dict:
+        """{qualified parameter name: fp32 CPU tensor}: the engine's master weights (a collective over ranks)."""
+        out = {}
+        for b in self._blocks:
+            flat = torch.from_numpy(self._core.gather_master(b.index))
+            for (offset, numel, shape), name in zip(b.slots, b.names):
+                out[name] = flat[offset:offset + numel].view(shape).clone()
+        return out
+
+    def detach_module(self) -> torch.nn.Module:
+        """Removes the hooks and puts the master weights back into the parameters; the engine is done after it."""
+        weights = self.master_state_dict()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for b in self._blocks:
+            for p, name in zip(b.params, b.names):
+                p.data = weights[name].to(device=self._placeholder.device, dtype=self._dtype)
+        return self.module
+
+    # ------------------------------------------------------------ facts
+    @property
+    def loss_scale(self) -> float:
+        return self._core.loss_scale
+
+    @property
+    def device(self) -> torch.device:
+        return self._placeholder.device
+
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._core.world_size
+
+    @property
+    def block_names(self) -> list:
+        return [b.name for b in self._blocks]
+
+    def describe(self) -> str:
+        return self._core.describe()
+
+
+def _collect_blocks(model: torch.nn.Module) -> tuple[list, dict]:
+    """[(block name, params, qualified names)] and {module: [block ids it uses]}.
+
+    A module's block is its own trainable parameters (recurse=False). A
+    parameter shared by several modules (tied embeddings) belongs to the
+    first module that owns it; the others fetch that block too.
+    """
+    blocks: list = []
+    owner: dict = {}
+    uses: dict = {}
+    for mod_name, module in model.named_modules():
+        mine, names = [], []
+        for p_name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            qualified = f"{mod_name}.{p_name}" if mod_name else p_name
+            if p in owner:
+                uses.setdefault(module, []).append(owner[p])
+                continue
+            if p.numel() == 0:
+                raise ValueError(f"tierzero.torch.initialize: parameter '{qualified}' has no elements")
+            mine.append(p)
+            names.append(qualified)
+        if mine:
+            index = len(blocks)
+            blocks.append((mod_name or "model", mine, names))
+            for p in mine:
+                owner[p] = index
+            uses.setdefault(module, []).append(index)
+    return blocks, {m: sorted(set(ids)) for m, ids in uses.items()}
+
+
+def _hyper_from_config(config: Any) -> dict:
+    import json
+
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    opt = config.get("optimizer", {})
+    return dict(type=opt.get("type", "AdamW"), **opt.get("params", {}))
+
+
+def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = None,
+               model_parameters: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
+    """(engine, optimizer) for `model`, as deepspeed.initialize returns them.
+
+    config: a path to a DeepSpeed-style JSON file, or a dict. The engine's
+    optimizer is the config's "optimizer" block (Adam, AdamW, Adagrad, Lion);
+    passing a torch optimizer is refused, since its states would live outside
+    the engine's tiers. model_parameters is accepted for DeepSpeed
+    compatibility and must be None or the model's parameters.
+    """
+    if config is None:
+        raise ValueError("tierzero.torch.initialize: config= is required (a path or a dict)")
+    if optimizer is not None:
+        raise ValueError("tierzero.torch.initialize: the engine steps its own optimizer (the config's \"optimizer\" "
+                         "block, on its tiers); pass optimizer=None")
+    if model_parameters is not None:
+        given = {id(p) for p in model_parameters}
+        if given != {id(p) for p in model.parameters() if p.requires_grad}:
+            raise ValueError("tierzero.torch.initialize: model_parameters must be the model's trainable parameters")
+    if isinstance(config, (str, os.PathLike)):
+        config = os.fspath(config)
+    engine = TorchEngine(model, config)
+    return engine, EngineOptimizer(engine, _hyper_from_config(config))
+
+
+def _live_gathered(engine: TorchEngine) -> int:
+    """How many gathered blocks are alive (held by parameters, autograd or user views). For tests."""
+    return sum(1 for r in engine._gathered_refs if r() is not None)

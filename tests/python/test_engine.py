@@ -1,0 +1,151 @@
+"""bindings/engine.cpp and tierzero.Engine: the ZeRO engine, zero-copy gathered blocks, their lifetime."""
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+import tierzero
+from conftest import host_config
+
+BLOCKS = [("layer0", [("w", (8, 16)), ("b", (8,))]), ("layer1", [("w", (4, 8))])]
+
+
+def make(nvme_dir, **kw):
+    rng = np.random.default_rng(0)
+    init = [[rng.standard_normal((8, 16)).astype(np.float32), None], [torch.randn(4, 8)]]
+    return tierzero.Engine(host_config(nvme_dir, **kw), BLOCKS, init=init), init
+
+
+def test_fetch_gives_the_initial_values_and_the_layout(nvme_dir):
+    eng, init = make(nvme_dir)
+    assert eng.blocks == 2 and eng.param_dtype == "float32" and eng.device == "cpu"
+    assert eng.rank == 0 and eng.world_size == 1 and eng.loss_scale == 1.0
+    lay = eng.layout
+    assert [p["name"] for p in lay[0]["params"]] == ["w", "b"] and lay[0]["params"][1]["shape"] == (8,)
+    g = eng.fetch(0)
+    assert g.index == 0 and g.name == "layer0"
+    np.testing.assert_array_equal(np.from_dlpack(g.param(0)), init[0][0])
+    np.testing.assert_array_equal(np.from_dlpack(g.param(1)), np.zeros(8, np.float32))
+    assert np.from_dlpack(g.data).shape == (lay[0]["whole_numel"],)
+    assert "ZeRO stage 3" in eng.describe()
+
+
+def test_zero_copy_the_same_memory_from_both_sides(nvme_dir):
+    eng, _ = make(nvme_dir)
+    g = eng.fetch(1)
+    t = torch.from_dlpack(g.param(0))       # torch's view
+    a = np.from_dlpack(g.param(0))          # numpy's view
+    whole = torch.from_dlpack(g.data)
+    assert t.data_ptr() == a.ctypes.data == whole.data_ptr() + 4 * eng.layout[1]["params"][0]["offset"]
+    t[2, 3] = 123.0                         # write through torch ...
+    assert a[2, 3] == 123.0                 # ... read through numpy
+    a[0, 0] = -5.0                          # and back
+    assert t[0, 0].item() == -5.0 and whole[0].item() == -5.0
+
+
+def test_a_view_keeps_its_block_alive_after_everything_else_is_gone(nvme_dir):
+    eng, init = make(nvme_dir)
+    g = eng.fetch(0)
+    ref = weakref.ref(g)
+    t = torch.from_dlpack(g.param(0))
+    del g
+    gc.collect()
+    assert ref() is not None, "the gathered block died while a tensor viewed it"
+    del eng  # the engine too: the view holds its core
+    gc.collect()
+    torch.testing.assert_close(t, torch.from_numpy(init[0][0]))
+    del t
+    gc.collect()
+    assert ref() is None, "the gathered block outlived its last view"
+
+
+def test_reduce_grads_and_step_train(nvme_dir):
+    eng, _ = make(nvme_dir, lr=0.1, weight_decay=0.0)
+    before = eng.master_params(0)[0].copy()
+    eng.reduce_grads(0, [torch.ones(8, 16), None])
+    eng.reduce_grads(1, [np.ones((4, 8), np.float32)])
+    report = eng.step()
+    assert report["stepped"] and report["step"] == 1
+    assert report["grad_norm"] == pytest.approx(np.sqrt(8 * 16 + 4 * 8), rel=1e-6)
+    assert report["nvme_write_bytes"] > 0, "offloaded states should stream through NVMe"
+    after = eng.master_params(0)
+    np.testing.assert_allclose(after[0], before - 0.1, rtol=0, atol=1e-6)  # Adam's first step moves by lr
+    np.testing.assert_array_equal(after[1], np.zeros(8, np.float32))       # zero gradient, no decay: unchanged
+    g = eng.fetch(0)
+    np.testing.assert_array_equal(np.from_dlpack(g.param(0)), after[0])    # the new params are what fetch gives
+
+
+def test_reduce_grads_refuses_what_does_not_fit(nvme_dir):
+    eng, _ = make(nvme_dir)
+    with pytest.raises(ValueError, match=r"argument 'grads\[0\] \(layer0.w\)' has 100 elements; the parameter has 128"):
+        eng.reduce_grads(0, [torch.ones(100), None])
+    with pytest.raises(TypeError, match=r"argument 'grads\[0\] \(layer1.w\)' must be float32; got float64"):
+        eng.reduce_grads(1, [np.ones((4, 8))])
+    with pytest.raises(ValueError, match=r"argument 'grads\[0\] \(layer1.w\)' must be C-contiguous"):
+        eng.reduce_grads(1, [torch.ones(8, 4).t()])
+    with pytest.raises(ValueError, match="1 gradients for block 'layer0', which has 2 parameters"):
+        eng.reduce_grads(0, [torch.ones(8, 16)])
+    with pytest.raises(ValueError, match="block 7 does not exist"):
+        eng.reduce_grads(7, [])
+    with pytest.raises(ValueError, match="fetch: block 9 does not exist"):
+        eng.fetch(9)
+
+
+def test_bad_config_and_init_are_refused_with_the_engine_message(nvme_dir):
+    with pytest.raises(ValueError, match="zero_optimisation"):
+        tierzero.Engine({"zero_optimisation": {}}, BLOCKS)
+    with pytest.raises(ValueError, match=r"argument 'init\[1\]\[0\]' \(layer1.w\) has 3 elements"):
+        tierzero.Engine(host_config(nvme_dir), BLOCKS, init=[[None, None], [np.zeros(3, np.float32)]])
+    with pytest.raises(FileNotFoundError):
+        tierzero.Engine("/nonexistent/ds_config.json", BLOCKS)
+
+
+def test_checkpoint_round_trip_and_safetensors(nvme_dir, tmp_path):
+    eng, _ = make(nvme_dir)
+    eng.reduce_grads(0, [torch.ones(8, 16), torch.ones(8)])
+    eng.step()
+    eng.save_checkpoint(tmp_path / "ckpt")
+    saved = [eng.gather_master(b).copy() for b in range(2)]
+    eng.reduce_grads(0, [torch.full((8, 16), 3.0), None])
+    eng.step()
+    assert not np.array_equal(eng.gather_master(0), saved[0])
+    eng.load_checkpoint(tmp_path / "ckpt")
+    for b in range(2):
+        np.testing.assert_array_equal(eng.gather_master(b), saved[b])
+    from safetensors.numpy import load_file
+    eng.export_safetensors(tmp_path / "model.safetensors")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    np.testing.assert_array_equal(tensors["layer0.w"], eng.master_params(0)[0])
+    with pytest.raises(OSError):
+        eng.load_checkpoint(tmp_path / "missing")
+
+
+def test_timeline(nvme_dir, tmp_path):
+    eng, _ = make(nvme_dir)
+    eng.record_timeline(True)
+    eng.fetch(0)  # fetched and released at once: one compute span on the timeline
+    eng.write_timeline(tmp_path / "t.json")
+    assert (tmp_path / "t.json").read_text().startswith(("{", "["))
+
+
+def test_fetch_releases_the_gil(nvme_dir):
+    eng, _ = make(nvme_dir)
+    stop = threading.Event()
+    ticks = [0]
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    th = threading.Thread(target=spin)
+    th.start()
+    for _ in range(50):
+        eng.fetch(0)
+        eng.fetch(1)
+    stop.set()
+    th.join()
+    assert ticks[0] > 0

@@ -1,0 +1,79 @@
+"""bindings/planner.cpp: tierzero.estimate(), the placement planner."""
+
+import json
+
+import pytest
+
+import tierzero
+from tierzero import _core
+
+
+def test_estimate_returns_the_plan_and_the_report():
+    plan, report = tierzero.estimate("1.3B", gpu="80GB", cpu="120GB", nvme="2TB")
+    assert plan["fits"] is True
+    assert plan["layout"]["model_numel"] == 1_300_000_000
+    assert plan["layout"]["blocks"] == 32
+    assert set(plan["states"]) == {"param16", "grad", "master", "moments"}
+    assert plan["budgets"]["gpu"] == (80_000_000_000, "config")
+    for tier in ("gpu", "cpu", "nvme"):
+        t = plan["tiers"][tier]
+        assert t["headroom_bytes"] == t["budget_bytes"] - t["need_bytes"]
+    assert "1.3B" in report and "estimated data movement" in report
+
+
+def test_deepspeed_placement_follows_the_offload_devices():
+    plan, _ = tierzero.estimate(20e9, gpu="80GB", cpu="1TB", nvme="4TB", offload_param="nvme",
+                                offload_optimizer="nvme")
+    assert plan["placement"] == "deepspeed"
+    assert plan["states"]["param16"]["tier"] == "nvme"
+    assert plan["states"]["master"]["tier"] == "nvme"
+    assert plan["traffic"]["nvme_read_bytes"] > 0
+
+
+def test_blocks_from_largest_block():
+    plan, _ = tierzero.estimate(1000_000, largest_block=300_000, gpu="1GB", cpu="1GB", nvme="1GB")
+    assert plan["layout"]["blocks"] == 4 and plan["layout"]["largest_block_numel"] == 300_000
+
+
+def test_no_fit_is_a_memory_error_naming_the_tier_and_keys():
+    with pytest.raises(MemoryError) as info:
+        tierzero.estimate("20B", gpu="1GB", cpu="1GB", nvme="1GB")
+    msg = str(info.value)
+    assert "20.0B parameters" in msg and "tierzero.tiers.gpu_bytes is 953.67 MiB" in msg, msg
+
+
+def test_config_as_dict_and_file_give_the_same_plan(tmp_path):
+    config = {"zero_optimization": {"stage": 2},
+              "tierzero": {"tiers": {"gpu_bytes": "80GB", "cpu_bytes": "200GB", "nvme_bytes": "1TB"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    a, _ = tierzero.estimate(7e9, config=config)
+    b, _ = tierzero.estimate(7e9, config=path)
+    assert a == b and a["stage"] == 2
+    c, _ = tierzero.estimate(7e9, config=config, stage=3)
+    assert c["stage"] == 3
+
+
+def test_bad_arguments_are_value_errors():
+    with pytest.raises(ValueError, match="params"):
+        tierzero.estimate(0)
+    with pytest.raises(ValueError, match="gpu"):
+        tierzero.estimate(1e9, gpu="lots")
+    with pytest.raises(ValueError, match="offload device 'disk'"):
+        tierzero.estimate(1e9, gpu="1GB", cpu="1GB", nvme="1GB", offload_param="disk")
+    with pytest.raises(ValueError, match="links_gbps"):
+        tierzero.estimate(1e9, links_gbps={"warp": 1.0})
+
+
+def test_link_speeds_change_the_time_estimate():
+    fast, _ = tierzero.estimate(7e9, gpu="8GB", cpu="200GB", nvme="1TB", links_gbps={"nvme_read": 20, "nvme_write": 20})
+    slow, _ = tierzero.estimate(7e9, gpu="8GB", cpu="200GB", nvme="1TB", links_gbps={"nvme_read": 1, "nvme_write": 1})
+    if slow["traffic"]["nvme_read_bytes"]:
+        assert slow["traffic"]["estimated_seconds"] > fast["traffic"]["estimated_seconds"]
+
+
+def test_units():
+    assert _core.parse_count("1.3B") == 1.3e9
+    assert _core.parse_bytes("64GiB") == 64 << 30
+    with pytest.raises(ValueError, match="abc"):
+        _core.parse_count("abc")

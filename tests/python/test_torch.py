@@ -1,0 +1,262 @@
+"""tierzero.torch (bindings/tierzero/torch.py): torch models trained through the engine, against plain PyTorch."""
+
+import copy
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tierzero.torch as tzt
+from conftest import host_config
+
+# fp32 reordering: the engine sums gradients and computes AdamW in a
+# different order than torch (reduce in fp32, SIMD kernels), so parameters
+# after N steps agree to ~1e-7 x N relative; 2e-5 absolute bounds it for
+# weights of magnitude ~1 over 10 steps with margin.
+TOL = 2e-5
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48),
+                               torch.nn.LayerNorm(48), torch.nn.GELU(), torch.nn.Linear(48, 4))
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        # No bias: the key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by all
+        # keys), so it is pure rounding noise, which Adam's m / sqrt(v) scales up to whole lr-sized steps in
+        # either implementation: a comparison of two correct trainings would then differ by ~lr.
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf")).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(torch.nn.Module):
+    """A GPT-shaped model: token embedding tied to the output head, a learned position parameter on the root."""
+
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, ctx=16):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.wpe = torch.nn.Parameter(0.02 * torch.randn(ctx, d))
+        self.blocks = torch.nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln_f = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe[: idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def train_both(model, config, batches, loss_fn, gas, clip):
+    """Trains `model` through the engine and a copy with torch.optim.AdamW; returns (engine, reference, losses)."""
+    ref = copy.deepcopy(model)
+    engine, _ = tzt.initialize(model, config)
+    hp = config["optimizer"]["params"]
+    opt = torch.optim.AdamW(ref.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"])
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        (loss_fn(ref(x), y) / gas).backward()  # torch's accumulation: the mean over micro-batches
+        if (i + 1) % gas == 0:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return engine, ref, losses
+
+
+def largest_error(engine, ref):
+    master = engine.master_state_dict()
+    names = dict(ref.named_parameters())
+    assert set(master) == set(names)
+    return max((master[n] - p.detach()).abs().max().item() for n, p in names.items())
+
+
+def test_mlp_on_nvme_matches_plain_pytorch(nvme_dir):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(20)]
+    config = host_config(nvme_dir, gas=2, clip=1.0)
+    engine, ref, losses = train_both(mlp(), config, batches, F.mse_loss, gas=2, clip=1.0)
+    err = largest_error(engine, ref)
+    print(f"MLP, params + optimizer on NVMe, 10 steps x 2 micro-batches: largest |tierzero - torch| = {err:.3g} "
+          f"(tolerance {TOL}); loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    assert err <= TOL
+    assert engine.global_steps == 10 and engine.last_report["nvme_read_bytes"] > 0
+    assert engine.last_report["stepped"]
+
+
+def test_tiny_transformer_with_tied_weights_matches_plain_pytorch(nvme_dir):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    gen = torch.Generator().manual_seed(2)
+    batches = [(lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, 64, (4, 17), generator=gen)) for _ in range(8)]
+    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))  # noqa: E731
+    engine, ref, losses = train_both(model, host_config(nvme_dir, lr=3e-3), batches, loss_fn, gas=1, clip=0.0)
+    err = largest_error(engine, ref)
+    print(f"tiny GPT (tied embedding, {len(engine.block_names)} blocks), 8 steps: largest error {err:.3g}; "
+          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    assert err <= TOL
+    assert losses[-1] < losses[0]
+    assert "wte" in engine.block_names and "head" not in engine.block_names  # the tied weight lives once
+
+
+def test_gathered_blocks_are_released_between_forward_and_backward(nvme_dir):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    x = torch.randint(0, 64, (2, 8))
+    loss = engine(x).sum()
+    # Note [Saved tensors]: autograd holds (block, offset, stride) records, not the engine's buffers.
+    assert tzt._live_gathered(engine) == 0
+    assert all(p.numel() == 0 for p in model.parameters()), "parameters should be placeholders outside forward"
+    engine.backward(loss)
+    assert tzt._live_gathered(engine) == 0
+    assert all(p.grad is None for p in model.parameters()), "gradients belong to the engine after backward"
+    engine.step()
+    # Without the hooks (the model called directly) saved views keep buffers alive until backward, still correct.
+    loss = model(x).sum()
+    held = tzt._live_gathered(engine)
+    engine.backward(loss)
+    assert held > 0 and tzt._live_gathered(engine) == 0
+
+
+def test_checkpoint_resume_is_bit_for_bit(nvme_dir, tmp_path):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(6)]
+
+    def run(engine, part):
+        for x, y in part:
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+
+    model = mlp()
+    twin = copy.deepcopy(model)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    run(engine, batches[:3])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    run(engine, batches[3:])
+    want = engine.master_state_dict()
+    other, _ = tzt.initialize(twin, host_config(nvme_dir))
+    other.load_checkpoint(tmp_path / "ckpt")
+    run(other, batches[3:])
+    got = other.master_state_dict()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_eval_and_detach_module_give_the_trained_model(nvme_dir):
+    torch.manual_seed(0)
+    model = mlp()
+    engine, optimizer = tzt.initialize(model, host_config(nvme_dir))
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    engine.backward(F.mse_loss(engine(x), y))
+    optimizer.step()  # the same as engine.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        out = engine.eval()(x)
+    weights = engine.master_state_dict()
+    plain = engine.detach_module()
+    assert all(torch.equal(p, weights[n]) for n, p in plain.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), out)
+
+
+def test_a_dropped_engine_is_collected(nvme_dir):
+    def make():
+        model = mlp()
+        engine, _ = tzt.initialize(model, host_config(None))
+        engine.backward(engine(torch.randn(2, 16)).sum())
+        return weakref.ref(engine)
+
+    ref = make()
+    gc.collect()
+    assert ref() is None, "engine still referenced after model and engine were dropped"
+
+
+def test_refusals_name_the_problem(nvme_dir):
+    with pytest.raises(ValueError, match="pass optimizer=None"):
+        tzt.initialize(mlp(), host_config(nvme_dir), optimizer=torch.optim.SGD(mlp().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is torch.float64"):
+        tzt.initialize(mlp().double(), host_config(nvme_dir))
+    with pytest.raises(ValueError, match="no parameters that require grad"):
+        tzt.initialize(mlp().requires_grad_(False), host_config(nvme_dir))
+    with pytest.raises(ValueError, match="config= is required"):
+        tzt.initialize(mlp())
+
+
+def test_frozen_parameters_stay_with_torch(nvme_dir):
+    model = mlp()
+    model[0].requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine.backward(engine(torch.randn(4, 16)).sum())
+    engine.step()
+    assert "0" not in engine.block_names and torch.equal(model[0].weight, frozen)
+
+
+def test_huggingface_gpt2_trains(nvme_dir):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.config.use_cache = False
+    gen = torch.Generator().manual_seed(4)
+    batches = [(lambda t: (t, t))(torch.randint(0, 128, (2, 16), generator=gen)) for _ in range(4)]
+    ref = copy.deepcopy(model)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir, lr=1e-3))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for x, _ in batches:
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        ref(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    # The key third of c_attn's bias has a zero gradient in exact arithmetic (see Attention above): compare the rest.
+    master = engine.master_state_dict()
+    keep = lambda n, t: torch.cat([t[:32], t[64:]]) if "c_attn.bias" in n else t  # noqa: E731
+    err = max((keep(n, master[n]) - keep(n, p.detach())).abs().max().item() for n, p in ref.named_parameters())
+    print(f"Hugging Face GPT-2 (2 layers, 32 wide), 4 steps: largest error {err:.3g}")
+    assert err <= TOL
+
+
+def test_a_forward_that_raises_leaves_nothing_gathered(nvme_dir):
+    model = mlp()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    with pytest.raises(RuntimeError):
+        engine(torch.randn(4, 7))  # wrong width: the first Linear raises inside its forward
+    assert tzt._live_gathered(engine) == 0 and all(b.users == 0 for b in engine._blocks)
+    x = torch.randn(4, 16)
+    engine.backward(engine(x).sum())  # and training goes on
+    assert engine.step()["stepped"]
