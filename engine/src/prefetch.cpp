@@ -13,7 +13,7 @@ struct Prefetcher::Entry {
   std::size_t block = 0;
   PoolBlock owned;                    // the gathered buffer, when the pool's
   void* whole = nullptr;              // (whole_numel,) 16-bit, device memory
-  PoolBlock staging;                  // NVMe -> pinned, until the copy is done
+  PoolBlock staging;                  // NVMe -> pinned; released by the training thread (deterministic pool use)
   std::unique_ptr<Event> h2d_done;
   std::mutex mu;
   std::condition_variable cv;
@@ -111,7 +111,6 @@ void Prefetcher::post_gather(const std::shared_ptr<Entry>& e) {
       if (!e->error.ok()) return e->error;  // skipped: the others time out on it, naming it
     }
     Status s = deps_.device->synchronize_event(*e->h2d_done);
-    e->staging.reset();
     const BlockLayout& b = deps_.layout->blocks[e->block];
     void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
     const auto start = Clock::now();
@@ -195,6 +194,7 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block) {
         top_up();
         if (!in_flight_.empty()) post_gather(in_flight_.front());
         TZ_TRY(wait_ready(*e, start));
+        e->staging.reset();
         std::lock_guard<std::mutex> lock(waits_mu_);
         ++waits_.prefetched;
         return std::move(e->owned);
@@ -213,13 +213,16 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block) {
   std::shared_ptr<Entry> e = issue(block, data, std::move(*whole));
   post_gather(e);
   TZ_TRY(wait_ready(*e, start));
+  e->staging.reset();
   return std::move(e->owned);
 }
 
 Status Prefetcher::gather_into(std::size_t block, void* d_whole) {
   std::shared_ptr<Entry> e = issue(block, d_whole, PoolBlock());
   post_gather(e);
-  return wait_ready(*e, Clock::now());
+  Status s = wait_ready(*e, Clock::now());
+  e->staging.reset();
+  return s;
 }
 
 // Entries whose gather was posted are waited for; the others only for their
@@ -232,6 +235,7 @@ void Prefetcher::drain() {
       lock.unlock();
       (void)deps_.device->synchronize_event(*e->h2d_done);
     }
+    e->staging.reset();
   }
   in_flight_.clear();
 }

@@ -242,6 +242,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
                            .timeline = &timeline_},
       window);
   TZ_TRY(init_states(init));
+  TZ_TRY(prewarm_grad_pools());
   nvme_read_bytes_ = nvme_write_bytes_ = 0;  // step reports count steps, not set-up
   TZ_LOG_INFO("engine", "{}", describe());
   return ok_status();
@@ -268,6 +269,28 @@ Status ZeroEngineImpl::init_states(const ParamInit& init) {
     }
   }
   return gather_persistent();
+}
+
+// The gradient path frees its buffers on worker threads, so how many are live
+// at once varies with timing up to the backpressure bound. Caching that many
+// of each size now keeps later steps from ever meeting a new high-water mark
+// (and allocating) at a random step.
+Status ZeroEngineImpl::prewarm_grad_pools() {
+  std::map<std::uint64_t, std::uint64_t> seen;  // whole_numel -> shard_numel
+  for (const BlockLayout& b : layout_.blocks) seen.emplace(b.whole_numel, b.shard_numel);
+  const std::size_t gbytes = elem_type_bytes(grad_type_);
+  std::vector<PoolBlock> held;
+  for (const auto& [whole, shard] : seen) {
+    for (int i = 0; i < kMaxPendingGrads + 1; ++i) {
+      TZ_ASSIGN_OR_RETURN(PoolBlock g, device_pool_->allocate(whole * gbytes));
+      held.push_back(std::move(g));
+    }
+    for (int i = 0; stage_ >= 2 && i < kMaxPendingGrads; ++i) {
+      TZ_ASSIGN_OR_RETURN(PoolBlock d, device_pool_->allocate(shard * gbytes));
+      held.push_back(std::move(d));
+    }
+  }
+  return ok_status();  // `held` returns every block to its pool's cache
 }
 
 // ---------------------------------------------------------------- movement
@@ -381,8 +404,23 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   const std::size_t block = grads.block();
   const bool first = !grad_fresh_[block];
   grad_fresh_[block] = true;
+  // Backpressure: at most kMaxPendingGrads blocks' gradients in flight, so a
+  // gradient path slower than backward holds a bounded number of buffers.
+  {
+    std::unique_lock<std::mutex> lock(grads_mu_);
+    grads_cv_.wait(lock, [&] { return grads_pending_ < kMaxPendingGrads; });
+    ++grads_pending_;
+  }
+  // Released when the last task holding it is done (or dropped on an error).
+  std::shared_ptr<void> pending(nullptr, [this](void*) {
+    {
+      std::lock_guard<std::mutex> lock(grads_mu_);
+      --grads_pending_;
+    }
+    grads_cv_.notify_all();
+  });
   auto held = std::make_shared<GradBlock>(std::move(grads));
-  comm_thread_->post([this, held, block, first]() -> Status {
+  comm_thread_->post([this, held, block, first, pending]() -> Status {
     const BlockLayout& b = layout_.blocks[block];
     const std::size_t shard_bytes = b.shard_numel * elem_type_bytes(grad_type_);
     const auto start = std::chrono::steady_clock::now();
@@ -402,7 +440,7 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
       shard = static_cast<const char*>(held->data()) + static_cast<std::uint64_t>(comm_->rank()) * shard_bytes;
     }
     timeline_.record(detail::Track::kComm, "reduce-scatter " + b.name, start, std::chrono::steady_clock::now());
-    grad_thread_->post([this, held, d_shard, shard, block, first]() -> Status {
+    grad_thread_->post([this, held, d_shard, shard, block, first, pending]() -> Status {
       const auto begin = std::chrono::steady_clock::now();
       Status s = accumulate(block, shard, first);
       timeline_.record(detail::Track::kGrad, layout_.blocks[block].name, begin, std::chrono::steady_clock::now());

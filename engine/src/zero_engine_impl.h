@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <atomic>
+#include <cmath>
 
 #include "loss_scaler.h"
 #include "prefetch.h"
@@ -32,6 +33,12 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status reduce_grads(GradBlock grads) override;
   Expected<StepReport> step() override;
   double loss_scale() const override { return scaler_.scale(); }
+  std::int64_t optimizer_steps() const override { return step_; }
+  Status set_learning_rate(double lr) override {
+    if (!(lr > 0) || !std::isfinite(lr)) return invalid_argument("learning rate = {} must be finite and > 0", lr);
+    options_.config.optimizer.lr = lr;
+    return ok_status();
+  }
   const ModelLayout& layout() const override { return layout_; }
   const Plan& plan() const override { return plan_; }
   ElemType param_type() const override { return param_type_; }
@@ -63,6 +70,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status make_stores();
   Status init_states(const ParamInit& init);
   void make_sub_groups();
+  Status prewarm_grad_pools();
 
   // --- data movement
   Status sync();
@@ -131,6 +139,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::atomic<std::uint64_t> nvme_read_bytes_{0}, nvme_write_bytes_{0};  // since the last step report
   std::uint64_t pool_allocations_seen_ = 0;    // pools' backend allocations at the last report
   std::unique_ptr<Stream> d2h_stream_;         // the grad thread's copies
+  static constexpr int kMaxPendingGrads = 3;
+  std::mutex grads_mu_;
+  std::condition_variable grads_cv_;
+  int grads_pending_ = 0;                      // guarded by grads_mu_
   detail::Timeline timeline_;
   // Declared last: destroyed first, so no task outlives what it uses.
   std::unique_ptr<detail::TaskThread> grad_thread_;

@@ -8,9 +8,22 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "adam_math.h"
+
 namespace tz::kernels::launch {
 
 cudaError_t cast_fp32_to_bf16(const float* d_src, std::uint16_t* d_dst, std::size_t n, cudaStream_t stream);
 cudaError_t cast_fp32_to_fp16(const float* d_src, std::uint16_t* d_dst, std::size_t n, cudaStream_t stream);
+
+cudaError_t unscale(float* d_g, std::size_t n, float inv_scale, int* d_found_non_finite, cudaStream_t stream);
+
+struct Tensor {  // tz::kernels::TensorRef without tierzero's headers
+  const float* data;
+  std::size_t numel;
+};
+cudaError_t squared_norms(const Tensor* tensors, std::size_t count, double* d_out, cudaStream_t stream);
+
+cudaError_t adam_step(float* d_param, const float* d_grad, float* d_m, float* d_v, std::uint16_t* d_param16,
+                      std::size_t n, const detail::AdamCoef& coef, cudaStream_t stream);
 
 }  // namespace tz::kernels::launch

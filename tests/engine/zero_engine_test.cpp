@@ -92,12 +92,14 @@ TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
   auto& e = **engine;
   const std::uint64_t shard = e.layout().shard_numel;
   tz::StepReport r;
-  for (int step = 0; step < 3; ++step) {  // step 0 records the trace; 1 and 2 are steady state
+  std::uint64_t late_allocations = 0;
+  for (int step = 0; step < 8; ++step) {  // step 0 records the trace; then steady state
     ASSERT_TRUE(tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step)).ok());
     auto report = e.step();
     ASSERT_TRUE(report.ok()) << report.status().to_string();
     ASSERT_TRUE(report->stepped);
     r = *report;
+    if (step >= 2) late_allocations += r.new_allocations;
   }
   // Reads: the 16-bit params twice per micro-batch (forward and backward; the
   // next micro-batch's are prefetched at the end of the step), master and
@@ -106,7 +108,10 @@ TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
   EXPECT_EQ(r.nvme_write_bytes, shard * (4 + 4 + 4 + 2));
   EXPECT_EQ(r.fetches, 6U);
   EXPECT_EQ(r.prefetched, 6U) << "every fetch of a steady-state step follows the trace";
-  EXPECT_EQ(r.new_allocations, 0U) << "a steady-state step allocates nothing from the backends";
+  // Buffers in flight are bounded (prefetch window, gradient backpressure), so
+  // the pools reach their high-water mark in the first steps; how soon depends
+  // on thread timing only until the pools are warm, hence steps 2-7.
+  EXPECT_EQ(late_allocations, 0U) << "steady-state steps allocate nothing from the backends";
   EXPECT_GT(r.peak_cpu_bytes, 0U);
   EXPECT_LE(r.peak_cpu_bytes, r.cpu_budget_bytes);
 }
@@ -140,6 +145,28 @@ TEST(ZeroEngine, Fp16OverflowSkipsExactlyThatStepAndHalvesTheScale) {
   // The reference ran 2 steps at scale 4096; the engine's second good step
   // ran at 2048, which only changes the (exact, power-of-two) scaling.
   auto c = compare_masters(e, ref);
+  ASSERT_TRUE(c.ok());
+  EXPECT_LE(c->max_abs, 1e-6);
+}
+
+TEST(ZeroEngine, TheLearningRateCanChangeBetweenSteps) {
+  TempDir nvme;
+  const tz::Config config = test_config(nvme.path(), 3, 1);
+  auto engine = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  EXPECT_EQ((*engine)->set_learning_rate(-1).code(), tz::ErrorCode::kInvalidArgument);
+  EXPECT_EQ((*engine)->set_learning_rate(NAN).code(), tz::ErrorCode::kInvalidArgument);
+  tz::mlp::Reference ref(kMlp, config, 1);
+  for (int step = 0; step < 3; ++step) {
+    const double lr = 1e-3 * (step + 1) / 3;  // a warmup
+    ASSERT_TRUE((*engine)->set_learning_rate(lr).ok());
+    ASSERT_TRUE(tz::mlp::train_micro_batch(**engine, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step)).ok());
+    ASSERT_TRUE((*engine)->step().ok());
+    ref.set_learning_rate(lr);
+    ref.train_step(step);
+  }
+  EXPECT_EQ((*engine)->optimizer_steps(), 3);
+  auto c = compare_masters(**engine, ref);
   ASSERT_TRUE(c.ok());
   EXPECT_LE(c->max_abs, 1e-6);
 }

@@ -2,8 +2,10 @@
 // with a CPU twin that has the same contract (CPU twins run on the Host
 // backend and are the reference the CUDA versions are tested against).
 //
-// This first set converts fp32 to the 16-bit formats the engine stores
-// parameters in. Rounding: round-to-nearest-even for finite values, overflow
+// The casts convert fp32 to the 16-bit formats the engine stores parameters
+// in; the optimizer kernels (below the casts) are what a step on the device
+// needs: gradient unscaling with an inf/NaN check, per-tensor squared norms
+// over many tensors in one call, and Adam/AdamW on fp32 master weights. Rounding: round-to-nearest-even for finite values, overflow
 // to fp16 goes to +-inf as IEEE conversion does; CUDA and CPU agree bit for bit
 // there. NaN stays NaN (quiet), but its payload and sign may differ between
 // the CPU twin (kept) and CUDA (canonical NaN).
@@ -40,5 +42,62 @@ bool cuda_kernels_built();
 // Status in builds without CUDA.
 Status cast_fp32_to_bf16_cuda(const float* d_src, std::uint16_t* d_dst, std::size_t n, void* cuda_stream);
 Status cast_fp32_to_fp16_cuda(const float* d_src, std::uint16_t* d_dst, std::size_t n, void* cuda_stream);
+
+// ---------------------------------------------------------------- optimizer kernels
+//
+//   bool bad = tz::kernels::unscale_cpu(grad, n, 1.0F / loss_scale);
+//   TZ_TRY(tz::kernels::unscale_cuda(d_grad, n, 1.0F / loss_scale, d_found, stream));
+//   TZ_TRY(tz::kernels::squared_norms_cuda(tensors.data(), tensors.size(), d_norms, stream));
+//   TZ_TRY(tz::kernels::adam_step_cuda({d_param, d_grad, d_m, d_v, d_param16}, n, hyper, stream));
+
+// g (n,) fp32 *= inv_scale, in place. The CPU twin returns whether any
+// element is inf or NaN (before or after scaling); the CUDA kernel sets
+// *d_found_non_finite (an int in device memory) to 1 when it finds one and
+// never clears it, so one flag can collect several calls: zero it first.
+// A power-of-two inv_scale (dynamic loss scaling) is exact.
+bool unscale_cpu(float* g, std::size_t n, float inv_scale);
+Status unscale_cuda(float* d_g, std::size_t n, float inv_scale, int* d_found_non_finite, void* cuda_stream);
+
+// One fp32 tensor of a multi-tensor call.
+struct TensorRef {
+  const float* data = nullptr;   // host memory for the CPU twin, device memory for CUDA
+  std::size_t numel = 0;
+};
+
+// out[t] = the sum of squares of tensors[t], for `count` tensors in one call.
+// CPU twin: summed in double, out in host memory. CUDA: fp32 per thread over
+// fixed 64 Ki-element chunks, double across threads and chunks, in a fixed
+// order, so the same inputs give the same bits; `tensors` is a host array
+// (of device pointers) and d_out (count,) doubles in device memory. Both
+// agree with an exact sum to ~1e-6 relative. Non-finite elements make the
+// sum non-finite (that is the overflow check of the step).
+void squared_norms_cpu(const TensorRef* tensors, std::size_t count, double* out);
+Status squared_norms_cuda(const TensorRef* tensors, std::size_t count, double* d_out, void* cuda_stream);
+
+// Adam / AdamW on fp32 master weights, torch.optim semantics: with
+// g = grad * grad_scale (unscaling and clipping folded into one factor),
+//   Adam:  g += weight_decay * p          AdamW: p *= 1 - lr * weight_decay
+//   m = beta1 m + (1 - beta1) g,  v = beta2 v + (1 - beta2) g^2
+//   p -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+// in fp32 per element (the bias corrections in double, once per call).
+// param16, when not null, receives bf16(p) (the engine's 16-bit copy-out).
+struct AdamHyper {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  bool adamw = true;
+  std::int64_t step = 1;         // 1-based: the step being taken
+  double grad_scale = 1;
+};
+struct AdamTensors {
+  float* param = nullptr;            // (n,) fp32 master weights, updated
+  const float* grad = nullptr;       // (n,) fp32
+  float* exp_avg = nullptr;          // (n,) fp32 first moment, updated
+  float* exp_avg_sq = nullptr;       // (n,) fp32 second moment, updated
+  std::uint16_t* param16 = nullptr;  // (n,) bf16 copy-out, or null
+};
+// The CPU twin (a plain loop: cpu_adam is the fast CPU optimizer; this is
+// the CUDA kernel's reference). Invalid hyper-parameters (step < 1, betas
+// outside [0, 1)) are an InvalidArgument naming the value, for both.
+Status adam_step_cpu(const AdamTensors& t, std::size_t n, const AdamHyper& h);
+Status adam_step_cuda(const AdamTensors& d_t, std::size_t n, const AdamHyper& h, void* cuda_stream);
 
 }  // namespace tz::kernels

@@ -74,6 +74,7 @@ class Reference {
   // Block b's fp32 master weights in the engine's layout (whole, padded).
   std::vector<float> master(std::size_t block) const;
   const ModelLayout& layout() const { return layout_; }
+  void set_learning_rate(double lr) { config_.optimizer.lr = lr; }
 
  private:
   MlpConfig cfg_;

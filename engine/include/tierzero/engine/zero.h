@@ -173,6 +173,11 @@ class ZeroEngine {
 
   // The loss scale to multiply the loss by (1 without fp16).
   virtual double loss_scale() const = 0;
+  // Optimizer steps taken (restored by load_checkpoint).
+  virtual std::int64_t optimizer_steps() const = 0;
+  // The learning rate for the next steps (schedules: warmup, decay); must be
+  // finite and > 0 (InvalidArgument naming it otherwise).
+  virtual Status set_learning_rate(double lr) = 0;
   virtual const ModelLayout& layout() const = 0;
   virtual const Plan& plan() const = 0;
   virtual ElemType param_type() const = 0;

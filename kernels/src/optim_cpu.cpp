@@ -1,0 +1,53 @@
+// The optimizer kernels' CPU twins (tierzero/kernels.h), and the CUDA entry
+// points of builds without CUDA.
+#include <cmath>
+
+#include "adam_math.h"
+#include "optim_coef.h"
+#include "tierzero/kernels.h"
+
+namespace tz::kernels {
+
+bool unscale_cpu(float* g, std::size_t n, float inv_scale) {
+  bool non_finite = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    non_finite |= !std::isfinite(g[i]);
+    g[i] *= inv_scale;
+    non_finite |= !std::isfinite(g[i]);
+  }
+  return non_finite;
+}
+
+void squared_norms_cpu(const TensorRef* tensors, std::size_t count, double* out) {
+  for (std::size_t t = 0; t < count; ++t) {
+    double sum = 0;
+    for (std::size_t i = 0; i < tensors[t].numel; ++i) {
+      const double x = tensors[t].data[i];
+      sum += x * x;
+    }
+    out[t] = sum;
+  }
+}
+
+Status adam_step_cpu(const AdamTensors& t, std::size_t n, const AdamHyper& h) {
+  TZ_ASSIGN_OR_RETURN(detail::AdamCoef c, detail::adam_coef(h));
+  for (std::size_t i = 0; i < n; ++i) {
+    detail::adam_element(t.param[i], t.grad[i], t.exp_avg[i], t.exp_avg_sq[i], c);
+    if (t.param16 != nullptr) t.param16[i] = fp32_to_bf16(t.param[i]);
+  }
+  return ok_status();
+}
+
+#if !defined(TIERZERO_WITH_CUDA)
+Status unscale_cuda(float*, std::size_t, float, int*, void*) {
+  return unavailable("unscale_cuda: built without CUDA (-DTIERZERO_CUDA=OFF)");
+}
+Status squared_norms_cuda(const TensorRef*, std::size_t, double*, void*) {
+  return unavailable("squared_norms_cuda: built without CUDA (-DTIERZERO_CUDA=OFF)");
+}
+Status adam_step_cuda(const AdamTensors&, std::size_t, const AdamHyper&, void*) {
+  return unavailable("adam_step_cuda: built without CUDA (-DTIERZERO_CUDA=OFF)");
+}
+#endif
+
+}  // namespace tz::kernels

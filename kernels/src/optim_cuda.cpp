@@ -1,0 +1,34 @@
+// Status wrappers around the optimizer kernels' launchers (see cuda_launch.h
+// for why the .cu files stay free of tierzero's headers).
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "cuda_launch.h"
+#include "optim_coef.h"
+#include "tierzero/common/checks.h"
+#include "tierzero/kernels.h"
+
+namespace tz::kernels {
+
+Status unscale_cuda(float* d_g, std::size_t n, float inv_scale, int* d_found_non_finite, void* cuda_stream) {
+  if (n > 0 && d_found_non_finite == nullptr) return invalid_argument("unscale_cuda: no inf/NaN flag given");
+  TZ_CUDA_CHECK(launch::unscale(d_g, n, inv_scale, d_found_non_finite, static_cast<cudaStream_t>(cuda_stream)));
+  return ok_status();
+}
+
+Status squared_norms_cuda(const TensorRef* tensors, std::size_t count, double* d_out, void* cuda_stream) {
+  std::vector<launch::Tensor> list(count);
+  for (std::size_t t = 0; t < count; ++t) list[t] = {tensors[t].data, tensors[t].numel};
+  TZ_CUDA_CHECK(launch::squared_norms(list.data(), count, d_out, static_cast<cudaStream_t>(cuda_stream)));
+  return ok_status();
+}
+
+Status adam_step_cuda(const AdamTensors& d_t, std::size_t n, const AdamHyper& h, void* cuda_stream) {
+  TZ_ASSIGN_OR_RETURN(detail::AdamCoef c, detail::adam_coef(h));
+  TZ_CUDA_CHECK(launch::adam_step(d_t.param, d_t.grad, d_t.exp_avg, d_t.exp_avg_sq, d_t.param16, n, c,
+                                  static_cast<cudaStream_t>(cuda_stream)));
+  return ok_status();
+}
+
+}  // namespace tz::kernels

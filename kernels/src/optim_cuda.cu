@@ -1,0 +1,136 @@
+// CUDA optimizer kernels (tierzero/kernels.h): unscale with an inf/NaN flag,
+// multi-tensor squared norms, Adam/AdamW with the bf16 copy-out.
+//
+// Note [Deterministic norms]
+// The squared norms cut every tensor into chunks of kNormChunk elements; one
+// block sums one chunk (fp32 per thread over a fixed stride, then a fixed
+// shared-memory tree in double), writing one partial per chunk; a second
+// kernel adds each tensor's partials in chunk order. Nothing depends on
+// scheduling or atomics, so the same inputs give the same bits on every run.
+#include <cuda_bf16.h>
+
+#include <vector>
+
+#include "cuda_launch.h"
+
+namespace tz::kernels::launch {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr std::size_t kNormChunk = 65536;
+
+unsigned grid_for(std::size_t n) {
+  constexpr std::size_t kMaxBlocks = 65535 * 8;
+  const std::size_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks == 0 ? 1 : (blocks < kMaxBlocks ? blocks : kMaxBlocks));
+}
+
+__global__ void unscale_kernel(float* __restrict__ g, std::size_t n, float inv_scale, int* found) {
+  bool bad = false;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const float x = g[i];
+    const float y = x * inv_scale;
+    bad |= !isfinite(x) || !isfinite(y);
+    g[i] = y;
+  }
+  if (bad) *found = 1;  // every writer writes the same value
+}
+
+struct NormChunk {
+  const float* data;
+  unsigned long long numel;
+};
+
+__global__ void norm_partials_kernel(const NormChunk* __restrict__ chunks, double* __restrict__ partials) {
+  __shared__ double tree[kThreads];
+  const NormChunk c = chunks[blockIdx.x];
+  float sum = 0;
+  for (unsigned long long i = threadIdx.x; i < c.numel; i += kThreads) sum += c.data[i] * c.data[i];
+  tree[threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) tree[threadIdx.x] += tree[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = tree[0];
+}
+
+// first[t] .. first[t + 1]: tensor t's chunks.
+__global__ void norm_finish_kernel(const double* __restrict__ partials, const unsigned long long* __restrict__ first,
+                                   std::size_t count, double* __restrict__ out) {
+  const std::size_t t = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (t >= count) return;
+  double sum = 0;
+  for (unsigned long long c = first[t]; c < first[t + 1]; ++c) sum += partials[c];
+  out[t] = sum;
+}
+
+__global__ void adam_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                            float* __restrict__ v, __nv_bfloat16* __restrict__ p16, std::size_t n,
+                            detail::AdamCoef coef) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    detail::adam_element(pi, g[i], mi, vi, coef);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if (p16 != nullptr) p16[i] = __float2bfloat16_rn(pi);
+  }
+}
+
+}  // namespace
+
+cudaError_t unscale(float* d_g, std::size_t n, float inv_scale, int* d_found_non_finite, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  unscale_kernel<<<grid_for(n), kThreads, 0, stream>>>(d_g, n, inv_scale, d_found_non_finite);
+  return cudaGetLastError();
+}
+
+cudaError_t squared_norms(const Tensor* tensors, std::size_t count, double* d_out, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  // One upload: the chunk list, then each tensor's first chunk (count + 1 entries).
+  std::vector<NormChunk> chunks;
+  std::vector<unsigned long long> first;
+  for (std::size_t t = 0; t < count; ++t) {
+    first.push_back(chunks.size());
+    for (std::size_t at = 0; at < tensors[t].numel; at += kNormChunk) {
+      const std::size_t len = tensors[t].numel - at < kNormChunk ? tensors[t].numel - at : kNormChunk;
+      chunks.push_back({tensors[t].data + at, len});
+    }
+  }
+  first.push_back(chunks.size());
+  const std::size_t chunk_bytes = chunks.size() * sizeof(NormChunk), first_bytes = first.size() * sizeof(first[0]);
+  void* d_meta = nullptr;
+  double* d_partials = nullptr;
+  cudaError_t err = cudaMallocAsync(&d_meta, chunk_bytes + first_bytes, stream);
+  if (err == cudaSuccess) err = cudaMallocAsync(reinterpret_cast<void**>(&d_partials), (chunks.size() + 1) * sizeof(double), stream);
+  // Pageable sources: cudaMemcpyAsync has staged them when it returns, so the vectors may go.
+  if (err == cudaSuccess && !chunks.empty()) err = cudaMemcpyAsync(d_meta, chunks.data(), chunk_bytes, cudaMemcpyHostToDevice, stream);
+  auto* d_first = reinterpret_cast<unsigned long long*>(static_cast<char*>(d_meta) + chunk_bytes);
+  if (err == cudaSuccess) err = cudaMemcpyAsync(d_first, first.data(), first_bytes, cudaMemcpyHostToDevice, stream);
+  if (err == cudaSuccess && !chunks.empty()) {
+    norm_partials_kernel<<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(
+        static_cast<const NormChunk*>(d_meta), d_partials);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess) {
+    norm_finish_kernel<<<static_cast<unsigned>((count + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        d_partials, d_first, count, d_out);
+    err = cudaGetLastError();
+  }
+  if (d_partials != nullptr) cudaFreeAsync(d_partials, stream);
+  if (d_meta != nullptr) cudaFreeAsync(d_meta, stream);
+  return err;
+}
+
+cudaError_t adam_step(float* d_param, const float* d_grad, float* d_m, float* d_v, std::uint16_t* d_param16,
+                      std::size_t n, const detail::AdamCoef& coef, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  adam_kernel<<<grid_for(n), kThreads, 0, stream>>>(d_param, d_grad, d_m, d_v,
+                                                     reinterpret_cast<__nv_bfloat16*>(d_param16), n, coef);
+  return cudaGetLastError();
+}
+
+}  // namespace tz::kernels::launch

@@ -1,0 +1,113 @@
+// The GPT on in-memory weights (tierzero/train/gpt.h): the whole model's
+// backward against finite differences in double, float against double, and
+// the model description the engine gets.
+#include <cmath>
+
+#include "tierzero/train.h"
+#include "train_test_util.h"
+
+namespace tzt {
+namespace {
+
+using tz::train::GptConfig;
+
+template <typename T>
+std::vector<std::vector<T>> initial_weights(const GptConfig& cfg, const tz::ModelLayout& layout) {
+  const tz::ParamInit init = tz::train::init(cfg);
+  std::vector<std::vector<T>> out;
+  for (std::size_t b = 0; b < layout.blocks.size(); ++b) {
+    const tz::BlockLayout& block = layout.blocks[b];
+    std::vector<float> flat(block.used_numel, 0.0F);
+    for (std::size_t p = 0; p < block.params.size(); ++p) {
+      init(b, p, flat.data() + block.params[p].offset, block.params[p].numel);
+    }
+    out.emplace_back(flat.begin(), flat.end());
+  }
+  return out;
+}
+
+tz::train::TokenBatch random_batch(std::mt19937_64& rng, int batch, int seq, int vocab) {
+  tz::train::TokenBatch b{batch, seq, std::vector<std::int32_t>(batch * seq), std::vector<std::int32_t>(batch * seq)};
+  for (auto& t : b.inputs) t = static_cast<std::int32_t>(rng() % vocab);
+  for (auto& t : b.targets) t = static_cast<std::int32_t>(rng() % vocab);
+  return b;
+}
+
+// Small enough to difference every block; init_std large and every weight
+// jittered so LayerNorm weights differ from 1, biases from 0, and no path is idle.
+constexpr GptConfig kTiny{.layers = 2, .hidden = 12, .heads = 3, .seq = 6, .batch = 2, .vocab = 10, .init_std = 0.3};
+
+TEST(Gpt, WholeModelBackwardMatchesFiniteDifferences) {
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const tz::ModelLayout layout = tz::ModelLayout::make(tz::train::model(kTiny), 1, 0).value();
+  auto weights = initial_weights<double>(kTiny, layout);
+  for (auto& block : weights) {
+    const auto jitter = random_vector(rng, block.size(), 0.1);
+    for (std::size_t i = 0; i < block.size(); ++i) block[i] += jitter[i];
+  }
+  const tz::train::TokenBatch batch = random_batch(rng, kTiny.batch, 5, kTiny.vocab);  // shorter than the context
+  std::vector<std::vector<double>> grads;
+  for (const auto& b : weights) grads.emplace_back(b.size(), 0.0);
+  const double loss = tz::train::forward_backward<double>(kTiny, layout, weights, batch, 1.0, &grads);
+  EXPECT_GT(loss, 0.0);
+  auto objective = [&] { return tz::train::forward_backward<double>(kTiny, layout, weights, batch, 1.0, nullptr); };
+  for (std::size_t b = 0; b < weights.size(); ++b) {
+    const FdResult fd = fd_check(weights[b], grads[b], objective, 200);
+    report(("whole model, block " + layout.blocks[b].name).c_str(), fd);
+    EXPECT_LE(fd.max_rel, kFdTolerance) << layout.blocks[b].name << " seed " << seed;
+  }
+}
+
+TEST(Gpt, FloatModelMatchesTheDoubleModel) {
+  std::mt19937_64 rng(fresh_seed());
+  const GptConfig cfg{.layers = 2, .hidden = 32, .heads = 4, .seq = 16, .batch = 2, .vocab = 40, .init_std = 0.1};
+  const tz::ModelLayout layout = tz::ModelLayout::make(tz::train::model(cfg), 1, 0).value();
+  const auto wd = initial_weights<double>(cfg, layout);
+  const auto wf = initial_weights<float>(cfg, layout);
+  const tz::train::TokenBatch batch = random_batch(rng, cfg.batch, cfg.seq, cfg.vocab);
+  std::vector<std::vector<double>> gd;
+  std::vector<std::vector<float>> gf;
+  for (const auto& b : wd) {
+    gd.emplace_back(b.size(), 0.0);
+    gf.emplace_back(b.size(), 0.0F);
+  }
+  const double ld = tz::train::forward_backward<double>(cfg, layout, wd, batch, 1.0, &gd);
+  const double lf = tz::train::forward_backward<float>(cfg, layout, wf, batch, 1.0, &gf);
+  EXPECT_NEAR(lf, ld, 1e-5 * ld);
+  double worst = 0;
+  for (std::size_t b = 0; b < gd.size(); ++b) worst = std::max(worst, float_vs_double(gf[b], gd[b]));
+  std::printf("[ gpt    ] float vs double: loss %.9g vs %.9g, largest gradient error %.3g of the block's largest\n", lf,
+              ld, worst);
+  EXPECT_LE(worst, kFloatTolerance);
+}
+
+TEST(Gpt, ModelDescriptionCountsAndInitialisesLikeGpt2) {
+  const GptConfig cfg{.layers = 3, .hidden = 48, .heads = 4, .seq = 20, .vocab = 256};
+  ASSERT_TRUE(cfg.validate().ok());
+  const tz::ModelLayout layout = tz::ModelLayout::make(tz::train::model(cfg), 1, 0).value();
+  EXPECT_EQ(layout.param_numel, cfg.param_count());
+  EXPECT_EQ(layout.blocks.size(), 4U);
+  EXPECT_EQ(layout.blocks[0].name, "embed");
+  const auto w = initial_weights<double>(cfg, layout);
+  auto stddev = [&](std::size_t b, std::size_t p) {
+    const tz::ParamLayout& pl = layout.blocks[b].params[p];
+    double ss = 0;
+    for (std::uint64_t i = 0; i < pl.numel; ++i) ss += w[b][pl.offset + i] * w[b][pl.offset + i];
+    return std::sqrt(ss / static_cast<double>(pl.numel));
+  };
+  EXPECT_NEAR(stddev(0, tz::train::kWte), 0.02, 0.001);
+  EXPECT_NEAR(stddev(1, tz::train::kFcW), 0.02, 0.001);
+  EXPECT_NEAR(stddev(2, tz::train::kProjW), 0.02 / std::sqrt(6.0), 0.001);
+  EXPECT_EQ(stddev(1, tz::train::kLn1W), 1.0);
+  EXPECT_EQ(stddev(1, tz::train::kQkvB), 0.0);
+  EXPECT_EQ(stddev(0, tz::train::kLnfB), 0.0);
+  GptConfig bad = cfg;
+  bad.heads = 5;
+  const tz::Status s = bad.validate();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("hidden = 48 is not divisible by heads = 5"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace tzt

@@ -1,0 +1,52 @@
+# tierzero-train end to end (ctest TrainResumeContinuesTheUnbrokenRun):
+#   1. an unbroken run of 16 steps of the tiny preset, states on NVMe;
+#   2. 8 steps saving a checkpoint, then 8 more resumed from it in a new process.
+# The resumed run must print the loss of every step 9..16 exactly as the
+# unbroken run did (the loss CSV has 10 significant digits; resuming is
+# bit for bit), and the unbroken run's loss must fall.
+# Inputs: -DTRAIN=<tierzero-train> -DWORK_DIR=<scratch directory>.
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+
+function(train name)
+  execute_process(COMMAND "${TRAIN}" --preset tiny --eval-every 0 --log-every 4 --nvme-path "${WORK_DIR}/nvme-${name}"
+                          --out "${WORK_DIR}/${name}" ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  message("---- tierzero-train ${ARGN}\n${out}")
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "tierzero-train ${ARGN} exited with ${rc}:\n${err}")
+  endif()
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+
+# step -> loss, from a loss.csv
+function(read_losses csv prefix)
+  file(STRINGS "${csv}" lines)
+  foreach(line IN LISTS lines)
+    if(line MATCHES "^([0-9]+),([^,]+),")
+      set(${prefix}_${CMAKE_MATCH_1} "${CMAKE_MATCH_2}" PARENT_SCOPE)
+    endif()
+  endforeach()
+endfunction()
+
+train(full --steps 16)
+if(NOT last_output MATCHES "the loss fell")
+  message(FATAL_ERROR "the unbroken run's loss did not fall")
+endif()
+train(first --steps 8 --save "${WORK_DIR}/ckpt")
+train(resumed --steps 8 --resume "${WORK_DIR}/ckpt")
+if(NOT last_output MATCHES "resumed from .* at step 8")
+  message(FATAL_ERROR "the resumed run did not start at step 8")
+endif()
+
+read_losses("${WORK_DIR}/full/loss.csv" full)
+read_losses("${WORK_DIR}/resumed/loss.csv" resumed)
+foreach(step RANGE 9 16)
+  if(NOT DEFINED resumed_${step})
+    message(FATAL_ERROR "the resumed run has no loss for step ${step}")
+  endif()
+  if(NOT "${full_${step}}" STREQUAL "${resumed_${step}}")
+    message(FATAL_ERROR "step ${step}: unbroken run loss ${full_${step}}, resumed run ${resumed_${step}}")
+  endif()
+endforeach()
+message("resumed run matches the unbroken run: steps 9..16, loss ${full_9} .. ${full_16}")

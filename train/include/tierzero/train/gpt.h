@@ -1,0 +1,149 @@
+// A GPT-style decoder trained through ZeroEngine on the CPU.
+//
+// The model (GPT-2's shape): token and position embeddings; `layers`
+// pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP
+// (4x wide), each with a residual connection; a final LayerNorm; the LM head
+// tied to the token embedding; mean cross-entropy over every position.
+//
+// How it is registered with the engine (tz::train::model):
+//   block 0       "embed": wte (vocab, hidden), wpe (seq, hidden), ln_f.w, ln_f.b (hidden)
+//   block 1 + l   "h<l>":  ln1.w, ln1.b, attn.qkv.w (3h, h), attn.qkv.b, attn.proj.w (h, h),
+//                          attn.proj.b, ln2.w, ln2.b, mlp.fc.w (4h, h), mlp.fc.b, mlp.proj.w (h, 4h),
+//                          mlp.proj.b
+// Linear weights are (out, in), as nn.Linear stores them, so the engine's
+// safetensors export reads like a PyTorch GPT's state dict.
+//
+// One micro-batch (GptTrainer::train_micro_batch) fetches blocks in the order
+// embed, h0 .. h<L-1>, embed (the head, kept through its backward),
+// h<L-1> .. h0; see Note [Tied embedding] in gpt.cpp for how the two uses of
+// wte share one gradient. Arithmetic is fp32 on the engine's parameters
+// (bf16, fp16, or fp32 when the config enables neither), as tz::mlp does;
+// the operators are in tierzero/train/ops.h.
+//
+//   tz::train::GptConfig cfg{.layers = 4, .hidden = 256, .heads = 4, .seq = 128, .batch = 8};
+//   TZ_TRY(cfg.validate());
+//   TZ_ASSIGN_OR_RETURN(auto engine, tz::ZeroEngine::create(opts, tz::train::model(cfg), tz::train::init(cfg)));
+//   TZ_ASSIGN_OR_RETURN(auto gpt, tz::train::GptTrainer::create(*engine, cfg));
+//   for (step ...) {
+//     for (micro ...) {
+//       TZ_ASSIGN_OR_RETURN(double loss, gpt->train_micro_batch(batch));
+//       TZ_ASSIGN_OR_RETURN(tz::StepReport r, engine->step());
+//     }
+//   }
+//
+// Threads: one training thread calls a GptTrainer (as for ZeroEngine); the
+// operators inside spread over the cores with oneTBB.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "tierzero/engine.h"
+#include "tierzero/train/data.h"
+
+namespace tz::train {
+
+struct GptConfig {
+  int layers = 2;
+  int hidden = 64;
+  int heads = 4;
+  int seq = 32;             // context length (wpe rows); batches may be shorter
+  int batch = 2;            // sequences per micro-batch per rank
+  int vocab = kByteVocab;
+  std::uint64_t seed = 1234;   // initial weights
+  double init_std = 0.02;      // GPT-2's; residual projections get init_std / sqrt(2 layers)
+
+  // Every size >= 1, hidden divisible by heads; the error names the value.
+  Status validate() const;
+  std::uint64_t param_count() const;   // what the engine's layout counts (no padding)
+  // Training FLOPs per token (forward + backward): 6 x parameters (the tied
+  // head's matmul counted once through wte) + 12 x layers x hidden x seq for
+  // attention's score and value products, the usual estimate (PaLM, app. B).
+  double flops_per_token() const;
+};
+
+// Parameter indices within the blocks.
+enum EmbedParam : std::size_t { kWte = 0, kWpe, kLnfW, kLnfB, kNumEmbedParams };
+enum LayerParam : std::size_t {
+  kLn1W = 0, kLn1B, kQkvW, kQkvB, kProjW, kProjB, kLn2W, kLn2B, kFcW, kFcB, kFc2W, kFc2B, kNumLayerParams
+};
+
+std::vector<BlockSpec> model(const GptConfig& cfg);
+// GPT-2's initialisation: linear and embedding weights normal(0, init_std),
+// attn.proj.w and mlp.proj.w normal(0, init_std / sqrt(2 layers)), biases 0,
+// LayerNorm weights 1. Counter-based, so every rank produces the same values.
+ParamInit init(const GptConfig& cfg);
+
+// Drives micro-batches of the GPT through an engine created from model(cfg).
+class GptTrainer {
+ public:
+  // Checks that the engine's layout is model(cfg)'s (block and parameter
+  // names and shapes); the error names the first difference.
+  static Expected<std::unique_ptr<GptTrainer>> create(ZeroEngine& engine, const GptConfig& cfg);
+  ~GptTrainer();
+
+  // Forward, loss, backward and reduce_grads for every block; not step().
+  // The loss is multiplied by engine.loss_scale() for backward (fp16); the
+  // returned loss is the unscaled mean cross-entropy. Tokens must lie in
+  // [0, vocab) and batch.seq <= cfg.seq (an InvalidArgument otherwise).
+  Expected<double> train_micro_batch(const TokenBatch& batch);
+
+  // The mean loss over `batches` without training. It reads the fp32 master
+  // weights (ZeroEngine::gather_master, rounded to the parameter type, which
+  // is exactly what fetch would hand out: bf16, fp16, or fp32 itself) instead of fetching, so an
+  // evaluation between steps leaves the prefetch trace alone; each block is
+  // read once for all the batches (4 B/param from the master's tier). A
+  // collective: every rank calls it at the same point, between steps.
+  Expected<double> eval_loss(const std::vector<TokenBatch>& batches);
+
+ private:
+  struct State;
+  explicit GptTrainer(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// The whole model on in-memory weights: weights[b] is block b's parameters
+// laid out as layout.blocks[b] lays them (used_numel elements). Returns the
+// mean loss; when `grads` is given, grads[b] (same layout) gets d(loss *
+// loss_scale) added. float runs exactly the arithmetic GptTrainer runs; double
+// is what the finite-difference tests check against.
+template <typename T>
+double forward_backward(const GptConfig& cfg, const ModelLayout& layout, const std::vector<std::vector<T>>& weights,
+                        const TokenBatch& batch, double loss_scale, std::vector<std::vector<T>>* grads);
+
+// Micro-batch `micro` of rank `rank` in optimizer step `step`.
+using BatchFn = std::function<TokenBatch(int rank, int micro, std::int64_t step)>;
+
+// The same training with every state in memory, like tz::mlp::Reference:
+// fp32 master weights, the 16-bit parameters rounded from them, each rank's
+// gradients rounded to the gradient type and summed over ranks in it, the
+// mean over ranks and micro-batches in fp32, global-norm clipping, and a
+// plain Adam/AdamW in double (torch.optim semantics).
+class Reference {
+ public:
+  // grad_type: the engine's (ZeroOptions::grad_type; default the parameter type).
+  Reference(const GptConfig& cfg, const Config& config, int world_size, BatchFn batches,
+            std::optional<ElemType> grad_type = {});
+  // One optimizer step over world_size ranks x gradient_accumulation_steps
+  // micro-batches. Returns the mean loss.
+  double train_step(std::int64_t step);
+  // Block b's fp32 master weights in the engine's layout (whole, padded).
+  std::vector<float> master(std::size_t block) const;
+  const ModelLayout& layout() const { return layout_; }
+
+ private:
+  GptConfig cfg_;
+  Config config_;
+  int world_ = 1;
+  BatchFn batches_;
+  ElemType param_type_ = ElemType::kBf16, grad_type_ = ElemType::kBf16;
+  ModelLayout layout_;
+  std::vector<std::vector<float>> master_;   // per block, (used_numel,)
+  std::vector<std::vector<double>> m_, v_;
+  std::int64_t steps_ = 0;
+};
+
+}  // namespace tz::train

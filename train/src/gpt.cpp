@@ -1,0 +1,320 @@
+// The GPT model description, its initialisation, the in-memory
+// forward_backward, and GptTrainer driving it through ZeroEngine
+// (tierzero/train/gpt.h).
+//
+// Note [Tied embedding]
+// wte is used twice: by the lookup at the bottom and by the LM head at the
+// top. Both uses live in one engine block ("embed": wte, wpe, ln_f), so the
+// weight is stored, offloaded and stepped once. In a micro-batch the block is
+// fetched twice: at the start (lookup) and after the last transformer block,
+// when it is held through the final LayerNorm, the head, the loss and the
+// head's backward. Its gradient must be reduced once per micro-batch (a
+// block's gradients are one reduce-scatter and one accumulation; reducing it
+// twice would also double its traffic and round twice), so the trainer keeps
+// the embed block's gradient in its own fp32 buffer, laid out like the block:
+// the head's backward writes d wte (head part) and d ln_f into it, the
+// transformer blocks' backward runs, then the lookup's backward adds d wte
+// (rows of the tokens seen) and d wpe. Only then does it ask the engine for
+// the block's gradient buffer, store the sum in the gradient type (one
+// rounding), and call reduce_grads. The lookup's backward needs no weights,
+// so the block is not fetched a third time. The fp32 buffer costs
+// (vocab + seq + 2) x hidden x 4 bytes of trainer memory, beside the
+// activations.
+#include "tierzero/train/gpt.h"
+
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <cstring>
+#include <numbers>
+
+#include "passes.h"
+#include "tierzero/kernels.h"
+
+namespace tz::train {
+namespace {
+
+std::uint64_t mix(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+// A standard normal from a counter (Box-Muller on two hashed uniforms).
+double normal(std::uint64_t key) {
+  const double u1 = (static_cast<double>(mix(key) >> 11) + 0.5) * 0x1p-53;
+  const double u2 = static_cast<double>(mix(key ^ 0xA5A5A5A5A5A5A5A5ULL) >> 11) * 0x1p-53;
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- the model
+
+Status GptConfig::validate() const {
+  auto positive = [](const char* name, long long v) -> Status {
+    if (v < 1) return invalid_argument("GPT config: {} = {} must be >= 1", name, v);
+    return ok_status();
+  };
+  TZ_TRY(positive("layers", layers));
+  TZ_TRY(positive("hidden", hidden));
+  TZ_TRY(positive("heads", heads));
+  TZ_TRY(positive("seq", seq));
+  TZ_TRY(positive("batch", batch));
+  TZ_TRY(positive("vocab", vocab));
+  if (hidden % heads != 0) return invalid_argument("GPT config: hidden = {} is not divisible by heads = {}", hidden, heads);
+  if (!(init_std > 0)) return invalid_argument("GPT config: init_std = {} must be > 0", init_std);
+  return ok_status();
+}
+
+std::uint64_t GptConfig::param_count() const {
+  const auto h = static_cast<std::uint64_t>(hidden);
+  const std::uint64_t embed = static_cast<std::uint64_t>(vocab) * h + static_cast<std::uint64_t>(seq) * h + 2 * h;
+  return embed + static_cast<std::uint64_t>(layers) * (12 * h * h + 13 * h);
+}
+
+double GptConfig::flops_per_token() const {
+  return 6.0 * static_cast<double>(param_count()) + 12.0 * layers * hidden * static_cast<double>(seq);
+}
+
+std::vector<BlockSpec> model(const GptConfig& cfg) {
+  const std::int64_t h = cfg.hidden;
+  std::vector<BlockSpec> out;
+  out.push_back({"embed", {{"wte", {cfg.vocab, h}}, {"wpe", {cfg.seq, h}}, {"ln_f.w", {h}}, {"ln_f.b", {h}}}});
+  for (int l = 0; l < cfg.layers; ++l) {
+    out.push_back({fmt::format("h{}", l),
+                   {{"ln1.w", {h}}, {"ln1.b", {h}}, {"attn.qkv.w", {3 * h, h}}, {"attn.qkv.b", {3 * h}},
+                    {"attn.proj.w", {h, h}}, {"attn.proj.b", {h}}, {"ln2.w", {h}}, {"ln2.b", {h}},
+                    {"mlp.fc.w", {4 * h, h}}, {"mlp.fc.b", {4 * h}}, {"mlp.proj.w", {h, 4 * h}},
+                    {"mlp.proj.b", {h}}}});
+  }
+  return out;
+}
+
+ParamInit init(const GptConfig& cfg) {
+  return [cfg](std::size_t block, std::size_t p, float* out, std::uint64_t numel) {
+    double std_dev = 0;  // 0: a bias
+    bool one = false;    // a LayerNorm weight
+    if (block == 0) {
+      std_dev = p == kWte || p == kWpe ? cfg.init_std : 0;
+      one = p == kLnfW;
+    } else {
+      one = p == kLn1W || p == kLn2W;
+      if (p == kQkvW || p == kFcW) std_dev = cfg.init_std;
+      if (p == kProjW || p == kFc2W) std_dev = cfg.init_std / std::sqrt(2.0 * cfg.layers);
+    }
+    const std::uint64_t key = mix(cfg.seed ^ mix((block << 20) + p));
+    for (std::uint64_t i = 0; i < numel; ++i) {
+      out[i] = one ? 1.0F : std_dev == 0 ? 0.0F : static_cast<float>(std_dev * normal(key + i));
+    }
+  };
+}
+
+namespace {
+
+Status check_batch(const GptConfig& cfg, const TokenBatch& b) {
+  if (b.batch < 1 || b.seq < 1 || b.seq > cfg.seq) {
+    return invalid_argument("batch of {} x {} tokens: need batch >= 1 and 1 <= seq <= {} (the model's context)",
+                            b.batch, b.seq, cfg.seq);
+  }
+  const std::size_t n = static_cast<std::size_t>(b.batch) * b.seq;
+  if (b.inputs.size() != n || b.targets.size() != n) {
+    return invalid_argument("batch of {} x {} tokens has {} inputs and {} targets", b.batch, b.seq, b.inputs.size(),
+                            b.targets.size());
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    for (std::int32_t t : {b.inputs[i], b.targets[i]}) {
+      if (t < 0 || t >= cfg.vocab) return invalid_argument("token {} at position {} is outside [0, {})", t, i, cfg.vocab);
+    }
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+template <typename T>
+double forward_backward(const GptConfig& cfg, const ModelLayout& layout, const std::vector<std::vector<T>>& weights,
+                        const TokenBatch& batch, double loss_scale, std::vector<std::vector<T>>* grads) {
+  const detail::Shape s = detail::shape_of(cfg, batch.batch, batch.seq);
+  const BlockLayout& embed = layout.blocks[0];
+  detail::Workspace<T> ws;
+  ws.resize(s, cfg.layers);
+  detail::embed_forward(s, embed, weights[0].data(), batch.inputs.data(), ws.stream(0));
+  for (std::size_t l = 0; l < static_cast<std::size_t>(cfg.layers); ++l) {
+    detail::layer_forward(s, layout.blocks[1 + l], weights[1 + l].data(), ws, l);
+  }
+  T* g_embed = grads != nullptr ? (*grads)[0].data() : nullptr;
+  const double loss = detail::head(s, embed, weights[0].data(), batch.targets.data(), loss_scale, ws, g_embed);
+  if (grads == nullptr) return loss;
+  for (std::size_t l = static_cast<std::size_t>(cfg.layers); l-- > 0;) {
+    detail::layer_backward(s, layout.blocks[1 + l], weights[1 + l].data(), ws, l, (*grads)[1 + l].data());
+  }
+  detail::embed_backward(s, embed, batch.inputs.data(), ws.dx.data(), g_embed);
+  return loss;
+}
+
+template double forward_backward<float>(const GptConfig&, const ModelLayout&, const std::vector<std::vector<float>>&,
+                                        const TokenBatch&, double, std::vector<std::vector<float>>*);
+template double forward_backward<double>(const GptConfig&, const ModelLayout&, const std::vector<std::vector<double>>&,
+                                         const TokenBatch&, double, std::vector<std::vector<double>>*);
+
+// ---------------------------------------------------------------- GptTrainer
+
+struct GptTrainer::State {
+  ZeroEngine& engine;
+  GptConfig cfg;
+  ElemType param_type, grad_type;
+  detail::Workspace<float> ws;
+  std::vector<float> w;        // (used_numel,) of the block being computed, fp32
+  std::vector<float> w_embed;  // the embed block's weights, for the head
+  std::vector<float> g;        // (used_numel,) the block's gradients, fp32
+  std::vector<float> g_embed;  // Note [Tied embedding]
+
+  const BlockLayout& block(std::size_t b) const { return engine.layout().blocks[b]; }
+
+  // The block's parameters (bf16, fp16, or fp32 without mixed precision) as fp32, into out.
+  void load(const GatheredBlock& p, std::vector<float>& out) const {
+    const std::size_t n = block(p.block()).used_numel;
+    out.resize(n);
+    const auto* src = static_cast<const std::uint16_t*>(p.data());
+    switch (param_type) {
+      case ElemType::kFp32: std::memcpy(out.data(), p.data(), n * sizeof(float)); break;
+      case ElemType::kBf16:
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::uint32_t bits = static_cast<std::uint32_t>(src[i]) << 16;
+          std::memcpy(&out[i], &bits, sizeof(float));
+        }
+        break;
+      case ElemType::kFp16:
+        for (std::size_t i = 0; i < n; ++i) out[i] = kernels::fp16_to_fp32(src[i]);
+        break;
+    }
+  }
+
+  // Hands block b's fp32 gradients to the engine in its gradient type.
+  Status reduce(std::size_t b, const std::vector<float>& grads) {
+    TZ_ASSIGN_OR_RETURN(GradBlock gb, engine.grad_buffer(b));
+    const std::size_t n = block(b).used_numel;
+    switch (grad_type) {
+      case ElemType::kFp32: std::memcpy(gb.data(), grads.data(), n * sizeof(float)); break;
+      case ElemType::kBf16: kernels::cast_fp32_to_bf16_cpu(grads.data(), static_cast<std::uint16_t*>(gb.data()), n); break;
+      case ElemType::kFp16: kernels::cast_fp32_to_fp16_cpu(grads.data(), static_cast<std::uint16_t*>(gb.data()), n); break;
+    }
+    return engine.reduce_grads(std::move(gb));
+  }
+
+  void zero(std::vector<float>& grads, std::size_t b) const { grads.assign(block(b).used_numel, 0.0F); }
+};
+
+GptTrainer::GptTrainer(std::unique_ptr<State> state) : state_(std::move(state)) {}
+GptTrainer::~GptTrainer() = default;
+
+Expected<std::unique_ptr<GptTrainer>> GptTrainer::create(ZeroEngine& engine, const GptConfig& cfg) {
+  TZ_TRY(cfg.validate());
+  const std::vector<BlockSpec> want = model(cfg);
+  const ModelLayout& have = engine.layout();
+  if (have.blocks.size() != want.size()) {
+    return invalid_argument("the engine has {} blocks; a GPT of {} layers has {}", have.blocks.size(), cfg.layers,
+                            want.size());
+  }
+  for (std::size_t b = 0; b < want.size(); ++b) {
+    const BlockLayout& hb = have.blocks[b];
+    if (hb.name != want[b].name || hb.params.size() != want[b].params.size()) {
+      return invalid_argument("engine block {} is \"{}\" with {} parameters; the GPT's is \"{}\" with {}", b, hb.name,
+                              hb.params.size(), want[b].name, want[b].params.size());
+    }
+    for (std::size_t p = 0; p < hb.params.size(); ++p) {
+      if (hb.params[p].name != want[b].params[p].name || hb.params[p].shape != want[b].params[p].shape) {
+        return invalid_argument("engine block {} parameter {} ({}) does not match the GPT's {} of shape [{}]", hb.name,
+                                p, hb.params[p].name, want[b].params[p].name, fmt::join(want[b].params[p].shape, ", "));
+      }
+    }
+  }
+  auto state = std::make_unique<State>(State{.engine = engine, .cfg = cfg, .param_type = engine.param_type(),
+                                             .grad_type = engine.grad_type()});
+  return std::unique_ptr<GptTrainer>(new GptTrainer(std::move(state)));
+}
+
+Expected<double> GptTrainer::train_micro_batch(const TokenBatch& batch) {
+  State& st = *state_;
+  TZ_TRY(check_batch(st.cfg, batch));
+  const detail::Shape s = detail::shape_of(st.cfg, batch.batch, batch.seq);
+  const auto layers = static_cast<std::size_t>(st.cfg.layers);
+  st.ws.resize(s, st.cfg.layers);
+  {
+    TZ_ASSIGN_OR_RETURN(GatheredBlock p, st.engine.fetch(0));
+    st.load(p, st.w);
+    detail::embed_forward(s, st.block(0), st.w.data(), batch.inputs.data(), st.ws.stream(0));
+  }
+  for (std::size_t l = 0; l < layers; ++l) {
+    TZ_ASSIGN_OR_RETURN(GatheredBlock p, st.engine.fetch(1 + l));
+    st.load(p, st.w);
+    detail::layer_forward(s, st.block(1 + l), st.w.data(), st.ws, l);
+  }
+  double loss = 0;
+  {  // Note [Tied embedding]: the head, fetched again and held through its backward.
+    TZ_ASSIGN_OR_RETURN(GatheredBlock p, st.engine.fetch(0));
+    st.load(p, st.w_embed);
+    st.zero(st.g_embed, 0);
+    loss = detail::head(s, st.block(0), st.w_embed.data(), batch.targets.data(), st.engine.loss_scale(), st.ws,
+                        st.g_embed.data());
+  }
+  for (std::size_t l = layers; l-- > 0;) {
+    TZ_ASSIGN_OR_RETURN(GatheredBlock p, st.engine.fetch(1 + l));
+    st.load(p, st.w);
+    st.zero(st.g, 1 + l);
+    detail::layer_backward(s, st.block(1 + l), st.w.data(), st.ws, l, st.g.data());
+    TZ_TRY_CTX(st.reduce(1 + l, st.g), "reducing the gradients of {}", st.block(1 + l).name);
+  }
+  detail::embed_backward(s, st.block(0), batch.inputs.data(), st.ws.dx.data(), st.g_embed.data());
+  TZ_TRY_CTX(st.reduce(0, st.g_embed), "reducing the gradients of {}", st.block(0).name);
+  return loss;
+}
+
+Expected<double> GptTrainer::eval_loss(const std::vector<TokenBatch>& batches) {
+  State& st = *state_;
+  if (batches.empty()) return invalid_argument("eval_loss: no batches");
+  for (const TokenBatch& b : batches) TZ_TRY(check_batch(st.cfg, b));
+  auto load_master = [&](std::size_t b, std::vector<float>& out) -> Status {
+    TZ_ASSIGN_OR_RETURN(std::vector<float> master, st.engine.gather_master(b));
+    out.resize(st.block(b).used_numel);
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      switch (st.param_type) {
+        case ElemType::kFp32: out[i] = master[i]; break;
+        case ElemType::kBf16: out[i] = kernels::bf16_to_fp32(kernels::fp32_to_bf16(master[i])); break;
+        case ElemType::kFp16: out[i] = kernels::fp16_to_fp32(kernels::fp32_to_fp16(master[i])); break;
+      }
+    }
+    return ok_status();
+  };
+  // Block by block over every batch: only each batch's residual stream is
+  // kept between blocks, and a one-layer workspace computes each block.
+  std::vector<std::vector<float>> streams(batches.size());
+  TZ_TRY_CTX(load_master(0, st.w_embed), "evaluating");
+  detail::Workspace<float> ws;
+  auto shape = [&](const TokenBatch& b) { return detail::shape_of(st.cfg, b.batch, b.seq); };
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    streams[i].resize(shape(batches[i]).rows() * st.cfg.hidden);
+    detail::embed_forward(shape(batches[i]), st.block(0), st.w_embed.data(), batches[i].inputs.data(), streams[i].data());
+  }
+  for (std::size_t l = 0; l < static_cast<std::size_t>(st.cfg.layers); ++l) {
+    TZ_TRY_CTX(load_master(1 + l, st.w), "evaluating");
+    for (std::size_t i = 0; i < batches.size(); ++i) {
+      ws.resize(shape(batches[i]), 1);
+      std::copy(streams[i].begin(), streams[i].end(), ws.layers[0].x_in.begin());
+      detail::layer_forward(shape(batches[i]), st.block(1 + l), st.w.data(), ws, 0);
+      std::copy(ws.x_final.begin(), ws.x_final.end(), streams[i].begin());
+    }
+  }
+  double sum = 0;
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    ws.resize(shape(batches[i]), 0);
+    std::copy(streams[i].begin(), streams[i].end(), ws.x_final.begin());
+    sum += detail::head<float>(shape(batches[i]), st.block(0), st.w_embed.data(), batches[i].targets.data(), 1.0, ws,
+                               nullptr);
+  }
+  return sum / static_cast<double>(batches.size());
+}
+
+}  // namespace tz::train
