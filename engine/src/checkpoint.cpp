@@ -131,7 +131,12 @@ Status ZeroEngineImpl::save_checkpoint(const std::string& dir) {
                                "save after a step",
                                micro_, gas_);
   }
-  const std::string name = fmt::format("step-{}", step_);
+  // A fresh name even when this step was saved before (an fp16-skipped step
+  // does not advance it), so no complete checkpoint is ever moved or
+  // overwritten. Every rank sees `dir` (one directory for all ranks), so all
+  // pick the same name.
+  std::string name = fmt::format("step-{}", step_);
+  for (int k = 1; fs::exists(dir + "/" + name); ++k) name = fmt::format("step-{}.{}", step_, k);
   const std::string final_dir = dir + "/" + name, partial = final_dir + ".partial";
   Status prepared;
   if (comm_->rank() == 0) {
@@ -142,8 +147,7 @@ Status ZeroEngineImpl::save_checkpoint(const std::string& dir) {
     if (ec) prepared = io_error("checkpoint: preparing {}: {}", partial, ec.message());
   }
   TZ_TRY(agree(prepared, "checkpoint"));
-  TZ_TRY(agree(write_rank_files(partial),
-               "checkpoint " + final_dir));
+  TZ_TRY(agree(write_rank_files(partial), "checkpoint " + final_dir));
   Status published;
   if (comm_->rank() == 0) {
     published = [&]() -> Status {
@@ -153,18 +157,13 @@ Status ZeroEngineImpl::save_checkpoint(const std::string& dir) {
       TZ_TRY(write_text_durably(partial + "/manifest.json", manifest.dump(1)));
       TZ_TRY(fsync_dir(partial));
       std::error_code ec;
-      const std::string replaced = final_dir + ".replaced";
-      fs::remove_all(replaced, ec);
-      if (fs::exists(final_dir)) fs::rename(final_dir, replaced, ec);
-      if (!ec) fs::rename(partial, final_dir, ec);
+      fs::rename(partial, final_dir, ec);
       if (ec) return io_error("checkpoint: renaming {} to {}: {}", partial, final_dir, ec.message());
       TZ_TRY(write_text_durably(dir + "/latest.tmp", name));
       if (std::rename((dir + "/latest.tmp").c_str(), (dir + "/latest").c_str()) != 0) {
         return errno_status(errno, "checkpoint: pointing " + dir + "/latest at " + name);
       }
-      TZ_TRY(fsync_dir(dir));
-      fs::remove_all(replaced, ec);
-      return ok_status();
+      return fsync_dir(dir);
     }();
   }
   TZ_TRY(agree(published, "checkpoint " + final_dir));
@@ -174,7 +173,8 @@ Status ZeroEngineImpl::save_checkpoint(const std::string& dir) {
 
 // Reads and verifies this rank's files; states[b * 3 + k] = master, exp_avg,
 // exp_avg_sq of block b (empty where the optimizer has no such state).
-Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states) {
+Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states,
+                                       std::int64_t& step, detail::LossScaler::State& scaler) {
   const int rank = comm_->rank();
   TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(fmt::format("{}/rank-{}.json", dir, rank)));
   if (m.value("format", "") != "tierzero-checkpoint-rank" || m.value("version", 0) != kFormatVersion) {
@@ -222,8 +222,8 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
     }
   }
   const nlohmann::json& ls = m["loss_scaler"];
-  step_ = m.value("step", std::int64_t{0});
-  scaler_.restore({ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})});
+  step = m.value("step", std::int64_t{0});
+  scaler = {ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})};
   return ok_status();
 }
 
@@ -239,10 +239,17 @@ Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
     return not_found("checkpoint: {} has no manifest.json (not a complete checkpoint, and no 'latest' beside it)", dir);
   }
   std::vector<std::vector<float>> states;
-  // Everything is read and verified before any state is replaced.
-  TZ_TRY(agree(read_rank_files(dir, states),
+  std::int64_t step = 0;
+  detail::LossScaler::State scaler{};
+  // Everything is read and verified on every rank before any state is replaced.
+  TZ_TRY(agree(read_rank_files(dir, states, step, scaler),
                "loading checkpoint " + dir));
+  // Prefetched blocks hold the old parameters, and their reads would race
+  // the replacement: drop them first.
+  prefetcher_->reset();
   Status loaded = [&]() -> Status {
+    step_ = step;
+    scaler_.restore(scaler);
     for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
       const std::vector<float>& master = states[b * 3];
       TZ_TRY(put(*master_, b, master.data()));
@@ -254,7 +261,8 @@ Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
     }
     std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
     micro_ = 0;
-    return gather_persistent();
+    TZ_TRY(gather_persistent());
+    return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
   }();
   TZ_TRY(agree(loaded, "loading checkpoint " + dir));
   nvme_read_bytes_ = 0;

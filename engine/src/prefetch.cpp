@@ -105,6 +105,12 @@ void Prefetcher::post_gather(const std::shared_ptr<Entry>& e) {
   const std::size_t bytes = deps_.param16->shard_bytes(e->block);
   e->gather_posted = true;
   deps_.comm_thread->post([this, e, name, bytes]() -> Status {
+    // After a failed collective this rank takes part in no other: its peers
+    // fail on the one it missed (timeout) instead of pairing it with the next.
+    if (Status prior = deps_.comm_thread->error(); !prior.ok()) {
+      e->fail(prior);
+      return prior;
+    }
     {
       std::unique_lock<std::mutex> lock(e->mu);
       e->cv.wait(lock, [&] { return e->copy_issued || !e->error.ok(); });
@@ -114,7 +120,11 @@ void Prefetcher::post_gather(const std::shared_ptr<Entry>& e) {
     const BlockLayout& b = deps_.layout->blocks[e->block];
     void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
     const auto start = Clock::now();
-    if (s.ok()) s = deps_.comm->all_gather(slot, e->whole, b.shard_numel, data_type_of(deps_.param_type));
+    if (s.ok()) {
+      s = deps_.comm->all_gather(slot, e->whole, b.shard_numel, data_type_of(deps_.param_type), deps_.comm_stream);
+    }
+    // NCCL only enqueues: the block is ready when the stream is done with it.
+    if (s.ok()) s = deps_.device->synchronize_stream(*deps_.comm_stream);
     e->t_gather_done = Clock::now();
     deps_.timeline->record(Track::kH2D, name, e->t_read_done, e->t_h2d_done);
     deps_.timeline->record(Track::kComm, "all-gather " + name, start, e->t_gather_done);
@@ -157,7 +167,12 @@ Status Prefetcher::wait_ready(Entry& e, Clock::time_point start) {
   return ok_status();
 }
 
-void Prefetcher::top_up() {
+// The window is decided by block sizes and the trace alone, never by whether
+// an allocation happened to succeed: that depends on when worker threads
+// free buffers, and ranks must post the same gathers at the same points
+// (Note [Collective order]). A device pool too small for the window is an
+// error, not a silently narrower window.
+Status Prefetcher::top_up() {
   std::uint64_t in_flight_bytes = 0;
   for (const auto& e : in_flight_) in_flight_bytes += deps_.layout->blocks[e->block].whole_numel;
   const std::size_t elem = elem_type_bytes(deps_.param_type);
@@ -167,17 +182,15 @@ void Prefetcher::top_up() {
     const std::uint64_t bytes = deps_.layout->blocks[block].whole_numel * elem;
     if (!in_flight_.empty() && in_flight_bytes + bytes > window_bytes_) break;
     Expected<PoolBlock> whole = deps_.device_pool->allocate(bytes);
-    if (!whole.ok()) {
-      // Not an error yet: acquire() allocates on demand and reports it there.
-      if (in_flight_.empty()) break;
-      TZ_LOG_ONCE_WARN("engine", "prefetch window limited by the device pool: {}", whole.status().message());
-      break;
-    }
+    TZ_TRY_CTX(whole, "prefetching {} ({} of prefetch window in flight; lower "
+               "zero_optimization.stage3_prefetch_bucket_size or raise the device budget)",
+               deps_.layout->blocks[block].name, format_bytes(in_flight_bytes));
     void* data = whole->data();
     in_flight_.push_back(issue(block, data, std::move(*whole)));
     in_flight_bytes += bytes;
     ++issued_until_;
   }
+  return ok_status();
 }
 
 Expected<PoolBlock> Prefetcher::acquire(std::size_t block) {
@@ -185,13 +198,13 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block) {
   if (recording_ || active_) this_pass_.push_back(block);
   if (active_ && !disabled_) {
     if (position_ < trace_.size() && trace_[position_] == block) {
-      if (in_flight_.empty()) top_up();
+      if (in_flight_.empty()) TZ_TRY(top_up());
       if (!in_flight_.empty() && in_flight_.front()->block == block) {
         std::shared_ptr<Entry> e = in_flight_.front();
         in_flight_.pop_front();
         ++position_;
         post_gather(e);
-        top_up();
+        TZ_TRY(top_up());
         if (!in_flight_.empty()) post_gather(in_flight_.front());
         TZ_TRY(wait_ready(*e, start));
         e->staging.reset();
@@ -268,11 +281,22 @@ Status Prefetcher::end_micro_batch() {
   this_pass_.clear();
   position_ = 0;
   issued_until_ = 0;
-  if (active_ && !disabled_) {  // the next micro-batch's first blocks, now
-    top_up();
-    if (!in_flight_.empty()) post_gather(in_flight_.front());
-  }
+  if (active_ && !disabled_) return prefetch_next();
   return ok_status();
+}
+
+// The next micro-batch's first blocks, now (after a step or a load).
+Status Prefetcher::prefetch_next() {
+  TZ_TRY(top_up());
+  if (!in_flight_.empty()) post_gather(in_flight_.front());
+  return ok_status();
+}
+
+void Prefetcher::reset() {
+  drain();
+  this_pass_.clear();
+  position_ = 0;
+  issued_until_ = 0;
 }
 
 StageWaits Prefetcher::take_waits() {

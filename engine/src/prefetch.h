@@ -35,6 +35,7 @@ struct PrefetchDeps {
   Device* device = nullptr;
   Communicator* comm = nullptr;
   TaskThread* comm_thread = nullptr;
+  Stream* comm_stream = nullptr;    // collectives run here (NCCL); synchronised before a gather counts as done
   MemoryPool* device_pool = nullptr;
   MemoryPool* host_pool = nullptr;
   ShardStore* param16 = nullptr;
@@ -61,6 +62,12 @@ class Prefetcher {
   // End of a micro-batch: the first one's trace is checked across ranks
   // (a collective) and prefetching starts with the next.
   Status end_micro_batch();
+  // Drops everything in flight (e.g. before a checkpoint load replaces the
+  // parameters) and starts the micro-batch over; the trace is kept.
+  void reset();
+  // Starts the next micro-batch's first window (when prefetching is on).
+  Status prefetch_next();
+  bool prefetching() const { return active_ && !disabled_; }
   // Fetches into an existing buffer on demand (persistent blocks).
   Status gather_into(std::size_t block, void* d_whole);
 
@@ -73,7 +80,7 @@ class Prefetcher {
   std::shared_ptr<Entry> issue(std::size_t block, void* whole, PoolBlock owned);
   void post_gather(const std::shared_ptr<Entry>& e);
   Status start_copy(const std::shared_ptr<Entry>& e, const void* src);
-  void top_up();
+  Status top_up();
   void drain();  // waits for every entry in flight and drops them
   Status wait_ready(Entry& e, std::chrono::steady_clock::time_point start);
 

@@ -19,6 +19,13 @@ Expected<std::unique_ptr<ShardStore>> ShardStore::create(const ShardStoreArgs& a
         break;
       }
       case Tier::kNvme: {
+        // Staging buffers hold exactly a shard: a path whose direct-I/O
+        // alignment does not divide it would make reads overrun them.
+        if (args.swap->padded_bytes(bytes) != bytes) {
+          return invalid_argument("{} shard of {} is {} bytes, not a multiple of the NVMe paths' direct-I/O "
+                                  "alignment ({} bytes); use a path with 4 KiB or smaller alignment",
+                                  what, layout.blocks[b].name, bytes, args.swap->padded_bytes(1));
+        }
         Expected<nvme::ExtentId> extent = args.swap->allocate(bytes);
         TZ_TRY_CTX(extent, "{} shard of {} ({} on NVMe)", what, layout.blocks[b].name, format_bytes(bytes));
         store->extents_.push_back(*extent);

@@ -30,6 +30,7 @@ Status TaskThread::wait_idle() {
 }
 
 Status TaskThread::run(std::function<Status()> task) {
+  if (Status prior = error(); !prior.ok()) return prior;  // a failed pipeline runs no more collectives
   post(std::move(task));
   return wait_idle();
 }
@@ -61,6 +62,9 @@ void TaskThread::loop() {
     } catch (const std::exception& e) {
       s = internal_error("{} thread: a task threw: {}", name_, e.what());
     }
+    // What the task holds (buffers, tokens) goes before it counts as done, so
+    // wait_idle() means everything it held is released.
+    task = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!s.ok() && error_.ok()) error_ = std::move(s);

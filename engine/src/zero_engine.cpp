@@ -230,6 +230,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   grad_non_finite_.assign(blocks, false);
   grad_fresh_.assign(blocks, false);
   TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
+  TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());
   comm_thread_ = std::make_unique<detail::TaskThread>("comm");
   grad_thread_ = std::make_unique<detail::TaskThread>("grad");
   const std::uint64_t window =
@@ -237,6 +238,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       elem_type_bytes(param_type_);
   prefetcher_ = std::make_unique<detail::Prefetcher>(
       detail::PrefetchDeps{.device = device_, .comm = comm_, .comm_thread = comm_thread_.get(),
+                           .comm_stream = comm_stream_.get(),
                            .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
                            .param16 = param16_.get(), .layout = &layout_, .param_type = param_type_,
                            .timeline = &timeline_},
@@ -421,6 +423,7 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   });
   auto held = std::make_shared<GradBlock>(std::move(grads));
   comm_thread_->post([this, held, block, first, pending]() -> Status {
+    if (Status prior = comm_thread_->error(); !prior.ok()) return prior;  // see Prefetcher::post_gather
     const BlockLayout& b = layout_.blocks[block];
     const std::size_t shard_bytes = b.shard_numel * elem_type_bytes(grad_type_);
     const auto start = std::chrono::steady_clock::now();
@@ -431,14 +434,16 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
     if (stage_ >= 2) {
       TZ_ASSIGN_OR_RETURN(*d_shard, device_pool_->allocate(shard_bytes));
       TZ_TRY_CTX(comm_->reduce_scatter(held->data(), d_shard->data(), b.shard_numel, data_type_of(grad_type_),
-                                       ReduceOp::kSum),
+                                       ReduceOp::kSum, comm_stream_.get()),
                  "reduce-scattering the gradients of {}", b.name);
       shard = d_shard->data();
     } else {
-      TZ_TRY_CTX(comm_->all_reduce(held->data(), b.whole_numel, data_type_of(grad_type_), ReduceOp::kSum),
+      TZ_TRY_CTX(comm_->all_reduce(held->data(), b.whole_numel, data_type_of(grad_type_), ReduceOp::kSum,
+                                   comm_stream_.get()),
                  "all-reducing the gradients of {}", b.name);
       shard = static_cast<const char*>(held->data()) + static_cast<std::uint64_t>(comm_->rank()) * shard_bytes;
     }
+    TZ_TRY(device_->synchronize_stream(*comm_stream_));  // NCCL only enqueues
     timeline_.record(detail::Track::kComm, "reduce-scatter " + b.name, start, std::chrono::steady_clock::now());
     grad_thread_->post([this, held, d_shard, shard, block, first, pending]() -> Status {
       const auto begin = std::chrono::steady_clock::now();

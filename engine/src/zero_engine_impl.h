@@ -89,7 +89,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // Every rank passes its own result; all return an error if any rank failed.
   Status agree(const Status& mine, std::string_view what);
   Status write_rank_files(const std::string& dir);
-  Status read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states);
+  Status read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states, std::int64_t& step,
+                         detail::LossScaler::State& scaler);
 
   // --- the step (optimizer_pass.cpp)
   Status zero_stale_grads();
@@ -139,6 +140,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::atomic<std::uint64_t> nvme_read_bytes_{0}, nvme_write_bytes_{0};  // since the last step report
   std::uint64_t pool_allocations_seen_ = 0;    // pools' backend allocations at the last report
   std::unique_ptr<Stream> d2h_stream_;         // the grad thread's copies
+  std::unique_ptr<Stream> comm_stream_;        // the comm thread's collectives (NCCL)
   static constexpr int kMaxPendingGrads = 3;
   std::mutex grads_mu_;
   std::condition_variable grads_cv_;

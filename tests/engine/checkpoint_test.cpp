@@ -66,6 +66,40 @@ TEST(Checkpoint, ResumeUnderAnotherPlacementIsBitIdenticalToAnUninterruptedRun) 
   EXPECT_EQ(masters(*b), uninterrupted) << "resume must continue bit for bit";
 }
 
+TEST(Checkpoint, RollingBackInTheSameEngineDropsPrefetchedParameters) {
+  TempDir nvme, ckpt;
+  auto a = make(nvme.path(), kNvme);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(train(*a, 0, 3).ok());
+  ASSERT_TRUE(a->save_checkpoint(ckpt.path()).ok());
+  ASSERT_TRUE(train(*a, 3, 5).ok());
+  const auto uninterrupted = masters(*a);
+  // After step 5 the next micro-batch's first blocks are already prefetched,
+  // with step 5's parameters: the load must not let them through.
+  ASSERT_TRUE(a->load_checkpoint(ckpt.path()).ok());
+  EXPECT_EQ(a->optimizer_steps(), 3);
+  ASSERT_TRUE(train(*a, 3, 5).ok());
+  EXPECT_EQ(masters(*a), uninterrupted);
+}
+
+TEST(Checkpoint, SavingTheSameStepTwiceKeepsBothComplete) {
+  TempDir nvme, ckpt;
+  auto a = make(nvme.path(), kCpu);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(train(*a, 0, 2).ok());
+  ASSERT_TRUE(a->save_checkpoint(ckpt.path()).ok());
+  ASSERT_TRUE(a->save_checkpoint(ckpt.path()).ok());
+  EXPECT_TRUE(std::filesystem::exists(ckpt.path() + "/step-2/manifest.json"));
+  EXPECT_TRUE(std::filesystem::exists(ckpt.path() + "/step-2.1/manifest.json"));
+  std::ifstream latest(ckpt.path() + "/latest");
+  std::string name;
+  latest >> name;
+  EXPECT_EQ(name, "step-2.1");
+  auto b = make(nvme.path(), kCpu);
+  ASSERT_TRUE(b->load_checkpoint(ckpt.path()).ok());
+  EXPECT_EQ(masters(*b), masters(*a));
+}
+
 TEST(Checkpoint, KillDashNineDuringASaveLeavesTheLastCheckpointLoadable) {
   TempDir nvme, ckpt;
   std::mt19937 rng(std::random_device{}());

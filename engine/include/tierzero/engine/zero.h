@@ -39,6 +39,10 @@
 //
 // Threads: fetch/grad_buffer/reduce_grads/step are called from one thread (the
 // training loop), in the same order on every rank.
+// CUDA: a GatheredBlock's memory goes back to the pool when it is destroyed,
+// and a GradBlock's when reduce_grads takes it; the caller's kernels that read
+// or write them must be complete by then (synchronise the compute stream).
+// Stream-ordered release is not there yet; the CUDA path has not run on a GPU.
 // Errors: any failure (NVMe, a collective, a budget) fails the call that
 // sees it with a Status naming what failed; the engine is then unusable
 // (a failed step leaves checkpoints on disk untouched).
