@@ -15,17 +15,10 @@
 namespace tz::mlp {
 namespace {
 
-// splitmix64: a counter-based stream, so any (rank, micro, step) batch is
-// generated on its own without replaying the others.
-std::uint64_t mix(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
+// Counter-based (splitmix64), so any (rank, micro, step) batch is generated on
+// its own without replaying the others.
 float uniform(std::uint64_t key) {  // [-1, 1)
-  return static_cast<float>(static_cast<double>(mix(key) >> 11) * 0x1p-53 * 2.0 - 1.0);
+  return static_cast<float>(static_cast<double>(splitmix64(key) >> 11) * 0x1p-53 * 2.0 - 1.0);
 }
 
 float to_float(const void* p, std::size_t i, ElemType type) {
@@ -35,16 +28,6 @@ float to_float(const void* p, std::size_t i, ElemType type) {
     case ElemType::kFp16: return kernels::fp16_to_fp32(static_cast<const std::uint16_t*>(p)[i]);
   }
   return 0;
-}
-
-// x rounded through `type` and back (what storing it in that type keeps).
-float round_through(float x, ElemType type) {
-  switch (type) {
-    case ElemType::kFp32: return x;
-    case ElemType::kBf16: return kernels::bf16_to_fp32(kernels::fp32_to_bf16(x));
-    case ElemType::kFp16: return kernels::fp16_to_fp32(kernels::fp32_to_fp16(x));
-  }
-  return x;
 }
 
 void store_as(void* p, std::size_t i, float x, ElemType type) {
@@ -141,7 +124,7 @@ ParamInit init(const MlpConfig& cfg) {
 
 Batch make_batch(const MlpConfig& cfg, int rank, int micro, std::int64_t step) {
   const std::size_t n = static_cast<std::size_t>(cfg.batch) * cfg.hidden;
-  const std::uint64_t base = mix(cfg.seed ^ mix(static_cast<std::uint64_t>(step) * 1000003 + micro * 1009 + rank));
+  const std::uint64_t base = splitmix64(cfg.seed ^ splitmix64(static_cast<std::uint64_t>(step) * 1000003 + micro * 1009 + rank));
   Batch b;
   b.x.resize(n);
   b.target.resize(n);
@@ -184,51 +167,34 @@ Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, con
 // ---------------------------------------------------------------- reference
 
 Reference::Reference(const MlpConfig& cfg, const Config& config, int world_size, std::optional<ElemType> grad_type)
-    : cfg_(cfg), config_(config), world_(world_size) {
-  param_type_ = config.precision.fp16 ? ElemType::kFp16 : config.precision.bf16 ? ElemType::kBf16 : ElemType::kFp32;
-  grad_type_ = grad_type.value_or(param_type_);
-  layout_ = ModelLayout::make(model(cfg), world_size, 0).value();
-  const ParamInit initialise = init(cfg);
-  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-    const BlockLayout& block = layout_.blocks[b];
-    std::vector<float> whole(block.used_numel, 0.0F);
-    for (std::size_t p = 0; p < block.params.size(); ++p) {
-      initialise(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
-    }
-    master_.push_back(whole);
-    m_.emplace_back(whole.size(), 0.0);
-    v_.emplace_back(whole.size(), 0.0);
-  }
-}
-
-std::vector<float> Reference::master(std::size_t block) const {
-  std::vector<float> out(layout_.blocks[block].whole_numel, 0.0F);
-  std::copy(master_[block].begin(), master_[block].end(), out.begin());
-  return out;
+    : cfg_(cfg), world_(world_size), states_(model(cfg), init(cfg), config, world_size) {
+  grad_type_ = grad_type.value_or(states_.param_type());
 }
 
 double Reference::train_step(std::int64_t step) {
   const int h = cfg_.hidden, layers = cfg_.layers;
   const auto hh = static_cast<std::size_t>(h) * h;
-  const double loss_scale = config_.precision.fp16 ? std::ldexp(1.0, config_.precision.initial_scale_power) : 1.0;
-  const int gas = static_cast<int>(std::max<std::int64_t>(config_.gradient_accumulation_steps, 1));
+  const double loss_scale = states_.loss_scale();
+  const int gas = states_.gradient_accumulation_steps();
+  const ModelLayout& layout = states_.layout();
+  const ElemType param_type = states_.param_type();
   // The weights as the engine hands them out: fp32 master rounded to 16 bits.
   std::vector<Weights> weights(layers);
   for (int l = 0; l < layers; ++l) {
-    const std::vector<float>& p = master_[l];
-    const std::size_t b_off = layout_.blocks[l].params[1].offset;
+    const std::vector<float>& p = states_.masters()[l];
+    const std::size_t b_off = layout.blocks[l].params[1].offset;
     weights[l].w.resize(hh);
     weights[l].b.resize(h);
-    for (std::size_t i = 0; i < hh; ++i) weights[l].w[i] = round_through(p[i], param_type_);
-    for (int i = 0; i < h; ++i) weights[l].b[i] = round_through(p[b_off + i], param_type_);
+    for (std::size_t i = 0; i < hh; ++i) weights[l].w[i] = round_through(p[i], param_type);
+    for (int i = 0; i < h; ++i) weights[l].b[i] = round_through(p[b_off + i], param_type);
   }
   std::vector<std::vector<float>> acc(layers);
-  for (int l = 0; l < layers; ++l) acc[l].assign(master_[l].size(), 0.0F);
+  for (int l = 0; l < layers; ++l) acc[l].assign(states_.masters()[l].size(), 0.0F);
   const float scale = static_cast<float>(1.0 / (static_cast<double>(world_) * gas));
   double loss_sum = 0;
   for (int micro = 0; micro < gas; ++micro) {
     std::vector<std::vector<float>> sum(layers);
-    for (int l = 0; l < layers; ++l) sum[l].assign(master_[l].size(), 0.0F);
+    for (int l = 0; l < layers; ++l) sum[l].assign(states_.masters()[l].size(), 0.0F);
     for (int rank = 0; rank < world_; ++rank) {
       const Batch batch = make_batch(cfg_, rank, micro, step);
       std::vector<std::vector<float>> acts(layers + 1);
@@ -239,7 +205,7 @@ double Reference::train_step(std::int64_t step) {
       for (int l = layers - 1; l >= 0; --l) {
         std::vector<float> dw(hh, 0.0F), db(h, 0.0F), dx;
         layer_backward(acts[l], acts[l + 1], weights[l], dy, dw, db, dx, cfg_.batch, h, l + 1 < layers);
-        const std::size_t b_off = layout_.blocks[l].params[1].offset;
+        const std::size_t b_off = layout.blocks[l].params[1].offset;
         // The sum over ranks, in the gradient type (as the reduction stores it).
         for (std::size_t i = 0; i < hh; ++i) sum[l][i] = round_through(sum[l][i] + round_through(dw[i], grad_type_), grad_type_);
         for (int i = 0; i < h; ++i) {
@@ -252,34 +218,7 @@ double Reference::train_step(std::int64_t step) {
       for (std::size_t i = 0; i < acc[l].size(); ++i) acc[l][i] += scale * sum[l][i];
     }
   }
-  // Global norm, clipping, Adam in double (torch.optim semantics).
-  double ss = 0;
-  for (const auto& a : acc) {
-    for (float g : a) ss += static_cast<double>(g) * g;
-  }
-  const double norm = std::sqrt(ss) / loss_scale;
-  const double max_norm = config_.gradient_clipping;
-  const double clip = max_norm > 0 ? std::min(1.0, max_norm / (norm + 1e-6)) : 1.0;
-  const OptimizerConfig& o = config_.optimizer;
-  const bool adamw = o.type == "AdamW";
-  ++steps_;
-  const double bc1 = 1 - std::pow(o.beta1, static_cast<double>(steps_));
-  const double bc2 = 1 - std::pow(o.beta2, static_cast<double>(steps_));
-  for (int l = 0; l < layers; ++l) {
-    for (std::size_t i = 0; i < acc[l].size(); ++i) {
-      double p = master_[l][i];
-      double g = acc[l][i] * (clip / loss_scale);
-      if (adamw) {
-        p *= 1 - o.lr * o.weight_decay;
-      } else {
-        g += o.weight_decay * p;
-      }
-      m_[l][i] = o.beta1 * m_[l][i] + (1 - o.beta1) * g;
-      v_[l][i] = o.beta2 * v_[l][i] + (1 - o.beta2) * g * g;
-      p -= o.lr / bc1 * m_[l][i] / (std::sqrt(v_[l][i]) / std::sqrt(bc2) + o.eps);
-      master_[l][i] = static_cast<float>(p);
-    }
-  }
+  states_.step(acc);
   return loss_sum / (static_cast<double>(world_) * gas);
 }
 

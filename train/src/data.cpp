@@ -7,17 +7,6 @@
 #include <iterator>
 
 namespace tz::train {
-namespace {
-
-// splitmix64: a counter-based stream, so any window is drawn without the others.
-std::uint64_t mix(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
 
 Expected<Corpus> Corpus::from_bytes(std::string bytes, std::string name, double val_fraction) {
   if (!(val_fraction > 0 && val_fraction < 1)) {
@@ -56,15 +45,15 @@ Expected<TokenBatch> Corpus::batch(const BatchRequest& r) const {
   }
   const std::uint64_t starts = part.size() - static_cast<std::uint64_t>(r.seq);  // window starts in [0, starts)
   const std::uint64_t base =
-      mix(r.seed ^ mix(static_cast<std::uint64_t>(r.split) + 0x51ED27ULL * static_cast<std::uint64_t>(r.step)) ^
-          mix(static_cast<std::uint64_t>(r.rank) * 1000003ULL + static_cast<std::uint64_t>(r.micro) * 7919ULL));
+      splitmix64(r.seed ^ splitmix64(static_cast<std::uint64_t>(r.split) + 0x51ED27ULL * static_cast<std::uint64_t>(r.step)) ^
+          splitmix64(static_cast<std::uint64_t>(r.rank) * 1000003ULL + static_cast<std::uint64_t>(r.micro) * 7919ULL));
   TokenBatch b;
   b.batch = r.batch;
   b.seq = r.seq;
   b.inputs.resize(static_cast<std::size_t>(r.batch) * r.seq);
   b.targets.resize(b.inputs.size());
   for (int row = 0; row < r.batch; ++row) {
-    const std::uint64_t start = mix(base + static_cast<std::uint64_t>(row)) % starts;
+    const std::uint64_t start = splitmix64(base + static_cast<std::uint64_t>(row)) % starts;
     for (int t = 0; t < r.seq; ++t) {
       b.inputs[static_cast<std::size_t>(row) * r.seq + t] = part[start + t];
       b.targets[static_cast<std::size_t>(row) * r.seq + t] = part[start + t + 1];

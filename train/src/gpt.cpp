@@ -34,17 +34,10 @@
 namespace tz::train {
 namespace {
 
-std::uint64_t mix(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
 // A standard normal from a counter (Box-Muller on two hashed uniforms).
 double normal(std::uint64_t key) {
-  const double u1 = (static_cast<double>(mix(key) >> 11) + 0.5) * 0x1p-53;
-  const double u2 = static_cast<double>(mix(key ^ 0xA5A5A5A5A5A5A5A5ULL) >> 11) * 0x1p-53;
+  const double u1 = (static_cast<double>(splitmix64(key) >> 11) + 0.5) * 0x1p-53;
+  const double u2 = static_cast<double>(splitmix64(key ^ 0xA5A5A5A5A5A5A5A5ULL) >> 11) * 0x1p-53;
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
 
@@ -104,7 +97,7 @@ ParamInit init(const GptConfig& cfg) {
       if (p == kQkvW || p == kFcW) std_dev = cfg.init_std;
       if (p == kProjW || p == kFc2W) std_dev = cfg.init_std / std::sqrt(2.0 * cfg.layers);
     }
-    const std::uint64_t key = mix(cfg.seed ^ mix((block << 20) + p));
+    const std::uint64_t key = splitmix64(cfg.seed ^ splitmix64((block << 20) + p));
     for (std::uint64_t i = 0; i < numel; ++i) {
       out[i] = one ? 1.0F : std_dev == 0 ? 0.0F : static_cast<float>(std_dev * normal(key + i));
     }

@@ -5,6 +5,7 @@
 //   engine/model.h  the model as blocks of parameters; flattening and sharding
 //   engine/zero.h   ZeroEngine: partitioned, tiered states and the training step
 //   engine/mlp.h    a built-in MLP workload and its in-memory reference
+//   engine/reference.h  the in-memory states and optimizer step references share
 // It also re-exports the modules the engine builds on (offload, nvme,
 // cpu_adam, and through them common and kernels).
 #pragma once
@@ -15,6 +16,7 @@
 #include "tierzero/engine/comm.h"
 #include "tierzero/engine/mlp.h"
 #include "tierzero/engine/model.h"
+#include "tierzero/engine/reference.h"
 #include "tierzero/engine/zero.h"
 #include "tierzero/nvme.h"
 #include "tierzero/offload.h"

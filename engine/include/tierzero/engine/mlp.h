@@ -28,6 +28,7 @@
 #include <optional>
 #include <vector>
 
+#include "tierzero/engine/reference.h"
 #include "tierzero/engine/zero.h"
 
 namespace tz::mlp {
@@ -72,19 +73,15 @@ class Reference {
   // micro-batches of step `step` (0-based). Returns the mean loss.
   double train_step(std::int64_t step);
   // Block b's fp32 master weights in the engine's layout (whole, padded).
-  std::vector<float> master(std::size_t block) const;
-  const ModelLayout& layout() const { return layout_; }
-  void set_learning_rate(double lr) { config_.optimizer.lr = lr; }
+  std::vector<float> master(std::size_t block) const { return states_.master(block); }
+  const ModelLayout& layout() const { return states_.layout(); }
+  void set_learning_rate(double lr) { states_.set_learning_rate(lr); }
 
  private:
   MlpConfig cfg_;
-  Config config_;
   int world_ = 1;
-  ElemType param_type_ = ElemType::kBf16, grad_type_ = ElemType::kBf16;
-  ModelLayout layout_;
-  std::vector<std::vector<float>> master_;   // per block, (used elements), fp32 as the engine stores it
-  std::vector<std::vector<double>> m_, v_;
-  std::int64_t steps_ = 0;
+  ElemType grad_type_ = ElemType::kBf16;
+  ReferenceStates states_;
 };
 
 }  // namespace tz::mlp

@@ -131,19 +131,15 @@ class Reference {
   // micro-batches. Returns the mean loss.
   double train_step(std::int64_t step);
   // Block b's fp32 master weights in the engine's layout (whole, padded).
-  std::vector<float> master(std::size_t block) const;
-  const ModelLayout& layout() const { return layout_; }
+  std::vector<float> master(std::size_t block) const { return states_.master(block); }
+  const ModelLayout& layout() const { return states_.layout(); }
 
  private:
   GptConfig cfg_;
-  Config config_;
   int world_ = 1;
   BatchFn batches_;
-  ElemType param_type_ = ElemType::kBf16, grad_type_ = ElemType::kBf16;
-  ModelLayout layout_;
-  std::vector<std::vector<float>> master_;   // per block, (used_numel,)
-  std::vector<std::vector<double>> m_, v_;
-  std::int64_t steps_ = 0;
+  ElemType grad_type_ = ElemType::kBf16;
+  ReferenceStates states_;
 };
 
 }  // namespace tz::train
