@@ -41,6 +41,7 @@ struct Flags {
   std::string json_path;
   std::string trace_path;
   bool synthetic = false;  // no MLP arithmetic: compute is the simulated time alone
+  std::string backend = "host";
 };
 
 // The engine's protocol without the MLP's arithmetic: fetch, "compute",
@@ -55,7 +56,14 @@ tz::Status synthetic_micro_batch(tz::ZeroEngine& engine, const tz::mlp::ComputeH
     TZ_ASSIGN_OR_RETURN(tz::GatheredBlock p, engine.fetch(b));
     hook(b, true);
     TZ_ASSIGN_OR_RETURN(tz::GradBlock g, engine.grad_buffer(b));
-    std::memset(g.data(), 0x3c, engine.layout().blocks[b].used_numel * tz::elem_type_bytes(g.type()));  // bf16 ~0.0115
+    const std::size_t bytes = engine.layout().blocks[b].used_numel * tz::elem_type_bytes(g.type());
+    if (engine.device().kind() == tz::BackendKind::kHost) {
+      std::memset(g.data(), 0x3c, bytes);  // bf16 ~0.0115
+    } else {
+      TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::Stream> stream, engine.device().create_stream());
+      TZ_TRY(engine.device().memset_async(g.data(), 0x3c, bytes, *stream));
+      TZ_TRY(engine.device().synchronize_stream(*stream));
+    }
     TZ_TRY(engine.reduce_grads(std::move(g)));
   }
   return tz::ok_status();
@@ -107,11 +115,12 @@ tz::Expected<tz::Config> make_config(const Flags& f) {
     "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "bf16": {{"enabled": true}},
     "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
     "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+                           "offload_optimizer": {{"device": "cpu", "pin_memory": true}},
                            "stage3_prefetch_bucket_size": {}, "sub_group_size": {}}},
-    "tierzero": {{"backend": "host", "tiers": {{"gpu_bytes": "4GiB", "cpu_bytes": "8GiB", "nvme_bytes": "64GiB",
+    "tierzero": {{"backend": "{}", "tiers": {{"gpu_bytes": "4GiB", "cpu_bytes": "8GiB", "nvme_bytes": "64GiB",
                   "nvme_paths": ["{}"]}}}}
   }})",
-                                      prefetch, 4 * block, f.nvme_path),
+                                      prefetch, 4 * block, f.backend, f.nvme_path),
                           "overlap bench config");
 }
 
@@ -210,7 +219,7 @@ tz::Status run(const Flags& f) {
     }
     const nlohmann::json out = {{"benchmark", "tierzero-overlap-bench"}, {"engine", engine->describe()},
                                 {"layers", f.layers}, {"hidden", f.hidden}, {"compute_ms", f.compute_ms},
-                                {"placement", f.placement}, {"synthetic", f.synthetic}, {"steps", steps},
+                                {"placement", f.placement}, {"synthetic", f.synthetic}, {"backend", f.backend}, {"steps", steps},
                                 {"median_ratio_to_critical_path", ratio}, {"median_wait_fraction", wait}};
     std::ofstream(f.json_path) << out.dump(2) << "\n";
     std::printf("wrote %s\n", f.json_path.c_str());
@@ -233,6 +242,9 @@ int main(int argc, char** argv) {
   app.add_option("--nvme-path", f.nvme_path, "directory for the swap files")->capture_default_str();
   app.add_option("--steps", f.steps, "steps (the first records the trace and is not measured)")->capture_default_str();
   app.add_option("--prefetch-elems", f.prefetch_elems, "stage3_prefetch_bucket_size; 0: three blocks");
+  app.add_option("--backend", f.backend, "host (CPU memory plays the device) or cuda")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"host", "cuda"}));
   app.add_flag("--synthetic", f.synthetic, "skip the MLP arithmetic: compute is the simulated time alone");
   app.add_option("--json", f.json_path, "write results as JSON");
   app.add_option("--trace", f.trace_path, "write the last step's Chrome trace here");

@@ -135,29 +135,87 @@ Batch make_batch(const MlpConfig& cfg, int rank, int micro, std::int64_t step) {
   return b;
 }
 
+namespace {
+
+// Device memory the CPU arithmetic can read and write: on the Host backend
+// the engine's buffers themselves; on CUDA a host copy (the MLP computes on
+// the CPU there too, so the engine's CUDA data path is checked against the
+// same reference).
+class HostStaging {
+ public:
+  static Expected<HostStaging> create(ZeroEngine& engine) {
+    HostStaging s(engine.device());
+    if (s.device_.kind() != BackendKind::kHost) {
+      TZ_ASSIGN_OR_RETURN(s.stream_, s.device_.create_stream());
+    }
+    return s;
+  }
+  // Block p's parameters, readable on the host.
+  Expected<const void*> params(const GatheredBlock& p, std::size_t bytes) {
+    if (!stream_) return static_cast<const void*>(p.data());
+    down_.resize(bytes);
+    TZ_TRY(device_.copy_async(down_.data(), p.data(), bytes, *stream_));
+    TZ_TRY(device_.synchronize_stream(*stream_));
+    return static_cast<const void*>(down_.data());
+  }
+  // Where to write gradients for g: g itself, or a zeroed host buffer that
+  // upload() copies into g.
+  void* grads(const GradBlock& g, std::size_t bytes) {
+    if (!stream_) return g.data();
+    up_.assign(bytes, std::byte{0});
+    return up_.data();
+  }
+  Status upload(const GradBlock& g) {
+    if (!stream_) return ok_status();
+    TZ_TRY(device_.copy_async(g.data(), up_.data(), up_.size(), *stream_));
+    return device_.synchronize_stream(*stream_);
+  }
+
+ private:
+  explicit HostStaging(Device& device) : device_(device) {}
+  Device& device_;
+  std::unique_ptr<Stream> stream_;
+  std::vector<std::byte> down_, up_;
+};
+
+}  // namespace
+
 Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, const Batch& batch,
                                    const ComputeHook& hook, bool inject_inf) {
   const int h = cfg.hidden, layers = cfg.layers;
   const ElemType pt = engine.param_type(), gt = engine.grad_type();
+  const ModelLayout& layout = engine.layout();
+  TZ_ASSIGN_OR_RETURN(HostStaging staging, HostStaging::create(engine));
+  // Parameter i of block l, as the host sees it.
+  auto param_at = [&](const void* base, std::size_t l, std::size_t i) {
+    return static_cast<const char*>(base) + layout.blocks[l].params[i].offset * elem_type_bytes(pt);
+  };
   std::vector<std::vector<float>> acts(layers + 1);
   acts[0] = batch.x;
   for (int l = 0; l < layers; ++l) {
     TZ_ASSIGN_OR_RETURN(GatheredBlock p, engine.fetch(l));
     if (hook) hook(l, false);
-    layer_forward(acts[l], weights_from(p.param(0), p.param(1), h, pt), acts[l + 1], cfg.batch, h, l + 1 < layers);
+    TZ_ASSIGN_OR_RETURN(const void* w, staging.params(p, layout.blocks[l].whole_numel * elem_type_bytes(pt)));
+    layer_forward(acts[l], weights_from(param_at(w, l, 0), param_at(w, l, 1), h, pt), acts[l + 1], cfg.batch, h,
+                  l + 1 < layers);
   }
   std::vector<float> dy;
   const double loss = loss_and_grad(acts[layers], batch.target, cfg.batch, engine.loss_scale(), dy);
   for (int l = layers - 1; l >= 0; --l) {
     TZ_ASSIGN_OR_RETURN(GatheredBlock p, engine.fetch(l));
     if (hook) hook(l, true);
-    const Weights w = weights_from(p.param(0), p.param(1), h, pt);
+    TZ_ASSIGN_OR_RETURN(const void* pw, staging.params(p, layout.blocks[l].whole_numel * elem_type_bytes(pt)));
+    const Weights w = weights_from(param_at(pw, l, 0), param_at(pw, l, 1), h, pt);
     std::vector<float> dw(static_cast<std::size_t>(h) * h, 0.0F), db(h, 0.0F), dx;
     layer_backward(acts[l], acts[l + 1], w, dy, dw, db, dx, cfg.batch, h, l + 1 < layers);
     TZ_ASSIGN_OR_RETURN(GradBlock g, engine.grad_buffer(l));
-    for (std::size_t i = 0; i < dw.size(); ++i) store_as(g.grad(0), i, dw[i], gt);
-    for (int i = 0; i < h; ++i) store_as(g.grad(1), i, db[i], gt);
-    if (inject_inf && l == layers - 1) store_as(g.grad(0), 0, std::numeric_limits<float>::infinity(), gt);
+    char* gbase = static_cast<char*>(staging.grads(g, layout.blocks[l].whole_numel * elem_type_bytes(gt)));
+    void* gw = gbase + layout.blocks[l].params[0].offset * elem_type_bytes(gt);
+    void* gb = gbase + layout.blocks[l].params[1].offset * elem_type_bytes(gt);
+    for (std::size_t i = 0; i < dw.size(); ++i) store_as(gw, i, dw[i], gt);
+    for (int i = 0; i < h; ++i) store_as(gb, i, db[i], gt);
+    if (inject_inf && l == layers - 1) store_as(gw, 0, std::numeric_limits<float>::infinity(), gt);
+    TZ_TRY(staging.upload(g));
     TZ_TRY(engine.reduce_grads(std::move(g)));
     dy = std::move(dx);
   }

@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "host_collectives.h"
+#include "tierzero/kernels.h"
 #include "zero_engine_impl.h"
 
 namespace tz {
@@ -47,7 +48,7 @@ Status ZeroEngineImpl::zero_stale_grads() {
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     if (grad_fresh_[b]) continue;
     const std::vector<float> zeros(layout_.blocks[b].shard_numel, 0.0F);
-    if (grad_->tier() == Tier::kNvme) {
+    if (grad_->tier() == Tier::kNvme || (grad_->tier() == Tier::kGpu && device_->kind() != BackendKind::kHost)) {
       TZ_TRY(put(*grad_, b, zeros.data()));
     } else {
       std::memset(grad_->memory(b), 0, grad_->shard_bytes(b));
@@ -204,7 +205,34 @@ Status ZeroEngineImpl::step_sub_group(std::size_t group, StagingSet& set, double
   return ok_status();
 }
 
+// Note [GPU optimizer] (zero_engine.cpp): Adam on the device-resident shards.
+Status ZeroEngineImpl::gpu_optimizer_pass(double grad_scale) {
+  const cpu_adam::Hyper c = hyper();
+  const kernels::AdamHyper h{.lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps,
+                             .weight_decay = c.weight_decay, .adamw = c.algorithm == cpu_adam::Algorithm::kAdamW,
+                             .step = step_, .grad_scale = grad_scale};
+  void* stream = stream_->native_handle();
+  const auto begin = std::chrono::steady_clock::now();
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    const std::uint64_t n = layout_.blocks[b].shard_numel;
+    auto* master = static_cast<float*>(master_->memory(b));
+    auto* param16 = static_cast<std::uint16_t*>(param16_->memory(b));
+    const kernels::AdamTensors t{.param = master,
+                                 .grad = static_cast<const float*>(grad_->memory(b)),
+                                 .exp_avg = static_cast<float*>(exp_avg_->memory(b)),
+                                 .exp_avg_sq = static_cast<float*>(exp_avg_sq_->memory(b)),
+                                 .param16 = param_type_ == ElemType::kBf16 ? param16 : nullptr};
+    TZ_TRY_CTX(kernels::adam_step_cuda(t, n, h, stream), "stepping {} on the GPU", layout_.blocks[b].name);
+    if (param_type_ == ElemType::kFp16) TZ_TRY(kernels::cast_fp32_to_fp16_cuda(master, param16, n, stream));
+    if (param_type_ == ElemType::kFp32) TZ_TRY(device_->copy_async(param16, master, n * 4, *stream_));
+  }
+  TZ_TRY(sync());
+  timeline_.record(detail::Track::kOptimizer, "GPU Adam", begin, std::chrono::steady_clock::now());
+  return ok_status();
+}
+
 Status ZeroEngineImpl::optimizer_pass(double grad_scale) {
+  if (gpu_optimizer_) return gpu_optimizer_pass(grad_scale);
   if (staging_.empty()) {
     // Sized once for the largest sub-group: steady-state steps allocate nothing.
     staging_.resize(3);

@@ -132,15 +132,26 @@ Status ZeroEngineImpl::make_plan() {
   if (plan.ok()) plan_ = std::move(*plan);
   if (options_.placement) plan_.tier = *options_.placement;
   // The optimizer runs on the CPU (cpu_adam); on the Host backend "device"
-  // memory is host memory, so states placed there step in place. GPU Adam
-  // arrives with the CUDA kernels (issue #6).
+  // memory is host memory, so states placed there step in place. On CUDA,
+  // states on the GPU step there (Note [GPU optimizer]): all of them or none.
   if (device_->kind() == BackendKind::kCuda) {
-    for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) {
-      if (plan_.tier_of(s) == Tier::kGpu) {
-        return unavailable("placing {} on the GPU needs the GPU optimizer, which this build does not have yet; "
-                           "offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\")",
-                           state_class_name(s));
+    int on_gpu = 0;
+    for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) on_gpu += plan_.tier_of(s) == Tier::kGpu;
+    if (on_gpu > 0) {
+      if (on_gpu < 3 || plan_.tier_of(StateClass::kParam16) != Tier::kGpu) {
+        return unavailable("the GPU optimizer steps shards whose params, gradients, master weights and moments all "
+                           "live on the GPU, but this placement has param16 on {}, grad on {}, master on {}, moments on "
+                           "{}: offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\"), "
+                           "or give the GPU room for every state",
+                           tier_name(plan_.tier_of(StateClass::kParam16)), tier_name(plan_.tier_of(StateClass::kGrad)),
+                           tier_name(plan_.tier_of(StateClass::kMaster)), tier_name(plan_.tier_of(StateClass::kMoments)));
       }
+      if (c.optimizer.type != "Adam" && c.optimizer.type != "AdamW") {
+        return unavailable("optimizer.type = \"{}\": the GPU optimizer steps Adam and AdamW; offload the optimizer "
+                           "(zero_optimization.offload_optimizer.device \"cpu\") to step {} with cpu_adam",
+                           c.optimizer.type, c.optimizer.type);
+      }
+      gpu_optimizer_ = true;
     }
   }
   return ok_status();
@@ -457,6 +468,7 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
 }
 
 Status ZeroEngineImpl::accumulate(std::size_t block, const void* d_shard, bool first) {
+  if (gpu_optimizer_) return accumulate_on_device(block, d_shard, first);
   const BlockLayout& b = layout_.blocks[block];
   const std::size_t shard_bytes = b.shard_numel * elem_type_bytes(grad_type_);
   TZ_ASSIGN_OR_RETURN(PoolBlock host, host_pool_->allocate(shard_bytes));
@@ -483,6 +495,36 @@ Status ZeroEngineImpl::accumulate(std::size_t block, const void* d_shard, bool f
   }
   grad_sum_squares_[block] = stats->sum_squares;
   grad_non_finite_[block] = stats->non_finite;
+  return ok_status();
+}
+
+// Note [GPU optimizer]
+// With every state class on the GPU (CUDA), nothing leaves the device: the
+// reduced shard is added into the fp32 gradient accumulator by a kernel on
+// the grad thread's stream, whose squared norm (the deterministic
+// multi-tensor kernel) comes back as one double per block for the global
+// norm; step() runs the Adam kernel over each block's shard with the 16-bit
+// copy-out. The arithmetic is the CPU optimizer's (one fma per accumulated
+// element, Adam in fp32 with double bias corrections), so the engine matches
+// the same in-memory reference on either path.
+Status ZeroEngineImpl::accumulate_on_device(std::size_t block, const void* d_shard, bool first) {
+  const BlockLayout& b = layout_.blocks[block];
+  const double scale = 1.0 / (static_cast<double>(comm_->size()) * gas_);
+  const kernels::GradFormat format = grad_type_ == ElemType::kFp32   ? kernels::GradFormat::kFp32
+                                     : grad_type_ == ElemType::kBf16 ? kernels::GradFormat::kBf16
+                                                                     : kernels::GradFormat::kFp16;
+  auto* acc = static_cast<float*>(grad_->memory(block));
+  void* stream = d2h_stream_->native_handle();
+  TZ_TRY_CTX(kernels::accumulate_grad_cuda(acc, d_shard, format, b.shard_numel, first, static_cast<float>(scale), stream),
+             "accumulating the gradients of {} on the GPU", b.name);
+  TZ_ASSIGN_OR_RETURN(PoolBlock d_norm, device_pool_->allocate(sizeof(double)));
+  const kernels::TensorRef shard{acc, b.shard_numel};
+  TZ_TRY_CTX(kernels::squared_norms_cuda(&shard, 1, d_norm.as<double>(), stream), "the gradient norm of {}", b.name);
+  double sum_squares = 0;
+  TZ_TRY(device_->copy_async(&sum_squares, d_norm.data(), sizeof(double), *d2h_stream_));
+  TZ_TRY(device_->synchronize_stream(*d2h_stream_));
+  grad_sum_squares_[block] = sum_squares;
+  grad_non_finite_[block] = !std::isfinite(sum_squares);
   return ok_status();
 }
 

@@ -82,6 +82,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // The gradient path of one block after its reduce-scatter: device to host,
   // accumulate in fp32 on the grad tier (the grad thread).
   Status accumulate(std::size_t block, const void* d_shard, bool first);
+  // The same on the GPU optimizer's path: the shard into the device-resident
+  // fp32 accumulator, and its squared norm (Note [GPU optimizer]).
+  Status accumulate_on_device(std::size_t block, const void* d_shard, bool first);
   void release(std::size_t block, void* data) override;
 
   // --- checkpoints (checkpoint.cpp)
@@ -96,6 +99,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status zero_stale_grads();
   Expected<bool> global_norm(double& norm);  // returns overflow
   Status optimizer_pass(double grad_scale);
+  Status gpu_optimizer_pass(double grad_scale);
   Status step_sub_group(std::size_t group, StagingSet& set, double grad_scale);
   std::vector<nvme::IoFuture> read_sub_group(std::size_t group, StagingSet& set);
   Status write_sub_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes);
@@ -116,6 +120,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   int gas_ = 1;
   ElemType param_type_ = ElemType::kBf16;
   ElemType grad_type_ = ElemType::kBf16;
+  bool gpu_optimizer_ = false;   // CUDA, and every state class on the GPU: Adam runs there
 
   std::unique_ptr<MemoryPool> device_pool_;
   std::unique_ptr<MemoryPool> host_pool_;

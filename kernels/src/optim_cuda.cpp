@@ -31,4 +31,11 @@ Status adam_step_cuda(const AdamTensors& d_t, std::size_t n, const AdamHyper& h,
   return ok_status();
 }
 
+Status accumulate_grad_cuda(float* d_acc, const void* d_grad, GradFormat format, std::size_t n, bool overwrite,
+                            float scale, void* cuda_stream) {
+  TZ_CUDA_CHECK(launch::accumulate_grad(d_acc, d_grad, static_cast<int>(format), n, overwrite, scale,
+                                        static_cast<cudaStream_t>(cuda_stream)));
+  return ok_status();
+}
+
 }  // namespace tz::kernels

@@ -8,6 +8,7 @@
 // kernel adds each tensor's partials in chunk order. Nothing depends on
 // scheduling or atomics, so the same inputs give the same bits on every run.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <vector>
 
@@ -80,7 +81,44 @@ __global__ void adam_kernel(float* __restrict__ p, const float* __restrict__ g, 
   }
 }
 
+template <typename T>
+__device__ float grad_value(const T* g, std::size_t i);
+template <>
+__device__ float grad_value(const float* g, std::size_t i) { return g[i]; }
+template <>
+__device__ float grad_value(const __nv_bfloat16* g, std::size_t i) { return __bfloat162float(g[i]); }
+template <>
+__device__ float grad_value(const __half* g, std::size_t i) { return __half2float(g[i]); }
+
+template <typename T>
+__global__ void accumulate_kernel(float* __restrict__ acc, const T* __restrict__ g, std::size_t n, bool overwrite,
+                                  float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    acc[i] = fmaf(scale, grad_value(g, i), overwrite ? 0.0F : acc[i]);
+  }
+}
+
 }  // namespace
+
+cudaError_t accumulate_grad(float* d_acc, const void* d_grad, int format, std::size_t n, bool overwrite, float scale,
+                            cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  switch (format) {
+    case 0:
+      accumulate_kernel<<<grid_for(n), kThreads, 0, stream>>>(d_acc, static_cast<const float*>(d_grad), n, overwrite, scale);
+      break;
+    case 1:
+      accumulate_kernel<<<grid_for(n), kThreads, 0, stream>>>(d_acc, static_cast<const __nv_bfloat16*>(d_grad), n,
+                                                              overwrite, scale);
+      break;
+    default:
+      accumulate_kernel<<<grid_for(n), kThreads, 0, stream>>>(d_acc, static_cast<const __half*>(d_grad), n, overwrite,
+                                                              scale);
+      break;
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t unscale(float* d_g, std::size_t n, float inv_scale, int* d_found_non_finite, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;

@@ -17,7 +17,7 @@ namespace tzt {
 // accumulation, precision ("bf16", "fp16" or "fp32": neither block, as
 // DeepSpeed trains in fp32), explicit budgets and one NVMe path.
 inline tz::Config test_config(const std::string& nvme_dir, int stage = 3, int gas = 2,
-                              const std::string& precision = "bf16") {
+                              const std::string& precision = "bf16", const std::string& backend = "host") {
   const std::string prec_block =
       precision == "fp16"   ? R"("fp16": {"enabled": true, "initial_scale_power": 12, "hysteresis": 1},)"
       : precision == "bf16" ? R"("bf16": {"enabled": true},)"
@@ -29,11 +29,11 @@ inline tz::Config test_config(const std::string& nvme_dir, int stage = 3, int ga
     {prec}
     "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}}}},
     "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0, "sub_group_size": 40000}},
-    "tierzero": {{"backend": "host", "tiers": {{"gpu_bytes": "512MiB", "cpu_bytes": "1GiB", "nvme_bytes": "4GiB",
+    "tierzero": {{"backend": "{backend}", "tiers": {{"gpu_bytes": "512MiB", "cpu_bytes": "1GiB", "nvme_bytes": "4GiB",
                   "nvme_paths": ["{nvme}"]}}}}
   }})",
                                        fmt::arg("gas", gas), fmt::arg("prec", prec_block), fmt::arg("stage", stage),
-                                       fmt::arg("nvme", nvme_dir));
+                                       fmt::arg("nvme", nvme_dir), fmt::arg("backend", backend));
   auto config = tz::parse_config(json, "test config");
   EXPECT_TRUE(config.ok()) << config.status().to_string();
   return config.ok() ? *config : tz::Config{};
@@ -68,6 +68,32 @@ inline tz::Expected<Compare> compare_masters(tz::ZeroEngine& engine, const tz::m
     }
   }
   return c;
+}
+
+// Trains `steps` optimizer steps on the engine and the reference side by side
+// and returns the largest master-weight difference.
+inline double train_and_compare(tz::ZeroEngine& engine, tz::mlp::Reference& ref, const tz::mlp::MlpConfig& mlp,
+                                int steps, int gas) {
+  double worst = 0;
+  for (int step = 0; step < steps; ++step) {
+    double loss = 0;
+    for (int micro = 0; micro < gas; ++micro) {
+      auto l = tz::mlp::train_micro_batch(engine, mlp, tz::mlp::make_batch(mlp, engine.rank(), micro, step));
+      EXPECT_TRUE(l.ok()) << l.status().to_string();
+      if (!l.ok()) return INFINITY;
+      loss += *l;
+      auto r = engine.step();
+      EXPECT_TRUE(r.ok()) << r.status().to_string();
+      if (!r.ok()) return INFINITY;
+      EXPECT_EQ(r->stepped, micro == gas - 1);
+    }
+    const double ref_loss = ref.train_step(step);
+    EXPECT_NEAR(loss / gas, ref_loss, 1e-4 * std::fabs(ref_loss)) << "step " << step;
+    auto c = compare_masters(engine, ref);
+    EXPECT_TRUE(c.ok()) << c.status().to_string();
+    if (c.ok()) worst = std::max(worst, c->max_abs);
+  }
+  return worst;
 }
 
 }  // namespace tzt

@@ -21,31 +21,6 @@ const Placement kPlacements[] = {
     {Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kNvme},  // everything on NVMe
 };
 
-// Trains `steps` optimizer steps on the engine and the reference side by side
-// and returns the largest master-weight difference.
-double train_and_compare(tz::ZeroEngine& engine, tz::mlp::Reference& ref, int steps, int gas) {
-  double worst = 0;
-  for (int step = 0; step < steps; ++step) {
-    double loss = 0;
-    for (int micro = 0; micro < gas; ++micro) {
-      auto l = tz::mlp::train_micro_batch(engine, kMlp, tz::mlp::make_batch(kMlp, engine.rank(), micro, step));
-      EXPECT_TRUE(l.ok()) << l.status().to_string();
-      if (!l.ok()) return INFINITY;
-      loss += *l;
-      auto r = engine.step();
-      EXPECT_TRUE(r.ok()) << r.status().to_string();
-      if (!r.ok()) return INFINITY;
-      EXPECT_EQ(r->stepped, micro == gas - 1);
-    }
-    const double ref_loss = ref.train_step(step);
-    EXPECT_NEAR(loss / gas, ref_loss, 1e-4 * std::fabs(ref_loss)) << "step " << step;
-    auto c = compare_masters(engine, ref);
-    EXPECT_TRUE(c.ok()) << c.status().to_string();
-    if (c.ok()) worst = std::max(worst, c->max_abs);
-  }
-  return worst;
-}
-
 TEST(ZeroEngine, EveryPlacementMatchesTheInMemoryReference) {
   for (const Placement& placement : kPlacements) {
     for (std::optional<tz::ElemType> grad_type : {std::optional(tz::ElemType::kFp32), std::optional<tz::ElemType>()}) {
@@ -55,7 +30,7 @@ TEST(ZeroEngine, EveryPlacementMatchesTheInMemoryReference) {
                                            tz::mlp::model(kMlp), tz::mlp::init(kMlp));
       ASSERT_TRUE(engine.ok()) << placement_name(placement) << ": " << engine.status().to_string();
       tz::mlp::Reference ref(kMlp, config, 1, grad_type);
-      const double worst = train_and_compare(**engine, ref, 4, 2);
+      const double worst = train_and_compare(**engine, ref, kMlp, 4, 2);
       const std::string grads = grad_type ? "fp32 grads" : "bf16 grads";
       std::printf("[ engine ] %-60s %-10s largest |master - reference| after 4 steps: %.3g\n",
                   placement_name(placement).c_str(), grads.c_str(), worst);
@@ -75,7 +50,7 @@ TEST(ZeroEngine, Fp32TrainingWithoutBf16OrFp16MatchesTheReference) {
     EXPECT_EQ((*engine)->param_type(), tz::ElemType::kFp32);
     EXPECT_EQ((*engine)->grad_type(), tz::ElemType::kFp32);
     tz::mlp::Reference ref(kMlp, config, 1);
-    const double worst = train_and_compare(**engine, ref, 4, 2);
+    const double worst = train_and_compare(**engine, ref, kMlp, 4, 2);
     std::printf("[ engine ] fp32 params, %-55s largest |master - reference|: %.3g\n", placement_name(placement).c_str(),
                 worst);
     EXPECT_LE(worst, 1e-6);

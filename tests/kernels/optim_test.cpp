@@ -122,6 +122,35 @@ TEST(AdamStep, BadHyperParametersAreRefusedNamingTheValue) {
   EXPECT_EQ(p, 1.0F) << "a refused step changes nothing";
 }
 
+// The 16-bit gradient as bits, and its exact fp32 value.
+std::vector<std::uint16_t> to_16bit(const std::vector<float>& x, GradFormat f) {
+  std::vector<std::uint16_t> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = f == GradFormat::kBf16 ? fp32_to_bf16(x[i]) : fp32_to_fp16(x[i]);
+  return out;
+}
+
+TEST(AccumulateGrad, CpuTwinMatchesADoubleReferenceForEveryFormat) {
+  const std::size_t n = 100'003;
+  for (GradFormat f : {GradFormat::kFp32, GradFormat::kBf16, GradFormat::kFp16}) {
+    const std::vector<float> g1 = normal_floats(n, 3.0F, 11), g2 = normal_floats(n, 3.0F, 12);
+    std::vector<std::uint16_t> b1 = to_16bit(g1, f), b2 = to_16bit(g2, f);
+    const void* p1 = f == GradFormat::kFp32 ? static_cast<const void*>(g1.data()) : b1.data();
+    const void* p2 = f == GradFormat::kFp32 ? static_cast<const void*>(g2.data()) : b2.data();
+    auto value = [&](const std::vector<float>& g, const std::vector<std::uint16_t>& b, std::size_t i) -> double {
+      return f == GradFormat::kFp32 ? g[i] : f == GradFormat::kBf16 ? bf16_to_fp32(b[i]) : fp16_to_fp32(b[i]);
+    };
+    std::vector<float> acc(n, 12345.0F);  // overwritten by the first call
+    accumulate_grad_cpu(acc.data(), p1, f, n, true, 0.25F);
+    accumulate_grad_cpu(acc.data(), p2, f, n, false, 0.25F);
+    double worst = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const double want = 0.25 * value(g1, b1, i) + 0.25 * value(g2, b2, i);
+      worst = std::max(worst, std::fabs(acc[i] - want) / std::max(1e-30, std::fabs(want) + 1e-3));
+    }
+    EXPECT_LE(worst, 1e-6) << "format " << static_cast<int>(f);
+  }
+}
+
 #if defined(TIERZERO_WITH_CUDA)
 // Skips the test unless a CUDA device is present.
 #define TZ_REQUIRE_GPU()                                                             \
@@ -227,6 +256,41 @@ TEST(OptimCuda, AdamMatchesTheCpuTwin) {
   for (void* d : {static_cast<void*>(d_p), static_cast<void*>(d_g), static_cast<void*>(d_m), static_cast<void*>(d_v),
                   static_cast<void*>(d_p16)}) {
     cudaFree(d);
+  }
+#endif
+}
+
+TEST(OptimCuda, AccumulateGradMatchesTheCpuTwinBitForBit) {
+#if !defined(TIERZERO_WITH_CUDA)
+  GTEST_SKIP() << "built without CUDA (-DTIERZERO_CUDA=OFF)";
+#else
+  TZ_REQUIRE_GPU();
+  const std::size_t n = (1 << 20) + 17;
+  for (GradFormat f : {GradFormat::kFp32, GradFormat::kBf16, GradFormat::kFp16}) {
+    const std::vector<float> g1 = normal_floats(n, 2.0F, 21), g2 = normal_floats(n, 2.0F, 22);
+    const std::vector<std::uint16_t> b1 = to_16bit(g1, f), b2 = to_16bit(g2, f);
+    std::vector<float> acc = normal_floats(n, 1.0F, 23);
+    float* d_acc = to_device(acc);
+    float *d_g1 = to_device(g1), *d_g2 = to_device(g2);
+    std::uint16_t *d_b1 = to_device(b1), *d_b2 = to_device(b2);
+    const bool fp32 = f == GradFormat::kFp32;
+    const void* h1 = fp32 ? static_cast<const void*>(g1.data()) : b1.data();
+    const void* h2 = fp32 ? static_cast<const void*>(g2.data()) : b2.data();
+    const void* dv1 = fp32 ? static_cast<const void*>(d_g1) : d_b1;
+    const void* dv2 = fp32 ? static_cast<const void*>(d_g2) : d_b2;
+    ASSERT_TRUE(accumulate_grad_cuda(d_acc, dv1, f, n, true, 0.125F, nullptr).ok());
+    ASSERT_TRUE(accumulate_grad_cuda(d_acc, dv2, f, n, false, 0.125F, nullptr).ok());
+    accumulate_grad_cpu(acc.data(), h1, f, n, true, 0.125F);
+    accumulate_grad_cpu(acc.data(), h2, f, n, false, 0.125F);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = to_host(d_acc, n);
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < n; ++i) differ += got[i] != acc[i];
+    EXPECT_EQ(differ, 0U) << "format " << static_cast<int>(f) << ": one fma per element on both sides";
+    for (void* d : {static_cast<void*>(d_acc), static_cast<void*>(d_g1), static_cast<void*>(d_g2),
+                    static_cast<void*>(d_b1), static_cast<void*>(d_b2)}) {
+      cudaFree(d);
+    }
   }
 #endif
 }

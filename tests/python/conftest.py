@@ -41,8 +41,9 @@ def nvme_dir(tmp_path):
 
 
 def host_config(nvme: str | None = None, *, stage: int = 3, gas: int = 1, offload: str = "nvme",
-                lr: float = 1e-2, clip: float = 0.0, optimizer: str = "AdamW", weight_decay: float = 0.01) -> dict:
-    """A DeepSpeed-style config on the Host backend; with `nvme`, params and optimizer offloaded there."""
+                lr: float = 1e-2, clip: float = 0.0, optimizer: str = "AdamW", weight_decay: float = 0.01,
+                backend: str = "host") -> dict:
+    """A DeepSpeed-style config on the Host backend (or `backend`); with `nvme`, params and optimizer offloaded there."""
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": 50_000}
     if nvme is not None and offload == "nvme":
         # Staging sized for test models (the defaults, 5 x 1e8 elements, are for billions of parameters).
@@ -54,7 +55,7 @@ def host_config(nvme: str | None = None, *, stage: int = 3, gas: int = 1, offloa
         "optimizer": {"type": optimizer, "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": weight_decay}},
         "zero_optimization": zero,
-        "tierzero": {"backend": "host", "tiers": {"gpu_bytes": "256MiB", "cpu_bytes": "512MiB", "nvme_bytes": "2GiB"}},
+        "tierzero": {"backend": backend, "tiers": {"gpu_bytes": "256MiB", "cpu_bytes": "512MiB", "nvme_bytes": "2GiB"}},
     }
     if clip:
         cfg["gradient_clipping"] = clip

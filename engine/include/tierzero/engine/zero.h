@@ -42,7 +42,8 @@
 // CUDA: a GatheredBlock's memory goes back to the pool when it is destroyed,
 // and a GradBlock's when reduce_grads takes it; the caller's kernels that read
 // or write them must be complete by then (synchronise the compute stream).
-// Stream-ordered release is not there yet; the CUDA path has not run on a GPU.
+// Stream-ordered release is not there yet. The CUDA path (the engine's tests
+// with a CUDA device, every placement, the GPU optimizer) ran on an H100.
 // Errors: any failure (NVMe, a collective, a budget) fails the call that
 // sees it with a Status naming what failed; the engine is then unusable
 // (a failed step leaves checkpoints on disk untouched).
