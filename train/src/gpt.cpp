@@ -23,6 +23,7 @@
 #include "tierzero/train/gpt.h"
 
 #include <fmt/ranges.h>
+#include <tbb/task_arena.h>
 
 #include <cmath>
 #include <cstring>
@@ -30,6 +31,7 @@
 
 #include "passes.h"
 #include "tierzero/kernels.h"
+#include "trainer_backend.h"
 
 namespace tz::train {
 namespace {
@@ -104,7 +106,7 @@ ParamInit init(const GptConfig& cfg) {
   };
 }
 
-namespace {
+namespace detail {
 
 Status check_batch(const GptConfig& cfg, const TokenBatch& b) {
   if (b.batch < 1 || b.seq < 1 || b.seq > cfg.seq) {
@@ -124,7 +126,7 @@ Status check_batch(const GptConfig& cfg, const TokenBatch& b) {
   return ok_status();
 }
 
-}  // namespace
+}  // namespace detail
 
 template <typename T>
 double forward_backward(const GptConfig& cfg, const ModelLayout& layout, const std::vector<std::vector<T>>& weights,
@@ -158,6 +160,7 @@ struct GptTrainer::State {
   ZeroEngine& engine;
   GptConfig cfg;
   ElemType param_type, grad_type;
+  std::unique_ptr<detail::TrainerBackend> device;  // a CUDA engine's GPT; null: the CPU one below
   detail::Workspace<float> ws;
   std::vector<float> w;        // (used_numel,) of the block being computed, fp32
   std::vector<float> w_embed;  // the embed block's weights, for the head
@@ -203,7 +206,17 @@ struct GptTrainer::State {
 GptTrainer::GptTrainer(std::unique_ptr<State> state) : state_(std::move(state)) {}
 GptTrainer::~GptTrainer() = default;
 
-Expected<std::unique_ptr<GptTrainer>> GptTrainer::create(ZeroEngine& engine, const GptConfig& cfg) {
+BackendKind GptTrainer::backend() const {
+  return state_->device != nullptr ? BackendKind::kCuda : BackendKind::kHost;
+}
+
+std::string GptTrainer::describe() const {
+  if (state_->device != nullptr) return state_->device->describe();
+  return fmt::format("CPU, fp32 ({} threads)", tbb::this_task_arena::max_concurrency());
+}
+
+Expected<std::unique_ptr<GptTrainer>> GptTrainer::create(ZeroEngine& engine, const GptConfig& cfg,
+                                                         const CudaOptions& cuda) {
   TZ_TRY(cfg.validate());
   const std::vector<BlockSpec> want = model(cfg);
   const ModelLayout& have = engine.layout();
@@ -226,12 +239,16 @@ Expected<std::unique_ptr<GptTrainer>> GptTrainer::create(ZeroEngine& engine, con
   }
   auto state = std::make_unique<State>(State{.engine = engine, .cfg = cfg, .param_type = engine.param_type(),
                                              .grad_type = engine.grad_type()});
+  if (engine.device().kind() == BackendKind::kCuda) {
+    TZ_ASSIGN_OR_RETURN(state->device, detail::make_cuda_trainer(engine, cfg, cuda));
+  }
   return std::unique_ptr<GptTrainer>(new GptTrainer(std::move(state)));
 }
 
 Expected<double> GptTrainer::train_micro_batch(const TokenBatch& batch) {
   State& st = *state_;
-  TZ_TRY(check_batch(st.cfg, batch));
+  TZ_TRY(detail::check_batch(st.cfg, batch));
+  if (st.device != nullptr) return st.device->train_micro_batch(batch);
   const detail::Shape s = detail::shape_of(st.cfg, batch.batch, batch.seq);
   const auto layers = static_cast<std::size_t>(st.cfg.layers);
   st.ws.resize(s, st.cfg.layers);
@@ -268,7 +285,8 @@ Expected<double> GptTrainer::train_micro_batch(const TokenBatch& batch) {
 Expected<double> GptTrainer::eval_loss(const std::vector<TokenBatch>& batches) {
   State& st = *state_;
   if (batches.empty()) return invalid_argument("eval_loss: no batches");
-  for (const TokenBatch& b : batches) TZ_TRY(check_batch(st.cfg, b));
+  for (const TokenBatch& b : batches) TZ_TRY(detail::check_batch(st.cfg, b));
+  if (st.device != nullptr) return st.device->eval_loss(batches);
   auto load_master = [&](std::size_t b, std::vector<float>& out) -> Status {
     TZ_ASSIGN_OR_RETURN(std::vector<float> master, st.engine.gather_master(b));
     out.resize(st.block(b).used_numel);

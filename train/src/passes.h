@@ -58,6 +58,9 @@ struct Workspace {
   T* stream(std::size_t l) { return l < layers.size() ? layers[l].x_in.data() : x_final.data(); }
 };
 
+// Tokens in [0, vocab), 1 <= seq <= cfg.seq, sizes matching; InvalidArgument naming the first fault.
+Status check_batch(const GptConfig& cfg, const TokenBatch& b);
+
 template <typename T>
 const T* param(const T* flat, const BlockLayout& block, std::size_t i) {
   return flat + block.params[i].offset;

@@ -13,9 +13,15 @@
 // records the prefetch trace). Ranks start as for any tierzero program
 // (torchrun / mpirun variables); rank 0 prints and writes.
 //
-// The GPT computes on the CPU (the CUDA GPT is issue #6's next part), so the
-// engine runs on its Host backend: "device" memory is host memory, budgeted
-// by tierzero.tiers.gpu_bytes as a GPU's would be.
+// Where the GPT computes: --backend (default: the config's tierzero.backend,
+// "auto" in the shipped config). "auto" takes the GPU when this build has
+// CUDA and one is present, the CPU otherwise. On the CPU the engine runs on
+// its Host backend ("device" memory is host memory, budgeted by
+// tierzero.tiers.gpu_bytes as a GPU's would be); on CUDA the GPT runs as
+// CUDA kernels and cuBLAS (TF32 unless --no-tf32) with the engine on the GPU.
+// The engine has no GPU optimizer yet, so on CUDA the optimizer states must
+// be offloaded (zero_optimization.offload_optimizer "cpu" or "nvme"; the
+// shipped config offloads to NVMe).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <tbb/global_control.h>
@@ -56,6 +62,9 @@ constexpr Preset kPresets[] = {
 
 struct Flags {
   std::string config_path, preset = "cpu", data_path, nvme_path, out_dir = "tierzero-train-out";
+  std::string backend;   // "", "auto", "cuda", "host": empty follows the config
+  std::string gpu_bytes; // "", "auto" or a size: replaces tierzero.tiers.gpu_bytes
+  bool tf32 = true;      // CUDA only
   std::optional<int> layers, hidden, heads, seq, batch;
   std::optional<std::int64_t> steps;
   std::string json_path, csv_path, plot_path, trace_path, save_dir, resume_dir;
@@ -80,17 +89,36 @@ tz::Expected<std::string> default_config_path() {
                        source);
 }
 
-// The config, with --nvme-path applied and the Host backend chosen.
+// The backend the run computes on: --backend, else the config's; "auto"
+// becomes CUDA when this build has the CUDA GPT and a GPU is present.
+tz::Expected<tz::BackendChoice> choose_backend(const Flags& f, const tz::Config& config) {
+  tz::BackendChoice choice = config.backend;
+  if (f.backend == "cuda") choice = tz::BackendChoice::kCuda;
+  if (f.backend == "host") choice = tz::BackendChoice::kHost;
+  if (f.backend == "auto") choice = tz::BackendChoice::kAuto;
+  const tz::CudaCapabilities& cuda = tz::capabilities().cuda;
+  if (choice == tz::BackendChoice::kCuda && !tz::train::cuda_gpt_built()) {
+    return tz::unavailable("{}: this tierzero-train was built without CUDA (TIERZERO_CUDA=OFF); use \"auto\" or "
+                           "\"host\"", f.backend.empty() ? f.config_path + ": tierzero.backend \"cuda\"" : "--backend cuda");
+  }
+  if (choice == tz::BackendChoice::kAuto) {
+    choice = tz::train::cuda_gpt_built() && cuda.device_count > 0 ? tz::BackendChoice::kCuda : tz::BackendChoice::kHost;
+  }
+  return choice;
+}
+
+// The config, with --nvme-path and the backend applied.
 tz::Expected<tz::Config> load_train_config(Flags& f) {
   if (f.config_path.empty()) {
     TZ_ASSIGN_OR_RETURN(f.config_path, default_config_path());
   }
   TZ_ASSIGN_OR_RETURN(tz::Config config, tz::load_config(f.config_path));
-  if (config.backend == tz::BackendChoice::kCuda) {
-    return tz::unavailable("{}: tierzero.backend is \"cuda\", but tierzero-train computes the GPT on the CPU (the CUDA "
-                           "GPT is not built yet): use \"auto\" or \"host\"", f.config_path);
+  TZ_ASSIGN_OR_RETURN(config.backend, choose_backend(f, config));
+  if (f.gpu_bytes == "auto") config.tiers.gpu = tz::ByteBudget::automatic();
+  if (!f.gpu_bytes.empty() && f.gpu_bytes != "auto") {
+    TZ_ASSIGN_OR_RETURN(std::uint64_t bytes, tz::parse_bytes(f.gpu_bytes));
+    config.tiers.gpu = tz::ByteBudget::of(bytes);
   }
-  config.backend = tz::BackendChoice::kHost;
   if (!f.nvme_path.empty()) {  // one directory for everything on NVMe, replacing the config's
     config.tiers.nvme_paths = {f.nvme_path};
     config.zero.offload_param.nvme_path = f.nvme_path;
@@ -184,7 +212,7 @@ tz::Status Run::setup() {
   }
   TZ_ASSIGN_OR_RETURN(engine_, tz::ZeroEngine::create({.config = config_, .comm = comm_.get()}, tz::train::model(gpt_),
                                                       tz::train::init(gpt_)));
-  TZ_ASSIGN_OR_RETURN(trainer_, tz::train::GptTrainer::create(*engine_, gpt_));
+  TZ_ASSIGN_OR_RETURN(trainer_, tz::train::GptTrainer::create(*engine_, gpt_, {.tf32 = f_.tf32}));
   if (!f_.resume_dir.empty()) {
     TZ_TRY_CTX(engine_->load_checkpoint(f_.resume_dir), "--resume {}", f_.resume_dir);
     TZ_ASSIGN_OR_RETURN(info_.first_step, checkpoint_step(f_.resume_dir));
@@ -217,6 +245,7 @@ tz::Status Run::setup() {
     }
     std::printf("\nconfig %s; data %s; %d x %d tokens per micro-batch, %d micro-batch(es) per step, %d rank(s)\n",
                 f_.config_path.c_str(), info_.corpus.c_str(), gpt_.batch, gpt_.seq, info_.gas, info_.ranks);
+    std::printf("the GPT computes on: %s\n", trainer_->describe().c_str());
     std::printf("where the states live: %s\n", info_.engine.c_str());
     if (!f_.resume_dir.empty()) std::printf("resumed from %s at step %lld\n", f_.resume_dir.c_str(),
                                             static_cast<long long>(info_.first_step));
@@ -328,6 +357,12 @@ tz::Status Run::finish() {
 
 void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--config", f.config_path, "DeepSpeed-style JSON config (default: examples/train_cpu_nvme.json)");
+  app.add_option("--backend", f.backend, "where the GPT computes: auto (CUDA when a GPU is present), cuda, host "
+                 "(default: the config's tierzero.backend)")->check(CLI::IsMember({"auto", "cuda", "host"}));
+  app.add_option("--gpu-bytes", f.gpu_bytes, "device budget, replacing the config's tierzero.tiers.gpu_bytes: a size "
+                 "(\"8GiB\") or auto (e.g. for a GPU run with the shipped 32 MiB CPU-demo config)");
+  app.add_flag("--tf32,!--no-tf32", f.tf32, "CUDA: cuBLAS matmuls on TF32 tensor cores (default: on; --no-tf32 for "
+               "full fp32)");
   app.add_option("--preset", f.preset, "model size: tiny, cpu (default), small, gpt2")->capture_default_str();
   app.add_option("--layers", f.layers, "transformer blocks (overrides the preset)")->check(CLI::Range(1, 1000));
   app.add_option("--hidden", f.hidden, "model width")->check(CLI::Range(1, 65536));
@@ -352,7 +387,7 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--log-every", f.log_every, "progress line every N steps")->capture_default_str();
   app.add_option("--data-seed", f.data_seed, "seed of the batch sampler")->capture_default_str();
   app.add_option("--init-seed", f.init_seed, "seed of the initial weights")->capture_default_str();
-  app.add_option("--threads", f.threads, "compute threads (0: all cores)")->capture_default_str();
+  app.add_option("--threads", f.threads, "CPU compute threads (0: all cores)")->capture_default_str();
 }
 
 }  // namespace

@@ -1,11 +1,12 @@
 // tierzero/train.h: the train module's public header. A GPT-style decoder
-// trained end to end through ZeroEngine on the CPU, its data, and its
-// hand-written operators.
+// trained end to end through ZeroEngine on the CPU or on CUDA, its data, and
+// its hand-written operators.
 //
 //   train/ops.h   the operators (matmul, linear, LayerNorm, GELU, attention,
 //                 embedding, cross-entropy), forward and backward, float and double
 //   train/data.h  the byte-level corpus and the deterministic batch loader
-//   train/gpt.h   the model as engine blocks, GptTrainer, forward_backward, Reference
+//   train/gpt.h   the model as engine blocks, GptTrainer, forward_backward,
+//                 forward_backward_cuda, Reference
 #pragma once
 
 #include "tierzero/train/data.h"

@@ -1,4 +1,4 @@
-// A GPT-style decoder trained through ZeroEngine on the CPU.
+// A GPT-style decoder trained through ZeroEngine, on the CPU or on CUDA.
 //
 // The model (GPT-2's shape): token and position embeddings; `layers`
 // pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP
@@ -31,14 +31,23 @@
 //     }
 //   }
 //
+// Where it computes follows the engine's device: a Host-backend engine gets
+// the CPU operators (fp32, oneTBB over the cores); a CUDA engine gets the CUDA
+// twin (gpt_cuda*.{h,cpp,cu}: fp32 activations, cuBLAS SGEMMs, optionally on
+// TF32 tensor cores, see CudaOptions), the same model, block order and
+// protocol; forward_backward_cuda is its in-memory entry point, tested
+// against forward_backward<double>.
+//
 // Threads: one training thread calls a GptTrainer (as for ZeroEngine); the
-// operators inside spread over the cores with oneTBB.
+// CPU operators spread over the cores with oneTBB; the CUDA path uses one
+// stream and one cuBLAS handle of its own, on the engine's device.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "tierzero/engine.h"
@@ -77,13 +86,30 @@ std::vector<BlockSpec> model(const GptConfig& cfg);
 // LayerNorm weights 1. Counter-based, so every rank produces the same values.
 ParamInit init(const GptConfig& cfg);
 
+// How the CUDA GPT computes (ignored on the CPU).
+struct CudaOptions {
+  // cuBLAS runs the fp32 matmuls on TF32 tensor cores
+  // (CUBLAS_TF32_TENSOR_OP_MATH): inputs rounded to 10-bit mantissas, fp32
+  // accumulation; several times faster on A100/H100, ~1e-3 relative error in
+  // the products. Off (the default): full fp32, what the tests compare.
+  bool tf32 = false;
+};
+
 // Drives micro-batches of the GPT through an engine created from model(cfg).
 class GptTrainer {
  public:
   // Checks that the engine's layout is model(cfg)'s (block and parameter
-  // names and shapes); the error names the first difference.
-  static Expected<std::unique_ptr<GptTrainer>> create(ZeroEngine& engine, const GptConfig& cfg);
+  // names and shapes); the error names the first difference. Computes on the
+  // CPU for a Host-backend engine and on the GPU for a CUDA one (Unavailable
+  // when this build has no CUDA GPT; a CUDA error names the call).
+  static Expected<std::unique_ptr<GptTrainer>> create(ZeroEngine& engine, const GptConfig& cfg,
+                                                      const CudaOptions& cuda = {});
   ~GptTrainer();
+
+  // Where the GPT computes: BackendKind::kHost (the CPU) or kCuda.
+  BackendKind backend() const;
+  // One line for logs: "CPU (fp32, N threads)" or the CUDA device and math mode.
+  std::string describe() const;
 
   // Forward, loss, backward and reduce_grads for every block; not step().
   // The loss is multiplied by engine.loss_scale() for backward (fp16); the
@@ -113,6 +139,21 @@ class GptTrainer {
 template <typename T>
 double forward_backward(const GptConfig& cfg, const ModelLayout& layout, const std::vector<std::vector<T>>& weights,
                         const TokenBatch& batch, double loss_scale, std::vector<std::vector<T>>* grads);
+
+// True when this build has the CUDA GPT (TIERZERO_CUDA=ON).
+bool cuda_gpt_built();
+
+// forward_backward<float> on the current CUDA device: uploads the weights
+// (weights[b] at least used_numel long), runs the same model with CUDA
+// kernels and cuBLAS, and downloads; grads[b] (when given) gets d(loss *
+// loss_scale) added. Returns the mean loss. Allocates and frees its own
+// device memory per call (a test and debugging entry point, not a hot path).
+// Unavailable in builds without CUDA; InvalidArgument for a bad batch or
+// block sizes; a CUDA/cuBLAS failure names the call.
+Expected<double> forward_backward_cuda(const GptConfig& cfg, const ModelLayout& layout,
+                                       const std::vector<std::vector<float>>& weights, const TokenBatch& batch,
+                                       double loss_scale, std::vector<std::vector<float>>* grads,
+                                       const CudaOptions& options = {});
 
 // Micro-batch `micro` of rank `rank` in optimizer step `step`.
 using BatchFn = std::function<TokenBatch(int rank, int micro, std::int64_t step)>;
