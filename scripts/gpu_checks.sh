@@ -5,7 +5,8 @@
 # printed last. Exits non-zero when a test fails.
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]     PART: info tests python bench train (default: all)
-#   TZ_GPU_TRAIN_ARGS="..." adds tierzero-train runs to the train part (see train/README.md)
+#   TZ_GPU_TRAIN_ARGS="ARGS|ARGS..." adds tierzero-train runs to the train part (see train/README.md)
+#   TZ_GPU_OVERLAP="nvme cpu gpu" the overlap bench placements; TZ_GPU_PY_BENCH=0 skips the GPT-2 Python bench
 set -uo pipefail
 out=${1:?usage: gpu_checks.sh OUT_DIR [PART...]}
 shift
@@ -74,14 +75,14 @@ fi
 
 if [[ $parts == *" bench "* ]]; then
   run tier_demo 120 "$bin/tierzero-tiers" --params 2e9 --json "$out/tiers.json"
-  for placement in nvme cpu gpu; do
+  for placement in ${TZ_GPU_OVERLAP-nvme cpu gpu}; do
     for ms in 4 10 30; do
       run "overlap_${placement}_${ms}ms" 200 "$bin/tierzero-overlap-bench" --backend cuda --synthetic --placement "$placement" \
         --layers 8 --hidden 4096 --batch 4 --compute-ms "$ms" --steps 5 --nvme-path "$TMPDIR/tz-overlap" \
         --json "$out/overlap_${placement}_${ms}ms.json"
     done
   done
-  if [[ -d /tmp/tz-site ]]; then
+  if [[ -d /tmp/tz-site && ${TZ_GPU_PY_BENCH:-1} != 0 ]]; then
     PYTHONPATH=/tmp/tz-site run gpt2_python_bench 400 python3 "$root/bench/python/gpt2_gpu_bench.py" \
       --nvme-path "$TMPDIR" --json "$out/gpt2_python.json"
   fi

@@ -213,10 +213,18 @@ Status ZeroEngineImpl::gpu_optimizer_pass(double grad_scale) {
                              .step = step_, .grad_scale = grad_scale};
   void* stream = stream_->native_handle();
   const auto begin = std::chrono::steady_clock::now();
+  // 16-bit parameters off the GPU: the copy-out goes to a device buffer, then
+  // down to their tier (2 B/param over PCIe, and to NVMe when they live there).
+  const bool params_on_gpu = param16_->tier() == Tier::kGpu;
+  PoolBlock d_out, h_out;
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     const std::uint64_t n = layout_.blocks[b].shard_numel;
     auto* master = static_cast<float*>(master_->memory(b));
-    auto* param16 = static_cast<std::uint16_t*>(param16_->memory(b));
+    if (!params_on_gpu && d_out.size_bytes() < param16_->shard_bytes(b)) {
+      TZ_ASSIGN_OR_RETURN(d_out, device_pool_->allocate(param16_->shard_bytes(b)));
+      TZ_ASSIGN_OR_RETURN(h_out, host_pool_->allocate(param16_->shard_bytes(b)));
+    }
+    auto* param16 = static_cast<std::uint16_t*>(params_on_gpu ? param16_->memory(b) : d_out.data());
     const kernels::AdamTensors t{.param = master,
                                  .grad = static_cast<const float*>(grad_->memory(b)),
                                  .exp_avg = static_cast<float*>(exp_avg_->memory(b)),
@@ -225,6 +233,11 @@ Status ZeroEngineImpl::gpu_optimizer_pass(double grad_scale) {
     TZ_TRY_CTX(kernels::adam_step_cuda(t, n, h, stream), "stepping {} on the GPU", layout_.blocks[b].name);
     if (param_type_ == ElemType::kFp16) TZ_TRY(kernels::cast_fp32_to_fp16_cuda(master, param16, n, stream));
     if (param_type_ == ElemType::kFp32) TZ_TRY(device_->copy_async(param16, master, n * 4, *stream_));
+    if (!params_on_gpu) {
+      TZ_TRY(device_->copy_async(h_out.data(), param16, param16_->shard_bytes(b), *stream_));
+      TZ_TRY(sync());
+      TZ_TRY_CTX(put(*param16_, b, h_out.data()), "writing the new parameters of {}", layout_.blocks[b].name);
+    }
   }
   TZ_TRY(sync());
   timeline_.record(detail::Track::kOptimizer, "GPU Adam", begin, std::chrono::steady_clock::now());

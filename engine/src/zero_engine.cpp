@@ -138,13 +138,13 @@ Status ZeroEngineImpl::make_plan() {
     int on_gpu = 0;
     for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) on_gpu += plan_.tier_of(s) == Tier::kGpu;
     if (on_gpu > 0) {
-      if (on_gpu < 3 || plan_.tier_of(StateClass::kParam16) != Tier::kGpu) {
-        return unavailable("the GPU optimizer steps shards whose params, gradients, master weights and moments all "
-                           "live on the GPU, but this placement has param16 on {}, grad on {}, master on {}, moments on "
-                           "{}: offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\"), "
-                           "or give the GPU room for every state",
-                           tier_name(plan_.tier_of(StateClass::kParam16)), tier_name(plan_.tier_of(StateClass::kGrad)),
-                           tier_name(plan_.tier_of(StateClass::kMaster)), tier_name(plan_.tier_of(StateClass::kMoments)));
+      if (on_gpu < 3) {
+        return unavailable("the GPU optimizer steps shards whose gradients, master weights and moments all live on the "
+                           "GPU, but this placement has grad on {}, master on {}, moments on {}: offload the optimizer "
+                           "(zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\"), or give the GPU room "
+                           "for all three",
+                           tier_name(plan_.tier_of(StateClass::kGrad)), tier_name(plan_.tier_of(StateClass::kMaster)),
+                           tier_name(plan_.tier_of(StateClass::kMoments)));
       }
       if (c.optimizer.type != "Adam" && c.optimizer.type != "AdamW") {
         return unavailable("optimizer.type = \"{}\": the GPU optimizer steps Adam and AdamW; offload the optimizer "
@@ -160,7 +160,12 @@ Status ZeroEngineImpl::make_plan() {
 Status ZeroEngineImpl::make_stores() {
   const Config& c = options_.config;
   TZ_ASSIGN_OR_RETURN(device_pool_, make_device_pool(*device_, budgets_.gpu_bytes));
-  const bool pinned = c.zero.offload_param.pin_memory || c.zero.offload_optimizer.pin_memory;
+  // On CUDA the CPU tier is pinned whatever pin_memory says (DeepSpeed's
+  // default is false): every host buffer the engine keeps is a copy source or
+  // target, and pageable ones make each copy synchronous and several times
+  // slower (docs/engine.md).
+  const bool pinned = c.zero.offload_param.pin_memory || c.zero.offload_optimizer.pin_memory ||
+                      device_->kind() == BackendKind::kCuda;
   TZ_ASSIGN_OR_RETURN(int numa, resolve_numa_node(*device_, c.tiers.numa_node));
   TZ_ASSIGN_OR_RETURN(host_pool_, make_host_pool(*device_, budgets_.cpu_bytes, {.pinned = pinned, .numa_node = numa}));
 

@@ -141,7 +141,7 @@ std::string class_label(StateClass s, Tier t, std::uint64_t numel) {
   static constexpr std::string_view kWhat[] = {"16-bit params", "grads", "fp32 master weights",
                                                "Adam moments exp_avg + exp_avg_sq"};
   std::string what(kWhat[idx(s)]);
-  if (s == StateClass::kGrad) what = t == Tier::kGpu ? "16-bit grads" : "fp32 grads";
+  if (s == StateClass::kGrad) what = "fp32 grads";
   return fmt::format("{} ({} B x {} elem)", what, state_elem_bytes(s, t), format_count(static_cast<double>(numel)));
 }
 
@@ -375,10 +375,12 @@ Expected<Plan> plan_deepspeed(const PlanInput& in, const PlanLayout& layout) {
 
 }  // namespace
 
-std::uint64_t state_elem_bytes(StateClass state, Tier tier) {
+std::uint64_t state_elem_bytes(StateClass state, Tier /*tier*/) {
   switch (state) {
     case StateClass::kParam16: return 2;
-    case StateClass::kGrad: return tier == Tier::kGpu ? 2 : 4;
+    // fp32 accumulators on every tier: the engine's GPU optimizer keeps its
+    // gradient partition in fp32 too (Note [GPU optimizer], zero_engine.cpp).
+    case StateClass::kGrad: return 4;
     case StateClass::kMaster: return 4;
     case StateClass::kMoments: return 8;
   }

@@ -36,6 +36,8 @@ const Case kCases[] = {
     {{Tier::kGpu, Tier::kCpu, Tier::kCpu, Tier::kCpu}, "optimizer offloaded to the CPU"},
     {{Tier::kCpu, Tier::kCpu, Tier::kCpu, Tier::kCpu}, "params in pinned CPU memory too"},
     {{Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme}, "params and optimizer on NVMe"},
+    {{Tier::kCpu, Tier::kGpu, Tier::kGpu, Tier::kGpu}, "params in CPU memory, GPU optimizer"},
+    {{Tier::kNvme, Tier::kGpu, Tier::kGpu, Tier::kGpu}, "params on NVMe, GPU optimizer"},
 };
 
 TEST(ZeroEngineCuda, EveryPlacementMatchesTheInMemoryReference) {
@@ -74,13 +76,17 @@ TEST(ZeroEngineCuda, ACheckpointFromTheGpuOptimizerResumesOnTheCpuOptimizer) {
     EXPECT_TRUE(engine.ok()) << engine.status().to_string();
     if (!engine.ok()) return {};
     tz::ZeroEngine& e = **engine;
-    if (load) EXPECT_TRUE(e.load_checkpoint(ckpt.path()).ok());
+    if (load) {
+      EXPECT_TRUE(e.load_checkpoint(ckpt.path()).ok());
+    }
     for (int step = from; step < to; ++step) {
       EXPECT_TRUE(tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step)).ok());
       auto r = e.step();
       EXPECT_TRUE(r.ok() && r->stepped) << (r.ok() ? "" : r.status().to_string());
     }
-    if (save) EXPECT_TRUE(e.save_checkpoint(ckpt.path()).ok());
+    if (save) {
+      EXPECT_TRUE(e.save_checkpoint(ckpt.path()).ok());
+    }
     std::vector<std::vector<float>> masters;
     for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) masters.push_back(*e.gather_master(b));
     return masters;
@@ -110,7 +116,7 @@ TEST(ZeroEngineCuda, MixedGpuAndOffloadedOptimizerStatesAreRefusedNamingThePlace
                                                                                  Tier::kCpu}},
                                        tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   ASSERT_FALSE(engine.ok());
-  EXPECT_NE(engine.status().message().find("grad on gpu, master on cpu"), std::string::npos)
+  EXPECT_NE(engine.status().message().find("grad on gpu, master on cpu, moments on cpu"), std::string::npos)
       << engine.status().to_string();
   tz::Config lion = config;
   lion.optimizer.type = "Lion";

@@ -50,11 +50,11 @@ TEST(PlanPlacement, HugeBudgetsKeepEverythingOnGpu) {
   EXPECT_EQ(plan.layout.param_numel, kP1B);
   EXPECT_EQ(plan.layout.gathered_block_numel, kBlock1B);
   EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 2 * kP1B);  // 2'000'011'264
-  EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 2 * kP1B);     // 16-bit on GPU
+  EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 4 * kP1B);     // fp32 accumulators (the GPU optimizer's)
   EXPECT_EQ(plan.bytes_of(StateClass::kMaster), 4 * kP1B);
   EXPECT_EQ(plan.bytes_of(StateClass::kMoments), 8 * kP1B);
-  // 16 x P + ws = 16'000'090'112 + 1'500'008'448
-  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 17'500'098'560u);
+  // 18 x P + ws = 18'000'101'376 + 1'500'008'448
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 19'500'109'824u);
   EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 0u);
   EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 0u);
   EXPECT_EQ(plan.traffic.h2d_bytes + plan.traffic.d2h_bytes + plan.traffic.nvme_read_bytes, 0u);
@@ -204,10 +204,10 @@ TEST(PlanAuto, NothingFitsReportsLeastNeedsAndKeys) {
 }
 
 TEST(PlanAuto, PicksTheFasterOfTwoFeasiblePlans) {
-  // GPU 16e9: the GPU optimizer with params on CPU needs 14P + ws = 15'500'087'296 (fits);
+  // GPU 18e9: the GPU optimizer with params on CPU needs 16P + ws = 17'500'098'560 (fits);
   // params on GPU with CPU Adam needs 2P + ws = 3'500'019'712 (fits); all on GPU
-  // (17'500'098'560) does not. No NVMe.
-  PlanInput in = one_billion(16'000'000'000, kHuge, 0);
+  // (19'500'109'824) does not. No NVMe.
+  PlanInput in = one_billion(18'000'000'000, kHuge, 0);
   // Default links: X = params cpu, rest gpu: H2D 4P + D2H 2P = 6'000'033'792 / 25e9 = 0.24 s;
   // Y = params gpu, CPU Adam: 4P / 25e9 + 30P / 40e9 = 0.91 s.  X wins.
   Plan plan = must_plan(in);
@@ -253,11 +253,11 @@ TEST(PlanLayout, ShardSizesPerStage) {
 }
 
 TEST(PlanLayout, GpuNeedPerStage) {
-  // Stage 3: 16 x 1'003'520 = 16'056'320 of states; L = 3'006'464, window
+  // Stage 3: 18 x 1'003'520 = 18'063'360 of states; L = 3'006'464, window
   // L + max(L, 50e6) = 53'006'464 -> gather 106'012'928, backward grad 6'012'928.
-  EXPECT_EQ(must_plan(four_ranks(3)).usage_of(Tier::kGpu).need_bytes, 128'082'176u);
-  // Stage 1, no working set: 2 x 4'001'792 (params) + 2 x 4'001'792 (grads) + 12 x 1'003'520.
-  EXPECT_EQ(must_plan(four_ranks(1)).usage_of(Tier::kGpu).need_bytes, 28'049'408u);
+  EXPECT_EQ(must_plan(four_ranks(3)).usage_of(Tier::kGpu).need_bytes, 130'089'216u);
+  // Stage 1, no working set: 2 x 4'001'792 (params) + 4 x 4'001'792 (fp32 grads) + 12 x 1'003'520.
+  EXPECT_EQ(must_plan(four_ranks(1)).usage_of(Tier::kGpu).need_bytes, 36'052'992u);
 }
 
 TEST(PlanLayout, ShardsArePaddedTo2048Elements) {

@@ -23,6 +23,8 @@
 #include "tierzero/train/gpt.h"
 
 #include <fmt/ranges.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
 #include <cmath>
@@ -100,9 +102,12 @@ ParamInit init(const GptConfig& cfg) {
       if (p == kProjW || p == kFc2W) std_dev = cfg.init_std / std::sqrt(2.0 * cfg.layers);
     }
     const std::uint64_t key = splitmix64(cfg.seed ^ splitmix64((block << 20) + p));
-    for (std::uint64_t i = 0; i < numel; ++i) {
-      out[i] = one ? 1.0F : std_dev == 0 ? 0.0F : static_cast<float>(std_dev * normal(key + i));
-    }
+    // Counter-based, so the cores can share the work (billions of weights at start-up).
+    tbb::parallel_for(tbb::blocked_range<std::uint64_t>(0, numel, 1 << 16), [&](const auto& r) {
+      for (std::uint64_t i = r.begin(); i < r.end(); ++i) {
+        out[i] = one ? 1.0F : std_dev == 0 ? 0.0F : static_cast<float>(std_dev * normal(key + i));
+      }
+    });
   };
 }
 

@@ -68,7 +68,7 @@ struct Flags {
   std::optional<int> layers, hidden, heads, seq, batch;
   std::optional<std::int64_t> steps;
   std::string json_path, csv_path, plot_path, trace_path, save_dir, resume_dir;
-  int eval_every = 50, eval_batches = 4, save_every = 0, log_every = 10, threads = 0;
+  int eval_every = 50, eval_batches = 4, save_every = 0, log_every = 10, threads = 0, warmup_steps = 0;
   std::uint64_t data_seed = 1234, init_seed = 1234;
   std::string command;
 };
@@ -257,6 +257,11 @@ tz::Status Run::setup() {
 tz::Status Run::train_step(std::int64_t step) {
   const int rank = engine_->rank();
   StepRecord r{.step = step, .after_eval = std::exchange(eval_pending_, false)};
+  if (f_.warmup_steps > 0) {
+    // Linear warm-up to the config's learning rate over the first steps (GPT-style).
+    const double ramp = std::min(1.0, static_cast<double>(step + 1) / static_cast<double>(f_.warmup_steps));
+    TZ_TRY(engine_->set_learning_rate(config_.optimizer.lr * ramp));
+  }
   const auto begin = Clock::now();
   for (int micro = 0; micro < info_.gas; ++micro) {
     TZ_ASSIGN_OR_RETURN(tz::train::TokenBatch batch,
@@ -384,6 +389,8 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--eval-every", f.eval_every, "validation loss every N steps (0: never)")->capture_default_str();
   app.add_option("--eval-batches", f.eval_batches, "validation batches per evaluation")->capture_default_str()
       ->check(CLI::Range(1, 100000));
+  app.add_option("--warmup-steps", f.warmup_steps, "raise the learning rate linearly to the config's over the first N "
+                 "steps (0: none)")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--log-every", f.log_every, "progress line every N steps")->capture_default_str();
   app.add_option("--data-seed", f.data_seed, "seed of the batch sampler")->capture_default_str();
   app.add_option("--init-seed", f.init_seed, "seed of the initial weights")->capture_default_str();
