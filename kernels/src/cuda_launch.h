@@ -30,4 +30,12 @@ cudaError_t adam_step(float* d_param, const float* d_grad, float* d_m, float* d_
 cudaError_t accumulate_grad(float* d_acc, const void* d_grad, int format, std::size_t n, bool overwrite, float scale,
                             cudaStream_t stream);
 
+// One launch for many byte copies on the device (flatten / unflatten).
+struct Copy {
+  void* dst;
+  const void* src;
+  std::size_t bytes;
+};
+cudaError_t copy_slices(const Copy* copies, std::size_t count, cudaStream_t stream);
+
 }  // namespace tz::kernels::launch

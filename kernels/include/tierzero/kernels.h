@@ -110,4 +110,24 @@ void accumulate_grad_cpu(float* acc, const void* grad, GradFormat format, std::s
 Status accumulate_grad_cuda(float* d_acc, const void* d_grad, GradFormat format, std::size_t n, bool overwrite,
                             float scale, void* cuda_stream);
 
+// ---------------------------------------------------------------- flatten / unflatten
+//
+// Many tensors into one flat buffer at their offsets (a block's gradients into
+// its GradBlock, in one launch instead of one copy per parameter), and back.
+// Byte copies, so any element type: `bytes` and `offset` are in bytes. The
+// tensors must not overlap each other or the flat buffer's other slices.
+//
+//   std::vector<tz::kernels::Slice> s = {{grad_w, 0, w_bytes}, {grad_b, w_off, b_bytes}};
+//   TZ_TRY(tz::kernels::flatten_cuda(s.data(), s.size(), d_flat, stream));
+struct Slice {
+  void* tensor = nullptr;       // the tensor's memory (read by flatten, written by unflatten)
+  std::size_t offset = 0;       // where it lies in the flat buffer, bytes
+  std::size_t bytes = 0;
+};
+void flatten_cpu(const Slice* slices, std::size_t count, void* flat);
+void unflatten_cpu(const void* flat, const Slice* slices, std::size_t count);
+// `slices` is a host array (of device pointers); asynchronous on the stream.
+Status flatten_cuda(const Slice* slices, std::size_t count, void* d_flat, void* cuda_stream);
+Status unflatten_cuda(const void* d_flat, const Slice* slices, std::size_t count, void* cuda_stream);
+
 }  // namespace tz::kernels

@@ -1,0 +1,109 @@
+"""tierzero.torch over two ranks, launched as torchrun launches them (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+Two processes each train the same model through tierzero.torch.initialize on their own half of every batch, with
+parameters and optimizer states partitioned between them (ZeRO stage 3, Gloo collectives, offloaded to NVMe); the
+result must match one plain-PyTorch process training on the whole batches.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import host_config
+from test_torch import TOL, mlp
+
+STEPS = 6
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, {tests!r})
+    import tierzero.torch as tzt
+    from test_torch import mlp
+    config, batches, out = json.loads(sys.argv[1]), torch.load(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(0)
+    engine, _ = tzt.initialize(mlp(), config)
+    assert (engine.rank, engine.world_size) == ({rank}, 2), (engine.rank, engine.world_size)
+    for x, y in batches:
+        half = x.shape[0] // 2
+        mine = slice({rank} * half, ({rank} + 1) * half)
+        engine.backward(F.mse_loss(engine(x[mine]), y[mine]))
+        engine.step()
+    master = engine.master_state_dict()  # a collective: both ranks call it
+    if {rank} == 0:
+        torch.save(master, out)
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_match_one_plain_pytorch_process(tmp_path, nvme_dir):
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(STEPS)]
+    torch.save(batches, tmp_path / "batches.pt")
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        nvme = os.path.join(nvme_dir, f"rank{rank}")
+        os.makedirs(nvme)
+        config = host_config(nvme, lr=1e-2, clip=1.0)
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   TIERZERO_RENDEZVOUS_DIR=str(tmp_path / "rendezvous"))
+        code = WORKER.format(tests=os.path.dirname(__file__), rank=rank)
+        procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(config), str(tmp_path / "batches.pt"),
+                                       str(tmp_path / "master.pt")], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for rank, p in enumerate(procs):
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+
+    # One process, the whole batch: the mean of the two halves' losses is the engine's mean over ranks.
+    torch.manual_seed(0)
+    ref = mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for x, y in batches:
+        loss = (F.mse_loss(ref(x[:4]), y[:4]) + F.mse_loss(ref(x[4:]), y[4:])) / 2
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    master = torch.load(tmp_path / "master.pt")
+    err = max((master[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    print(f"two ranks (Gloo, stage 3, params + optimizer on NVMe), {STEPS} steps: largest |tierzero - torch| = "
+          f"{err:.3g} (tolerance {TOL})")
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("bad, message", [({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK=2 is out of range"),
+                                          ({"RANK": "0"}, r"RANK=0 is set but WORLD_SIZE is not")])
+def test_inconsistent_launcher_variables_are_refused_naming_them(tmp_path, nvme_dir, bad, message):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(bad)
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import tierzero.torch as tzt
+        from test_torch import mlp
+        try:
+            tzt.initialize(mlp(), json.loads(sys.argv[1]))
+        except ValueError as e:
+            print("ValueError:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(host_config(nvme_dir))], env=env,
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "ValueError:" in out, out
+    assert re.search(message, out), out
