@@ -26,6 +26,20 @@ using cuda::Context;
 using cuda::DeviceArray;
 using cuda::Workspace;
 
+// The trainer's own GPU memory (activations, fp32 block copies) is cudaMalloc'd
+// beside the engine's budgeted pool, not in it: when it does not fit, say so
+// and what to change, instead of a bare cudaMalloc error.
+Status explain_oom(Status s, std::string_view what) {
+  if (s.ok() || s.code() != ErrorCode::kOutOfMemory) return s;
+  std::size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) (void)cudaGetLastError();
+  return std::move(s).with_context(fmt::format(
+      "{} does not fit on the GPU ({} of {} free): the CUDA GPT's activations and fp32 block copies live outside the "
+      "engine's device budget (tierzero.tiers.gpu_bytes, --gpu-bytes), so leave them room: lower --gpu-bytes, or "
+      "--batch or --seq",
+      what, format_bytes(free), format_bytes(total)));
+}
+
 class CudaTrainer final : public detail::TrainerBackend {
  public:
   CudaTrainer(ZeroEngine& engine, const GptConfig& cfg, std::unique_ptr<Context> ctx)
@@ -44,7 +58,9 @@ class CudaTrainer final : public detail::TrainerBackend {
   Expected<double> train_micro_batch(const TokenBatch& batch) override {
     const detail::Shape s = detail::shape_of(cfg_, batch.batch, batch.seq);
     const auto layers = static_cast<std::size_t>(cfg_.layers);
-    TZ_TRY(ws_.resize(s, cfg_.layers));
+    TZ_TRY(explain_oom(ws_.resize(s, cfg_.layers),
+                       fmt::format("the activations of {} x {} tokens through {} layers", batch.batch, batch.seq,
+                                   cfg_.layers)));
     TZ_TRY(cuda::upload_tokens(*ctx_, batch, ws_));
     {
       TZ_ASSIGN_OR_RETURN(GatheredBlock p, engine_.fetch(0));
@@ -200,7 +216,7 @@ Expected<std::unique_ptr<TrainerBackend>> make_cuda_trainer(ZeroEngine& engine, 
   TZ_TRY_CTX(use_engine_device(engine), "binding the CUDA GPT to the engine's device");
   TZ_ASSIGN_OR_RETURN(std::unique_ptr<Context> ctx, Context::create({.tf32 = options.tf32}));
   auto trainer = std::make_unique<CudaTrainer>(engine, cfg, std::move(ctx));
-  TZ_TRY_CTX(trainer->init(), "allocating the CUDA GPT's weight and gradient copies");
+  TZ_TRY(explain_oom(trainer->init(), "the CUDA GPT's fp32 weight and gradient copies of the largest block"));
   return std::unique_ptr<TrainerBackend>(std::move(trainer));
 }
 
