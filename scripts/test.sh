@@ -48,4 +48,4 @@ fi
 # The benchmark binding runs the program this build made (tierzero.nvme.benchmark).
 export TIERZERO_NVME_BENCH="$PWD/$build_dir/bench/tierzero-nvme-bench"
 # From a directory outside the tree: the installed package is what is tested.
-(cd "$build_dir" && python3 -m pytest "$OLDPWD/tests/python" -q)
+(cd "$build_dir" && python3 -m pytest "$OLDPWD/tests/python" -q -rs)  # -rs: print why a test skipped (GPU ones)
