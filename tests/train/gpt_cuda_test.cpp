@@ -10,6 +10,7 @@
 #include "../nvme/nvme_test_util.h"
 #include "tierzero/train.h"
 #include "train_test_util.h"
+#include "trainer_test_util.h"
 
 namespace tzt {
 namespace {
@@ -199,37 +200,6 @@ tz::Config cuda_config(const std::string& nvme_dir, int gas) {
   return config.ok() ? *config : tz::Config{};
 }
 
-tz::train::BatchFn corpus_batches_for(const GptConfig& cfg) {
-  auto corpus = std::make_shared<tz::train::Corpus>(
-      tz::train::Corpus::load(tz::train::default_corpus_path("").value()).value());
-  return [cfg, corpus](int rank, int micro, std::int64_t step) {
-    return corpus->batch({.batch = cfg.batch, .seq = cfg.seq, .step = step, .rank = rank, .micro = micro}).value();
-  };
-}
-
-// The engine's master weights against the reference's: the largest difference, and where.
-struct MasterDiff {
-  double worst = 0;
-  std::string where;
-};
-MasterDiff master_diff(tz::ZeroEngine& engine, const tz::train::Reference& ref) {
-  MasterDiff d;
-  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
-    auto got = engine.gather_master(b);
-    EXPECT_TRUE(got.ok()) << got.status().to_string();
-    if (!got.ok()) return {INFINITY, "gather_master failed"};
-    const std::vector<float> want = ref.master(b);
-    for (std::size_t i = 0; i < std::min(got->size(), want.size()); ++i) {
-      const double diff = std::fabs(static_cast<double>((*got)[i]) - want[i]);
-      if (diff > d.worst) {
-        d.worst = diff;
-        d.where = fmt::format("{}[{}]: engine {} vs reference {}", engine.layout().blocks[b].name, i, (*got)[i], want[i]);
-      }
-    }
-  }
-  return d;
-}
-
 // gpt_engine_test.cpp's bounds for bf16 parameters and gradients: loss 1e-5
 // relative, master weights 2e-4 (see its master_tolerance for why). The CPU
 // trainer and the reference run the same CPU arithmetic, so their gradients
@@ -252,32 +222,14 @@ void expect_trainer_matches_reference(const std::array<tz::Tier, tz::kNumStateCl
   auto gpt = tz::train::GptTrainer::create(**engine, kGpt);
   ASSERT_TRUE(gpt.ok()) << gpt.status().to_string();
   ASSERT_EQ((*gpt)->backend(), tz::BackendKind::kCuda);
-  const tz::train::BatchFn batches = corpus_batches_for(kGpt);
+  const tz::train::BatchFn batches = corpus_batches(kGpt);
   tz::train::Reference ref(kGpt, config, 1, batches);
-  double worst_loss = 0, first_loss = 0, last_loss = 0;
-  MasterDiff worst_master;
-  for (int step = 0; step < steps; ++step) {
-    double loss = 0;
-    for (int micro = 0; micro < gas; ++micro) {
-      auto l = (*gpt)->train_micro_batch(batches(0, micro, step));
-      ASSERT_TRUE(l.ok()) << l.status().to_string();
-      loss += *l / gas;
-      auto r = (*engine)->step();
-      ASSERT_TRUE(r.ok()) << r.status().to_string();
-      ASSERT_EQ(r->stepped, micro == gas - 1);
-    }
-    const double ref_loss = ref.train_step(step);
-    worst_loss = std::max(worst_loss, std::fabs(loss - ref_loss) / ref_loss);
-    EXPECT_NEAR(loss, ref_loss, kLossTolerance * ref_loss) << what << ", step " << step;
-    const MasterDiff diff = master_diff(**engine, ref);
-    EXPECT_LE(diff.worst, kMasterTolerance) << what << ", step " << step << ": " << diff.where;
-    if (diff.worst > worst_master.worst) worst_master = diff;
-    (step == 0 ? first_loss : last_loss) = loss;
-  }
+  const RunAgainstReference run =
+      run_against_reference(**engine, **gpt, ref, batches, steps, gas, kLossTolerance, kMasterTolerance, what);
   std::printf("[ gpt    ] CUDA trainer (%s), %s, 20 steps: loss %.4f -> %.4f; largest relative loss difference %.3g, "
-              "largest |master - reference| %.3g at %s\n", (*gpt)->describe().c_str(), what, first_loss, last_loss,
-              worst_loss, worst_master.worst, worst_master.where.c_str());
-  EXPECT_LT(last_loss, first_loss) << "the loss falls";
+              "largest |master - reference| %.3g at %s\n", (*gpt)->describe().c_str(), what, run.first_loss,
+              run.last_loss, run.worst_loss, run.worst_master.worst, run.worst_master.where.c_str());
+  EXPECT_LT(run.last_loss, run.first_loss) << "the loss falls";
 }
 
 TEST(GptCuda, TrainerMatchesTheReferenceWithTheOptimizerInCpuMemory) {
@@ -299,7 +251,7 @@ TEST(GptCuda, EvaluationMatchesTrainingOnTheSameWeights) {
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
   auto gpt = tz::train::GptTrainer::create(**engine, kGpt);
   ASSERT_TRUE(gpt.ok()) << gpt.status().to_string();
-  const tz::train::BatchFn batches = corpus_batches_for(kGpt);
+  const tz::train::BatchFn batches = corpus_batches(kGpt);
   for (int step = 0; step < 4; ++step) {
     // Before the step the engine's 16-bit weights are its master rounded, so
     // evaluation and training compute the same function of the same values

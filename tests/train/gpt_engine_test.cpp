@@ -6,6 +6,7 @@
 #include "../nvme/nvme_test_util.h"
 #include "tierzero/train.h"
 #include "train_test_util.h"
+#include "trainer_test_util.h"
 
 namespace tzt {
 namespace {
@@ -29,33 +30,6 @@ tz::Config gpt_config(const std::string& nvme_dir, int gas, bool bf16 = true) {
   }})", gas, bf16, nvme_dir), "gpt test config");
   EXPECT_TRUE(config.ok()) << config.status().to_string();
   return config.ok() ? *config : tz::Config{};
-}
-
-const tz::train::Corpus& corpus() {
-  static const tz::train::Corpus c = tz::train::Corpus::load(tz::train::default_corpus_path("").value()).value();
-  return c;
-}
-
-tz::train::BatchFn corpus_batches(const GptConfig& cfg) {
-  return [cfg](int rank, int micro, std::int64_t step) {
-    return corpus().batch({.batch = cfg.batch, .seq = cfg.seq, .step = step, .rank = rank, .micro = micro}).value();
-  };
-}
-
-// The largest |engine - reference| over every block's master weights.
-double master_difference(tz::ZeroEngine& engine, const tz::train::Reference& ref) {
-  double worst = 0;
-  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
-    auto got = engine.gather_master(b);
-    EXPECT_TRUE(got.ok()) << got.status().to_string();
-    if (!got.ok()) return INFINITY;
-    const std::vector<float> want = ref.master(b);
-    EXPECT_EQ(got->size(), want.size());
-    for (std::size_t i = 0; i < std::min(got->size(), want.size()); ++i) {
-      worst = std::max(worst, std::fabs(static_cast<double>((*got)[i]) - want[i]));
-    }
-  }
-  return worst;
 }
 
 // lr 1e-3: a wrong update moves a weight by ~1e-3 in one step. With fp32
@@ -91,31 +65,14 @@ TEST(GptTrainer, MatchesTheInMemoryReferenceStepByStepFor20StepsWithStatesOnNvme
     auto gpt = tz::train::GptTrainer::create(**engine, kGpt);
     ASSERT_TRUE(gpt.ok()) << gpt.status().to_string();
     tz::train::Reference ref(kGpt, config, 1, corpus_batches(kGpt), grad_type);
-    const tz::train::BatchFn batches = corpus_batches(kGpt);
-    double worst_master = 0, worst_loss = 0, first_loss = 0, last_loss = 0;
-    for (int step = 0; step < steps; ++step) {
-      double loss = 0;
-      for (int micro = 0; micro < gas; ++micro) {
-        auto l = (*gpt)->train_micro_batch(batches(0, micro, step));
-        ASSERT_TRUE(l.ok()) << l.status().to_string();
-        loss += *l / gas;
-        auto r = (*engine)->step();
-        ASSERT_TRUE(r.ok()) << r.status().to_string();
-        ASSERT_EQ(r->stepped, micro == gas - 1);
-      }
-      const double ref_loss = ref.train_step(step);
-      worst_loss = std::max(worst_loss, std::fabs(loss - ref_loss) / ref_loss);
-      EXPECT_NEAR(loss, ref_loss, kLossTolerance * ref_loss) << "step " << step;
-      const double diff = master_difference(**engine, ref);
-      worst_master = std::max(worst_master, diff);
-      EXPECT_LE(diff, master_tolerance(grad_type, c.bf16)) << "step " << step;
-      (step == 0 ? first_loss : last_loss) = loss;
-    }
-    std::printf("[ gpt    ] %s params, %s grads, 20 steps on NVMe: loss %.4f -> %.4f; largest relative loss difference "
-                "%.3g, largest |master - reference| %.3g\n", c.bf16 ? "bf16" : "fp32",
-                grad_type == tz::ElemType::kFp32 || !c.bf16 ? "fp32" : "bf16", first_loss, last_loss, worst_loss,
-                worst_master);
-    EXPECT_LT(last_loss, first_loss) << "the loss falls";
+    const std::string what = fmt::format("{} params, {} grads", c.bf16 ? "bf16" : "fp32",
+                                         grad_type == tz::ElemType::kFp32 || !c.bf16 ? "fp32" : "bf16");
+    const RunAgainstReference run = run_against_reference(**engine, **gpt, ref, corpus_batches(kGpt), steps, gas,
+                                                          kLossTolerance, master_tolerance(grad_type, c.bf16), what);
+    std::printf("[ gpt    ] %s, 20 steps on NVMe: loss %.4f -> %.4f; largest relative loss difference %.3g, "
+                "largest |master - reference| %.3g\n", what.c_str(), run.first_loss, run.last_loss, run.worst_loss,
+                run.worst_master.worst);
+    EXPECT_LT(run.last_loss, run.first_loss) << "the loss falls";
   }
 }
 
@@ -146,7 +103,7 @@ int train_rank(const tz::RankInfo& info, const std::string& dir, int steps) {
       }
     }
     ref.train_step(step);
-    worst = std::max(worst, master_difference(**engine, ref));  // a collective: every rank calls it
+    worst = std::max(worst, master_diff(**engine, ref).worst);  // a collective: every rank calls it
   }
   if (info.rank == 0) {
     std::printf("[ gpt    ] 2 ranks, %d steps on NVMe: largest |master - reference| %.3g\n", steps, worst);

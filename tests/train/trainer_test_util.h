@@ -1,0 +1,92 @@
+// Helpers for the tests that train the GPT through ZeroEngine (CPU and CUDA):
+// corpus batches, the engine's master weights against the reference's, and
+// the step-by-step comparison of a GptTrainer with tz::train::Reference.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "tierzero/train.h"
+
+namespace tzt {
+
+inline const tz::train::Corpus& corpus() {
+  static const tz::train::Corpus c = tz::train::Corpus::load(tz::train::default_corpus_path("").value()).value();
+  return c;
+}
+
+// Training batches of the shipped corpus for (rank, micro-batch, step).
+inline tz::train::BatchFn corpus_batches(const tz::train::GptConfig& cfg) {
+  return [cfg](int rank, int micro, std::int64_t step) {
+    return corpus().batch({.batch = cfg.batch, .seq = cfg.seq, .step = step, .rank = rank, .micro = micro}).value();
+  };
+}
+
+// The largest |engine - reference| over every block's master weights, and
+// where (a collective on several ranks: every rank calls it).
+struct MasterDiff {
+  double worst = 0;
+  std::string where;
+};
+inline MasterDiff master_diff(tz::ZeroEngine& engine, const tz::train::Reference& ref) {
+  MasterDiff d;
+  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+    auto got = engine.gather_master(b);
+    EXPECT_TRUE(got.ok()) << got.status().to_string();
+    if (!got.ok()) return {INFINITY, "gather_master failed"};
+    const std::vector<float> want = ref.master(b);
+    EXPECT_EQ(got->size(), want.size());
+    for (std::size_t i = 0; i < std::min(got->size(), want.size()); ++i) {
+      const double diff = std::fabs(static_cast<double>((*got)[i]) - want[i]);
+      if (diff > d.worst) {
+        d.worst = diff;
+        d.where = fmt::format("{}[{}]: engine {} vs reference {}", engine.layout().blocks[b].name, i, (*got)[i],
+                              want[i]);
+      }
+    }
+  }
+  return d;
+}
+
+struct RunAgainstReference {
+  double worst_loss = 0;           // relative
+  MasterDiff worst_master;
+  double first_loss = 0, last_loss = 0;
+};
+
+// `steps` optimizer steps of `gas` micro-batches (rank 0's batches) through
+// the trainer and the reference side by side, expecting each step's loss
+// within loss_tol (relative) and the master weights within master_tol.
+inline RunAgainstReference run_against_reference(tz::ZeroEngine& engine, tz::train::GptTrainer& gpt,
+                                                 tz::train::Reference& ref, const tz::train::BatchFn& batches,
+                                                 int steps, int gas, double loss_tol, double master_tol,
+                                                 const std::string& what) {
+  RunAgainstReference run;
+  for (int step = 0; step < steps; ++step) {
+    double loss = 0;
+    for (int micro = 0; micro < gas; ++micro) {
+      auto l = gpt.train_micro_batch(batches(0, micro, step));
+      EXPECT_TRUE(l.ok()) << what << ": " << l.status().to_string();
+      if (!l.ok()) return run;
+      loss += *l / gas;
+      auto r = engine.step();
+      EXPECT_TRUE(r.ok()) << what << ": " << r.status().to_string();
+      if (!r.ok()) return run;
+      EXPECT_EQ(r->stepped, micro == gas - 1);
+    }
+    const double ref_loss = ref.train_step(step);
+    run.worst_loss = std::max(run.worst_loss, std::fabs(loss - ref_loss) / ref_loss);
+    EXPECT_NEAR(loss, ref_loss, loss_tol * ref_loss) << what << ", step " << step;
+    const MasterDiff diff = master_diff(engine, ref);
+    EXPECT_LE(diff.worst, master_tol) << what << ", step " << step << ": " << diff.where;
+    if (diff.worst > run.worst_master.worst) run.worst_master = diff;
+    (step == 0 ? run.first_loss : run.last_loss) = loss;
+  }
+  return run;
+}
+
+}  // namespace tzt
