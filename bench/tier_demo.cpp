@@ -53,7 +53,7 @@ tz::Expected<tz::ResolvedBudgets> demo_budgets(const tz::Config& config, const t
     TZ_ASSIGN_OR_RETURN(tz::HostMemoryReading mem, tz::read_host_memory());
     tiers.gpu = tz::ByteBudget::of(mem.available_bytes / 4);
   }
-  TZ_ASSIGN_OR_RETURN(tz::ResolvedBudgets budgets, tz::resolve_budgets(tiers, tz::capabilities(), config.all_nvme_paths()));
+  TZ_ASSIGN_OR_RETURN(tz::ResolvedBudgets budgets, tz::resolve_budgets(tiers, config.all_nvme_paths()));
   if (device.kind() == tz::BackendKind::kHost && config.tiers.gpu.is_auto) {
     budgets.gpu_source = "auto: host backend, 25% of MemAvailable";
   }

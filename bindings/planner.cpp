@@ -144,11 +144,7 @@ nb::tuple estimate(const EstimateArgs& a) {
   {
     // Resolving "auto" probes memory, GPUs and the NVMe paths (a file write each).
     nb::gil_scoped_release release;
-    const tz::TierConfig& t = config.tiers;
-    const bool any_auto = t.gpu.is_auto || t.cpu.is_auto || t.nvme.is_auto;
-    const tz::Capabilities none;
-    tz::Expected<tz::ResolvedBudgets> b =
-        tz::resolve_budgets(t, any_auto ? tz::capabilities() : none, config.all_nvme_paths());
+    tz::Expected<tz::ResolvedBudgets> b = tz::resolve_budgets(config.tiers, config.all_nvme_paths());
     if (!b.ok()) {
       plan = tz::Status(b.status().code(), b.status().message() + " (pass gpu=, cpu=, nvme= budgets or nvme_paths=)");
     } else {

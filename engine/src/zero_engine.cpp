@@ -125,7 +125,7 @@ Status ZeroEngineImpl::make_plan() {
     TZ_ASSIGN_OR_RETURN(HostMemoryReading mem, read_host_memory());
     tiers.gpu = ByteBudget::of(mem.available_bytes / 4);
   }
-  TZ_ASSIGN_OR_RETURN(budgets_, resolve_budgets(tiers, capabilities(), c.all_nvme_paths()));
+  TZ_ASSIGN_OR_RETURN(budgets_, resolve_budgets(tiers, c.all_nvme_paths()));
   PlanInput input = PlanInput::from_config(c, layout_.block_numel(), comm_->size(), 0, budgets_);
   Expected<Plan> plan = plan_placement(input);
   if (!plan.ok() && !options_.placement) return std::move(plan).status().with_context("placing the model states");

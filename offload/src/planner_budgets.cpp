@@ -82,6 +82,11 @@ Expected<ResolvedBudgets> resolve_budgets(const TierConfig& tiers, const Capabil
   return out;
 }
 
+Expected<ResolvedBudgets> resolve_budgets(const TierConfig& tiers, const std::vector<std::string>& nvme_paths) {
+  const bool any_auto = tiers.gpu.is_auto || tiers.cpu.is_auto || tiers.nvme.is_auto;
+  return any_auto ? resolve_budgets(tiers, capabilities(), nvme_paths) : resolve_budgets(tiers, Capabilities{}, nvme_paths);
+}
+
 PlanInput PlanInput::from_config(const Config& config, std::vector<std::uint64_t> block_numel, int ranks,
                                  int ranks_per_node, ResolvedBudgets budgets) {
   PlanInput in;

@@ -163,11 +163,7 @@ tz::Expected<tz::Config> effective_config(const Options& o) {
 // Resolves "auto" (probing only then), and names each budget's source in the
 // words the user typed.
 tz::Expected<tz::ResolvedBudgets> budgets_for(const Options& o, const tz::Config& config) {
-  const tz::TierConfig& t = config.tiers;
-  const bool any_auto = t.gpu.is_auto || t.cpu.is_auto || t.nvme.is_auto;
-  const tz::Capabilities none;
-  tz::Expected<tz::ResolvedBudgets> b =
-      tz::resolve_budgets(t, any_auto ? tz::capabilities() : none, config.all_nvme_paths());
+  tz::Expected<tz::ResolvedBudgets> b = tz::resolve_budgets(config.tiers, config.all_nvme_paths());
   if (!b.ok()) {
     return tz::Status(b.status().code(),
                       b.status().message() + " (on the command line: --gpu, --cpu, --nvme BYTES, --nvme-path DIR)");

@@ -251,25 +251,11 @@ TEST(GptCuda, EvaluationMatchesTrainingOnTheSameWeights) {
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
   auto gpt = tz::train::GptTrainer::create(**engine, kGpt);
   ASSERT_TRUE(gpt.ok()) << gpt.status().to_string();
-  const tz::train::BatchFn batches = corpus_batches(kGpt);
-  for (int step = 0; step < 4; ++step) {
-    // Before the step the engine's 16-bit weights are its master rounded, so
-    // evaluation and training compute the same function of the same values
-    // with the same kernels; cuBLAS may pick other algorithms for the
-    // one-layer evaluation workspace, hence a bound instead of equality.
-    auto eval = (*gpt)->eval_loss({batches(0, 0, step)});
-    ASSERT_TRUE(eval.ok()) << eval.status().to_string();
-    auto train = (*gpt)->train_micro_batch(batches(0, 0, step));
-    ASSERT_TRUE(train.ok()) << train.status().to_string();
-    std::printf("[ gpt    ] CUDA step %d: evaluation %.9g, training %.9g\n", step, *eval, *train);
-    EXPECT_NEAR(*eval, *train, 1e-6 * *train) << "step " << step;
-    auto r = (*engine)->step();
-    ASSERT_TRUE(r.ok()) << r.status().to_string();
-    if (step >= 1) {  // step 0 records the trace: embed, h0, h1, embed, h1, h0
-      EXPECT_EQ(r->fetches, 2U * kGpt.layers + 2);
-      EXPECT_EQ(r->prefetched, r->fetches) << "step " << step << ": evaluation broke the prefetch trace";
-    }
-  }
+  // Before the step the engine's 16-bit weights are its master rounded, so
+  // evaluation and training compute the same function of the same values
+  // with the same kernels; cuBLAS may pick other algorithms for the
+  // one-layer evaluation workspace, hence a bound instead of equality.
+  expect_evaluation_matches_training(**engine, **gpt, kGpt, 1e-6, "CUDA");
 }
 
 }  // namespace

@@ -126,22 +126,9 @@ TEST(GptTrainer, EvaluationReadsTheCurrentWeightsAndLeavesPrefetchingOn) {
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
   auto gpt = tz::train::GptTrainer::create(**engine, kGpt);
   ASSERT_TRUE(gpt.ok());
-  const tz::train::BatchFn batches = corpus_batches(kGpt);
-  for (int step = 0; step < 4; ++step) {
-    // The evaluation of a batch is the training loss of the same batch with
-    // the same weights, to the bit: the same arithmetic on the same values.
-    auto eval = (*gpt)->eval_loss({batches(0, 0, step)});
-    ASSERT_TRUE(eval.ok()) << eval.status().to_string();
-    auto train = (*gpt)->train_micro_batch(batches(0, 0, step));
-    ASSERT_TRUE(train.ok()) << train.status().to_string();
-    EXPECT_EQ(*eval, *train) << "step " << step;
-    auto r = (*engine)->step();
-    ASSERT_TRUE(r.ok()) << r.status().to_string();
-    if (step >= 1) {  // step 0 records the trace: embed, h0, h1, embed, h1, h0
-      EXPECT_EQ(r->fetches, 2U * kGpt.layers + 2);
-      EXPECT_EQ(r->prefetched, r->fetches) << "step " << step << ": evaluation broke the prefetch trace";
-    }
-  }
+  // The evaluation of a batch is the training loss of the same batch with the
+  // same weights, to the bit: the same arithmetic on the same values.
+  expect_evaluation_matches_training(**engine, **gpt, kGpt, 0.0, "CPU");
 }
 
 TEST(GptTrainer, RefusesAnotherModelsEngineAndTokensOutsideTheVocabulary) {

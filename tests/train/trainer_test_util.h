@@ -89,4 +89,31 @@ inline RunAgainstReference run_against_reference(tz::ZeroEngine& engine, tz::tra
   return run;
 }
 
+// Four steps with an evaluation of each step's batch before training on it:
+// the evaluation equals the training loss of the same batch (to the bit when
+// rel_tol is 0, else within rel_tol relative), and the steps after the first
+// are still all prefetched (evaluation must not break the prefetch trace).
+inline void expect_evaluation_matches_training(tz::ZeroEngine& engine, tz::train::GptTrainer& gpt,
+                                               const tz::train::GptConfig& cfg, double rel_tol, const char* what) {
+  const tz::train::BatchFn batches = corpus_batches(cfg);
+  for (int step = 0; step < 4; ++step) {
+    auto eval = gpt.eval_loss({batches(0, 0, step)});
+    ASSERT_TRUE(eval.ok()) << eval.status().to_string();
+    auto train = gpt.train_micro_batch(batches(0, 0, step));
+    ASSERT_TRUE(train.ok()) << train.status().to_string();
+    std::printf("[ gpt    ] %s step %d: evaluation %.9g, training %.9g\n", what, step, *eval, *train);
+    if (rel_tol == 0) {
+      EXPECT_EQ(*eval, *train) << "step " << step;
+    } else {
+      EXPECT_NEAR(*eval, *train, rel_tol * *train) << "step " << step;
+    }
+    auto r = engine.step();
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    if (step >= 1) {  // step 0 records the trace: embed, h0 .. h<L-1>, embed, h<L-1> .. h0
+      EXPECT_EQ(r->fetches, 2U * cfg.layers + 2);
+      EXPECT_EQ(r->prefetched, r->fetches) << "step " << step << ": evaluation broke the prefetch trace";
+    }
+  }
+}
+
 }  // namespace tzt

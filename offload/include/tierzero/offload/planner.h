@@ -93,6 +93,9 @@ struct ResolvedBudgets {
 // probe's error with the key as context). Explicit budgets pass through.
 Expected<ResolvedBudgets> resolve_budgets(const TierConfig& tiers, const Capabilities& caps,
                                           const std::vector<std::string>& nvme_paths);
+// The same with this machine's capabilities(), probed only when a budget is
+// "auto" (explicit budgets need no probe: none runs, no NVMe path is touched).
+Expected<ResolvedBudgets> resolve_budgets(const TierConfig& tiers, const std::vector<std::string>& nvme_paths);
 
 struct PlanInput {
   std::vector<std::uint64_t> block_numel;  // elements per block, in model order; none may be 0
