@@ -48,11 +48,7 @@ Status ZeroEngineImpl::zero_stale_grads() {
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     if (grad_fresh_[b]) continue;
     const std::vector<float> zeros(layout_.blocks[b].shard_numel, 0.0F);
-    if (grad_->tier() == Tier::kNvme || (grad_->tier() == Tier::kGpu && device_->kind() != BackendKind::kHost)) {
-      TZ_TRY(put(*grad_, b, zeros.data()));
-    } else {
-      std::memset(grad_->memory(b), 0, grad_->shard_bytes(b));
-    }
+    TZ_TRY(put(*grad_, b, zeros.data()));  // whatever the tier: device memory, CPU memory or NVMe
     grad_sum_squares_[b] = 0;
     grad_non_finite_[b] = false;
   }

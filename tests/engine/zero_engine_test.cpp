@@ -124,6 +124,44 @@ TEST(ZeroEngine, Fp16OverflowSkipsExactlyThatStepAndHalvesTheScale) {
   EXPECT_LE(c->max_abs, 1e-6);
 }
 
+// A block that gets no gradient in a step (a module the model skipped) steps
+// with a zero gradient, not the last step's, on every gradient tier.
+TEST(ZeroEngine, ABlockWithoutGradientsInAStepStepsWithZeroNotTheLastStepsGradient) {
+  // Step 0: the MLP, every block. Step 1: blocks 1 and 2 get a constant
+  // gradient; block 0 gets none, or (the expectation) an explicit zero
+  // gradient. Returns block 0's master weights after step 1.
+  auto run = [](Tier grad_tier, bool zeros_for_block0) -> std::vector<float> {
+    TempDir nvme;
+    const tz::Config config = test_config(nvme.path(), 3, 1);
+    const Placement placement{Tier::kCpu, grad_tier, Tier::kCpu, Tier::kCpu};
+    auto engine = tz::ZeroEngine::create({.config = config, .grad_type = tz::ElemType::kFp32, .placement = placement},
+                                         tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    EXPECT_TRUE(engine.ok()) << engine.status().to_string();
+    if (!engine.ok()) return {};
+    tz::ZeroEngine& e = **engine;
+    EXPECT_TRUE(tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, 0)).ok());
+    EXPECT_TRUE(e.step().ok());
+    for (std::size_t b = e.layout().blocks.size(); b-- > 0;) {
+      if (b == 0 && !zeros_for_block0) continue;
+      auto p = e.fetch(b);  // the protocol: a block's backward holds its parameters
+      auto g = e.grad_buffer(b);
+      EXPECT_TRUE(p.ok() && g.ok());
+      if (!p.ok() || !g.ok()) return {};
+      auto* grad = static_cast<float*>(g->data());
+      for (std::size_t i = 0; i < e.layout().blocks[b].used_numel; ++i) grad[i] = b == 0 ? 0.0F : 0.25F;
+      EXPECT_TRUE(e.reduce_grads(std::move(*g)).ok());
+    }
+    auto r = e.step();
+    EXPECT_TRUE(r.ok() && r->stepped);
+    return *e.gather_master(0);
+  };
+  const std::vector<float> want = run(Tier::kCpu, true);
+  ASSERT_FALSE(want.empty());
+  EXPECT_EQ(run(Tier::kCpu, false), want) << "grads in CPU memory";
+  EXPECT_EQ(run(Tier::kGpu, false), want) << "grads on the (Host) device tier";
+  EXPECT_EQ(run(Tier::kNvme, false), want) << "grads on NVMe";
+}
+
 TEST(ZeroEngine, TheLearningRateCanChangeBetweenSteps) {
   TempDir nvme;
   const tz::Config config = test_config(nvme.path(), 3, 1);
