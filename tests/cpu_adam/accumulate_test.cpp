@@ -1,5 +1,6 @@
-// The gradient-arrival pass: the accumulated values, their sum of squares
-// against a float64 reference (relative 1e-5), and inf/NaN detection anywhere.
+// The gradient-arrival pass: the accumulated values against a float64
+// reference, their sum of squares against the float64 sum of the stored values
+// (relative 1e-5), and inf/NaN detection anywhere.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -29,21 +30,27 @@ AccResult run_accumulate(CpuOptimizer& opt, DType dtype, bool overwrite, std::si
   Buffer acc(DType::kFp32, n, unaligned), grad(dtype, n, unaligned);
   const double scale = uniform(0.1, 2.0);
   std::vector<double> want(n), bound(n);
-  double want_sum = 0;
   for (std::size_t i = 0; i < n; ++i) {
     acc.set(i, uniform(-1, 1));
     grad.set(i, log_uniform_signed(-6, 0.5));
     const double base = overwrite ? 0.0 : acc.get(i);
     want[i] = base + scale * grad.get(i);
     bound[i] = 3 * kU * (std::fabs(base) + std::fabs(scale * grad.get(i)));
-    want_sum += want[i] * want[i];
   }
   const tz::Expected<GradStats> stats = opt.accumulate_grad(acc.f32(), grad.data(), dtype, n, overwrite, scale);
   EXPECT_TRUE(stats.ok()) << stats.status().to_string();
   AccResult r;
   if (!stats.ok()) return r;
+  // The sum of squares is of the new acc as stored (the pass's contract), so
+  // the reference sums the stored values in float64. Against the exact sums
+  // `want` it would also charge the values' own rounding, which cancellation
+  // (base ~ -scale x grad) makes relatively large when one element dominates
+  // a short vector: seen once in ~300 runs at 2.2e-5. The values themselves
+  // are checked against `want` element by element above the sum.
+  double want_sum = 0;
   for (std::size_t i = 0; i < n; ++i) {
     if (!(std::fabs(acc.get(i) - want[i]) <= bound[i])) ++r.bad_values;
+    want_sum += acc.get(i) * acc.get(i);
   }
   EXPECT_FALSE(stats->non_finite);
   r.max_rel_sum_err = n == 0 ? std::fabs(stats->sum_squares) : std::fabs(stats->sum_squares - want_sum) / want_sum;
