@@ -28,6 +28,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -249,9 +250,41 @@ tz::Status make_core(EngineCore& core, const tz::Config& config, const BlockList
   return tz::ok_status();
 }
 
+// Note [Gradients from another library's stream]
+// CUDA gradients handed to reduce_grads were written by the caller's kernels
+// on the caller's stream, which the engine's copy stream (a non-blocking one)
+// does not follow. DLPack's rule for who waits: the consumer names the stream
+// it will use, and stream=None means CUDA's legacy default stream. So the copy
+// stream first waits for the work queued so far on the stream the caller
+// names (`stream=`, an int as DLPack passes them: a cudaStream_t, 1 the
+// legacy default, 2 the per-thread default), the legacy default stream when
+// it names none (where torch and CuPy run unless told otherwise). -1 says the
+// caller has synchronised already. No host blocking until the copies'
+// own end.
+std::optional<void*> producer_stream(const EngineCore& core, std::optional<std::int64_t> stream) {
+  if (stream && *stream == -1) return std::nullopt;
+  if (core.dl_device_type != kDLCUDA) {
+    if (stream) {
+      raise_status(tz::invalid_argument(
+          "Engine.reduce_grads(): stream={} is a CUDA stream; this engine is on cpu (leave stream unset)", *stream));
+    }
+    return std::nullopt;
+  }
+  if (!stream) return nullptr;  // the legacy default stream
+  if (*stream == 0 || *stream < -1) {
+    raise_status(tz::invalid_argument(
+        "Engine.reduce_grads(): stream={} is not a CUDA stream (pass a cudaStream_t as an int, 1 for the legacy "
+        "default stream, 2 for the per-thread one, -1 when the gradients are ready)", *stream));
+  }
+  return reinterpret_cast<void*>(static_cast<std::intptr_t>(*stream));
+}
+
 // Copies each gradient (None: zeros) into a fresh GradBlock of `block` and
-// hands it to reduce_grads. Caller holds the mutex, not the GIL.
-tz::Status reduce_from(EngineCore& core, std::size_t block, const std::vector<std::optional<ArrayInfo>>& grads) {
+// hands it to reduce_grads, after the caller's `producer` stream where there
+// is one (Note [Gradients from another library's stream]). Caller holds the
+// mutex, not the GIL.
+tz::Status reduce_from(EngineCore& core, std::size_t block, const std::vector<std::optional<ArrayInfo>>& grads,
+                       std::optional<void*> producer) {
   TZ_ASSIGN_OR_RETURN(tz::GradBlock g, core.engine->grad_buffer(block));
   const std::size_t bytes = tz::elem_type_bytes(g.type());
   const tz::BlockLayout& b = core.engine->layout().blocks[block];
@@ -259,6 +292,7 @@ tz::Status reduce_from(EngineCore& core, std::size_t block, const std::vector<st
   // round trip through the backend's copy thread (tens of microseconds per
   // parameter, most of the per-module cost of tierzero.torch on small modules).
   const bool host = core.device->kind() == tz::BackendKind::kHost;
+  if (producer && !host) TZ_TRY(core.device->stream_wait_native(*core.copy_stream, *producer));
   for (std::size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i]) continue;
     const std::size_t n = b.params[i].numel * bytes;
@@ -287,7 +321,8 @@ class PyEngine {
     return std::make_unique<PyGathered>(core_, std::move(g));
   }
 
-  void reduce_grads(std::size_t block, const std::vector<std::optional<InArray>>& grads) {
+  void reduce_grads(std::size_t block, const std::vector<std::optional<InArray>>& grads,
+                    std::optional<std::int64_t> stream) {
     const auto& blocks = core_->engine->layout().blocks;
     if (block >= blocks.size()) {
       raise_status(tz::invalid_argument("reduce_grads: block {} does not exist (the model has {})", block,
@@ -311,7 +346,8 @@ class PyEngine {
                                           arg, infos[i]->numel, b.params[i].numel));
       }
     }
-    locked(*core_, [&] { return reduce_from(*core_, block, infos); });
+    const std::optional<void*> producer = producer_stream(*core_, stream);
+    locked(*core_, [&] { return reduce_from(*core_, block, infos, producer); });
   }
 
   nb::dict step() { return report_dict(locked(*core_, [&] { return core_->engine->step(); })); }
@@ -354,9 +390,12 @@ void bind_engine(nb::module_& m) {
            "blocks: [(block name, [(param name, shape)])]; init: per block, per parameter, a float32 cpu array of its "
            "numel or None (zeros); empty: all zeros.")
       .def("fetch", &PyEngine::fetch, nb::arg("block"), "The whole block, gathered (waits for NVMe and collectives).")
-      .def("reduce_grads", &PyEngine::reduce_grads, nb::arg("block"), nb::arg("grads"),
+      .def("reduce_grads", &PyEngine::reduce_grads, nb::arg("block"), nb::arg("grads"), nb::kw_only(),
+           nb::arg("stream") = nb::none(),
            "Copies each parameter's gradient (the grad dtype, on the engine's device, C-contiguous, the parameter's "
-           "numel; None: zeros) into the engine's gradient buffer and queues the reduce-scatter.")
+           "numel; None: zeros) into the engine's gradient buffer and queues the reduce-scatter. On CUDA the copies "
+           "wait for the work queued on `stream` (an int as DLPack passes streams: a cudaStream_t, 1 the legacy "
+           "default stream, 2 the per-thread one, -1 none), by default the legacy default stream.")
       .def("step", &PyEngine::step, "Ends a micro-batch; at the accumulation boundary runs the optimizer. A dict.")
       .def("save_checkpoint", [](PyEngine& e, const std::string& d) { e.call([&] { return e.engine().save_checkpoint(d); }); },
            nb::arg("dir"))

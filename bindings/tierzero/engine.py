@@ -65,9 +65,18 @@ class Engine:
         """The whole block gathered on the engine's device; .data and .param(i) are zero-copy arrays."""
         return self._core.fetch(block)
 
-    def reduce_grads(self, block: int, grads: Sequence[Any]) -> None:
-        """Hands the block's gradients (one array per parameter, or None) to the engine (copied)."""
-        self._core.reduce_grads(block, [None if g is None else _as_array(g) for g in grads])
+    def reduce_grads(self, block: int, grads: Sequence[Any], *, stream: Optional[int] = None) -> None:
+        """Hands the block's gradients (one array per parameter, or None) to the engine (copied).
+
+        On CUDA the copies wait for the work queued so far on `stream`, the
+        stream that wrote the gradients, given as DLPack gives streams: an int
+        (`torch.cuda.current_stream().cuda_stream`, `cupy.cuda.get_current_stream().ptr`;
+        1 the legacy default stream, 2 the per-thread one, -1 when the caller
+        has synchronised). Unset: the legacy default stream, where torch and
+        CuPy work unless told otherwise. The call returns when the copies are
+        done, so the arrays may be reused or freed at once.
+        """
+        self._core.reduce_grads(block, [None if g is None else _as_array(g) for g in grads], stream=stream)
 
     def step(self) -> dict:
         """Ends a micro-batch; at the accumulation boundary runs the optimizer. The step report as a dict."""

@@ -144,6 +144,20 @@ class CudaDevice final : public Device {
     TZ_CUDA_CHECK(cudaStreamWaitEvent(raw(stream), raw(event), 0));
     return ok_status();
   }
+  Status stream_wait_native(Stream& stream, void* native_stream) override {
+    TZ_TRY(make_current());
+    cudaStream_t producer = native_stream == nullptr ? cudaStreamLegacy : static_cast<cudaStream_t>(native_stream);
+    // A fresh event each time: the wait is enqueued by the time it returns, and
+    // destroying an event with a pending wait on it is allowed (its resources
+    // go when the wait is done).
+    cudaEvent_t e = nullptr;
+    TZ_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    cudaError_t err = cudaEventRecord(e, producer);
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(raw(stream), e, 0);
+    const cudaError_t destroyed = cudaEventDestroy(e);
+    TZ_CUDA_CHECK(err != cudaSuccess ? err : destroyed);
+    return ok_status();
+  }
   Expected<bool> event_done(Event& event) override {
     TZ_TRY(make_current());
     cudaError_t err = cudaEventQuery(raw(event));

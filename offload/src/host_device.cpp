@@ -172,6 +172,8 @@ class HostDevice final : public Device {
     if (!state->is_done()) host(stream).enqueue([state] { state->wait(); });
     return ok_status();
   }
+  // Foreign CPU work is done by the time its arrays are handed over.
+  Status stream_wait_native(Stream& /*stream*/, void* /*native_stream*/) override { return ok_status(); }
   Expected<bool> event_done(Event& event) override { return host(event).current()->is_done(); }
   Status synchronize_event(Event& event) override {
     host(event).current()->wait();

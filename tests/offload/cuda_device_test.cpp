@@ -2,7 +2,9 @@
 // why, everywhere else (CI has none; the sources are still compiled there).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "tierzero/offload.h"
@@ -81,6 +83,32 @@ TEST_F(CudaDeviceTest, EventsOrderStreams) {
   for (std::uint8_t v : host) ASSERT_EQ(v, 0x3C);
   EXPECT_TRUE(device_->deallocate(*d_a, kBytes, nullptr).ok());
   EXPECT_TRUE(device_->deallocate(*d_b, kBytes, nullptr).ok());
+}
+
+// Another library's stream (here one the test made, used only by its raw
+// handle) is held up by a host function for 200 ms before it writes; a copy
+// on our stream after stream_wait_native must see the write. Without the wait
+// the copy would run during the hold and read the old bytes.
+TEST_F(CudaDeviceTest, StreamWaitNativeOrdersAfterAForeignStream) {
+  auto foreign = device_->create_stream();
+  ASSERT_TRUE(foreign.ok());
+  constexpr std::size_t kBytes = 4 * kMiB;
+  Expected<void*> d_a = device_->allocate(kBytes, nullptr);
+  ASSERT_TRUE(d_a.ok());
+  ASSERT_TRUE(device_->memset_async(*d_a, 0x11, kBytes, *stream_).ok());
+  ASSERT_TRUE(device_->synchronize_stream(*stream_).ok());
+  ASSERT_TRUE(device_->launch_host_func(**foreign, [] { std::this_thread::sleep_for(std::chrono::milliseconds(200)); }).ok());
+  ASSERT_TRUE(device_->memset_async(*d_a, 0x5A, kBytes, **foreign).ok());
+  ASSERT_TRUE(device_->stream_wait_native(*stream_, (*foreign)->native_handle()).ok());
+  std::vector<std::uint8_t> host(kBytes, 0);
+  ASSERT_TRUE(device_->copy_async(host.data(), *d_a, kBytes, *stream_).ok());
+  ASSERT_TRUE(device_->synchronize_stream(*stream_).ok());
+  EXPECT_EQ(host.front(), 0x5A);
+  EXPECT_EQ(host.back(), 0x5A);
+  // nullptr is CUDA's legacy default stream: nothing queued there, nothing to wait for.
+  EXPECT_TRUE(device_->stream_wait_native(*stream_, nullptr).ok());
+  EXPECT_TRUE(device_->synchronize_stream(*stream_).ok());
+  EXPECT_TRUE(device_->deallocate(*d_a, kBytes, nullptr).ok());
 }
 
 TEST_F(CudaDeviceTest, HostFuncRunsInStreamOrder) {

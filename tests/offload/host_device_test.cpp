@@ -105,6 +105,7 @@ TEST_F(HostDeviceTest, UnrecordedEventIsComplete) {
   EXPECT_TRUE(*device_->event_done(*e));
   EXPECT_TRUE(device_->synchronize_event(*e).ok());
   EXPECT_TRUE(device_->stream_wait_event(*stream_, *e).ok());
+  EXPECT_TRUE(device_->stream_wait_native(*stream_, nullptr).ok());  // no foreign queued work on the CPU
   EXPECT_TRUE(device_->synchronize_stream(*stream_).ok());
 }
 

@@ -273,6 +273,7 @@ class RecordFailsDevice final : public Device {
   Status launch_host_func(Stream& st, std::function<void()> fn) override { return inner_->launch_host_func(st, std::move(fn)); }
   Status record_event(Event&, Stream&) override { return internal_error("injected record_event failure"); }
   Status stream_wait_event(Stream& st, Event& e) override { return inner_->stream_wait_event(st, e); }
+  Status stream_wait_native(Stream& st, void* n) override { return inner_->stream_wait_native(st, n); }
   Expected<bool> event_done(Event& e) override { return inner_->event_done(e); }
   Status synchronize_event(Event& e) override { return inner_->synchronize_event(e); }
   Status synchronize_stream(Stream& st) override { return inner_->synchronize_stream(st); }

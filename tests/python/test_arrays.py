@@ -64,3 +64,26 @@ def test_accepted_arrays_are_used_in_place_not_copied(opt):
     p2 = np.ones((8, 8), np.float32)
     opt.step(HYPER, 1, 1.0, p2, np.ones((8, 8), np.float32), np.zeros((8, 8), np.float32), np.zeros(64, np.float32))
     assert (p2 < 1).all()
+
+
+class DLPackOnly:
+    """An array known only by __dlpack__/__dlpack_device__ (no buffer protocol, not
+    numpy or torch), as CuPy and JAX arrays present themselves."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_any_dlpack_producer_is_used_in_place(opt):
+    p, g, m, v = np.ones(64, np.float32), np.full(64, 0.5, np.float32), np.zeros(64, np.float32), np.zeros(64, np.float32)
+    opt.step(HYPER, 1, 1.0, DLPackOnly(p), DLPackOnly(g), DLPackOnly(m), DLPackOnly(v))
+    assert (p < 1).all(), "param was not updated in place"
+    np.testing.assert_allclose(m, np.full(64, 0.05, np.float32))
+    with pytest.raises(TypeError, match=r"argument 'grad' must be float32, bfloat16 or float16; got float64"):
+        opt.step(HYPER, 1, 1.0, DLPackOnly(p), DLPackOnly(g.astype(np.float64)), DLPackOnly(m), DLPackOnly(v))

@@ -95,6 +95,17 @@ def test_reduce_grads_refuses_what_does_not_fit(nvme_dir):
         eng.fetch(9)
 
 
+def test_reduce_grads_stream_is_for_cuda_engines(nvme_dir):
+    # The stream argument names the CUDA stream that wrote the gradients
+    # (bindings/engine.cpp, Note [Gradients from another library's stream]).
+    eng, _ = make(nvme_dir)
+    with pytest.raises(ValueError, match=r"stream=7 is a CUDA stream; this engine is on cpu"):
+        eng.reduce_grads(1, [torch.ones(4, 8)], stream=7)
+    eng.reduce_grads(1, [torch.ones(4, 8)], stream=-1)  # "already synchronised" is fine anywhere
+    eng.reduce_grads(0, [None, None], stream=None)
+    assert eng.step()["grad_norm"] == pytest.approx(np.sqrt(4 * 8), rel=1e-6)
+
+
 def test_bad_config_and_init_are_refused_with_the_engine_message(nvme_dir):
     with pytest.raises(ValueError, match="zero_optimisation"):
         tierzero.Engine({"zero_optimisation": {}}, BLOCKS)

@@ -99,6 +99,12 @@ class Device {
   virtual Status record_event(Event& event, Stream& stream) = 0;
   // Later work on `stream` waits until `event` completes (no host blocking).
   virtual Status stream_wait_event(Stream& stream, Event& event) = 0;
+  // Later work on `stream` waits for the work queued so far on a stream this
+  // Device did not create: another library's (a framework's compute stream,
+  // handed over as DLPack hands streams over). CUDA: `native_stream` is a
+  // cudaStream_t, nullptr meaning the legacy default stream. Host: there is no
+  // foreign queued work (CPU arrays are ready when handed over); a no-op.
+  virtual Status stream_wait_native(Stream& stream, void* native_stream) = 0;
   // True when the work before the event's record point is done.
   virtual Expected<bool> event_done(Event& event) = 0;
   virtual Status synchronize_event(Event& event) = 0;
