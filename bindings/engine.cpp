@@ -132,6 +132,7 @@ nb::dict report_dict(const tz::StepReport& r) {
   d["step"] = r.step;
   d["grad_norm"] = r.grad_norm;
   d["clip_coef"] = r.clip_coef;
+  d["lr"] = r.lr;
   d["loss_scale"] = r.loss_scale;
   d["optimizer_seconds"] = r.optimizer_seconds;
   d["nvme_read_bytes"] = r.nvme_read_bytes;
@@ -413,6 +414,12 @@ void bind_engine(nb::module_& m) {
       .def("describe", [](PyEngine& e) { return e.engine().describe(); })
       .def("layout", [](PyEngine& e) { return layout_list(e.engine().layout()); })
       .def_prop_ro("loss_scale", [](PyEngine& e) { return e.engine().loss_scale(); })
+      .def_prop_ro("learning_rate", [](PyEngine& e) { return e.engine().learning_rate(); },
+                   "The learning rate the next optimizer step will use (the config's scheduler, or the optimizer's).")
+      .def("set_learning_rate", [](PyEngine& e, double lr) { e.call([&] { return e.engine().set_learning_rate(lr); }); },
+           nb::arg("lr"),
+           "Sets the optimizer's learning rate for the next steps (finite, > 0); refused when the config has a "
+           "scheduler block.")
       .def_prop_ro("param_dtype", [](PyEngine& e) { return dtype_name(dtype_of(e.engine().param_type())); })
       .def_prop_ro("grad_dtype", [](PyEngine& e) { return dtype_name(dtype_of(e.engine().grad_type())); })
       .def_prop_ro("device", [](PyEngine& e) { return describe_device(e.core().dl_device_type, e.core().dl_device_id); })

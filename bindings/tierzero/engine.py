@@ -79,8 +79,13 @@ class Engine:
         self._core.reduce_grads(block, [None if g is None else _as_array(g) for g in grads], stream=stream)
 
     def step(self) -> dict:
-        """Ends a micro-batch; at the accumulation boundary runs the optimizer. The step report as a dict."""
+        """Ends a micro-batch; at the accumulation boundary runs the optimizer. The step report as a dict
+        ("lr" is the learning rate the optimizer step used, 0 when none ran)."""
         return self._core.step()
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The optimizer's learning rate for the next steps; refused (ValueError) when the config has a scheduler."""
+        self._core.set_learning_rate(float(lr))
 
     # --- state
     def save_checkpoint(self, directory: Union[str, os.PathLike]) -> None:
@@ -114,6 +119,11 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self._core.loss_scale
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate the next optimizer step will use (the config's scheduler, or the optimizer's)."""
+        return self._core.learning_rate
 
     @property
     def param_dtype(self) -> str:

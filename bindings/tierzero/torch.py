@@ -50,6 +50,18 @@ zeros for them. Gradients are averaged over ranks and over the config's
 gradient_accumulation_steps by the engine: engine.backward(loss) does not
 divide the loss, and engine.step() is called after every micro-batch (it runs
 the optimizer at the accumulation boundary).
+
+Note [Learning rate]
+The engine's learning rate comes from the config's "scheduler" block
+(DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, computed by the engine
+from its optimizer step count, so a loaded checkpoint resumes the schedule),
+or from optimizer.param_groups[0]["lr"]: the returned optimizer is a
+torch.optim.Optimizer, and engine.step() hands a changed "lr" to the engine
+before the step, so a torch scheduler built on it (LambdaLR, CosineAnnealingLR,
+...) and stepped after engine.step() works as with any torch optimizer. After
+each engine.step() "lr" shows the learning rate of the next step. Changing
+"lr" while the config has a scheduler is a ValueError; a torch scheduler's
+own state is saved by its owner (scheduler.state_dict()), as in plain torch.
 """
 
 from __future__ import annotations
@@ -125,28 +137,64 @@ def _replace(obj: Any, it: Iterator[torch.Tensor]) -> Any:
     return obj
 
 
-class EngineOptimizer:
+class EngineOptimizer(torch.optim.Optimizer):
     """What initialize() returns as the optimizer: the engine steps its own (the config's "optimizer" block).
 
-    step() is engine.step(); zero_grad() does nothing (the engine takes every
-    gradient out of .grad as it arrives). param_groups describe the config's
-    hyperparameters (read-only: change them in the config).
+    A torch.optim.Optimizer, so torch's learning-rate schedulers take it
+    (Note [Learning rate]). step() is engine.step(); zero_grad() does nothing
+    (the engine takes every gradient out of .grad as it arrives). One param
+    group: every trainable parameter, the config's hyperparameters, and "lr",
+    the learning rate of the next optimizer step. Only "lr" may be changed.
     """
 
     def __init__(self, engine: "TorchEngine", hyper: dict):
-        self._engine = engine
-        self.param_groups = [dict(hyper, params=[p for b in engine._blocks for p in b.params])]
+        params = [p for b in engine._blocks for p in b.params]
+        defaults = {k: v for k, v in hyper.items() if k != "params"}
+        defaults["lr"] = engine._core.learning_rate
+        super().__init__(params, defaults)
+        self._engine_ref = weakref.ref(engine)
+        self._fixed = {k: v for k, v in self.param_groups[0].items() if k not in ("params", "lr", "initial_lr")}
+
+    def _engine(self) -> "TorchEngine":
+        engine = self._engine_ref()
+        if engine is None:
+            raise ValueError("EngineOptimizer: its engine is gone (keep the engine initialize() returned)")
+        return engine
 
     def step(self, closure: Any = None) -> dict:
         if closure is not None:
             raise ValueError("EngineOptimizer.step(): closures are not supported; call engine.backward, engine.step")
-        return self._engine.step()
+        return self._engine().step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
 
+    def add_param_group(self, param_group: dict) -> None:
+        if self.param_groups:
+            raise ValueError("EngineOptimizer: the engine trains every parameter in one group; add_param_group is "
+                             "not supported")
+        super().add_param_group(param_group)
+
     def state_dict(self) -> dict:
         raise NotImplementedError("the optimizer's states live in the engine's tiers: use engine.save_checkpoint")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise NotImplementedError("the optimizer's states live in the engine's tiers: use engine.load_checkpoint")
+
+    def _take_lr(self) -> None:
+        """Hands a changed param_groups[0]['lr'] to the engine; any other change is refused."""
+        group = self.param_groups[0]
+        for k, v in self._fixed.items():
+            if group.get(k) != v:
+                raise ValueError(f"EngineOptimizer: param_groups[0]['{k}'] changed from {v!r} to {group.get(k)!r}; "
+                                 "only 'lr' can change after initialize (the rest is the config's optimizer block)")
+        lr = group["lr"]
+        lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+        if lr != self._engine()._core.learning_rate:
+            self._engine()._core.set_learning_rate(lr)
+
+    def _show_lr(self) -> None:
+        self.param_groups[0]["lr"] = self._engine()._core.learning_rate
 
 
 class TorchEngine:
@@ -174,6 +222,7 @@ class TorchEngine:
         self._hooks: list = []
         self.last_report: dict = {}
         self.global_steps = 0
+        self.optimizer: Optional[EngineOptimizer] = None  # set by initialize()
         # A tensor's hooks are held on the C++ side, out of the garbage collector's sight: a hook that
         # referenced the engine would make model -> parameter -> hook -> engine -> model a cycle nothing frees.
         engine_ref = weakref.ref(self)
@@ -344,9 +393,23 @@ class TorchEngine:
         # Blocks still gathered here (a forward without its backward) would keep showing the old
         # parameters after the optimizer runs: let go of them first.
         self._release_all()
+        if self.optimizer is not None:
+            self.optimizer._take_lr()  # Note [Learning rate]
         self.last_report = self._core.step()
         self.global_steps = self.last_report["step"]
+        if self.optimizer is not None:
+            self.optimizer._show_lr()
+            if self.last_report["stepped"]:
+                self.optimizer._opt_called = True  # what torch's schedulers check: the optimizer stepped
         return self.last_report
+
+    def get_lr(self) -> list:
+        """[the learning rate the next optimizer step will use], as DeepSpeed's engine.get_lr() gives it
+        (optimizer.param_groups[0]["lr"]: a torch scheduler's new rate counts from the next step)."""
+        if self.optimizer is not None:
+            lr = self.optimizer.param_groups[0]["lr"]
+            return [float(lr.item() if isinstance(lr, torch.Tensor) else lr)]
+        return [self._core.learning_rate]
 
     def train(self, mode: bool = True) -> "TorchEngine":
         self.module.train(mode)
@@ -363,6 +426,8 @@ class TorchEngine:
     def load_checkpoint(self, load_dir: Union[str, os.PathLike]) -> None:
         """Loads save_dir/latest (or a step directory); training resumes bit for bit."""
         self._core.load_checkpoint(os.fspath(load_dir))
+        if self.optimizer is not None:
+            self.optimizer._show_lr()  # the restored schedule's (or saved) rate for the next step
 
     def export_safetensors(self, path: Union[str, os.PathLike]) -> None:
         """The fp32 weights as one safetensors file ("<block>.<param>" tensors); rank 0 writes it."""
@@ -458,20 +523,26 @@ def _hyper_from_config(config: Any) -> dict:
 
 
 def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = None,
-               model_parameters: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
+               model_parameters: Any = None, lr_scheduler: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
     """(engine, optimizer) for `model`, as deepspeed.initialize returns them.
 
     config: a path to a DeepSpeed-style JSON file, or a dict. The engine's
     optimizer is the config's "optimizer" block (Adam, AdamW, Adagrad, Lion);
     passing a torch optimizer is refused, since its states would live outside
     the engine's tiers. model_parameters is accepted for DeepSpeed
-    compatibility and must be None or the model's parameters.
+    compatibility and must be None or the model's parameters. Learning-rate
+    schedules: the config's "scheduler" block, or a torch scheduler built on
+    the returned optimizer (Note [Learning rate]); lr_scheduler= is refused.
     """
     if config is None:
         raise ValueError("tierzero.torch.initialize: config= is required (a path or a dict)")
     if optimizer is not None:
         raise ValueError("tierzero.torch.initialize: the engine steps its own optimizer (the config's \"optimizer\" "
                          "block, on its tiers); pass optimizer=None")
+    if lr_scheduler is not None:
+        raise ValueError("tierzero.torch.initialize: lr_scheduler= is not taken; use the config's \"scheduler\" block "
+                         "(WarmupLR, WarmupDecayLR, WarmupCosineLR), or build a torch scheduler on the returned "
+                         "optimizer and call its step() after engine.step()")
     if model_parameters is not None:
         given = {id(p) for p in model_parameters}
         if given != {id(p) for p in model.parameters() if p.requires_grad}:
@@ -479,7 +550,8 @@ def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = N
     if isinstance(config, (str, os.PathLike)):
         config = os.fspath(config)
     engine = TorchEngine(model, config)
-    return engine, EngineOptimizer(engine, _hyper_from_config(config))
+    engine.optimizer = EngineOptimizer(engine, _hyper_from_config(config))
+    return engine, engine.optimizer
 
 
 def _live_gathered(engine: TorchEngine) -> int:

@@ -52,6 +52,7 @@ constexpr std::int64_t kMaxNumaNode = 1023;  // Linux: at most 2^NODES_SHIFT = 1
 struct ParseState {
   Config config;
   bool placement_given = false;
+  bool scheduler_given = false;
   std::string legacy_optimizer_offload;  // path of zero_optimization.cpu_offload: true
   std::string legacy_param_offload;      // path of zero_optimization.cpu_offload_param(s): true
 };
@@ -164,6 +165,7 @@ constexpr RealRange kPositive{0, true, kInf, false};
 constexpr RealRange kNonNegative{0, false, kInf, false};
 constexpr RealRange kFraction{0, true, 1, false};  // (0, 1]
 constexpr RealRange kBeta{0, false, 1, true};      // [0, 1)
+constexpr RealRange kUnit{0, false, 1, false};     // [0, 1]
 
 // Index of `value` in `names`, or an error listing them.
 Expected<std::size_t> pick(const ParseState& st, const Json& value, std::string_view path,
@@ -387,6 +389,8 @@ const Block& fp16_block();
 const Block& bf16_block();
 const Block& optimizer_block();
 const Block& optimizer_params_block();
+const Block& scheduler_block();
+const Block& scheduler_params_block();
 const Block& zero_block();
 const Block& offload_param_block();
 const Block& offload_optimizer_block();
@@ -405,6 +409,13 @@ const Block& top_block() {
         block_key("bf16", bf16_block),
         block_key("bfloat16", bf16_block),  // DeepSpeed's older spelling
         block_key("optimizer", optimizer_block, [](Config& c) { c.optimizer.present = true; }),
+        {"scheduler",
+         [](ParseState& st, const Json& v, const std::string& path) -> Status {
+           if (v.is_null()) return ok_status();
+           if (!v.is_object()) return type_error(st, path, v, "an object");
+           st.scheduler_given = true;
+           return parse_block(st, v, path, scheduler_block());
+         }},
         block_key("zero_optimization", zero_block),
         block_key("aio", aio_block),
         block_key("tierzero", tierzero_block),
@@ -412,7 +423,7 @@ const Block& top_block() {
     ignore(b, {"train_batch_size", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
                "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp32_allreduce",
                "disable_allgather", "communication_data_type", "seq_parallel_communication_data_type",
-               "data_types", "amp", "scheduler", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+               "data_types", "amp", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
                "activation_checkpointing", "sparse_attention", "flops_profiler", "tensorboard", "wandb",
                "csv_monitor", "comet", "monitor_config", "comms_logger", "autotuning", "elasticity",
                "data_efficiency", "curriculum_learning", "compression_training", "quantize_training",
@@ -460,6 +471,74 @@ const Block& optimizer_block() {
         block_key("params", optimizer_params_block),
     }};
     ignore(b, {"legacy_fusion"});
+    return b;
+  }();
+  return block;
+}
+
+const Block& scheduler_block() {
+  static const Block block{{
+      choice_key<SchedulerType>("type", TZ_FIELD(scheduler.type),
+                                {{"WarmupLR", SchedulerType::kWarmupLR},
+                                 {"WarmupDecayLR", SchedulerType::kWarmupDecayLR},
+                                 {"WarmupCosineLR", SchedulerType::kWarmupCosineLR}}),
+      block_key("params", scheduler_params_block),
+  }};
+  return block;
+}
+
+// Records that the file set a scheduler parameter (check_scheduler checks
+// each against the type, which may come after params in the file).
+Key scheduler_param(Key key) {
+  return {key.name, [name = key.name, set = std::move(key.set)](ParseState& st, const Json& v,
+                                                                 const std::string& path) -> Status {
+            TZ_TRY(set(st, v, path));
+            st.config.scheduler.params_given.emplace_back(name);
+            return ok_status();
+          }};
+}
+
+// A step count. "auto" is what the Hugging Face Trainer writes for itself to
+// fill in; nobody fills it in here and a default would be a different run, so
+// it is recorded as unresolved (SchedulerConfig::unresolved_auto).
+template <typename Get>
+Key scheduler_steps_key(std::string_view name, Get get, std::int64_t lo) {
+  Key number = int_key(name, get, lo, kMaxInt, AutoOk::kNo);
+  return scheduler_param({name, [name, set = std::move(number.set)](ParseState& st, const Json& v,
+                                                                      const std::string& path) -> Status {
+                            if (!is_auto(v)) return set(st, v, path);
+                            st.config.scheduler.unresolved_auto.emplace_back(name);
+                            return ok_status();
+                          }});
+}
+
+const Block& scheduler_params_block() {
+  static const Block block = [] {
+    Block b{{
+        scheduler_param(real_key("warmup_min_lr", TZ_FIELD(scheduler.warmup_min_lr), kNonNegative)),
+        scheduler_param({"warmup_max_lr",
+                         [](ParseState& st, const Json& v, const std::string& path) -> Status {
+                           if (is_auto(v)) {
+                             st.config.scheduler.warmup_max_lr_auto = true;  // the optimizer's lr
+                             return ok_status();
+                           }
+                           if (!v.is_number()) return type_error(st, path, v, "a number or \"auto\"");
+                           if (!kPositive.contains(v.get<double>())) {
+                             return range_error(st, path, v, kPositive.describe());
+                           }
+                           st.config.scheduler.warmup_max_lr = v.get<double>();
+                           return ok_status();
+                         }}),
+        scheduler_steps_key("warmup_num_steps", TZ_FIELD(scheduler.warmup_num_steps), 0),
+        scheduler_param(choice_key<WarmupType>("warmup_type", TZ_FIELD(scheduler.warmup_type),
+                                               {{"log", WarmupType::kLog}, {"linear", WarmupType::kLinear}})),
+        scheduler_steps_key("total_num_steps", TZ_FIELD(scheduler.total_num_steps), 1),
+        scheduler_param(real_key("warmup_min_ratio", TZ_FIELD(scheduler.warmup_min_ratio), kUnit)),
+        scheduler_param(real_key("cos_min_ratio", TZ_FIELD(scheduler.cos_min_ratio), kUnit)),
+    }};
+    // The schedule's position comes from the engine's optimizer step count
+    // (restored by load_checkpoint), not from the file.
+    ignore(b, {"last_batch_iteration"});
     return b;
   }();
   return block;
@@ -605,6 +684,7 @@ const std::vector<std::pair<std::string_view, const Block*>>& all_blocks() {
   static const std::vector<std::pair<std::string_view, const Block*>> blocks = {
       {"the top level", &top_block()}, {"fp16", &fp16_block()}, {"bf16", &bf16_block()},
       {"optimizer", &optimizer_block()}, {"optimizer.params", &optimizer_params_block()},
+      {"scheduler", &scheduler_block()}, {"scheduler.params", &scheduler_params_block()},
       {"zero_optimization", &zero_block()}, {"zero_optimization.offload_param", &offload_param_block()},
       {"zero_optimization.offload_optimizer", &offload_optimizer_block()}, {"aio", &aio_block()},
       {"tierzero", &tierzero_block()}, {"tierzero.tiers", &tiers_block()}, {"tierzero.aio", &tierzero_aio_block()},
@@ -685,9 +765,62 @@ Status check_nvme_target(const ParseState& st, std::string_view block, OffloadDe
                    fmt::format("\"nvme\" needs zero_optimization.{}.nvme_path (or tierzero.tiers.nvme_paths)", block));
 }
 
+// The scheduler block as a whole: a type, only that type's parameters, and
+// the steps it needs.
+Status check_scheduler(const ParseState& st) {
+  const SchedulerConfig& s = st.config.scheduler;
+  if (!st.scheduler_given) return ok_status();
+  if (s.type == SchedulerType::kNone) {
+    return key_error(st, "scheduler.type",
+                     "missing; use one of \"WarmupLR\", \"WarmupDecayLR\", \"WarmupCosineLR\"");
+  }
+  std::vector<std::string_view> allowed = {"warmup_num_steps", "warmup_type"};
+  if (s.type == SchedulerType::kWarmupCosineLR) {
+    allowed.insert(allowed.end(), {"total_num_steps", "warmup_min_ratio", "cos_min_ratio"});
+  } else {
+    allowed.insert(allowed.end(), {"warmup_min_lr", "warmup_max_lr"});
+    if (s.type == SchedulerType::kWarmupDecayLR) allowed.push_back("total_num_steps");
+  }
+  for (const std::string& given : s.params_given) {
+    if (std::find(allowed.begin(), allowed.end(), given) == allowed.end()) {
+      return key_error(st, "scheduler.params." + given,
+                       fmt::format("not a parameter of {} (its parameters: {})", scheduler_name(s.type),
+                                   fmt::join(allowed, ", ")));
+    }
+  }
+  const std::int64_t warmup = std::max<std::int64_t>(2, s.warmup_num_steps);
+  if (s.type == SchedulerType::kWarmupLR) {
+    if (!s.warmup_max_lr_auto && s.warmup_max_lr < s.warmup_min_lr) {
+      return key_error(st, "scheduler.params.warmup_max_lr",
+                       fmt::format("{} is below warmup_min_lr = {}", s.warmup_max_lr, s.warmup_min_lr));
+    }
+    return ok_status();
+  }
+  auto unresolved = [&s](std::string_view key) {
+    return std::find(s.unresolved_auto.begin(), s.unresolved_auto.end(), key) != s.unresolved_auto.end();
+  };
+  if (unresolved("total_num_steps") || unresolved("warmup_num_steps")) return ok_status();  // the engine refuses
+  if (s.total_num_steps == 0) {
+    return key_error(st, "scheduler.params.total_num_steps",
+                     fmt::format("missing; {} needs the number of optimizer steps it spans", scheduler_name(s.type)));
+  }
+  if (s.type == SchedulerType::kWarmupDecayLR && !s.warmup_max_lr_auto && s.warmup_max_lr < s.warmup_min_lr) {
+    return key_error(st, "scheduler.params.warmup_max_lr",
+                     fmt::format("{} is below warmup_min_lr = {}", s.warmup_max_lr, s.warmup_min_lr));
+  }
+  if (s.total_num_steps <= warmup) {
+    return key_error(st, "scheduler.params.total_num_steps",
+                     fmt::format("{} leaves no steps after the warm-up ({} steps{}); it must be larger",
+                                 s.total_num_steps, warmup,
+                                 s.warmup_num_steps < 2 ? ", warmup_num_steps below 2 counts as 2" : ""));
+  }
+  return ok_status();
+}
+
 // Rules that involve more than one key.
 Status check_consistency(const ParseState& st) {
   const Config& c = st.config;
+  TZ_TRY(check_scheduler(st));
   if (c.precision.fp16 && c.precision.bf16) {
     return invalid_argument("{}: fp16.enabled and bf16.enabled are both true; enable at most one", c.source);
   }

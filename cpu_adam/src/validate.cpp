@@ -84,7 +84,9 @@ Status validate_hyper(const Hyper& h, const StepArgs& args) {
     return invalid_argument("algorithm = {} is not one of adam, adamw, adagrad, lion", static_cast<int>(h.algorithm));
   }
   TZ_TRY(require_not_nan(h));
-  TZ_TRY(require_positive("lr", h.lr));
+  // 0 is allowed, as in torch.optim: a schedule's first warm-up step or last
+  // decay step moves the moments but not the parameters.
+  TZ_TRY(require_non_negative("lr", h.lr));
   TZ_TRY(require_non_negative("weight_decay", h.weight_decay));
   if (h.algorithm != Algorithm::kAdagrad) {
     TZ_TRY(require_beta("beta1", h.beta1));

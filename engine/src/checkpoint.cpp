@@ -116,6 +116,9 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   const nlohmann::json manifest = {{"format", "tierzero-checkpoint-rank"}, {"version", kFormatVersion},
                                    {"rank", rank}, {"world_size", comm_->size()}, {"step", step_},
                                    {"optimizer", options_.config.optimizer.type},
+                                   // set_learning_rate()'s, so a schedule of the caller's resumes
+                                   // (the config's scheduler derives its rate from `step`)
+                                   {"lr", base_lr_},
                                    {"loss_scaler", {{"scale", ls.scale}, {"hysteresis_left", ls.hysteresis_left},
                                                     {"good_steps", ls.good_steps}}},
                                    {"file", fs::path(bin).filename().string()}, {"bytes", offset},
@@ -174,7 +177,7 @@ Status ZeroEngineImpl::save_checkpoint(const std::string& dir) {
 // Reads and verifies this rank's files; states[b * 3 + k] = master, exp_avg,
 // exp_avg_sq of block b (empty where the optimizer has no such state).
 Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states,
-                                       std::int64_t& step, detail::LossScaler::State& scaler) {
+                                       std::int64_t& step, detail::LossScaler::State& scaler, double& base_lr) {
   const int rank = comm_->rank();
   TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(fmt::format("{}/rank-{}.json", dir, rank)));
   if (m.value("format", "") != "tierzero-checkpoint-rank" || m.value("version", 0) != kFormatVersion) {
@@ -223,6 +226,10 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
   }
   const nlohmann::json& ls = m["loss_scaler"];
   step = m.value("step", std::int64_t{0});
+  base_lr = m.value("lr", base_lr);
+  if (!(base_lr > 0) || !std::isfinite(base_lr)) {
+    return data_corruption("checkpoint {}: learning rate {} is not finite and > 0", dir, base_lr);
+  }
   scaler = {ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})};
   return ok_status();
 }
@@ -241,14 +248,16 @@ Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
   std::vector<std::vector<float>> states;
   std::int64_t step = 0;
   detail::LossScaler::State scaler{};
+  double base_lr = base_lr_;
   // Everything is read and verified on every rank before any state is replaced.
-  TZ_TRY(agree(read_rank_files(dir, states, step, scaler),
+  TZ_TRY(agree(read_rank_files(dir, states, step, scaler, base_lr),
                "loading checkpoint " + dir));
   // Prefetched blocks hold the old parameters, and their reads would race
   // the replacement: drop them first.
   prefetcher_->reset();
   Status loaded = [&]() -> Status {
     step_ = step;
+    base_lr_ = base_lr;
     scaler_.restore(scaler);
     for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
       const std::vector<float>& master = states[b * 3];

@@ -96,6 +96,8 @@ Expected<StepReport> ZeroEngineImpl::step() {
   if (run) {
     const double max_norm = options_.config.gradient_clipping;
     report.clip_coef = max_norm > 0 ? std::min(1.0, max_norm / (report.grad_norm + 1e-6)) : 1.0;
+    options_.config.optimizer.lr = learning_rate();  // the schedule at the steps taken so far
+    report.lr = options_.config.optimizer.lr;
     ++step_;
     const auto start = std::chrono::steady_clock::now();
     TZ_TRY_CTX(optimizer_pass(report.clip_coef / scale_used), "optimizer step {}", step_);

@@ -1,5 +1,7 @@
 // ZeroEngine: creation (plan, stores, initial states), fetching parameters,
 // and the gradient path. The optimizer pass is in optimizer_pass.cpp.
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -581,6 +583,12 @@ Expected<std::unique_ptr<ZeroEngine>> ZeroEngine::create(const ZeroOptions& opti
   }
   if (options.config.optimizer.amsgrad) {
     return invalid_argument("optimizer.params.amsgrad = true is not supported by the engine yet");
+  }
+  const SchedulerConfig& sched = options.config.scheduler;
+  if (!sched.unresolved_auto.empty()) {
+    return invalid_argument("{}: scheduler.params.{} = \"auto\": give the number of optimizer steps (the Hugging "
+                            "Face Trainer fills these in; tierzero has nothing to fill them from)",
+                            options.config.source, fmt::join(sched.unresolved_auto, ", scheduler.params."));
   }
   auto engine = std::make_unique<ZeroEngineImpl>(options);
   TZ_TRY(engine->init(model, init));

@@ -23,7 +23,8 @@ namespace tz {
 
 class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser {
  public:
-  explicit ZeroEngineImpl(const ZeroOptions& options) : options_(options), scaler_(options.config.precision) {}
+  explicit ZeroEngineImpl(const ZeroOptions& options)
+      : options_(options), scaler_(options.config.precision), base_lr_(options.config.optimizer.lr) {}
   ~ZeroEngineImpl() override;
 
   Status init(const std::vector<BlockSpec>& model, const ParamInit& init);
@@ -36,9 +37,15 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::int64_t optimizer_steps() const override { return step_; }
   Status set_learning_rate(double lr) override {
     if (!(lr > 0) || !std::isfinite(lr)) return invalid_argument("learning rate = {} must be finite and > 0", lr);
-    options_.config.optimizer.lr = lr;
+    const SchedulerConfig& sched = options_.config.scheduler;
+    if (sched.type != SchedulerType::kNone) {
+      return invalid_argument("set_learning_rate({}): the config's scheduler ({}) sets the learning rate at every "
+                              "step; remove the scheduler block to set it yourself", lr, scheduler_name(sched.type));
+    }
+    base_lr_ = lr;
     return ok_status();
   }
+  double learning_rate() const override { return scheduled_lr(options_.config.scheduler, base_lr_, step_); }
   const ModelLayout& layout() const override { return layout_; }
   const Plan& plan() const override { return plan_; }
   ElemType param_type() const override { return param_type_; }
@@ -92,8 +99,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // Every rank passes its own result; all return an error if any rank failed.
   Status agree(const Status& mine, std::string_view what);
   Status write_rank_files(const std::string& dir);
+  // `base_lr` comes back as saved (it keeps its value for a checkpoint from
+  // before the learning rate was saved).
   Status read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states, std::int64_t& step,
-                         detail::LossScaler::State& scaler);
+                         detail::LossScaler::State& scaler, double& base_lr);
 
   // --- the step (optimizer_pass.cpp)
   Status zero_stale_grads();
@@ -132,6 +141,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::map<void*, std::chrono::steady_clock::time_point> live_since_;
   std::unique_ptr<cpu_adam::CpuOptimizer> cpu_opt_;
   detail::LossScaler scaler_;
+  // The optimizer's learning rate before any schedule: the config's, or what
+  // set_learning_rate() set. options_.config.optimizer.lr is the one the
+  // current step uses (the schedule's value at this step).
+  double base_lr_;
 
   std::vector<double> grad_sum_squares_;       // per block, of the accumulated shard (loss-scaled)
   std::vector<bool> grad_non_finite_;

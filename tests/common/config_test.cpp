@@ -225,8 +225,14 @@ TEST(Config, CpuOffloadWithFp16DynamicScalingAndSchedulerLoads) {
   EXPECT_EQ(c.placement, PlacementMode::kDeepSpeed);
   EXPECT_TRUE(c.all_nvme_paths().empty());
   EXPECT_TRUE(check_paths(c).ok());
+  EXPECT_EQ(c.scheduler.type, SchedulerType::kWarmupDecayLR);
+  EXPECT_DOUBLE_EQ(c.scheduler.warmup_min_lr, 0.0);
+  EXPECT_DOUBLE_EQ(c.scheduler.warmup_max_lr, 1e-4);
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 1000);
+  EXPECT_EQ(c.scheduler.total_num_steps, 100000);
+  EXPECT_EQ(c.scheduler.warmup_type, WarmupType::kLog);
   // Ignored blocks are one entry each; nothing inside them is listed.
-  EXPECT_TRUE(contains(c.ignored_keys, "scheduler"));
+  EXPECT_FALSE(contains(c.ignored_keys, "scheduler")) << "the scheduler is read now";
   EXPECT_TRUE(contains(c.ignored_keys, "activation_checkpointing"));
   EXPECT_TRUE(contains(c.ignored_keys, "tensorboard"));
   EXPECT_TRUE(contains(c.ignored_keys, "fp16.auto_cast"));
@@ -260,6 +266,57 @@ TEST(Config, HfTrainerAutoValuesKeepTierzeroDefaults) {
   EXPECT_EQ(c.placement, PlacementMode::kDeepSpeed);
   EXPECT_TRUE(contains(c.ignored_keys, "zero_optimization.reduce_bucket_size"));
   EXPECT_TRUE(contains(c.ignored_keys, "zero_optimization.stage3_gather_16bit_weights_on_model_save"));
+  // The scheduler template: min "auto" is 0, max "auto" the optimizer's lr,
+  // and the step count is left for the engine to refuse (nothing fills it in).
+  EXPECT_EQ(c.scheduler.type, SchedulerType::kWarmupLR);
+  EXPECT_DOUBLE_EQ(c.scheduler.warmup_min_lr, 0.0);
+  EXPECT_TRUE(c.scheduler.warmup_max_lr_auto);
+  EXPECT_EQ(c.scheduler.unresolved_auto, std::vector<std::string>{"warmup_num_steps"});
+}
+
+TEST(Config, SchedulerBlocksReadTheirTypesParameters) {
+  Config cosine = parse_ok(R"({"scheduler": {"params": {"total_num_steps": 5e4, "warmup_num_steps": 100,
+      "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01, "warmup_type": "linear", "last_batch_iteration": -1},
+      "type": "WarmupCosineLR"}})");
+  EXPECT_EQ(cosine.scheduler.type, SchedulerType::kWarmupCosineLR) << "type may follow params";
+  EXPECT_EQ(cosine.scheduler.total_num_steps, 50000);
+  EXPECT_EQ(cosine.scheduler.warmup_num_steps, 100);
+  EXPECT_DOUBLE_EQ(cosine.scheduler.warmup_min_ratio, 0.1);
+  EXPECT_DOUBLE_EQ(cosine.scheduler.cos_min_ratio, 0.01);
+  EXPECT_EQ(cosine.scheduler.warmup_type, WarmupType::kLinear);
+  EXPECT_TRUE(contains(cosine.ignored_keys, "scheduler.params.last_batch_iteration"));
+  Config warmup = parse_ok(R"({"scheduler": {"type": "WarmupLR"}})");
+  EXPECT_EQ(warmup.scheduler.type, SchedulerType::kWarmupLR);
+  EXPECT_DOUBLE_EQ(warmup.scheduler.warmup_max_lr, 0.001) << "DeepSpeed's default";
+  EXPECT_EQ(warmup.scheduler.warmup_num_steps, 1000);
+  EXPECT_EQ(parse_ok("{}").scheduler.type, SchedulerType::kNone);
+  EXPECT_EQ(parse_ok(R"({"scheduler": null})").scheduler.type, SchedulerType::kNone);
+}
+
+TEST(Config, SchedulerMistakesNameTheKeyAndWhatIsAllowed) {
+  expect_invalid(R"({"scheduler": {"params": {"warmup_num_steps": 10}}})",
+                 {"scheduler.type", "missing", "\"WarmupLR\"", "\"WarmupCosineLR\""});
+  expect_invalid(R"({"scheduler": {"type": "OneCycle"}})",
+                 {"scheduler.type", "\"OneCycle\"", "\"WarmupLR\"", "\"WarmupDecayLR\"", "\"WarmupCosineLR\""});
+  expect_invalid(R"({"scheduler": {"type": "WarmupLR", "params": {"cos_min_ratio": 0.1}}})",
+                 {"scheduler.params.cos_min_ratio", "not a parameter of WarmupLR", "warmup_max_lr"});
+  expect_invalid(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_max_lr": 0.1, "total_num_steps": 9}}})",
+                 {"scheduler.params.warmup_max_lr", "not a parameter of WarmupCosineLR", "cos_min_ratio"});
+  expect_invalid(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}})",
+                 {"scheduler.params.total_num_steps", "missing", "WarmupDecayLR"});
+  expect_invalid(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 100, "total_num_steps": 100}}})",
+                 {"scheduler.params.total_num_steps", "100 leaves no steps after the warm-up (100 steps)"});
+  expect_invalid(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.001}}})",
+                 {"scheduler.params.warmup_max_lr", "0.001 is below warmup_min_lr = 0.01"});
+  expect_invalid(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}})",
+                 {"scheduler.params.warmup_type", "\"log\"", "\"linear\""});
+  expect_invalid(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "cos_min_ratio": 1.5}}})",
+                 {"scheduler.params.cos_min_ratio", "1.5", "[0, 1]"});
+  expect_invalid(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1}}})",
+                 {"scheduler.params.warmup_num_steps", "-1", ">= 0"});
+  expect_invalid(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_stepz": 10}}})",
+                 {"scheduler.params.warmup_num_stepz", "did you mean 'warmup_num_steps'?"});
+  expect_invalid(R"({"scheduler": "WarmupLR"})", {"scheduler", "an object"});
 }
 
 TEST(Config, TierzeroBlockWithStripedNvmePathsAndByteStrings) {

@@ -52,8 +52,7 @@ std::vector<BadStep> bad_steps() {
        "algorithm = 7 is not one of"},
       {"NaN lr", [](Hyper& h, StepArgs&, Spans&) { h.lr = kNan; }, "lr = nan is not a number"},
       {"negative lr", [](Hyper& h, StepArgs&, Spans&) { h.lr = -1e-3; },
-       "lr = -0.001 is out of range: must be finite and > 0"},
-      {"zero lr", [](Hyper& h, StepArgs&, Spans&) { h.lr = 0; }, "lr = 0 is out of range"},
+       "lr = -0.001 is out of range: must be finite and >= 0"},
       {"infinite lr", [](Hyper& h, StepArgs&, Spans&) { h.lr = kInf; }, "lr = inf is out of range"},
       {"lr beyond fp32", [](Hyper& h, StepArgs&, Spans&) { h.lr = 1e300; }, "out of fp32 range (lr = 1e+300"},
       {"grad_scale below fp32", [](Hyper&, StepArgs& a, Spans&) { a.grad_scale = 1e-50; },
@@ -108,6 +107,27 @@ TEST(CpuAdamValidate, BadStepInputIsRefusedByNameAndNothingIsWritten) {
     EXPECT_NE(status.message().find(bad.expect), std::string::npos) << bad.what << ": " << status.message();
     EXPECT_NE(status.message().find("cpu_adam"), std::string::npos) << bad.what << ": " << status.message();
     EXPECT_TRUE(snapshot(p) == before) << bad.what << ": a buffer was written";
+  }
+}
+
+// lr = 0 is a step (a schedule's first warm-up or last decay step, as torch
+// allows it): the moments move, the parameters do not.
+TEST(CpuAdamValidate, AZeroLearningRateMovesTheMomentsButNotTheParameters) {
+  const auto opt = make_optimizer(tz::cpu_adam::best_supported(), 2, 64);
+  for (Algorithm algorithm : {Algorithm::kAdam, Algorithm::kAdamW, Algorithm::kAdagrad, Algorithm::kLion}) {
+    StepSetup setup;
+    setup.hyper = random_hyper(algorithm, false, 0.01);
+    setup.hyper.lr = 0;
+    setup.copy = DType::kBf16;
+    setup.n = 1000;
+    StepProblem p(setup);
+    p.fresh_grads();
+    Buffer& moment = algorithm == Algorithm::kAdagrad ? p.exp_avg_sq : p.exp_avg;  // Adagrad's sum of squares
+    const auto param = p.param.snapshot(), moment_before = moment.snapshot();
+    const tz::Status status = opt->step(setup.hyper, StepArgs{.step = 3}, p.spans());
+    ASSERT_TRUE(status.ok()) << status.to_string();
+    EXPECT_TRUE(p.param.snapshot() == param) << static_cast<int>(algorithm);
+    EXPECT_FALSE(moment.snapshot() == moment_before) << static_cast<int>(algorithm) << ": the moment did not move";
   }
 }
 

@@ -66,6 +66,36 @@ TEST(Checkpoint, ResumeUnderAnotherPlacementIsBitIdenticalToAnUninterruptedRun) 
   EXPECT_EQ(masters(*b), uninterrupted) << "resume must continue bit for bit";
 }
 
+// A rate set by the caller (a schedule of its own) comes back with the
+// checkpoint; a manifest whose rate is not a rate is refused as corrupt.
+TEST(Checkpoint, TheCallersLearningRateIsSavedAndAnImpossibleOneIsRefused) {
+  TempDir nvme, ckpt;
+  auto a = make(nvme.path(), kCpu);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(a->set_learning_rate(3.5e-4).ok());
+  ASSERT_TRUE(train(*a, 0, 2).ok());
+  ASSERT_TRUE(a->save_checkpoint(ckpt.path()).ok());
+  auto b = make(nvme.path(), kCpu);
+  ASSERT_TRUE(b);
+  ASSERT_NE(b->learning_rate(), 3.5e-4);
+  ASSERT_TRUE(b->load_checkpoint(ckpt.path()).ok());
+  EXPECT_EQ(b->learning_rate(), 3.5e-4);
+
+  std::string name;
+  std::ifstream(ckpt.path() + "/latest") >> name;
+  const std::string manifest = ckpt.path() + "/" + name + "/rank-0.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
+  ASSERT_EQ(m["lr"].get<double>(), 3.5e-4);
+  m["lr"] = -1.0;
+  std::ofstream(manifest, std::ios::trunc) << m.dump(1);
+  auto c = make(nvme.path(), kCpu);
+  ASSERT_TRUE(c);
+  const tz::Status refused = c->load_checkpoint(ckpt.path());
+  EXPECT_EQ(refused.code(), tz::ErrorCode::kDataCorruption) << refused.to_string();
+  EXPECT_NE(refused.message().find("learning rate -1 is not finite and > 0"), std::string::npos) << refused.message();
+  EXPECT_EQ(c->optimizer_steps(), 0) << "nothing replaced";
+}
+
 TEST(Checkpoint, RollingBackInTheSameEngineDropsPrefetchedParameters) {
   TempDir nvme, ckpt;
   auto a = make(nvme.path(), kNvme);

@@ -106,6 +106,30 @@ def test_reduce_grads_stream_is_for_cuda_engines(nvme_dir):
     assert eng.step()["grad_norm"] == pytest.approx(np.sqrt(4 * 8), rel=1e-6)
 
 
+def test_learning_rate_set_by_hand_or_by_the_configs_scheduler(nvme_dir):
+    eng, _ = make(nvme_dir, lr=0.1, weight_decay=0.0)
+    assert eng.learning_rate == 0.1
+    eng.set_learning_rate(0.05)
+    eng.reduce_grads(1, [torch.ones(4, 8)])
+    assert eng.step()["lr"] == 0.05 and eng.learning_rate == 0.05
+    with pytest.raises(ValueError, match=r"learning rate = -1 must be finite and > 0"):
+        eng.set_learning_rate(-1)
+    cfg = host_config(nvme_dir, lr=0.1)
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.02,
+                                                       "warmup_num_steps": 4, "warmup_type": "linear"}}
+    sched = tierzero.Engine(cfg, BLOCKS)
+    seen = []
+    for _ in range(6):
+        sched.reduce_grads(1, [torch.ones(4, 8)])
+        seen.append(sched.step()["lr"])
+    assert seen == pytest.approx([0.01, 0.0125, 0.015, 0.0175, 0.02, 0.02], rel=1e-12)
+    with pytest.raises(ValueError, match=r"the config's scheduler \(WarmupLR\) sets the learning rate"):
+        sched.set_learning_rate(0.1)
+    cfg["scheduler"]["params"]["warmup_num_steps"] = "auto"
+    with pytest.raises(ValueError, match=r'scheduler.params.warmup_num_steps = "auto"'):
+        tierzero.Engine(cfg, BLOCKS)
+
+
 def test_bad_config_and_init_are_refused_with_the_engine_message(nvme_dir):
     with pytest.raises(ValueError, match="zero_optimisation"):
         tierzero.Engine({"zero_optimisation": {}}, BLOCKS)

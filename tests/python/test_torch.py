@@ -3,6 +3,7 @@
 import copy
 import gc
 import math
+import warnings
 import weakref
 
 import pytest
@@ -195,6 +196,108 @@ def test_checkpoint_resume_is_bit_for_bit(nvme_dir, tmp_path):
     run(other, batches[3:])
     got = other.master_state_dict()
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def _mlp_batches(seed, n):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(n)]
+
+
+def _adamw_like(config, params):
+    hp = config["optimizer"]["params"]
+    return torch.optim.AdamW(params, lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                             weight_decay=hp["weight_decay"])
+
+
+def test_a_torch_scheduler_on_the_returned_optimizer_trains_like_plain_pytorch(nvme_dir):
+    # Warm-up then cosine, as a LambdaLR factor; stepped after each optimizer step on both sides.
+    def factor(t):
+        return (t + 1) / 3 if t < 3 else 0.5 * (1 + math.cos(math.pi * min(1.0, (t - 3) / 4)))
+
+    torch.manual_seed(0)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    config = host_config(nvme_dir, gas=2, lr=1e-2)
+    engine, optimizer = tzt.initialize(model, config)
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    opt = _adamw_like(config, ref.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when a scheduler steps before its optimizer has
+        sched, ref_sched = (torch.optim.lr_scheduler.LambdaLR(o, factor) for o in (optimizer, opt))
+        used = []
+        for i, (x, y) in enumerate(_mlp_batches(4, 14)):
+            engine.backward(F.mse_loss(engine(x), y))
+            report = engine.step()
+            if report["stepped"]:
+                used.append(report["lr"])
+                sched.step()
+            (F.mse_loss(ref(x), y) / 2).backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+                ref_sched.step()
+    err = largest_error(engine, ref)
+    print(f"LambdaLR (warm-up + cosine) on the returned optimizer, 7 steps: largest error {err:.3g}")
+    assert err <= TOL
+    assert used == pytest.approx([1e-2 * factor(t) for t in range(7)], rel=1e-12)
+    assert engine.get_lr() == [optimizer.param_groups[0]["lr"]] == pytest.approx([1e-2 * factor(7)], rel=1e-12)
+
+
+def test_the_configs_scheduler_trains_like_plain_pytorch_with_the_same_schedule(nvme_dir, tmp_path):
+    # WarmupDecayLR, linear warm-up over 2 steps to 1e-2, then down to 0 at step 6 (tierzero/common/config.h).
+    def lr_at(t):
+        return 1e-2 * (t / 2 if t < 2 else max(0.0, (6 - t) / 4))
+
+    torch.manual_seed(0)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    config = host_config(nvme_dir, lr=3e-4)  # WarmupDecayLR sets the rate itself, as in DeepSpeed
+    config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
+                                                               "warmup_num_steps": 2, "total_num_steps": 6,
+                                                               "warmup_type": "linear"}}
+    engine, optimizer = tzt.initialize(model, config)
+    assert optimizer.param_groups[0]["lr"] == 0.0 == lr_at(0)
+    opt = _adamw_like(config, ref.parameters())
+    for t, (x, y) in enumerate(_mlp_batches(5, 5)):
+        engine.backward(F.mse_loss(engine(x), y))
+        assert engine.step()["lr"] == pytest.approx(lr_at(t), rel=1e-12, abs=1e-15)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(t + 1), rel=1e-12, abs=1e-15)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(t)
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if t == 2:
+            engine.save_checkpoint(tmp_path / "ckpt")
+    err = largest_error(engine, ref)
+    print(f"config WarmupDecayLR, 5 steps: largest error {err:.3g}")
+    assert err <= TOL
+    # The schedule follows the optimizer step count, so a checkpoint resumes it.
+    other, other_opt = tzt.initialize(mlp(), config)
+    other.load_checkpoint(tmp_path / "ckpt")
+    assert other.get_lr() == [pytest.approx(lr_at(3), rel=1e-12)]
+    # A rate of one's own beside the config's scheduler cannot take effect: refused, naming both.
+    optimizer.param_groups[0]["lr"] = 1e-3
+    with pytest.raises(ValueError, match=r"set_learning_rate\(0.001\): the config's scheduler \(WarmupDecayLR\)"):
+        engine.step()
+
+
+def test_only_the_learning_rate_of_the_returned_optimizer_can_change(nvme_dir, tmp_path):
+    engine, optimizer = tzt.initialize(mlp(), host_config(nvme_dir, lr=1e-2))
+    optimizer.param_groups[0]["lr"] = 5e-3
+    engine.backward(engine(torch.randn(2, 16)).sum())
+    assert engine.step()["lr"] == 5e-3 and engine.get_lr() == [5e-3]
+    engine.save_checkpoint(tmp_path / "ckpt")  # the rate is saved with it (a torch scheduler's resumes)
+    other, other_opt = tzt.initialize(mlp(), host_config(nvme_dir, lr=1e-2))
+    other.load_checkpoint(tmp_path / "ckpt")
+    assert other_opt.param_groups[0]["lr"] == 5e-3 and other.get_lr() == [5e-3]
+    optimizer.param_groups[0]["weight_decay"] = 0.5
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['weight_decay'\] changed from 0.01 to 0.5; only 'lr'"):
+        engine.step()
+    with pytest.raises(ValueError, match="one group"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match=r"lr_scheduler= is not taken; use the config's \"scheduler\" block"):
+        tzt.initialize(mlp(), host_config(nvme_dir), lr_scheduler=lambda opt: None)
 
 
 def test_eval_and_detach_module_give_the_trained_model(nvme_dir):

@@ -113,6 +113,11 @@ tz::Expected<tz::Config> load_train_config(Flags& f) {
     TZ_ASSIGN_OR_RETURN(f.config_path, default_config_path());
   }
   TZ_ASSIGN_OR_RETURN(tz::Config config, tz::load_config(f.config_path));
+  if (f.warmup_steps > 0 && config.scheduler.type != tz::SchedulerType::kNone) {
+    return tz::invalid_argument("--warmup-steps {} and the scheduler block of {} ({}) both set the learning rate; "
+                                "use one of them", f.warmup_steps, f.config_path,
+                                tz::scheduler_name(config.scheduler.type));
+  }
   TZ_ASSIGN_OR_RETURN(config.backend, choose_backend(f, config));
   if (f.gpu_bytes == "auto") config.tiers.gpu = tz::ByteBudget::automatic();
   if (!f.gpu_bytes.empty() && f.gpu_bytes != "auto") {
@@ -390,7 +395,7 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--eval-batches", f.eval_batches, "validation batches per evaluation")->capture_default_str()
       ->check(CLI::Range(1, 100000));
   app.add_option("--warmup-steps", f.warmup_steps, "raise the learning rate linearly to the config's over the first N "
-                 "steps (0: none)")->capture_default_str()->check(CLI::NonNegativeNumber);
+                 "steps (0: none); the config's scheduler block is the other way, not both")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--log-every", f.log_every, "progress line every N steps")->capture_default_str();
   app.add_option("--data-seed", f.data_seed, "seed of the batch sampler")->capture_default_str();
   app.add_option("--init-seed", f.init_seed, "seed of the initial weights")->capture_default_str();

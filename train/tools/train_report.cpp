@@ -65,10 +65,10 @@ void print_progress(const StepRecord& r, std::int64_t last_step, double flops_pe
   const double done = last_step > 0 ? static_cast<double>(r.step + 1) / static_cast<double>(last_step) : 1.0;
   const int filled = std::clamp(static_cast<int>(done * kBar), 0, kBar);
   const double tok_s = static_cast<double>(r.tokens) / r.seconds;
-  std::printf("step %5lld/%lld [%s%s] loss %.4f | %6.0f tok/s | %.4f TFLOPS | %.2f s (fwd+bwd %.2f, optim %.2f) | "
-              "NVMe r %s w %s | waits nvme %.2f h2d %.2f gather %.2f s\n",
+  std::printf("step %5lld/%lld [%s%s] loss %.4f | lr %.3g | %6.0f tok/s | %.4f TFLOPS | %.2f s (fwd+bwd %.2f, "
+              "optim %.2f) | NVMe r %s w %s | waits nvme %.2f h2d %.2f gather %.2f s\n",
               static_cast<long long>(r.step + 1), static_cast<long long>(last_step), std::string(filled, '#').c_str(),
-              std::string(kBar - filled, '.').c_str(), r.loss, tok_s, tok_s * flops_per_token / 1e12, r.seconds,
+              std::string(kBar - filled, '.').c_str(), r.loss, r.report.lr, tok_s, tok_s * flops_per_token / 1e12, r.seconds,
               r.compute_seconds, r.report.optimizer_seconds,
               format_bytes_si(static_cast<double>(r.nvme_read_bytes)).c_str(),
               format_bytes_si(static_cast<double>(r.nvme_write_bytes)).c_str(), r.wait_nvme_seconds,
@@ -137,7 +137,7 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                   {"optimizer_seconds", r.report.optimizer_seconds}, {"tokens", r.tokens},
                   {"tokens_per_second", static_cast<double>(r.tokens) / r.seconds},
                   {"tflops", static_cast<double>(r.tokens) / r.seconds * info.flops_per_token / 1e12},
-                  {"grad_norm", r.report.grad_norm}, {"nvme_read_bytes", r.nvme_read_bytes},
+                  {"grad_norm", r.report.grad_norm}, {"lr", r.report.lr}, {"nvme_read_bytes", r.nvme_read_bytes},
                   {"nvme_write_bytes", r.nvme_write_bytes}, {"h2d_bytes", r.h2d_bytes}, {"gather_bytes", r.gather_bytes},
                   {"wait_nvme_seconds", r.wait_nvme_seconds}, {"wait_h2d_seconds", r.wait_h2d_seconds},
                   {"wait_gather_seconds", r.wait_gather_seconds}, {"peak_gpu_bytes", r.report.peak_gpu_bytes},

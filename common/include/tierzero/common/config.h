@@ -4,7 +4,7 @@
 // offload_param, offload_optimizer, sub_group_size, stage3_* ...) and its `aio`
 // block mean what they mean in DeepSpeed, and so do the training keys we use
 // (train_micro_batch_size_per_gpu, gradient_accumulation_steps,
-// gradient_clipping, fp16, bf16, optimizer). tierzero's own settings live in a
+// gradient_clipping, fp16, bf16, optimizer, scheduler). tierzero's own settings live in a
 // top-level `tierzero` block:
 //
 //   "tierzero": {
@@ -22,7 +22,7 @@
 //   }
 //
 // Rules (docs/configuration.md lists every key):
-// - DeepSpeed keys that tierzero has no use for (scheduler, logging, profilers,
+// - DeepSpeed keys that tierzero has no use for (logging, profilers,
 //   overlap_comm, ...) are accepted and returned in Config::ignored_keys; the
 //   loader logs them once as a single warning.
 // - A key nobody knows is an InvalidArgument error naming its dotted path and
@@ -117,6 +117,45 @@ struct OptimizerConfig {
   bool present = false;                  // the block was present
 };
 
+// The `scheduler` block: DeepSpeed's learning-rate schedules, stepped once
+// per optimizer step (a step skipped for fp16 overflow does not count).
+// With `t` the optimizer steps already taken and W = max(2, warmup_num_steps):
+//   warm-up gamma(t) = log(t + 1) / log(W)  ("log", the default)
+//                    = t / W                ("linear")
+//   WarmupLR        lr = min_lr + (max_lr - min_lr) * (t < W ? gamma(t) : 1)
+//   WarmupDecayLR   the same, then (t >= W) the factor is
+//                   max(0, (total - t) / max(1, total - W))
+//   WarmupCosineLR  lr = optimizer lr * ratio, with ratio
+//                   min_ratio + (1 - min_ratio) * gamma(t) while t < W, then
+//                   max(0, cos_min + (1 - cos_min) * (1 + cos(pi * (t - W + 1) / (total - W))) / 2)
+// WarmupLR and WarmupDecayLR set the learning rate themselves (warmup_max_lr,
+// as in DeepSpeed: the optimizer block's lr is not used); WarmupCosineLR
+// scales the optimizer's.
+enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+enum class WarmupType { kLog, kLinear };
+std::string_view scheduler_name(SchedulerType type);  // "none" | "WarmupLR" | ...
+
+struct SchedulerConfig {
+  SchedulerType type = SchedulerType::kNone;
+  double warmup_min_lr = 0.0;            // WarmupLR, WarmupDecayLR
+  double warmup_max_lr = 0.001;          //   "auto": the optimizer block's lr
+  bool warmup_max_lr_auto = false;
+  std::int64_t warmup_num_steps = 1000;
+  WarmupType warmup_type = WarmupType::kLog;
+  std::int64_t total_num_steps = 0;      // WarmupDecayLR, WarmupCosineLR (required there)
+  double warmup_min_ratio = 0.0;         // WarmupCosineLR
+  double cos_min_ratio = 0.0001;
+  std::vector<std::string> params_given; // the params keys the file set (checked against the type)
+  // Step counts given as "auto" (a Hugging Face Trainer template, which the
+  // Trainer fills in): the config loads (the estimator reads such files), the
+  // engine refuses to train with them, naming them.
+  std::vector<std::string> unresolved_auto;
+};
+
+// The learning rate of the optimizer step taken after `steps_taken` steps,
+// for a schedule whose optimizer block says `optimizer_lr`. kNone: optimizer_lr.
+double scheduled_lr(const SchedulerConfig& scheduler, double optimizer_lr, std::int64_t steps_taken);
+
 struct PrecisionConfig {
   bool fp16 = false;
   bool bf16 = false;
@@ -145,6 +184,7 @@ struct Config {
   double gradient_clipping = 0.0;        // 0 = off
   PrecisionConfig precision;
   OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
   ZeroConfig zero;
   AioConfig aio;
   TierConfig tiers;

@@ -145,6 +145,7 @@ struct StepReport {
   std::int64_t step = 0;           // optimizer steps taken so far
   double grad_norm = 0;            // global, unscaled, before clipping
   double clip_coef = 1;
+  double lr = 0;                   // the learning rate the optimizer step used (0: no step ran)
   double loss_scale = 1;           // the scale for the next micro-batch
   double optimizer_seconds = 0;
   std::uint64_t nvme_read_bytes = 0;   // this step, this rank
@@ -180,9 +181,13 @@ class ZeroEngine {
   virtual double loss_scale() const = 0;
   // Optimizer steps taken (restored by load_checkpoint).
   virtual std::int64_t optimizer_steps() const = 0;
-  // The learning rate for the next steps (schedules: warmup, decay); must be
-  // finite and > 0 (InvalidArgument naming it otherwise).
+  // The learning rate for the next steps (a warm-up or decay of your own);
+  // must be finite and > 0 (InvalidArgument naming it otherwise). With a
+  // `scheduler` block in the config the schedule sets it, and this is refused.
   virtual Status set_learning_rate(double lr) = 0;
+  // The learning rate the next optimizer step will use (the config's
+  // scheduler at optimizer_steps(), or the optimizer's lr).
+  virtual double learning_rate() const = 0;
   virtual const ModelLayout& layout() const = 0;
   virtual const Plan& plan() const = 0;
   virtual ElemType param_type() const = 0;
