@@ -259,9 +259,11 @@ tz::Status make_core(EngineCore& core, const tz::Config& config, const BlockList
 // stream first waits for the work queued so far on the stream the caller
 // names (`stream=`, an int as DLPack passes them: a cudaStream_t, 1 the
 // legacy default, 2 the per-thread default), the legacy default stream when
-// it names none (where torch and CuPy run unless told otherwise). -1 says the
-// caller has synchronised already. No host blocking until the copies'
-// own end.
+// it names none (where torch and CuPy run unless told otherwise). 0 is taken
+// as the legacy default stream too: DLPack calls it ambiguous, but it is what
+// torch's `cuda_stream` and CuPy's `.ptr` give for the default stream (torch's
+// from_dlpack reads it the same way). -1 says the caller has synchronised
+// already. No host blocking until the copies' own end.
 std::optional<void*> producer_stream(const EngineCore& core, std::optional<std::int64_t> stream) {
   if (stream && *stream == -1) return std::nullopt;
   if (core.dl_device_type != kDLCUDA) {
@@ -271,11 +273,11 @@ std::optional<void*> producer_stream(const EngineCore& core, std::optional<std::
     }
     return std::nullopt;
   }
-  if (!stream) return nullptr;  // the legacy default stream
-  if (*stream == 0 || *stream < -1) {
+  if (!stream || *stream == 0) return nullptr;  // the legacy default stream
+  if (*stream < -1) {
     raise_status(tz::invalid_argument(
-        "Engine.reduce_grads(): stream={} is not a CUDA stream (pass a cudaStream_t as an int, 1 for the legacy "
-        "default stream, 2 for the per-thread one, -1 when the gradients are ready)", *stream));
+        "Engine.reduce_grads(): stream={} is not a CUDA stream (pass a cudaStream_t as an int, 0 or 1 for the "
+        "legacy default stream, 2 for the per-thread one, -1 when the gradients are ready)", *stream));
   }
   return reinterpret_cast<void*>(static_cast<std::intptr_t>(*stream));
 }
@@ -293,7 +295,11 @@ tz::Status reduce_from(EngineCore& core, std::size_t block, const std::vector<st
   // round trip through the backend's copy thread (tens of microseconds per
   // parameter, most of the per-module cost of tierzero.torch on small modules).
   const bool host = core.device->kind() == tz::BackendKind::kHost;
-  if (producer && !host) TZ_TRY(core.device->stream_wait_native(*core.copy_stream, *producer));
+  if (producer && !host) {
+    TZ_TRY_CTX(core.device->stream_wait_native(*core.copy_stream, *producer),
+               "Engine.reduce_grads(): waiting for stream={:#x} (the gradients' producer) on {}",
+               reinterpret_cast<std::uintptr_t>(*producer), core.device->name());
+  }
   for (std::size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i]) continue;
     const std::size_t n = b.params[i].numel * bytes;
@@ -357,6 +363,11 @@ class PyEngine {
   void call(Fn&& fn) {
     locked(*core_, std::forward<Fn>(fn));
   }
+  // A value read under the engine mutex (GIL released while waiting for it).
+  template <typename Fn>
+  auto read(Fn&& fn) {
+    return locked(*core_, [&] { return tz::Expected<decltype(fn(*core_->engine))>(fn(*core_->engine)); });
+  }
   tz::ZeroEngine& engine() { return *core_->engine; }
   const EngineCore& core() const { return *core_; }
 
@@ -395,7 +406,7 @@ void bind_engine(nb::module_& m) {
            nb::arg("stream") = nb::none(),
            "Copies each parameter's gradient (the grad dtype, on the engine's device, C-contiguous, the parameter's "
            "numel; None: zeros) into the engine's gradient buffer and queues the reduce-scatter. On CUDA the copies "
-           "wait for the work queued on `stream` (an int as DLPack passes streams: a cudaStream_t, 1 the legacy "
+           "wait for the work queued on `stream` (an int as DLPack passes streams: a cudaStream_t, 0 or 1 the legacy "
            "default stream, 2 the per-thread one, -1 none), by default the legacy default stream.")
       .def("step", &PyEngine::step, "Ends a micro-batch; at the accumulation boundary runs the optimizer. A dict.")
       .def("save_checkpoint", [](PyEngine& e, const std::string& d) { e.call([&] { return e.engine().save_checkpoint(d); }); },
@@ -413,13 +424,16 @@ void bind_engine(nb::module_& m) {
            nb::arg("path"))
       .def("describe", [](PyEngine& e) { return e.engine().describe(); })
       .def("layout", [](PyEngine& e) { return layout_list(e.engine().layout()); })
-      .def_prop_ro("loss_scale", [](PyEngine& e) { return e.engine().loss_scale(); })
-      .def_prop_ro("learning_rate", [](PyEngine& e) { return e.engine().learning_rate(); },
+      // Read under the engine mutex: step() may be running on another thread.
+      .def_prop_ro("loss_scale",
+                   [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.loss_scale(); }); })
+      .def_prop_ro("learning_rate",
+                   [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.learning_rate(); }); },
                    "The learning rate the next optimizer step will use (the config's scheduler, or the optimizer's).")
       .def("set_learning_rate", [](PyEngine& e, double lr) { e.call([&] { return e.engine().set_learning_rate(lr); }); },
            nb::arg("lr"),
-           "Sets the optimizer's learning rate for the next steps (finite, > 0); refused when the config has a "
-           "scheduler block.")
+           "Sets the optimizer's learning rate for the next steps (finite, >= 0); refused when the config has a "
+           "scheduler block. Checkpoints carry it once set.")
       .def_prop_ro("param_dtype", [](PyEngine& e) { return dtype_name(dtype_of(e.engine().param_type())); })
       .def_prop_ro("grad_dtype", [](PyEngine& e) { return dtype_name(dtype_of(e.engine().grad_type())); })
       .def_prop_ro("device", [](PyEngine& e) { return describe_device(e.core().dl_device_type, e.core().dl_device_id); })

@@ -71,8 +71,8 @@ class Engine:
         On CUDA the copies wait for the work queued so far on `stream`, the
         stream that wrote the gradients, given as DLPack gives streams: an int
         (`torch.cuda.current_stream().cuda_stream`, `cupy.cuda.get_current_stream().ptr`;
-        1 the legacy default stream, 2 the per-thread one, -1 when the caller
-        has synchronised). Unset: the legacy default stream, where torch and
+        0 or 1 the legacy default stream, 2 the per-thread one, -1 when the
+        caller has synchronised). Unset: the legacy default stream, where torch and
         CuPy work unless told otherwise. The call returns when the copies are
         done, so the arrays may be reused or freed at once.
         """
@@ -84,7 +84,8 @@ class Engine:
         return self._core.step()
 
     def set_learning_rate(self, lr: float) -> None:
-        """The optimizer's learning rate for the next steps; refused (ValueError) when the config has a scheduler."""
+        """The optimizer's learning rate for the next steps (>= 0; checkpoints carry it once set); refused
+        (ValueError) when the config has a scheduler."""
         self._core.set_learning_rate(float(lr))
 
     # --- state

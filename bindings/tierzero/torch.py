@@ -335,8 +335,12 @@ class TorchEngine:
     def _flush(self, b: _Block) -> None:
         grads = [None if g is None else g.detach().contiguous() for g in b.grads]
         if self._cuda:
-            torch.cuda.current_stream().synchronize()  # the engine copies on its own stream
-        self._core.reduce_grads(b.index, grads)
+            # The engine copies on its own stream; the release below also needs this
+            # block's kernels done, so synchronise here and tell reduce_grads not to wait.
+            torch.cuda.current_stream().synchronize()
+            self._core.reduce_grads(b.index, grads, stream=-1)
+        else:
+            self._core.reduce_grads(b.index, grads)
         b.grads = [None] * len(b.params)
         b.arrived = 0
         if b.backward_held:

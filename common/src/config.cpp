@@ -781,21 +781,23 @@ Status check_scheduler(const ParseState& st) {
     allowed.insert(allowed.end(), {"warmup_min_lr", "warmup_max_lr"});
     if (s.type == SchedulerType::kWarmupDecayLR) allowed.push_back("total_num_steps");
   }
-  for (const std::string& given : s.params_given) {
-    if (std::find(allowed.begin(), allowed.end(), given) == allowed.end()) {
-      return key_error(st, "scheduler.params." + given,
+  for (const std::string& key : s.params_given) {
+    if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
+      return key_error(st, "scheduler.params." + key,
                        fmt::format("not a parameter of {} (its parameters: {})", scheduler_name(s.type),
                                    fmt::join(allowed, ", ")));
     }
   }
   const std::int64_t warmup = std::max<std::int64_t>(2, s.warmup_num_steps);
-  if (s.type == SchedulerType::kWarmupLR) {
-    if (!s.warmup_max_lr_auto && s.warmup_max_lr < s.warmup_min_lr) {
-      return key_error(st, "scheduler.params.warmup_max_lr",
-                       fmt::format("{} is below warmup_min_lr = {}", s.warmup_max_lr, s.warmup_min_lr));
-    }
-    return ok_status();
+  auto given = [&s](std::string_view key) {
+    return std::find(s.params_given.begin(), s.params_given.end(), key) != s.params_given.end();
+  };
+  if (s.type != SchedulerType::kWarmupCosineLR && !s.warmup_max_lr_auto && s.warmup_max_lr < s.warmup_min_lr) {
+    return key_error(st, "scheduler.params.warmup_max_lr",
+                     fmt::format("{}{} is below warmup_min_lr = {}", s.warmup_max_lr,
+                                 given("warmup_max_lr") ? "" : " (the default)", s.warmup_min_lr));
   }
+  if (s.type == SchedulerType::kWarmupLR) return ok_status();
   auto unresolved = [&s](std::string_view key) {
     return std::find(s.unresolved_auto.begin(), s.unresolved_auto.end(), key) != s.unresolved_auto.end();
   };
@@ -803,10 +805,6 @@ Status check_scheduler(const ParseState& st) {
   if (s.total_num_steps == 0) {
     return key_error(st, "scheduler.params.total_num_steps",
                      fmt::format("missing; {} needs the number of optimizer steps it spans", scheduler_name(s.type)));
-  }
-  if (s.type == SchedulerType::kWarmupDecayLR && !s.warmup_max_lr_auto && s.warmup_max_lr < s.warmup_min_lr) {
-    return key_error(st, "scheduler.params.warmup_max_lr",
-                     fmt::format("{} is below warmup_min_lr = {}", s.warmup_max_lr, s.warmup_min_lr));
   }
   if (s.total_num_steps <= warmup) {
     return key_error(st, "scheduler.params.total_num_steps",

@@ -116,9 +116,9 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   const nlohmann::json manifest = {{"format", "tierzero-checkpoint-rank"}, {"version", kFormatVersion},
                                    {"rank", rank}, {"world_size", comm_->size()}, {"step", step_},
                                    {"optimizer", options_.config.optimizer.type},
-                                   // set_learning_rate()'s, so a schedule of the caller's resumes
-                                   // (the config's scheduler derives its rate from `step`)
-                                   {"lr", base_lr_},
+                                   // set_learning_rate()'s (null when never set), so a schedule of
+                                   // the caller's resumes; the config's derives its rate from `step`
+                                   {"lr", lr_set_by_caller_ ? nlohmann::json(base_lr_) : nlohmann::json()},
                                    {"loss_scaler", {{"scale", ls.scale}, {"hysteresis_left", ls.hysteresis_left},
                                                     {"good_steps", ls.good_steps}}},
                                    {"file", fs::path(bin).filename().string()}, {"bytes", offset},
@@ -226,9 +226,15 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
   }
   const nlohmann::json& ls = m["loss_scaler"];
   step = m.value("step", std::int64_t{0});
-  base_lr = m.value("lr", base_lr);
-  if (!(base_lr > 0) || !std::isfinite(base_lr)) {
-    return data_corruption("checkpoint {}: learning rate {} is not finite and > 0", dir, base_lr);
+  if (m.contains("lr") && !m["lr"].is_null()) {
+    if (!m["lr"].is_number()) return data_corruption("checkpoint {}: learning rate {} is not a number", dir, m["lr"].dump());
+    const double lr = m["lr"].get<double>();
+    if (!(lr >= 0) || !std::isfinite(lr)) {
+      return data_corruption("checkpoint {}: learning rate {} is not finite and >= 0", dir, lr);
+    }
+    base_lr = lr;
+  } else {
+    base_lr = -1;  // none saved: the config's stands
   }
   scaler = {ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})};
   return ok_status();
@@ -257,7 +263,14 @@ Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
   prefetcher_->reset();
   Status loaded = [&]() -> Status {
     step_ = step;
-    base_lr_ = base_lr;
+    if (base_lr >= 0) {
+      if (base_lr != base_lr_) {
+        TZ_LOG_INFO("engine", "learning rate {} from the checkpoint (set_learning_rate before it was saved), not {}",
+                    base_lr, base_lr_);
+      }
+      base_lr_ = base_lr;
+      lr_set_by_caller_ = true;
+    }
     scaler_.restore(scaler);
     for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
       const std::vector<float>& master = states[b * 3];

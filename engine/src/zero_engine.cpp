@@ -590,6 +590,12 @@ Expected<std::unique_ptr<ZeroEngine>> ZeroEngine::create(const ZeroOptions& opti
                             "Face Trainer fills these in; tierzero has nothing to fill them from)",
                             options.config.source, fmt::join(sched.unresolved_auto, ", scheduler.params."));
   }
+  if (sched.warmup_max_lr_auto && sched.type != SchedulerType::kWarmupCosineLR &&
+      options.config.optimizer.lr < sched.warmup_min_lr) {
+    return invalid_argument("{}: scheduler.params.warmup_max_lr = \"auto\" is the optimizer's lr, {}, which is below "
+                            "warmup_min_lr = {}", options.config.source, options.config.optimizer.lr,
+                            sched.warmup_min_lr);
+  }
   auto engine = std::make_unique<ZeroEngineImpl>(options);
   TZ_TRY(engine->init(model, init));
   return std::unique_ptr<ZeroEngine>(std::move(engine));

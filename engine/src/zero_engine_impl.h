@@ -36,13 +36,15 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   double loss_scale() const override { return scaler_.scale(); }
   std::int64_t optimizer_steps() const override { return step_; }
   Status set_learning_rate(double lr) override {
-    if (!(lr > 0) || !std::isfinite(lr)) return invalid_argument("learning rate = {} must be finite and > 0", lr);
+    // 0 is a rate (a torch warm-up starts there, an annealing ends there).
+    if (!(lr >= 0) || !std::isfinite(lr)) return invalid_argument("learning rate = {} must be finite and >= 0", lr);
     const SchedulerConfig& sched = options_.config.scheduler;
     if (sched.type != SchedulerType::kNone) {
       return invalid_argument("set_learning_rate({}): the config's scheduler ({}) sets the learning rate at every "
                               "step; remove the scheduler block to set it yourself", lr, scheduler_name(sched.type));
     }
     base_lr_ = lr;
+    lr_set_by_caller_ = true;
     return ok_status();
   }
   double learning_rate() const override { return scheduled_lr(options_.config.scheduler, base_lr_, step_); }
@@ -99,8 +101,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // Every rank passes its own result; all return an error if any rank failed.
   Status agree(const Status& mine, std::string_view what);
   Status write_rank_files(const std::string& dir);
-  // `base_lr` comes back as saved (it keeps its value for a checkpoint from
-  // before the learning rate was saved).
+  // `base_lr` comes back as saved by set_learning_rate(), or -1 when the
+  // checkpoint holds none (the config's rate then stands).
   Status read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states, std::int64_t& step,
                          detail::LossScaler::State& scaler, double& base_lr);
 
@@ -145,6 +147,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // set_learning_rate() set. options_.config.optimizer.lr is the one the
   // current step uses (the schedule's value at this step).
   double base_lr_;
+  // set_learning_rate() was called (here, or before the loaded checkpoint was
+  // saved): only then does a checkpoint carry the rate, so a config's new lr
+  // applies when resuming a run that never set one.
+  bool lr_set_by_caller_ = false;
 
   std::vector<double> grad_sum_squares_;       // per block, of the accumulated shard (loss-scaled)
   std::vector<bool> grad_non_finite_;

@@ -308,6 +308,8 @@ TEST(Config, SchedulerMistakesNameTheKeyAndWhatIsAllowed) {
                  {"scheduler.params.total_num_steps", "100 leaves no steps after the warm-up (100 steps)"});
   expect_invalid(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.001}}})",
                  {"scheduler.params.warmup_max_lr", "0.001 is below warmup_min_lr = 0.01"});
+  expect_invalid(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.01, "total_num_steps": 9}}})",
+                 {"scheduler.params.warmup_max_lr", "0.001 (the default) is below warmup_min_lr = 0.01"});
   expect_invalid(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}})",
                  {"scheduler.params.warmup_type", "\"log\"", "\"linear\""});
   expect_invalid(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "cos_min_ratio": 1.5}}})",

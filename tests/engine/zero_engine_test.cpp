@@ -169,6 +169,7 @@ TEST(ZeroEngine, TheLearningRateCanChangeBetweenSteps) {
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
   EXPECT_EQ((*engine)->set_learning_rate(-1).code(), tz::ErrorCode::kInvalidArgument);
   EXPECT_EQ((*engine)->set_learning_rate(NAN).code(), tz::ErrorCode::kInvalidArgument);
+  EXPECT_TRUE((*engine)->set_learning_rate(0).ok()) << "0 is a rate (a warm-up's start)";
   tz::mlp::Reference ref(kMlp, config, 1);
   for (int step = 0; step < 3; ++step) {
     const double lr = 1e-3 * (step + 1) / 3;  // a warmup

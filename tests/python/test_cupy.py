@@ -68,7 +68,7 @@ def _adamw_first_step(p, g):
     return p * (1 - LR * WD) - LR * g / (np.abs(g) + 1e-8)
 
 
-@pytest.mark.parametrize("stream", ["legacy default", "own stream"])
+@pytest.mark.parametrize("stream", ["legacy default", "default by .ptr", "own stream"])
 def test_gradients_written_by_cupy_are_taken_after_its_stream(cp, stream):
     eng, init = make(2)
     rng = np.random.default_rng(3)
@@ -81,8 +81,12 @@ def test_gradients_written_by_cupy_are_taken_after_its_stream(cp, stream):
             eng.reduce_grads(b, gs, stream=s.ptr)   # no synchronisation by the caller
     else:
         grads = [_slow_then(cp, h) for h in host]   # CuPy's default: the legacy default stream
+        ptr = cp.cuda.get_current_stream().ptr      # 0 for it, which reduce_grads reads as that stream
         for b, gs in enumerate(grads):
-            eng.reduce_grads(b, gs)
+            if stream == "default by .ptr":
+                eng.reduce_grads(b, gs, stream=ptr)
+            else:
+                eng.reduce_grads(b, gs)
     report = eng.step()
     norm = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for h in host for g in h))
     assert report["grad_norm"] == pytest.approx(norm, rel=1e-5)
@@ -102,8 +106,8 @@ def test_wrong_cupy_arrays_are_refused_naming_the_argument(cp):
         eng.reduce_grads(1, [cp.ones(100, cp.float32)])
     with pytest.raises(TypeError, match=r"argument 'grads\[0\] \(layer1.w\)' must be on cuda:0; it is on cpu"):
         eng.reduce_grads(1, [np.ones((32, 64), np.float32)])
-    with pytest.raises(ValueError, match=r"stream=0 is not a CUDA stream"):
-        eng.reduce_grads(1, [cp.ones((32, 64), cp.float32)], stream=0)
+    with pytest.raises(ValueError, match=r"stream=-5 is not a CUDA stream"):
+        eng.reduce_grads(1, [cp.ones((32, 64), cp.float32)], stream=-5)
     opt = _core.CpuOptimizer(threads=1)
     hyper = _core.Hyper(algorithm=_core.Algorithm.AdamW, lr=1e-3)
     p, m, v = (np.zeros(64, np.float32) for _ in range(3))

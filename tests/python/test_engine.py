@@ -112,7 +112,7 @@ def test_learning_rate_set_by_hand_or_by_the_configs_scheduler(nvme_dir):
     eng.set_learning_rate(0.05)
     eng.reduce_grads(1, [torch.ones(4, 8)])
     assert eng.step()["lr"] == 0.05 and eng.learning_rate == 0.05
-    with pytest.raises(ValueError, match=r"learning rate = -1 must be finite and > 0"):
+    with pytest.raises(ValueError, match=r"learning rate = -1 must be finite and >= 0"):
         eng.set_learning_rate(-1)
     cfg = host_config(nvme_dir, lr=0.1)
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.02,

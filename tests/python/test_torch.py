@@ -210,9 +210,10 @@ def _adamw_like(config, params):
 
 
 def test_a_torch_scheduler_on_the_returned_optimizer_trains_like_plain_pytorch(nvme_dir):
-    # Warm-up then cosine, as a LambdaLR factor; stepped after each optimizer step on both sides.
+    # Warm-up from 0 then cosine, as a LambdaLR factor (HF's get_cosine_schedule_with_warmup shape);
+    # stepped after each optimizer step on both sides.
     def factor(t):
-        return (t + 1) / 3 if t < 3 else 0.5 * (1 + math.cos(math.pi * min(1.0, (t - 3) / 4)))
+        return t / 3 if t < 3 else 0.5 * (1 + math.cos(math.pi * min(1.0, (t - 3) / 4)))
 
     torch.manual_seed(0)
     model = mlp()

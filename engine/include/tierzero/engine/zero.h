@@ -182,8 +182,9 @@ class ZeroEngine {
   // Optimizer steps taken (restored by load_checkpoint).
   virtual std::int64_t optimizer_steps() const = 0;
   // The learning rate for the next steps (a warm-up or decay of your own);
-  // must be finite and > 0 (InvalidArgument naming it otherwise). With a
+  // must be finite and >= 0 (InvalidArgument naming it otherwise). With a
   // `scheduler` block in the config the schedule sets it, and this is refused.
+  // Once set, checkpoints carry it (load_checkpoint restores it).
   virtual Status set_learning_rate(double lr) = 0;
   // The learning rate the next optimizer step will use (the config's
   // scheduler at optimizer_steps(), or the optimizer's lr).
