@@ -16,6 +16,10 @@ and the overhead per module is (tierzero - torch) / modules. Widths are tiny
 so the math is negligible and the figure is the per-module cost of the hooks
 and the engine calls. --profile prints where the Python time goes.
 
+It also times the engine calls alone, from Python: Engine.fetch on demand
+(no step has run, so nothing was prefetched: the latency a fetch has when
+prefetching cannot help) and Engine.reduce_grads of one block.
+
     python3 bench/python/hook_bench.py --modules 200 --width 16 --json hooks.json
 """
 
@@ -47,6 +51,26 @@ def config(modules: int) -> dict:
             "tierzero": {"backend": "host", "placement": "auto"}}
 
 
+def engine_calls(modules: int, width: int, rounds: int = 10) -> dict:
+    """Median microseconds of tierzero.Engine.fetch (on demand) and reduce_grads, over `rounds` x `modules` calls."""
+    eng = tierzero.Engine(config(modules), [(f"l{i}", [("w", (width, width)), ("b", (width,))])
+                                            for i in range(modules)])
+    grads = [torch.ones(width, width), torch.ones(width)]
+
+    def per_call(fn) -> float:
+        samples = []
+        for _ in range(rounds):
+            s = time.perf_counter()
+            for i in range(modules):
+                fn(i)
+            samples.append((time.perf_counter() - s) / modules)
+        return statistics.median(samples) * 1e6
+
+    fetch = per_call(lambda i: eng.fetch(i))
+    reduce = per_call(lambda i: eng.reduce_grads(i, grads))
+    return {"fetch_us": fetch, "reduce_us": reduce, "calls": rounds * modules}
+
+
 def median_ms(fn, warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         fn()
@@ -64,11 +88,14 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: no BLAS thread wake-ups in the tiny products, which only add noise)")
     ap.add_argument("--profile", action="store_true", help="profile the tierzero forward+backward")
     ap.add_argument("--json")
     args = ap.parse_args()
     tierzero.set_log_level("warn")
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.width)
 
@@ -87,28 +114,40 @@ def main() -> None:
         tz_fwd_bwd()
         engine.step()
 
-    t_torch = median_ms(torch_step, args.warmup, args.repeats)
     t_tz = median_ms(tz_step, args.warmup, args.repeats)  # with step: the engine's micro-batch boundary
-    # forward+backward alone: step() must follow every micro-batch, so time the two parts of each.
-    fb, st = [], []
+    for _ in range(args.warmup):
+        torch_step()
+    # Rounds alternate plain torch and tierzero (forward+backward, then step, timed apart: step() must
+    # follow every micro-batch), so the machine's drift hits both alike; the overhead is the median of
+    # the rounds' differences.
+    tt, fb, st = [], [], []
     for _ in range(args.repeats):
         s = time.perf_counter()
+        torch_step()
+        a = time.perf_counter()
         tz_fwd_bwd()
         m = time.perf_counter()
         engine.step()
         e = time.perf_counter()
-        fb.append(m - s)
+        tt.append(a - s)
+        fb.append(m - a)
         st.append(e - m)
-    t_fb, t_st = statistics.median(fb) * 1e3, statistics.median(st) * 1e3
-    per_module_us = (t_fb - t_torch) / args.modules * 1e3
+    t_torch, t_fb, t_st = (statistics.median(v) * 1e3 for v in (tt, fb, st))
+    diffs = sorted((f - t) / args.modules * 1e6 for f, t in zip(fb, tt))
+    per_module_us = statistics.median(diffs)
+    quartiles = (diffs[len(diffs) // 4], diffs[(3 * len(diffs)) // 4])
     print(f"{args.modules} x Linear({args.width}, {args.width}) + tanh, batch {args.batch}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; median of {args.repeats}")
+          f"{torch.get_num_threads()} threads; median of {args.repeats} alternating rounds")
     print(f"{'':<34}{'ms':>9}{'us/module':>11}")
     print(f"{'torch forward+backward':<34}{t_torch:>9.2f}{t_torch / args.modules * 1e3:>11.1f}")
     print(f"{'tierzero forward+backward':<34}{t_fb:>9.2f}{t_fb / args.modules * 1e3:>11.1f}")
     print(f"{'tierzero engine.step()':<34}{t_st:>9.2f}{t_st / args.modules * 1e3:>11.1f}")
     print(f"{'tierzero whole micro-batch':<34}{t_tz:>9.2f}{t_tz / args.modules * 1e3:>11.1f}")
-    print(f"overhead of tierzero.torch per module (forward+backward): {per_module_us:.1f} us")
+    print(f"overhead of tierzero.torch per module (forward+backward): {per_module_us:.1f} us "
+          f"(quartiles of the rounds {quartiles[0]:.1f} .. {quartiles[1]:.1f})")
+    calls = engine_calls(args.modules, args.width)
+    print(f"engine calls alone: fetch on demand {calls['fetch_us']:.1f} us, reduce_grads {calls['reduce_us']:.1f} us "
+          f"(median over {calls['calls']} calls)")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
@@ -120,7 +159,10 @@ def main() -> None:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"modules": args.modules, "width": args.width, "batch": args.batch, "torch_ms": t_torch,
                        "tierzero_fwd_bwd_ms": t_fb, "tierzero_step_ms": t_st, "tierzero_micro_batch_ms": t_tz,
-                       "overhead_us_per_module": per_module_us, "torch": torch.__version__}, f, indent=2)
+                       "overhead_us_per_module": per_module_us, "overhead_quartiles_us": quartiles,
+                       "threads": torch.get_num_threads(), "repeats": args.repeats, "torch": torch.__version__,
+                       "engine_calls": calls},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,12 @@ Status Prefetcher::start_copy(const std::shared_ptr<Entry>& e, const void* src) 
   void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
   Device& d = *deps_.device;
   TZ_TRY(d.copy_async(slot, src, bytes, *h2d_stream_));
-  TZ_TRY(d.launch_host_func(*h2d_stream_, [e] { e->t_h2d_done = Clock::now(); }));
+  // The copy's end, for the timeline and the stage waits: stamped in stream
+  // order on CUDA. On the Host backend a host function would cost a thread
+  // hand-off per block; gather() stamps it when it sees the event done.
+  if (d.kind() == BackendKind::kCuda) {
+    TZ_TRY(d.launch_host_func(*h2d_stream_, [e] { e->t_h2d_done = Clock::now(); }));
+  }
   if (!e->h2d_done) {
     TZ_ASSIGN_OR_RETURN(e->h2d_done, d.create_event());
   }
@@ -99,12 +104,33 @@ std::shared_ptr<Prefetcher::Entry> Prefetcher::issue(std::size_t block, void* wh
 // the one after it, so gradient reduce-scatters posted in between are not
 // stuck behind gathers of blocks whose NVMe reads are still far off. The
 // gather starts once this rank's shard has landed.
+//
+// Note [Single-rank gathers inline]
+// With one rank the "gather" is the shard itself (the all-gather copies
+// nothing) and there is no collective order to keep with peers. When the
+// shard has already landed (the copy was issued and its event is done: small
+// blocks on the Host backend, blocks the GPU copied while compute ran), the
+// gather is finished on the calling thread instead of through the comm
+// thread: two thread hand-offs less per fetch, most of tierzero.torch's
+// per-module cost on small modules. A shard still on its way goes through
+// the comm thread as before, so the training thread never waits here for a
+// block it has not asked for yet.
 void Prefetcher::post_gather(const std::shared_ptr<Entry>& e) {
   if (e->gather_posted) return;
-  const std::string& name = deps_.layout->blocks[e->block].name;
-  const std::size_t bytes = deps_.param16->shard_bytes(e->block);
   e->gather_posted = true;
-  deps_.comm_thread->post([this, e, name, bytes]() -> Status {
+  if (deps_.comm->size() == 1 && deps_.comm_thread->error().ok()) {
+    bool landed = false;
+    {
+      std::lock_guard<std::mutex> lock(e->mu);
+      landed = e->copy_issued && e->error.ok();
+    }
+    Expected<bool> done = landed ? deps_.device->event_done(*e->h2d_done) : Expected<bool>(false);
+    if (done.ok() && *done) {
+      (void)gather(e);  // a failure is the entry's: wait_ready returns it
+      return;
+    }
+  }
+  deps_.comm_thread->post([this, e]() -> Status {
     // After a failed collective this rank takes part in no other: its peers
     // fail on the one it missed (timeout) instead of pairing it with the next.
     if (Status prior = deps_.comm_thread->error(); !prior.ok()) {
@@ -116,30 +142,39 @@ void Prefetcher::post_gather(const std::shared_ptr<Entry>& e) {
       e->cv.wait(lock, [&] { return e->copy_issued || !e->error.ok(); });
       if (!e->error.ok()) return e->error;  // skipped: the others time out on it, naming it
     }
-    Status s = deps_.device->synchronize_event(*e->h2d_done);
-    const BlockLayout& b = deps_.layout->blocks[e->block];
-    void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
-    const auto start = Clock::now();
-    if (s.ok()) {
-      s = deps_.comm->all_gather(slot, e->whole, b.shard_numel, data_type_of(deps_.param_type), deps_.comm_stream);
-    }
-    // NCCL only enqueues: the block is ready when the stream is done with it.
-    if (s.ok()) s = deps_.device->synchronize_stream(*deps_.comm_stream);
-    e->t_gather_done = Clock::now();
-    deps_.timeline->record(Track::kH2D, name, e->t_read_done, e->t_h2d_done);
-    deps_.timeline->record(Track::kComm, "all-gather " + name, start, e->t_gather_done);
-    if (!s.ok()) {
-      s = std::move(s).with_context(fmt::format("all-gathering {}", name));
-      e->fail(s);
-      return s;
-    }
-    {
-      std::lock_guard<std::mutex> lock(e->mu);
-      e->ready = true;
-    }
-    e->cv.notify_all();
-    return ok_status();
+    return gather(e);
   });
+}
+
+// The entry's shard has been copied (or is being): waits for it, all-gathers
+// the block and marks the entry ready (or failed).
+Status Prefetcher::gather(const std::shared_ptr<Entry>& e) {
+  const std::string& name = deps_.layout->blocks[e->block].name;
+  const std::size_t bytes = deps_.param16->shard_bytes(e->block);
+  Status s = deps_.device->synchronize_event(*e->h2d_done);
+  if (deps_.device->kind() != BackendKind::kCuda) e->t_h2d_done = Clock::now();  // see start_copy
+  const BlockLayout& b = deps_.layout->blocks[e->block];
+  void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
+  const auto start = Clock::now();
+  if (s.ok()) {
+    s = deps_.comm->all_gather(slot, e->whole, b.shard_numel, data_type_of(deps_.param_type), deps_.comm_stream);
+  }
+  // NCCL only enqueues: the block is ready when the stream is done with it.
+  if (s.ok()) s = deps_.device->synchronize_stream(*deps_.comm_stream);
+  e->t_gather_done = Clock::now();
+  deps_.timeline->record(Track::kH2D, name, e->t_read_done, e->t_h2d_done);
+  deps_.timeline->record(Track::kComm, "all-gather " + name, start, e->t_gather_done);
+  if (!s.ok()) {
+    s = std::move(s).with_context(fmt::format("all-gathering {}", name));
+    e->fail(s);
+    return s;
+  }
+  {
+    std::lock_guard<std::mutex> lock(e->mu);
+    e->ready = true;
+  }
+  e->cv.notify_all();
+  return ok_status();
 }
 
 Status Prefetcher::wait_ready(Entry& e, Clock::time_point start) {

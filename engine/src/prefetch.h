@@ -79,6 +79,7 @@ class Prefetcher {
   struct Entry;
   std::shared_ptr<Entry> issue(std::size_t block, void* whole, PoolBlock owned);
   void post_gather(const std::shared_ptr<Entry>& e);
+  Status gather(const std::shared_ptr<Entry>& e);
   Status start_copy(const std::shared_ptr<Entry>& e, const void* src);
   Status top_up();
   void drain();  // waits for every entry in flight and drops them

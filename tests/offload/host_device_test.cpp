@@ -100,6 +100,34 @@ TEST_F(HostDeviceTest, StreamWaitEventOrdersWorkAcrossStreams) {
   EXPECT_EQ(dst, src);
 }
 
+// Note [Idle streams run cheap work inline]: small copies, fills and event
+// records may run on the caller when the stream is idle, but never ahead of
+// work queued before them, whichever thread issued it.
+TEST_F(HostDeviceTest, SmallWorkBehindQueuedWorkWaitsItsTurn) {
+  std::vector<std::uint8_t> a(4096, 1), b(4096, 0);
+  auto done = event();
+  {
+    Gate gate(*device_, *stream_);
+    ASSERT_TRUE(device_->memset_async(a.data(), 7, a.size(), *stream_).ok());
+    std::thread other([&] { ASSERT_TRUE(device_->copy_async(b.data(), a.data(), a.size(), *stream_).ok()); });
+    other.join();
+    ASSERT_TRUE(device_->record_event(*done, *stream_).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_EQ(a[0], 1) << "the fill ran ahead of the gate";
+    EXPECT_EQ(b[0], 0) << "the copy ran ahead of the gate";
+    EXPECT_FALSE(*device_->event_done(*done));
+    gate.open();
+  }
+  ASSERT_TRUE(device_->synchronize_event(*done).ok());
+  EXPECT_EQ(a, std::vector<std::uint8_t>(4096, 7));
+  EXPECT_EQ(b, std::vector<std::uint8_t>(4096, 7)) << "the copy ran before the fill";
+  // Idle again: the same work is done by the time the calls return or by the next sync.
+  ASSERT_TRUE(device_->memset_async(a.data(), 9, a.size(), *stream_).ok());
+  ASSERT_TRUE(device_->copy_async(b.data(), a.data(), a.size(), *stream_).ok());
+  ASSERT_TRUE(device_->synchronize_stream(*stream_).ok());
+  EXPECT_EQ(b, std::vector<std::uint8_t>(4096, 9));
+}
+
 TEST_F(HostDeviceTest, UnrecordedEventIsComplete) {
   auto e = event();
   EXPECT_TRUE(*device_->event_done(*e));
