@@ -23,6 +23,13 @@ struct Prefetcher::Entry {
   Status error;                       // guarded by mu
   Clock::time_point t_issue, t_read_done, t_h2d_done, t_gather_done;
 
+  // The Host backend's copy end: the first to see it stamps it (Note in
+  // start_copy); guarded by mu until then.
+  void stamp_h2d_done() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (t_h2d_done == Clock::time_point{}) t_h2d_done = Clock::now();
+  }
+
   void fail(Status s) {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -48,16 +55,26 @@ Status Prefetcher::start_copy(const std::shared_ptr<Entry>& e, const void* src) 
   void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
   Device& d = *deps_.device;
   TZ_TRY(d.copy_async(slot, src, bytes, *h2d_stream_));
-  // The copy's end, for the timeline and the stage waits: stamped in stream
-  // order on CUDA. On the Host backend a host function would cost a thread
-  // hand-off per block; gather() stamps it when it sees the event done.
-  if (d.kind() == BackendKind::kCuda) {
-    TZ_TRY(d.launch_host_func(*h2d_stream_, [e] { e->t_h2d_done = Clock::now(); }));
-  }
+  // The copy's end, for the timeline and the stage waits. CUDA: a host
+  // function in stream order, before the event (so it is written when the
+  // event is seen done). Host backend: a small copy on an idle stream has run
+  // by now (the event is done at once: stamped here, no hand-off); a queued
+  // one is stamped by a host function after the event, or by gather() when
+  // it sees the event done, whichever comes first.
+  const bool cuda = d.kind() == BackendKind::kCuda;
+  if (cuda) TZ_TRY(d.launch_host_func(*h2d_stream_, [e] { e->t_h2d_done = Clock::now(); }));
   if (!e->h2d_done) {
     TZ_ASSIGN_OR_RETURN(e->h2d_done, d.create_event());
   }
   TZ_TRY(d.record_event(*e->h2d_done, *h2d_stream_));
+  if (!cuda) {
+    TZ_ASSIGN_OR_RETURN(bool landed, d.event_done(*e->h2d_done));
+    if (landed) {
+      e->stamp_h2d_done();
+    } else {
+      TZ_TRY(d.launch_host_func(*h2d_stream_, [e] { e->stamp_h2d_done(); }));
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(e->mu);
     e->copy_issued = true;
@@ -126,7 +143,9 @@ void Prefetcher::post_gather(const std::shared_ptr<Entry>& e) {
     }
     Expected<bool> done = landed ? deps_.device->event_done(*e->h2d_done) : Expected<bool>(false);
     if (done.ok() && *done) {
-      (void)gather(e);  // a failure is the entry's: wait_ready returns it
+      // A failure is the entry's (wait_ready returns it), and the comm
+      // thread's too, as on the queued path: later gradient work fails with it.
+      if (Status s = gather(e); !s.ok()) deps_.comm_thread->post([s] { return s; });
       return;
     }
   }
@@ -152,7 +171,7 @@ Status Prefetcher::gather(const std::shared_ptr<Entry>& e) {
   const std::string& name = deps_.layout->blocks[e->block].name;
   const std::size_t bytes = deps_.param16->shard_bytes(e->block);
   Status s = deps_.device->synchronize_event(*e->h2d_done);
-  if (deps_.device->kind() != BackendKind::kCuda) e->t_h2d_done = Clock::now();  // see start_copy
+  if (deps_.device->kind() != BackendKind::kCuda) e->stamp_h2d_done();  // see start_copy
   const BlockLayout& b = deps_.layout->blocks[e->block];
   void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
   const auto start = Clock::now();
@@ -160,7 +179,9 @@ Status Prefetcher::gather(const std::shared_ptr<Entry>& e) {
     s = deps_.comm->all_gather(slot, e->whole, b.shard_numel, data_type_of(deps_.param_type), deps_.comm_stream);
   }
   // NCCL only enqueues: the block is ready when the stream is done with it.
-  if (s.ok()) s = deps_.device->synchronize_stream(*deps_.comm_stream);
+  // One rank's gather enqueues nothing (the shard is the block), and waiting
+  // would hold the caller behind the gradient copies the comm thread queued.
+  if (s.ok() && deps_.comm->size() > 1) s = deps_.device->synchronize_stream(*deps_.comm_stream);
   e->t_gather_done = Clock::now();
   deps_.timeline->record(Track::kH2D, name, e->t_read_done, e->t_h2d_done);
   deps_.timeline->record(Track::kComm, "all-gather " + name, start, e->t_gather_done);

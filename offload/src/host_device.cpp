@@ -112,9 +112,9 @@ class HostStream final : public Stream {
     task();
     lock.lock();
     busy_ = false;
-    const bool more = !queue_.empty();  // issued by another thread meanwhile
+    const bool wake = !queue_.empty() || stopping_;  // issued by another thread meanwhile; or being destroyed
     lock.unlock();
-    if (more) cv_.notify_one();
+    if (wake) cv_.notify_one();
   }
 
  private:
