@@ -66,7 +66,7 @@ if [[ $parts == *" python "* ]]; then
     PYTHONPATH=/tmp/tz-site TIERZERO_NVME_BENCH=$bin/tierzero-nvme-bench run python_tests 400 python3 -m pytest -q -rs \
       -p no:cacheprovider "$root/tests/python"
     # The GPU tests again, with their printed figures.
-    PYTHONPATH=/tmp/tz-site run python_cuda_tests 200 python3 -m pytest -q -s -p no:cacheprovider -k "cuda or gpu" \
+    PYTHONPATH=/tmp/tz-site run python_cuda_tests 200 python3 -m pytest -q -s -p no:cacheprovider -k "cuda or gpu or cupy" \
       "$root/tests/python"
   else
     summary+=("python_tests: no wheel in .gpu/wheel")
