@@ -188,10 +188,14 @@ class EngineOptimizer(torch.optim.Optimizer):
             if group.get(k) != v:
                 raise ValueError(f"EngineOptimizer: param_groups[0]['{k}'] changed from {v!r} to {group.get(k)!r}; "
                                  "only 'lr' can change after initialize (the rest is the config's optimizer block)")
-        lr = group["lr"]
-        lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
-        if lr != self._engine()._core.learning_rate:
-            self._engine()._core.set_learning_rate(lr)
+        lr = self._group_lr()
+        core = self._engine()._core
+        if lr != core.learning_rate:
+            core.set_learning_rate(lr)
+
+    def _group_lr(self) -> float:
+        lr = self.param_groups[0]["lr"]
+        return float(lr.item() if isinstance(lr, torch.Tensor) else lr)  # torch allows a tensor lr
 
     def _show_lr(self) -> None:
         self.param_groups[0]["lr"] = self._engine()._core.learning_rate
@@ -411,8 +415,7 @@ class TorchEngine:
         """[the learning rate the next optimizer step will use], as DeepSpeed's engine.get_lr() gives it
         (optimizer.param_groups[0]["lr"]: a torch scheduler's new rate counts from the next step)."""
         if self.optimizer is not None:
-            lr = self.optimizer.param_groups[0]["lr"]
-            return [float(lr.item() if isinstance(lr, torch.Tensor) else lr)]
+            return [self.optimizer._group_lr()]
         return [self._core.learning_rate]
 
     def train(self, mode: bool = True) -> "TorchEngine":

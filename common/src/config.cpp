@@ -765,6 +765,11 @@ Status check_nvme_target(const ParseState& st, std::string_view block, OffloadDe
                    fmt::format("\"nvme\" needs zero_optimization.{}.nvme_path (or tierzero.tiers.nvme_paths)", block));
 }
 
+template <typename List>
+bool listed(const List& list, std::string_view item) {
+  return std::find(list.begin(), list.end(), item) != list.end();
+}
+
 // The scheduler block as a whole: a type, only that type's parameters, and
 // the steps it needs.
 Status check_scheduler(const ParseState& st) {
@@ -782,31 +787,26 @@ Status check_scheduler(const ParseState& st) {
     if (s.type == SchedulerType::kWarmupDecayLR) allowed.push_back("total_num_steps");
   }
   for (const std::string& key : s.params_given) {
-    if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
+    if (!listed(allowed, key)) {
       return key_error(st, "scheduler.params." + key,
                        fmt::format("not a parameter of {} (its parameters: {})", scheduler_name(s.type),
                                    fmt::join(allowed, ", ")));
     }
   }
-  const std::int64_t warmup = std::max<std::int64_t>(2, s.warmup_num_steps);
-  auto given = [&s](std::string_view key) {
-    return std::find(s.params_given.begin(), s.params_given.end(), key) != s.params_given.end();
-  };
   if (s.type != SchedulerType::kWarmupCosineLR && !s.warmup_max_lr_auto && s.warmup_max_lr < s.warmup_min_lr) {
     return key_error(st, "scheduler.params.warmup_max_lr",
                      fmt::format("{}{} is below warmup_min_lr = {}", s.warmup_max_lr,
-                                 given("warmup_max_lr") ? "" : " (the default)", s.warmup_min_lr));
+                                 listed(s.params_given, "warmup_max_lr") ? "" : " (the default)", s.warmup_min_lr));
   }
   if (s.type == SchedulerType::kWarmupLR) return ok_status();
-  auto unresolved = [&s](std::string_view key) {
-    return std::find(s.unresolved_auto.begin(), s.unresolved_auto.end(), key) != s.unresolved_auto.end();
-  };
-  if (unresolved("total_num_steps") || unresolved("warmup_num_steps")) return ok_status();  // the engine refuses
+  if (listed(s.unresolved_auto, "total_num_steps") || listed(s.unresolved_auto, "warmup_num_steps")) {
+    return ok_status();  // the engine refuses them
+  }
   if (s.total_num_steps == 0) {
     return key_error(st, "scheduler.params.total_num_steps",
                      fmt::format("missing; {} needs the number of optimizer steps it spans", scheduler_name(s.type)));
   }
-  if (s.total_num_steps <= warmup) {
+  if (const std::int64_t warmup = warmup_length(s); s.total_num_steps <= warmup) {
     return key_error(st, "scheduler.params.total_num_steps",
                      fmt::format("{} leaves no steps after the warm-up ({} steps{}); it must be larger",
                                  s.total_num_steps, warmup,

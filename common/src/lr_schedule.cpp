@@ -18,10 +18,12 @@ std::string_view scheduler_name(SchedulerType type) {
   return "?";
 }
 
+std::int64_t warmup_length(const SchedulerConfig& s) { return std::max<std::int64_t>(2, s.warmup_num_steps); }
+
 double scheduled_lr(const SchedulerConfig& s, double optimizer_lr, std::int64_t steps_taken) {
   if (s.type == SchedulerType::kNone) return optimizer_lr;
   const double t = static_cast<double>(std::max<std::int64_t>(0, steps_taken));
-  const double warmup = static_cast<double>(std::max<std::int64_t>(2, s.warmup_num_steps));
+  const double warmup = static_cast<double>(warmup_length(s));
   const bool warming = t < warmup;
   const double gamma = s.warmup_type == WarmupType::kLog ? std::log(t + 1) / std::log(warmup) : t / warmup;
   const double total = static_cast<double>(s.total_num_steps);

@@ -177,7 +177,8 @@ Status ZeroEngineImpl::save_checkpoint(const std::string& dir) {
 // Reads and verifies this rank's files; states[b * 3 + k] = master, exp_avg,
 // exp_avg_sq of block b (empty where the optimizer has no such state).
 Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states,
-                                       std::int64_t& step, detail::LossScaler::State& scaler, double& base_lr) {
+                                       std::int64_t& step, detail::LossScaler::State& scaler,
+                                       std::optional<double>& saved_lr) {
   const int rank = comm_->rank();
   TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(fmt::format("{}/rank-{}.json", dir, rank)));
   if (m.value("format", "") != "tierzero-checkpoint-rank" || m.value("version", 0) != kFormatVersion) {
@@ -232,9 +233,7 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
     if (!(lr >= 0) || !std::isfinite(lr)) {
       return data_corruption("checkpoint {}: learning rate {} is not finite and >= 0", dir, lr);
     }
-    base_lr = lr;
-  } else {
-    base_lr = -1;  // none saved: the config's stands
+    saved_lr = lr;
   }
   scaler = {ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})};
   return ok_status();
@@ -254,21 +253,21 @@ Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
   std::vector<std::vector<float>> states;
   std::int64_t step = 0;
   detail::LossScaler::State scaler{};
-  double base_lr = base_lr_;
+  std::optional<double> saved_lr;
   // Everything is read and verified on every rank before any state is replaced.
-  TZ_TRY(agree(read_rank_files(dir, states, step, scaler, base_lr),
+  TZ_TRY(agree(read_rank_files(dir, states, step, scaler, saved_lr),
                "loading checkpoint " + dir));
   // Prefetched blocks hold the old parameters, and their reads would race
   // the replacement: drop them first.
   prefetcher_->reset();
   Status loaded = [&]() -> Status {
     step_ = step;
-    if (base_lr >= 0) {
-      if (base_lr != base_lr_) {
+    if (saved_lr) {
+      if (*saved_lr != base_lr_) {
         TZ_LOG_INFO("engine", "learning rate {} from the checkpoint (set_learning_rate before it was saved), not {}",
-                    base_lr, base_lr_);
+                    *saved_lr, base_lr_);
       }
-      base_lr_ = base_lr;
+      base_lr_ = *saved_lr;
       lr_set_by_caller_ = true;
     }
     scaler_.restore(scaler);

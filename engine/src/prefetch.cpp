@@ -128,8 +128,9 @@ std::shared_ptr<Prefetcher::Entry> Prefetcher::issue(std::size_t block, void* wh
 // shard has already landed (the copy was issued and its event is done: small
 // blocks on the Host backend, blocks the GPU copied while compute ran), the
 // gather is finished on the calling thread instead of through the comm
-// thread: two thread hand-offs less per fetch, most of tierzero.torch's
-// per-module cost on small modules. A shard still on its way goes through
+// thread: two thread hand-offs less per fetch (a fetch on demand went from
+// ~80 to ~1.5 us on the Host backend, bench/RESULTS.md; in training the
+// prefetcher had mostly hidden them already). A shard still on its way goes through
 // the comm thread as before, so the training thread never waits here for a
 // block it has not asked for yet.
 void Prefetcher::post_gather(const std::shared_ptr<Entry>& e) {

@@ -101,10 +101,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // Every rank passes its own result; all return an error if any rank failed.
   Status agree(const Status& mine, std::string_view what);
   Status write_rank_files(const std::string& dir);
-  // `base_lr` comes back as saved by set_learning_rate(), or -1 when the
-  // checkpoint holds none (the config's rate then stands).
+  // `saved_lr`: the rate set_learning_rate() set before the save; none when
+  // it was never called (the config's rate then stands).
   Status read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states, std::int64_t& step,
-                         detail::LossScaler::State& scaler, double& base_lr);
+                         detail::LossScaler::State& scaler, std::optional<double>& saved_lr);
 
   // --- the step (optimizer_pass.cpp)
   Status zero_stale_grads();

@@ -117,6 +117,17 @@ class HostStream final : public Stream {
     if (wake) cv_.notify_one();
   }
 
+  // Work over `bytes` of memory: inline when small and the stream idle, else
+  // on the stream's thread.
+  template <typename Task>
+  void submit_bytes(std::size_t bytes, Task&& task) {
+    if (bytes <= kInlineBytes) {
+      run_or_enqueue(std::forward<Task>(task));
+    } else {
+      enqueue(std::forward<Task>(task));
+    }
+  }
+
  private:
   void run() {
     std::unique_lock lock(mu_);
@@ -187,21 +198,11 @@ class HostDevice final : public Device {
   Status unpin(void* h_ptr, std::size_t bytes) override { return unlock_host_pages(h_ptr, bytes); }
 
   Status copy_async(void* dst, const void* src, std::size_t bytes, Stream& stream) override {
-    auto copy = [dst, src, bytes] { std::memcpy(dst, src, bytes); };
-    if (bytes <= kInlineBytes) {
-      host(stream).run_or_enqueue(copy);
-    } else {
-      host(stream).enqueue(copy);
-    }
+    host(stream).submit_bytes(bytes, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
     return ok_status();
   }
   Status memset_async(void* d_ptr, int value, std::size_t bytes, Stream& stream) override {
-    auto fill = [d_ptr, value, bytes] { std::memset(d_ptr, value, bytes); };
-    if (bytes <= kInlineBytes) {
-      host(stream).run_or_enqueue(fill);
-    } else {
-      host(stream).enqueue(fill);
-    }
+    host(stream).submit_bytes(bytes, [d_ptr, value, bytes] { std::memset(d_ptr, value, bytes); });
     return ok_status();
   }
   Status launch_host_func(Stream& stream, std::function<void()> fn) override {

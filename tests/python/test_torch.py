@@ -74,13 +74,22 @@ class TinyGPT(torch.nn.Module):
         return self.head(self.ln_f(x))
 
 
+def _mlp_batches(seed, n):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(n)]
+
+
+def _adamw_like(config, params):
+    hp = config["optimizer"]["params"]
+    return torch.optim.AdamW(params, lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                             weight_decay=hp["weight_decay"])
+
+
 def train_both(model, config, batches, loss_fn, gas, clip):
     """Trains `model` through the engine and a copy with torch.optim.AdamW; returns (engine, reference, losses)."""
     ref = copy.deepcopy(model)
     engine, _ = tzt.initialize(model, config)
-    hp = config["optimizer"]["params"]
-    opt = torch.optim.AdamW(ref.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
-                            weight_decay=hp["weight_decay"])
+    opt = _adamw_like(config, ref.parameters())
     losses = []
     for i, (x, y) in enumerate(batches):
         loss = loss_fn(engine(x), y)
@@ -105,8 +114,7 @@ def largest_error(engine, ref):
 
 def test_mlp_on_nvme_matches_plain_pytorch(nvme_dir):
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(20)]
+    batches = _mlp_batches(1, 20)
     config = host_config(nvme_dir, gas=2, clip=1.0)
     engine, ref, losses = train_both(mlp(), config, batches, F.mse_loss, gas=2, clip=1.0)
     err = largest_error(engine, ref)
@@ -176,8 +184,7 @@ def test_gathered_blocks_are_released_between_forward_and_backward(nvme_dir):
 
 def test_checkpoint_resume_is_bit_for_bit(nvme_dir, tmp_path):
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(6)]
+    batches = _mlp_batches(3, 6)
 
     def run(engine, part):
         for x, y in part:
@@ -196,17 +203,6 @@ def test_checkpoint_resume_is_bit_for_bit(nvme_dir, tmp_path):
     run(other, batches[3:])
     got = other.master_state_dict()
     assert all(torch.equal(got[n], want[n]) for n in want)
-
-
-def _mlp_batches(seed, n):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(n)]
-
-
-def _adamw_like(config, params):
-    hp = config["optimizer"]["params"]
-    return torch.optim.AdamW(params, lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
-                             weight_decay=hp["weight_decay"])
 
 
 def test_a_torch_scheduler_on_the_returned_optimizer_trains_like_plain_pytorch(nvme_dir):
@@ -361,8 +357,9 @@ def test_huggingface_gpt2_trains(nvme_dir):
     gen = torch.Generator().manual_seed(4)
     batches = [(lambda t: (t, t))(torch.randint(0, 128, (2, 16), generator=gen)) for _ in range(4)]
     ref = copy.deepcopy(model)
-    engine, _ = tzt.initialize(model, host_config(nvme_dir, lr=1e-3))
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    config = host_config(nvme_dir, lr=1e-3)
+    engine, _ = tzt.initialize(model, config)
+    opt = _adamw_like(config, ref.parameters())
     for x, _ in batches:
         engine.backward(engine(input_ids=x, labels=x).loss)
         engine.step()

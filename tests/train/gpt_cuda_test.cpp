@@ -33,27 +33,13 @@ std::string no_cuda_reason() {
     }                                                               \
   } while (0)
 
-tz::train::TokenBatch random_tokens(std::mt19937_64& rng, int batch, int seq, int vocab) {
-  tz::train::TokenBatch b{batch, seq, std::vector<std::int32_t>(batch * seq), std::vector<std::int32_t>(batch * seq)};
-  for (auto& t : b.inputs) t = static_cast<std::int32_t>(rng() % vocab);
-  for (auto& t : b.targets) t = static_cast<std::int32_t>(rng() % vocab);
-  return b;
-}
-
 // GPT-2 initial weights, jittered so LayerNorm weights differ from 1 and biases from 0.
 std::vector<std::vector<float>> random_weights(std::mt19937_64& rng, const GptConfig& cfg,
                                                const tz::ModelLayout& layout) {
-  const tz::ParamInit init = tz::train::init(cfg);
-  std::vector<std::vector<float>> out;
-  for (std::size_t b = 0; b < layout.blocks.size(); ++b) {
-    const tz::BlockLayout& block = layout.blocks[b];
-    std::vector<float> flat(block.used_numel, 0.0F);
-    for (std::size_t p = 0; p < block.params.size(); ++p) {
-      init(b, p, flat.data() + block.params[p].offset, block.params[p].numel);
-    }
+  std::vector<std::vector<float>> out = initial_weights<float>(cfg, layout);
+  for (std::vector<float>& flat : out) {
     const std::vector<double> jitter = random_vector(rng, flat.size(), 0.05);
     for (std::size_t i = 0; i < flat.size(); ++i) flat[i] += static_cast<float>(jitter[i]);
-    out.push_back(std::move(flat));
   }
   return out;
 }
@@ -103,7 +89,7 @@ void expect_matches_cpu(const GptConfig& cfg, int batch_size, int seq, double lo
   const auto wf = random_weights(rng, cfg, layout);
   std::vector<std::vector<double>> wd;
   for (const auto& b : wf) wd.emplace_back(b.begin(), b.end());
-  const tz::train::TokenBatch batch = random_tokens(rng, batch_size, seq, cfg.vocab);
+  const tz::train::TokenBatch batch = random_batch(rng, batch_size, seq, cfg.vocab);
   std::vector<std::vector<double>> gd;
   std::vector<std::vector<float>> gf;
   for (const auto& b : wd) {
@@ -164,7 +150,7 @@ TEST(GptCuda, RefusesBadBlocksAndTokens) {
   const tz::ModelLayout layout = tz::ModelLayout::make(tz::train::model(cfg), 1, 0).value();
   std::mt19937_64 rng(1);
   auto w = random_weights(rng, cfg, layout);
-  tz::train::TokenBatch batch = random_tokens(rng, 1, 8, cfg.vocab);
+  tz::train::TokenBatch batch = random_batch(rng, 1, 8, cfg.vocab);
   batch.inputs[3] = 20;
   auto bad = tz::train::forward_backward_cuda(cfg, layout, w, batch, 1.0, nullptr);
   ASSERT_FALSE(bad.ok());

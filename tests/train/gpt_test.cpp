@@ -11,28 +11,6 @@ namespace {
 
 using tz::train::GptConfig;
 
-template <typename T>
-std::vector<std::vector<T>> initial_weights(const GptConfig& cfg, const tz::ModelLayout& layout) {
-  const tz::ParamInit init = tz::train::init(cfg);
-  std::vector<std::vector<T>> out;
-  for (std::size_t b = 0; b < layout.blocks.size(); ++b) {
-    const tz::BlockLayout& block = layout.blocks[b];
-    std::vector<float> flat(block.used_numel, 0.0F);
-    for (std::size_t p = 0; p < block.params.size(); ++p) {
-      init(b, p, flat.data() + block.params[p].offset, block.params[p].numel);
-    }
-    out.emplace_back(flat.begin(), flat.end());
-  }
-  return out;
-}
-
-tz::train::TokenBatch random_batch(std::mt19937_64& rng, int batch, int seq, int vocab) {
-  tz::train::TokenBatch b{batch, seq, std::vector<std::int32_t>(batch * seq), std::vector<std::int32_t>(batch * seq)};
-  for (auto& t : b.inputs) t = static_cast<std::int32_t>(rng() % vocab);
-  for (auto& t : b.targets) t = static_cast<std::int32_t>(rng() % vocab);
-  return b;
-}
-
 // Small enough to difference every block; init_std large and every weight
 // jittered so LayerNorm weights differ from 1, biases from 0, and no path is idle.
 constexpr GptConfig kTiny{.layers = 2, .hidden = 12, .heads = 3, .seq = 6, .batch = 2, .vocab = 10, .init_std = 0.3};

@@ -1,5 +1,6 @@
 // Helpers for the train tests: fresh random inputs, finite-difference
-// gradient checks, and comparing float results with double ones.
+// gradient checks, comparing float results with double ones, and the GPT's
+// initial weights and random token batches.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,6 +12,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include "tierzero/train.h"
 
 namespace tzt {
 
@@ -88,5 +91,29 @@ inline void report(const char* what, const FdResult& r) {
 // leaves room and still catches any wrong term (those are O(1)). Float against double: fp32 rounding over sums of a few hundred terms.
 inline constexpr double kFdTolerance = 1e-6;
 inline constexpr double kFloatTolerance = 1e-4;
+
+// The GPT's initial weights (tz::train::init), one flat vector per block.
+template <typename T>
+std::vector<std::vector<T>> initial_weights(const tz::train::GptConfig& cfg, const tz::ModelLayout& layout) {
+  const tz::ParamInit init = tz::train::init(cfg);
+  std::vector<std::vector<T>> out;
+  for (std::size_t b = 0; b < layout.blocks.size(); ++b) {
+    const tz::BlockLayout& block = layout.blocks[b];
+    std::vector<float> flat(block.used_numel, 0.0F);
+    for (std::size_t p = 0; p < block.params.size(); ++p) {
+      init(b, p, flat.data() + block.params[p].offset, block.params[p].numel);
+    }
+    out.emplace_back(flat.begin(), flat.end());
+  }
+  return out;
+}
+
+// Uniformly random input and target tokens.
+inline tz::train::TokenBatch random_batch(std::mt19937_64& rng, int batch, int seq, int vocab) {
+  tz::train::TokenBatch b{batch, seq, std::vector<std::int32_t>(batch * seq), std::vector<std::int32_t>(batch * seq)};
+  for (auto& t : b.inputs) t = static_cast<std::int32_t>(rng() % vocab);
+  for (auto& t : b.targets) t = static_cast<std::int32_t>(rng() % vocab);
+  return b;
+}
 
 }  // namespace tzt

@@ -152,6 +152,9 @@ struct SchedulerConfig {
   std::vector<std::string> unresolved_auto;
 };
 
+// W above: the warm-up length the schedule runs, max(2, warmup_num_steps).
+std::int64_t warmup_length(const SchedulerConfig& scheduler);
+
 // The learning rate of the optimizer step taken after `steps_taken` steps,
 // for a schedule whose optimizer block says `optimizer_lr`. kNone: optimizer_lr.
 double scheduled_lr(const SchedulerConfig& scheduler, double optimizer_lr, std::int64_t steps_taken);
