@@ -40,6 +40,10 @@ std::string wanted_dtypes(const ArraySpec& spec) {
 bool c_contiguous(const nb::ndarray<nb::ro>& a) {
   // DLPack allows strides == NULL for compact row-major tensors.
   if (a.stride_ptr() == nullptr) return true;
+  // No elements: no layout to get wrong (numpy gives such arrays stride 0, torch any).
+  for (std::size_t i = 0; i < a.ndim(); ++i) {
+    if (a.shape(i) == 0) return true;
+  }
   std::int64_t expected = 1;
   for (std::size_t i = a.ndim(); i-- > 0;) {
     if (a.shape(i) != 1 && a.stride(i) != expected) return false;
@@ -146,17 +150,26 @@ ArrayInfo check(const OutArray& a, const ArraySpec& spec, const char* where, con
   return check(InArray(a), spec, where, arg);
 }
 
+ArrayInfo check(const WritableArg& a, const ArraySpec& spec, const char* where, const std::string& arg,
+                OutArray* keep) {
+  OutArray array = as_array(a.given, where, arg);
+  const ArrayInfo info = check(array, spec, where, arg);
+  if (keep) *keep = std::move(array);
+  return info;
+}
+
 }  // namespace tzpy
 
 namespace tzpy {
 OutArray as_array(nb::handle obj, const char* where, const std::string& arg) {
   OutArray out;
-  if (!nb::try_cast(obj, out, /*convert=*/false)) {
-    PyErr_SetString(PyExc_TypeError,
-                    fmt::format("{}: argument '{}' must be a writable array (numpy, torch, anything with __dlpack__); "
-                                "got {}", where, arg, nb::inst_name(obj).c_str()).c_str());
-    throw nb::python_error();
+  if (nb::try_cast(obj, out, /*convert=*/false)) return out;
+  InArray read_only;
+  if (nb::try_cast(obj, read_only, /*convert=*/false)) {
+    refuse(PyExc_TypeError, fmt::format("{}: argument '{}' is read-only, and the call writes it; pass a writable "
+                                        "array", where, arg));
   }
-  return out;
+  refuse(PyExc_TypeError, fmt::format("{}: argument '{}' must be a writable array (numpy, torch, anything with "
+                                      "__dlpack__); got {}", where, arg, nb::inst_name(obj).c_str()));
 }
 }  // namespace tzpy

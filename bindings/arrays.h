@@ -37,6 +37,14 @@ namespace nb = nanobind;
 
 using InArray = nb::ndarray<nb::ro>;   // read by the call
 using OutArray = nb::ndarray<>;        // written by the call (must be writable)
+// The argument type of an array the call writes. Its caster takes any object,
+// so that a read-only array (or no array at all) reaches check(), which names
+// the argument and says what is wrong; as an OutArray argument nanobind would
+// refuse it with "incompatible function arguments". The stubs show it as
+// an OutArray.
+struct WritableArg {
+  nb::object given;
+};
 // Returned views of tierzero's memory: an object with __dlpack__ and
 // __dlpack_device__ (and the buffer protocol on CPU), so torch.from_dlpack,
 // numpy.from_dlpack, cupy.from_dlpack take it without a copy, whatever the
@@ -74,6 +82,10 @@ struct ArrayInfo {
 // `spec`. `where` is the call ("CpuOptimizer.step()").
 ArrayInfo check(const InArray& a, const ArraySpec& spec, const char* where, const std::string& arg);
 ArrayInfo check(const OutArray& a, const ArraySpec& spec, const char* where, const std::string& arg);
+// The same for an array the call writes: also TypeError when it is read-only.
+// `keep` receives the array (the caller keeps it while it uses the memory).
+ArrayInfo check(const WritableArg& a, const ArraySpec& spec, const char* where, const std::string& arg,
+                OutArray* keep = nullptr);
 
 // "cpu" / "cuda:1" / "device type 8".
 std::string describe_device(int device_type, int device_id);
@@ -81,7 +93,21 @@ std::string describe_device(int device_type, int device_id);
 }  // namespace tzpy
 
 namespace tzpy {
-// `obj` as an array (anything DLPack or buffer-protocol, never copied), or
-// TypeError naming `where` and `arg`.
+// `obj` as a writable array (anything DLPack or buffer-protocol, never
+// copied), or TypeError naming `where` and `arg`, and saying whether it is
+// read-only or not an array at all.
 OutArray as_array(nb::handle obj, const char* where, const std::string& arg);
 }  // namespace tzpy
+
+namespace nanobind::detail {
+template <>
+struct type_caster<tzpy::WritableArg> {
+  NB_TYPE_CASTER(tzpy::WritableArg, type_caster<tzpy::OutArray>::Name)
+  bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
+    if (src.is_none()) return false;  // std::optional<WritableArg> takes None itself
+    value.given = borrow(src);
+    return true;
+  }
+  static handle from_cpp(const tzpy::WritableArg& v, rv_policy, cleanup_list*) noexcept { return v.given.inc_ref(); }
+};
+}  // namespace nanobind::detail

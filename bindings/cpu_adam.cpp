@@ -33,7 +33,7 @@ const ArraySpec kMoment{{DType::kFloat32, DType::kBFloat16}};
 const ArraySpec kHalf{{DType::kBFloat16, DType::kFloat16}};
 
 // One state array: checked, and its element count matched against the param's.
-void* state(const std::optional<OutArray>& a, const ArraySpec& spec, const char* arg, std::size_t n,
+void* state(const std::optional<WritableArg>& a, const ArraySpec& spec, const char* arg, std::size_t n,
             DType* dtype = nullptr) {
   if (!a) return nullptr;
   const ArrayInfo info = check(*a, spec, "CpuOptimizer.step()", arg);
@@ -58,9 +58,10 @@ class PyCpuOptimizer {
     opt_ = value_or_raise(std::move(opt));
   }
 
-  void step(const ca::Hyper& hyper, std::int64_t step, double grad_scale, const OutArray& param, const InArray& grad,
-            const std::optional<OutArray>& exp_avg, const std::optional<OutArray>& exp_avg_sq,
-            const std::optional<OutArray>& max_exp_avg_sq, const std::optional<OutArray>& param16) {
+  void step(const ca::Hyper& hyper, std::int64_t step, double grad_scale, const WritableArg& param,
+            const InArray& grad, const std::optional<WritableArg>& exp_avg,
+            const std::optional<WritableArg>& exp_avg_sq, const std::optional<WritableArg>& max_exp_avg_sq,
+            const std::optional<WritableArg>& param16) {
     const ArrayInfo p = check(param, kFp32, "CpuOptimizer.step()", "param");
     const ArrayInfo g = check(grad, kGrad, "CpuOptimizer.step()", "grad");
     if (g.numel != p.numel) {
@@ -90,7 +91,7 @@ class PyCpuOptimizer {
     check_status(status);
   }
 
-  nb::tuple accumulate_grad(const OutArray& acc, const InArray& grad, bool overwrite, double scale) {
+  nb::tuple accumulate_grad(const WritableArg& acc, const InArray& grad, bool overwrite, double scale) {
     const ArrayInfo a = check(acc, kFp32, "CpuOptimizer.accumulate_grad()", "acc");
     const ArrayInfo g = check(grad, kGrad, "CpuOptimizer.accumulate_grad()", "grad");
     if (a.numel != g.numel) {

@@ -414,8 +414,12 @@ void bind_engine(nb::module_& m) {
       .def("load_checkpoint", [](PyEngine& e, const std::string& d) { e.call([&] { return e.engine().load_checkpoint(d); }); },
            nb::arg("dir"))
       .def("export_safetensors",
-           [](PyEngine& e, const std::string& p) { e.call([&] { return e.engine().export_safetensors(p); }); },
-           nb::arg("path"))
+           [](PyEngine& e, const std::string& p, const std::optional<std::vector<std::vector<std::string>>>& names) {
+             e.call([&] { return e.engine().export_safetensors(p, names.value_or(std::vector<std::vector<std::string>>{})); });
+           },
+           nb::arg("path"), nb::arg("names") = nb::none(),
+           "The fp32 weights as one safetensors file: tensors named '<block>.<param>', or names[b][p] (one list "
+           "per block, one name per parameter). A collective; rank 0 writes it, never a partial file.")
       .def("gather_master", &PyEngine::gather_master, nb::arg("block"),
            "The block's fp32 master weights, (whole_numel,) numpy (a copy; a collective over ranks).")
       .def("record_timeline", [](PyEngine& e, bool on) { e.engine().record_timeline(on); }, nb::arg("on"))

@@ -195,7 +195,7 @@ void bind_io_engine(nb::module_& m) {
            "returns an IoFuture, which keeps the buffer alive until the request completes.")
       .def(
           "register_buffer",
-          [](PyIoEngine& e, const OutArray& buffer) {
+          [](PyIoEngine& e, const WritableArg& buffer) {
             const ArrayInfo b = check(buffer, kBytes, "IoEngine.register_buffer()", "buffer");
             tz::Status s;
             {
@@ -207,12 +207,16 @@ void bind_io_engine(nb::module_& m) {
           nb::arg("buffer"), "Registers the buffer for fixed-buffer I/O; keep it alive until unregister_buffer.")
       .def(
           "unregister_buffer",
-          [](PyIoEngine& e, const OutArray& buffer) {
+          [](PyIoEngine& e, const WritableArg& buffer) {
             const ArrayInfo b = check(buffer, kBytes, "IoEngine.unregister_buffer()", "buffer");
-            nb::gil_scoped_release release;
-            return e.engine().unregister_buffer(b.data).ok();
+            tz::Status s;
+            {
+              nb::gil_scoped_release release;
+              s = e.engine().unregister_buffer(b.data);
+            }
+            check(s);
           },
-          nb::arg("buffer"))
+          nb::arg("buffer"), "Stops fixed-buffer I/O from the buffer (one never registered: nothing to undo).")
       .def_prop_ro("backend", [](PyIoEngine& e) { return std::string(nv::io_backend_name(e.engine().backend())); })
       .def("stats", [](PyIoEngine& e) { return engine_stats(e.engine().stats()); })
       .def("describe", [](PyIoEngine& e) { return e.engine().describe(); });

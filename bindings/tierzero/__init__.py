@@ -53,7 +53,7 @@ from . import _core  # noqa: E402
 from .engine import Engine  # noqa: E402
 
 __version__: str = _core.__version__
-__all__ = ["info", "estimate", "Engine", "set_log_level", "optim", "nvme", "torch", "__version__"]
+__all__ = ["info", "describe", "estimate", "Engine", "set_log_level", "optim", "nvme", "torch", "__version__"]
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any]]
 

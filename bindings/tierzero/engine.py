@@ -95,8 +95,10 @@ class Engine:
     def load_checkpoint(self, directory: Union[str, os.PathLike]) -> None:
         self._core.load_checkpoint(os.fspath(directory))
 
-    def export_safetensors(self, path: Union[str, os.PathLike]) -> None:
-        self._core.export_safetensors(os.fspath(path))
+    def export_safetensors(self, path: Union[str, os.PathLike], names: Optional[Sequence[Sequence[str]]] = None) -> None:
+        """The fp32 weights as one safetensors file: tensors named "<block>.<param>", or names[b][p]
+        (one list per block, one name per parameter). Rank 0 writes it (atomically)."""
+        self._core.export_safetensors(os.fspath(path), None if names is None else [list(n) for n in names])
 
     def gather_master(self, block: int):
         """The block's fp32 master weights as a numpy array (whole_numel,), a copy."""

@@ -14,6 +14,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -292,17 +293,53 @@ Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
   return ok_status();
 }
 
-Status ZeroEngineImpl::export_safetensors(const std::string& path) {
-  // Header: {"<block>.<param>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}
+namespace {
+
+// The tensor names of an export: names[b][p], or "<block>.<param>" without
+// `names`; every one non-empty and unique.
+Expected<std::vector<std::vector<std::string>>> export_names(const ModelLayout& layout,
+                                                             const std::vector<std::vector<std::string>>& names) {
+  if (!names.empty() && names.size() != layout.blocks.size()) {
+    return invalid_argument("export_safetensors: names has {} lists, but the model has {} blocks", names.size(),
+                            layout.blocks.size());
+  }
+  std::vector<std::vector<std::string>> out(layout.blocks.size());
+  std::set<std::string> seen;
+  for (std::size_t b = 0; b < layout.blocks.size(); ++b) {
+    const BlockLayout& block = layout.blocks[b];
+    if (!names.empty() && names[b].size() != block.params.size()) {
+      return invalid_argument("export_safetensors: names[{}] has {} names, but block '{}' has {} parameters", b,
+                              names[b].size(), block.name, block.params.size());
+    }
+    for (std::size_t p = 0; p < block.params.size(); ++p) {
+      std::string name = names.empty() ? block.name + "." + block.params[p].name : names[b][p];
+      if (name.empty()) {
+        return invalid_argument("export_safetensors: names[{}][{}] (for {}.{}) is empty", b, p, block.name,
+                                block.params[p].name);
+      }
+      if (!seen.insert(name).second) {
+        return invalid_argument("export_safetensors: two tensors are named '{}'", name);
+      }
+      out[b].push_back(std::move(name));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::vector<std::vector<std::string>>& names) {
+  TZ_ASSIGN_OR_RETURN(const std::vector<std::vector<std::string>> tensor_names, export_names(layout_, names));
+  // Header: {"<name>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   std::vector<std::vector<float>> tensors;
   std::uint64_t offset = 0;
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     TZ_ASSIGN_OR_RETURN(std::vector<float> whole, gather_master(b));  // every rank takes part
-    for (const ParamLayout& p : layout_.blocks[b].params) {
+    for (std::size_t i = 0; i < layout_.blocks[b].params.size(); ++i) {
+      const ParamLayout& p = layout_.blocks[b].params[i];
       const std::uint64_t bytes = p.numel * 4;
-      header[layout_.blocks[b].name + "." + p.name] = {{"dtype", "F32"}, {"shape", p.shape},
-                                                       {"data_offsets", {offset, offset + bytes}}};
+      header[tensor_names[b][i]] = {{"dtype", "F32"}, {"shape", p.shape}, {"data_offsets", {offset, offset + bytes}}};
       tensors.emplace_back(whole.begin() + static_cast<std::ptrdiff_t>(p.offset),
                            whole.begin() + static_cast<std::ptrdiff_t>(p.offset + p.numel));
       offset += bytes;

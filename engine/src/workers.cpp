@@ -23,6 +23,20 @@ void TaskThread::post(std::function<Status()> task) {
   cv_.notify_all();
 }
 
+void TaskThread::run_inline_or_post(std::function<Status()> task) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!queue_.empty() || busy_ || stop_) {
+      queue_.push_back(std::move(task));
+      lock.unlock();
+      cv_.notify_all();
+      return;
+    }
+    busy_ = true;
+  }
+  finish(task);
+}
+
 Status TaskThread::wait_idle() {
   std::unique_lock<std::mutex> lock(mu_);
   idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
@@ -50,28 +64,35 @@ void TaskThread::loop() {
     std::function<Status()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      cv_.wait(lock, [&] { return !busy_ && (stop_ || !queue_.empty()); });
       if (queue_.empty()) return;
       task = std::move(queue_.front());
       queue_.pop_front();
       busy_ = true;
     }
-    Status s;
-    try {
-      s = task();
-    } catch (const std::exception& e) {
-      s = internal_error("{} thread: a task threw: {}", name_, e.what());
-    }
-    // What the task holds (buffers, tokens) goes before it counts as done, so
-    // wait_idle() means everything it held is released.
-    task = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!s.ok() && error_.ok()) error_ = std::move(s);
-      busy_ = false;
-    }
-    idle_cv_.notify_all();
+    finish(task);
   }
+}
+
+void TaskThread::finish(std::function<Status()>& task) {
+  Status s;
+  try {
+    s = task();
+  } catch (const std::exception& e) {
+    s = internal_error("{} thread: a task threw: {}", name_, e.what());
+  }
+  // What the task holds (buffers, tokens) goes before it counts as done, so
+  // wait_idle() means everything it held is released.
+  task = nullptr;
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!s.ok() && error_.ok()) error_ = std::move(s);
+    busy_ = false;
+    wake = !queue_.empty() || stop_;  // posted (or stopping) while this ran inline: the thread goes on
+  }
+  if (wake) cv_.notify_all();
+  idle_cv_.notify_all();
 }
 
 }  // namespace tz::detail

@@ -31,6 +31,11 @@ class TaskThread {
   TaskThread& operator=(const TaskThread&) = delete;
 
   void post(std::function<Status()> task);
+  // Runs `task` on the calling thread when nothing is queued or running
+  // (marked busy meanwhile, so tasks posted by others wait behind it: the
+  // order is kept, only the thread differs); otherwise posts it. For cheap
+  // tasks, where two thread wake-ups would cost more than the work.
+  void run_inline_or_post(std::function<Status()> task);
   // Blocks until every task posted so far has run; the first error, if any.
   Status wait_idle();
   // Posts `task` and waits for it (and everything before it).
@@ -40,12 +45,14 @@ class TaskThread {
 
  private:
   void loop();
+  // Runs a dequeued task; its failure becomes error() if the first.
+  void finish(std::function<Status()>& task);
 
   std::string name_;
   mutable std::mutex mu_;
   std::condition_variable cv_, idle_cv_;
   std::deque<std::function<Status()>> queue_;
-  bool busy_ = false;
+  bool busy_ = false;  // a task is running (on the thread, or inline on a caller)
   bool stop_ = false;
   Status error_;
   std::thread thread_;

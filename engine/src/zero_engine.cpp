@@ -440,7 +440,32 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
     grads_cv_.notify_all();
   });
   auto held = std::make_shared<GradBlock>(std::move(grads));
-  comm_thread_->post([this, held, block, first, pending]() -> Status {
+  // The fp32 accumulation of the reduced shard, on the grad thread; d_shard,
+  // where there is one, holds the shard (else it lies in `held`).
+  auto accumulate_later = [this, held, block, first, pending](const void* shard, std::shared_ptr<PoolBlock> d_shard) {
+    std::function<Status()> task = [this, held, d_shard, shard, block, first, pending]() -> Status {
+      const auto begin = std::chrono::steady_clock::now();
+      Status s = accumulate(block, shard, first);
+      timeline_.record(detail::Track::kGrad, layout_.blocks[block].name, begin, std::chrono::steady_clock::now());
+      return s;
+    };
+    if (cheap_accumulate(block)) {
+      grad_thread_->run_inline_or_post(std::move(task));
+    } else {
+      grad_thread_->post(std::move(task));
+    }
+  };
+  // Note [Single-rank reduce]
+  // With one rank the reduced gradient is the buffer as the caller filled it
+  // (a reduce-scatter over one rank is a copy, an all-reduce nothing), and
+  // there is no order of collectives to keep with peers: the buffer goes
+  // straight to the grad thread: a thread hand-off and, at stages 2 and 3, a
+  // device copy of the whole block less per reduce_grads.
+  if (comm_->size() == 1) {
+    accumulate_later(held->data(), nullptr);
+    return ok_status();
+  }
+  comm_thread_->post([this, held, block, accumulate_later]() -> Status {
     if (Status prior = comm_thread_->error(); !prior.ok()) return prior;  // see Prefetcher::post_gather
     const BlockLayout& b = layout_.blocks[block];
     const std::size_t shard_bytes = b.shard_numel * elem_type_bytes(grad_type_);
@@ -463,15 +488,26 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
     }
     TZ_TRY(device_->synchronize_stream(*comm_stream_));  // NCCL only enqueues
     timeline_.record(detail::Track::kComm, "reduce-scatter " + b.name, start, std::chrono::steady_clock::now());
-    grad_thread_->post([this, held, d_shard, shard, block, first, pending]() -> Status {
-      const auto begin = std::chrono::steady_clock::now();
-      Status s = accumulate(block, shard, first);
-      timeline_.record(detail::Track::kGrad, layout_.blocks[block].name, begin, std::chrono::steady_clock::now());
-      return s;
-    });
+    accumulate_later(shard, d_shard);
     return ok_status();
   });
   return ok_status();
+}
+
+// Note [Cheap accumulations run inline]
+// With one rank on the Host backend and the fp32 gradient accumulator in
+// memory, accumulating a small block's gradients is a few microseconds of
+// arithmetic on the CPU, less than waking the grad thread for it (with the
+// Note [Single-rank reduce] hand-off gone too, a tiny block's reduce_grads
+// from Python went from ~15 to ~7 us; bench/RESULTS.md). Such an
+// accumulation runs on the calling thread when the grad thread is idle
+// (TaskThread::run_inline_or_post keeps the order); a large block, an NVMe
+// accumulator or a GPU's copies still go to the grad thread, where they
+// overlap with backward.
+bool ZeroEngineImpl::cheap_accumulate(std::size_t block) const {
+  constexpr std::uint64_t kInlineBytes = 64 * 1024;
+  return comm_->size() == 1 && device_->kind() == BackendKind::kHost && !gpu_optimizer_ &&
+         grad_->tier() != Tier::kNvme && grad_->shard_bytes(block) <= kInlineBytes;
 }
 
 Status ZeroEngineImpl::accumulate(std::size_t block, const void* d_shard, bool first) {

@@ -59,7 +59,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::string describe() const override;
   Status save_checkpoint(const std::string& dir) override;
   Status load_checkpoint(const std::string& dir) override;
-  Status export_safetensors(const std::string& path) override;
+  using ZeroEngine::export_safetensors;
+  Status export_safetensors(const std::string& path, const std::vector<std::vector<std::string>>& names) override;
   void record_timeline(bool on) override { timeline_.enable(on); }
   Status write_timeline(const std::string& path) override { return timeline_.write_json(path); }
   void clear_timeline() override { timeline_.clear(); }
@@ -94,6 +95,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // The same on the GPU optimizer's path: the shard into the device-resident
   // fp32 accumulator, and its squared norm (Note [GPU optimizer]).
   Status accumulate_on_device(std::size_t block, const void* d_shard, bool first);
+  // Whether `block`'s accumulation may run on the caller (Note [Cheap accumulations run inline]).
+  bool cheap_accumulate(std::size_t block) const;
   void release(std::size_t block, void* data) override;
 
   // --- checkpoints (checkpoint.cpp)

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <thread>
@@ -289,6 +290,48 @@ TEST(Checkpoint, TwoRanksSaveAndResumeBitIdentically) {
   EXPECT_EQ(codes[1], 0);
 }
 
+// A safetensors file parsed as the format says: u64 header length, JSON
+// header, data.
+struct Safetensors {
+  explicit Safetensors(const std::string& path) : in(path, std::ios::binary) {
+    in.read(reinterpret_cast<char*>(&header_len), 8);
+    std::string text(header_len, '\0');
+    in.read(text.data(), static_cast<std::streamsize>(header_len));
+    header = nlohmann::json::parse(text);
+  }
+  // The fp32 tensor `name`, checked against the parameter's shape.
+  std::vector<float> tensor(const std::string& name, const tz::ParamLayout& p) {
+    const auto& t = header.at(name);
+    EXPECT_EQ(t["dtype"], "F32") << name;
+    EXPECT_EQ(t["shape"].get<std::vector<std::int64_t>>(), p.shape) << name;
+    const auto offsets = t["data_offsets"].get<std::vector<std::uint64_t>>();
+    std::vector<float> data(p.numel);
+    in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
+    in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(p.numel * 4));
+    return data;
+  }
+  std::ifstream in;
+  std::uint64_t header_len = 0;
+  nlohmann::json header;
+};
+
+// The exported tensors are the master weights: names[b][p] each.
+void expect_export_holds_the_masters(tz::ZeroEngine& e, const std::string& path,
+                                     const std::vector<std::vector<std::string>>& names) {
+  Safetensors file(path);
+  const auto m = masters(e);
+  std::size_t tensors = 0;
+  for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) {
+    for (std::size_t i = 0; i < e.layout().blocks[b].params.size(); ++i, ++tensors) {
+      const tz::ParamLayout& p = e.layout().blocks[b].params[i];
+      const std::vector<float> data = file.tensor(names[b][i], p);
+      EXPECT_TRUE(std::equal(data.begin(), data.end(), m[b].begin() + static_cast<std::ptrdiff_t>(p.offset)))
+          << names[b][i];
+    }
+  }
+  EXPECT_EQ(file.header.size(), tensors);  // nothing else in the file
+}
+
 TEST(Checkpoint, ExportIsASafetensorsFileOfTheFullFp32Weights) {
   TempDir nvme, out;
   auto e = make(nvme.path(), kNvme);
@@ -296,30 +339,54 @@ TEST(Checkpoint, ExportIsASafetensorsFileOfTheFullFp32Weights) {
   ASSERT_TRUE(train(*e, 0, 2).ok());
   const std::string path = out.file("model.safetensors");
   ASSERT_TRUE(e->export_safetensors(path).ok());
-  // Parse it as the format says: u64 header length, JSON header, data.
-  std::ifstream in(path, std::ios::binary);
-  std::uint64_t header_len = 0;
-  in.read(reinterpret_cast<char*>(&header_len), 8);
-  std::string header(header_len, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(header_len));
-  const nlohmann::json h = nlohmann::json::parse(header);
-  const auto m = masters(*e);
-  for (std::size_t b = 0; b < e->layout().blocks.size(); ++b) {
-    for (const tz::ParamLayout& p : e->layout().blocks[b].params) {
-      const auto& t = h.at(e->layout().blocks[b].name + "." + p.name);
-      EXPECT_EQ(t["dtype"], "F32");
-      EXPECT_EQ(t["shape"].get<std::vector<std::int64_t>>(), p.shape);
-      const auto offsets = t["data_offsets"].get<std::vector<std::uint64_t>>();
-      std::vector<float> data(p.numel);
-      in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
-      in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(p.numel * 4));
-      EXPECT_TRUE(std::equal(data.begin(), data.end(), m[b].begin() + static_cast<std::ptrdiff_t>(p.offset)));
-    }
+  std::vector<std::vector<std::string>> names;
+  for (const tz::BlockLayout& b : e->layout().blocks) {
+    names.emplace_back();
+    for (const tz::ParamLayout& p : b.params) names.back().push_back(b.name + "." + p.name);
   }
+  expect_export_holds_the_masters(*e, path, names);
   // And the safetensors package reads it (CI installs it; see scripts/setup.sh).
   const std::string cmd = "python3 -c \"from safetensors.numpy import load_file; t = load_file('" + path +
                           "'); assert t['layer1.w'].shape == (64, 64), t['layer1.w'].shape; print(len(t))\"";
   EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
+// A framework's own names replace "<block>.<param>"; bad name lists are
+// refused by what is wrong with them, before anything is written.
+TEST(Checkpoint, ExportTakesTheCallersTensorNames) {
+  TempDir nvme, out;
+  auto e = make(nvme.path(), kNvme);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 1).ok());
+  const auto& blocks = e->layout().blocks;
+  std::vector<std::vector<std::string>> names(blocks.size());
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    for (const tz::ParamLayout& p : blocks[b].params) names[b].push_back("model.layers." + std::to_string(b) + "." + p.name);
+  }
+  const std::string path = out.file("named.safetensors");
+  ASSERT_TRUE(e->export_safetensors(path, names).ok());
+  expect_export_holds_the_masters(*e, path, names);  // and no "<block>.<param>" names besides
+
+  const std::string bad_path = out.file("bad.safetensors");
+  auto refused = [&](std::vector<std::vector<std::string>> bad, const std::string& says) {
+    const tz::Status s = e->export_safetensors(bad_path, bad);
+    EXPECT_EQ(s.code(), tz::ErrorCode::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find(says), std::string::npos) << s.message();
+    EXPECT_FALSE(std::filesystem::exists(bad_path));
+    EXPECT_FALSE(std::filesystem::exists(bad_path + ".tmp"));
+  };
+  auto fewer = names;
+  fewer.pop_back();
+  refused(fewer, "names has " + std::to_string(blocks.size() - 1) + " lists");
+  auto short_block = names;
+  short_block[0].pop_back();
+  refused(short_block, "names[0] has");
+  auto empty = names;
+  empty[1][0].clear();
+  refused(empty, "names[1][0]");
+  auto twice = names;
+  twice[1][0] = names[0][0];
+  refused(twice, "two tensors are named '" + names[0][0] + "'");
 }
 
 }  // namespace

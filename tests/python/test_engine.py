@@ -155,6 +155,16 @@ def test_checkpoint_round_trip_and_safetensors(nvme_dir, tmp_path):
     eng.export_safetensors(tmp_path / "model.safetensors")
     tensors = load_file(str(tmp_path / "model.safetensors"))
     np.testing.assert_array_equal(tensors["layer0.w"], eng.master_params(0)[0])
+    names = [["encoder.weight", "encoder.bias"], ["decoder.weight"]]
+    eng.export_safetensors(tmp_path / "named.safetensors", names=names)
+    named = load_file(str(tmp_path / "named.safetensors"))
+    assert set(named) == {"encoder.weight", "encoder.bias", "decoder.weight"}
+    np.testing.assert_array_equal(named["encoder.weight"], eng.master_params(0)[0])
+    with pytest.raises(ValueError, match="two tensors are named 'encoder.weight'"):
+        eng.export_safetensors(tmp_path / "bad.safetensors", names=[names[0], ["encoder.weight"]])
+    with pytest.raises(ValueError, match=r"names\[1\] has 2 names, but block 'layer1' has 1 parameters"):
+        eng.export_safetensors(tmp_path / "bad.safetensors", names=[names[0], ["a", "b"]])
+    assert not (tmp_path / "bad.safetensors").exists()
     with pytest.raises(OSError):
         eng.load_checkpoint(tmp_path / "missing")
 

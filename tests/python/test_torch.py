@@ -140,6 +140,59 @@ def test_tiny_transformer_with_tied_weights_matches_plain_pytorch(nvme_dir):
     assert "wte" in engine.block_names and "head" not in engine.block_names  # the tied weight lives once
 
 
+def test_export_safetensors_loads_back_into_the_model_by_name(nvme_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    gen = torch.Generator().manual_seed(3)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir, lr=3e-3))
+    for _ in range(2):
+        t = torch.randint(0, 64, (4, 17), generator=gen)
+        logits = engine(t[:, :-1])
+        engine.backward(F.cross_entropy(logits.reshape(-1, 64), t[:, 1:].reshape(-1)))
+        engine.step()
+    engine.export_safetensors(tmp_path / "model.safetensors")
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    # The names model.named_parameters() gives (a tied weight once, under its first owner), root ones included.
+    assert set(loaded) == {n for n, _ in model.named_parameters()}
+    assert "wpe" in loaded and "blocks.1.attn.qkv.weight" in loaded and "head.weight" not in loaded
+    master = engine.master_state_dict()
+    for name, t in loaded.items():
+        assert torch.equal(t, master[name]), name
+    fresh = TinyGPT()
+    missing, unexpected = fresh.load_state_dict(loaded, strict=False)
+    assert missing == ["head.weight"] and unexpected == []  # the tied head is the embedding just loaded
+    assert torch.equal(fresh.head.weight, master["wte.weight"])
+
+
+def test_a_modules_parameters_are_the_engines_memory_while_it_runs(nvme_dir):
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = mlp()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    block = engine.block_names.index("2")
+    seen = []
+
+    def check(module, args):  # runs after the engine's pre-hook gathered the block
+        live = [g for g in engine._gathered if g.index == block]
+        assert len(live) == 1
+        for i, (name, p) in enumerate(module.named_parameters()):
+            engine_view = np.asarray(live[0].param(i))  # the engine's buffer, as the engine lays it out
+            assert p.data_ptr() == engine_view.__array_interface__["data"][0], name
+            assert tuple(p.shape) == engine_view.shape
+            before = engine_view.flat[0].copy()
+            p.data.view(-1)[0] += 1.0  # a write from torch's side is seen from the engine's
+            assert engine_view.flat[0] == before + np.float32(1.0)
+            p.data.view(-1)[0] -= 1.0
+        seen.append(True)
+
+    model[2].register_forward_pre_hook(check)
+    engine(torch.randn(8, 16))
+    assert seen == [True]
+
+
 @pytest.mark.parametrize("offload", ["nvme", "none"])
 def test_cuda_tensors_train_like_plain_pytorch_on_the_gpu(nvme_dir, offload):
     if not torch.cuda.is_available():

@@ -216,9 +216,14 @@ class ZeroEngine {
   // model's layout must match. Every checksum is verified before any state is
   // replaced. Resuming continues bit for bit as the saved run would have.
   virtual Status load_checkpoint(const std::string& dir) = 0;
-  // The full fp32 weights as one safetensors file ("<block>.<param>" tensors),
-  // like DeepSpeed's zero_to_fp32. A collective; rank 0 writes the file.
-  virtual Status export_safetensors(const std::string& path) = 0;
+  // The full fp32 weights as one safetensors file, like DeepSpeed's
+  // zero_to_fp32. Tensors are named "<block>.<param>", or names[b][p] when
+  // `names` is given (one list per block, one name per parameter: the names
+  // a framework loads them by). A collective; rank 0 writes the file
+  // (path.tmp, fsynced, then renamed: never a partial file at `path`).
+  virtual Status export_safetensors(const std::string& path,
+                                    const std::vector<std::vector<std::string>>& names) = 0;
+  Status export_safetensors(const std::string& path) { return export_safetensors(path, {}); }
 
   // Records a timeline of NVMe reads, copies, collectives, compute (from each
   // fetch to its release), gradient accumulation and the optimizer, and
