@@ -27,6 +27,20 @@
 // and Gloo's event-loop thread, which inherits the mask from the thread that
 // creates the device. The write then fails with EPIPE, which Gloo reports;
 // a SIGPIPE left pending on the calling thread is consumed on the way out.
+//
+// Note [Buffers outlive the failure]
+// When a peer dies, Gloo's event-loop thread fails every operation pending on
+// that pair, one UnboundBuffer at a time (Pair::signalException, under the
+// pair's lock), and the first one it signals wakes the calling thread, which
+// throws. Unwinding destroys the collective's buffers (the options object's,
+// the ring's) while the loop thread may still be signalling them: a
+// use-after-free (ThreadSanitizer reports the condition variable destroyed
+// under the loop thread's broadcast, and the surviving rank then exits 66
+// instead of reporting the error). So every Gloo call that can fail runs
+// through close_on_failure(): on an exception it closes the connections
+// *before* the buffers go. Pair::close() takes each pair's lock, so it waits
+// for the loop thread to finish signalling that pair, and the closed pair is
+// off the loop: nothing touches the buffers after that.
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <net/if.h>
@@ -234,7 +248,7 @@ class GlooCommunicator final : public Communicator {
       if (in != out + static_cast<std::size_t>(rank()) * shard_bytes) opts.setInput(in, shard_bytes);
       opts.setOutput(out, shard_bytes * static_cast<std::size_t>(size()));
       opts.setTimeout(timeout_);
-      gloo::allgather(opts);
+      close_on_failure(*context_, [&] { gloo::allgather(opts); });
     });
   }
 
@@ -258,7 +272,7 @@ class GlooCommunicator final : public Communicator {
       });
       opts.setReduceFunction(reduce_function(type, op));
       opts.setTimeout(timeout_);
-      gloo::allreduce(opts);
+      close_on_failure(*context_, [&] { gloo::allreduce(opts); });
     });
   }
 
@@ -270,7 +284,7 @@ class GlooCommunicator final : public Communicator {
       opts.setOutput(static_cast<std::uint8_t*>(buf), bytes);
       opts.setRoot(root);
       opts.setTimeout(timeout_);
-      gloo::broadcast(opts);
+      close_on_failure(*context_, [&] { gloo::broadcast(opts); });
     });
   }
 
@@ -278,7 +292,7 @@ class GlooCommunicator final : public Communicator {
     return run(fmt::format("barrier (rank {} of {})", rank(), size()), [&] {
       gloo::BarrierOptions opts(context_);
       opts.setTimeout(timeout_);
-      gloo::barrier(opts);
+      close_on_failure(*context_, [&] { gloo::barrier(opts); });
     });
   }
 
@@ -339,7 +353,7 @@ Expected<std::unique_ptr<Communicator>> create_gloo_communicator(const ResolvedC
     // Every rank has read every key once all pass this barrier: Note [Rendezvous runs], step 4.
     gloo::BarrierOptions barrier(context);
     barrier.setTimeout(options.timeout);
-    gloo::barrier(barrier);
+    close_on_failure(*context, [&] { gloo::barrier(barrier); });
     TZ_LOG_DEBUG("comm", "gloo rank {} of {} connected over {} (run {})", options.ranks.rank,
                  options.ranks.world_size, endpoint.label, rendezvous->run_id());
     return std::unique_ptr<Communicator>(

@@ -31,7 +31,23 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
+#include "tierzero/common/log.h"
+
 namespace tz::comm_detail {
+
+void close_on_failure(gloo::Context& context, const std::function<void()>& call) {
+  try {
+    call();
+  } catch (...) {
+    try {
+      context.closeConnections();
+    } catch (const std::exception& e) {  // the caller reports the first error
+      TZ_LOG_DEBUG("comm", "closing gloo connections after a failure: {}", e.what());
+    }
+    throw;
+  }
+}
+
 namespace {
 
 constexpr std::uint8_t kRingSlotPrefix = 0x54;  // apart from Gloo's own collectives (0x01..0x08)
@@ -79,22 +95,26 @@ void RingReduceScatter::step(const Step& s, std::size_t block_bytes, std::size_t
   // One unbound buffer per segment: Gloo allows one pending operation per buffer.
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> recvs;
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sends;
-  for (std::size_t offset = 0; offset < block_bytes; offset += segment) {
-    const std::size_t length = std::min(segment, block_bytes - offset);
-    recvs.push_back(context_->createUnboundBuffer(s.incoming + offset, length));
-    recvs.back()->recv(left, slot);
-    // Gloo only reads a buffer it sends from.
-    sends.push_back(context_->createUnboundBuffer(const_cast<std::byte*>(s.partial + offset), length));
-    sends.back()->send(right, slot);
-  }
-  for (std::size_t i = 0; i < recvs.size(); ++i) {
-    if (!recvs[i]->waitRecv(timeout_)) throw gloo::IoException("reduce_scatter: receive aborted");
-    const std::size_t offset = i * segment;
-    reduce(s.result + offset, s.own + offset, s.incoming + offset, recvs[i]->size / element_bytes);
-  }
-  for (auto& buffer : sends) {
-    if (!buffer->waitSend(timeout_)) throw gloo::IoException("reduce_scatter: send aborted");
-  }
+  // The event loop may still be failing the other segments' buffers when a
+  // wait throws: Note [Buffers outlive the failure] in comm_gloo.cpp.
+  close_on_failure(*context_, [&] {
+    for (std::size_t offset = 0; offset < block_bytes; offset += segment) {
+      const std::size_t length = std::min(segment, block_bytes - offset);
+      recvs.push_back(context_->createUnboundBuffer(s.incoming + offset, length));
+      recvs.back()->recv(left, slot);
+      // Gloo only reads a buffer it sends from.
+      sends.push_back(context_->createUnboundBuffer(const_cast<std::byte*>(s.partial + offset), length));
+      sends.back()->send(right, slot);
+    }
+    for (std::size_t i = 0; i < recvs.size(); ++i) {
+      if (!recvs[i]->waitRecv(timeout_)) throw gloo::IoException("reduce_scatter: receive aborted");
+      const std::size_t offset = i * segment;
+      reduce(s.result + offset, s.own + offset, s.incoming + offset, recvs[i]->size / element_bytes);
+    }
+    for (auto& buffer : sends) {
+      if (!buffer->waitSend(timeout_)) throw gloo::IoException("reduce_scatter: send aborted");
+    }
+  });
 }
 
 }  // namespace tz::comm_detail

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 
 #include "comm_reduce.h"
@@ -13,6 +14,11 @@ class Context;
 }  // namespace gloo
 
 namespace tz::comm_detail {
+
+// Runs `call`, a Gloo call whose buffers live in the caller's frame; when it
+// throws, closes `context`'s connections before the exception (and with it
+// the buffers) leaves: Note [Buffers outlive the failure] in comm_gloo.cpp.
+void close_on_failure(gloo::Context& context, const std::function<void()>& call);
 
 class RingReduceScatter {
  public:

@@ -93,10 +93,16 @@ TEST(ZeroEngineRanks, ARankKilledMidStepMakesTheOthersFailWithinTheTimeout) {
   const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
     const tz::Config config = test_config(dir.path(), 3, 1);
     auto comm = tz::create_communicator({.ranks = info, .timeout = kTimeout});
-    if (!comm.ok()) return 1;
+    if (!comm.ok()) {  // codes[r] == 1: set-up failed, not the case under test
+      std::fprintf(stderr, "rank %d: communicator: %s\n", info.rank, comm.status().to_string().c_str());
+      return 1;
+    }
     auto engine = tz::ZeroEngine::create({.config = config, .comm = comm->get()}, tz::mlp::model(kMlp),
                                          tz::mlp::init(kMlp));
-    if (!engine.ok()) return 1;
+    if (!engine.ok()) {
+      std::fprintf(stderr, "rank %d: engine: %s\n", info.rank, engine.status().to_string().c_str());
+      return 1;
+    }
     if (info.rank == 1) ::raise(SIGKILL);  // dies before the first forward
     auto loss = tz::mlp::train_micro_batch(**engine, kMlp, tz::mlp::make_batch(kMlp, 0, 0, 0));
     auto report = loss.ok() ? (*engine)->step() : tz::Expected<tz::StepReport>(loss.status());
