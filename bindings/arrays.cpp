@@ -150,12 +150,12 @@ ArrayInfo check(const OutArray& a, const ArraySpec& spec, const char* where, con
   return check(InArray(a), spec, where, arg);
 }
 
-ArrayInfo check(const WritableArg& a, const ArraySpec& spec, const char* where, const std::string& arg,
-                OutArray* keep) {
-  OutArray array = as_array(a.given, where, arg);
-  const ArrayInfo info = check(array, spec, where, arg);
-  if (keep) *keep = std::move(array);
-  return info;
+ArrayInfo check(const WritableArg& a, const ArraySpec& spec, const char* where, const std::string& arg) {
+  if (a.given.is_valid()) {
+    as_array(a.given, where, arg);  // refuses it, saying why
+    refuse(PyExc_TypeError, fmt::format("{}: argument '{}' must be a writable array", where, arg));
+  }
+  return check(a.array, spec, where, arg);
 }
 
 }  // namespace tzpy

@@ -37,13 +37,15 @@ namespace nb = nanobind;
 
 using InArray = nb::ndarray<nb::ro>;   // read by the call
 using OutArray = nb::ndarray<>;        // written by the call (must be writable)
-// The argument type of an array the call writes. Its caster takes any object,
-// so that a read-only array (or no array at all) reaches check(), which names
-// the argument and says what is wrong; as an OutArray argument nanobind would
-// refuse it with "incompatible function arguments". The stubs show it as
-// an OutArray.
+// The argument type of an array the call writes. Its caster takes any object:
+// a writable array is imported (held, like any array argument, for the whole
+// call), anything else is kept as given so that check() can name the
+// argument and say what is wrong (read-only, or not an array); as an OutArray
+// argument nanobind would refuse it with "incompatible function arguments".
+// The stubs show it as an OutArray.
 struct WritableArg {
-  nb::object given;
+  OutArray array;    // valid when `given` was a writable array
+  nb::object given;  // set when it was not
 };
 // Returned views of tierzero's memory: an object with __dlpack__ and
 // __dlpack_device__ (and the buffer protocol on CPU), so torch.from_dlpack,
@@ -82,10 +84,9 @@ struct ArrayInfo {
 // `spec`. `where` is the call ("CpuOptimizer.step()").
 ArrayInfo check(const InArray& a, const ArraySpec& spec, const char* where, const std::string& arg);
 ArrayInfo check(const OutArray& a, const ArraySpec& spec, const char* where, const std::string& arg);
-// The same for an array the call writes: also TypeError when it is read-only.
-// `keep` receives the array (the caller keeps it while it uses the memory).
-ArrayInfo check(const WritableArg& a, const ArraySpec& spec, const char* where, const std::string& arg,
-                OutArray* keep = nullptr);
+// The same for an array the call writes: also TypeError when it is read-only
+// or not an array.
+ArrayInfo check(const WritableArg& a, const ArraySpec& spec, const char* where, const std::string& arg);
 
 // "cpu" / "cuda:1" / "device type 8".
 std::string describe_device(int device_type, int device_id);
@@ -103,11 +104,14 @@ namespace nanobind::detail {
 template <>
 struct type_caster<tzpy::WritableArg> {
   NB_TYPE_CASTER(tzpy::WritableArg, type_caster<tzpy::OutArray>::Name)
-  bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
+  bool from_python(handle src, uint32_t, cleanup_list*) noexcept {
     if (src.is_none()) return false;  // std::optional<WritableArg> takes None itself
-    value.given = borrow(src);
+    if (!nanobind::try_cast(src, value.array, /*convert=*/false)) value.given = borrow(src);
     return true;
   }
-  static handle from_cpp(const tzpy::WritableArg& v, rv_policy, cleanup_list*) noexcept { return v.given.inc_ref(); }
+  static handle from_cpp(const tzpy::WritableArg& v, rv_policy policy, cleanup_list* cleanup) noexcept {
+    if (v.given.is_valid()) return v.given.inc_ref();
+    return make_caster<tzpy::OutArray>::from_cpp(v.array, policy, cleanup);
+  }
 };
 }  // namespace nanobind::detail

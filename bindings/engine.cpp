@@ -415,6 +415,10 @@ void bind_engine(nb::module_& m) {
            nb::arg("dir"))
       .def("export_safetensors",
            [](PyEngine& e, const std::string& p, const std::optional<std::vector<std::vector<std::string>>>& names) {
+             if (names && names->empty()) {
+               raise_status(tz::invalid_argument("export_safetensors: names is empty; give one list per block, or "
+                                                 "None for '<block>.<param>' names"));
+             }
              e.call([&] { return e.engine().export_safetensors(p, names.value_or(std::vector<std::vector<std::string>>{})); });
            },
            nb::arg("path"), nb::arg("names") = nb::none(),

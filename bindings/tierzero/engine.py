@@ -98,7 +98,15 @@ class Engine:
     def export_safetensors(self, path: Union[str, os.PathLike], names: Optional[Sequence[Sequence[str]]] = None) -> None:
         """The fp32 weights as one safetensors file: tensors named "<block>.<param>", or names[b][p]
         (one list per block, one name per parameter). Rank 0 writes it (atomically)."""
-        self._core.export_safetensors(os.fspath(path), None if names is None else [list(n) for n in names])
+        if names is not None:
+            if isinstance(names, (str, bytes)) or not len(names):
+                raise TypeError("export_safetensors: names must be one list of names per block (or None)")
+            for b, block in enumerate(names):
+                if isinstance(block, (str, bytes)):
+                    raise TypeError(f"export_safetensors: names[{b}] is the string {block!r}; it must be a list "
+                                    "of that block's tensor names")
+            names = [list(block) for block in names]
+        self._core.export_safetensors(os.fspath(path), names)
 
     def gather_master(self, block: int):
         """The block's fp32 master weights as a numpy array (whole_numel,), a copy."""

@@ -329,7 +329,9 @@ Expected<std::vector<std::vector<std::string>>> export_names(const ModelLayout& 
 }  // namespace
 
 Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::vector<std::vector<std::string>>& names) {
-  TZ_ASSIGN_OR_RETURN(const std::vector<std::vector<std::string>> tensor_names, export_names(layout_, names));
+  // Every rank takes part in the gathers below, or none does.
+  Expected<std::vector<std::vector<std::string>>> tensor_names = export_names(layout_, names);
+  TZ_TRY(agree(tensor_names.status(), "exporting " + path));
   // Header: {"<name>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   std::vector<std::vector<float>> tensors;
@@ -339,7 +341,7 @@ Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::ve
     for (std::size_t i = 0; i < layout_.blocks[b].params.size(); ++i) {
       const ParamLayout& p = layout_.blocks[b].params[i];
       const std::uint64_t bytes = p.numel * 4;
-      header[tensor_names[b][i]] = {{"dtype", "F32"}, {"shape", p.shape}, {"data_offsets", {offset, offset + bytes}}};
+      header[(*tensor_names)[b][i]] = {{"dtype", "F32"}, {"shape", p.shape}, {"data_offsets", {offset, offset + bytes}}};
       tensors.emplace_back(whole.begin() + static_cast<std::ptrdiff_t>(p.offset),
                            whole.begin() + static_cast<std::ptrdiff_t>(p.offset + p.numel));
       offset += bytes;

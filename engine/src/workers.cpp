@@ -80,18 +80,18 @@ void TaskThread::finish(std::function<Status()>& task) {
     s = task();
   } catch (const std::exception& e) {
     s = internal_error("{} thread: a task threw: {}", name_, e.what());
+  } catch (...) {
+    s = internal_error("{} thread: a task threw something that is not a std::exception", name_);
   }
   // What the task holds (buffers, tokens) goes before it counts as done, so
   // wait_idle() means everything it held is released.
   task = nullptr;
-  bool wake = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!s.ok() && error_.ok()) error_ = std::move(s);
-    busy_ = false;
-    wake = !queue_.empty() || stop_;  // posted (or stopping) while this ran inline: the thread goes on
-  }
-  if (wake) cv_.notify_all();
+  // Notified under the lock: once busy_ is false a waiter may return and
+  // destroy this object, so nothing of it is touched after the unlock.
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!s.ok() && error_.ok()) error_ = std::move(s);
+  busy_ = false;
+  if (!queue_.empty() || stop_) cv_.notify_all();  // posted (or stopping) while this ran inline: the thread goes on
   idle_cv_.notify_all();
 }
 

@@ -450,7 +450,7 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
       return s;
     };
     if (cheap_accumulate(block)) {
-      grad_thread_->run_inline_or_post(std::move(task));
+      grad_thread_->run_inline_or_post(std::move(task));  // reduce_grads reports its failure at once
     } else {
       grad_thread_->post(std::move(task));
     }
@@ -463,7 +463,7 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   // device copy of the whole block less per reduce_grads.
   if (comm_->size() == 1) {
     accumulate_later(held->data(), nullptr);
-    return ok_status();
+    return grad_thread_->error();
   }
   comm_thread_->post([this, held, block, accumulate_later]() -> Status {
     if (Status prior = comm_thread_->error(); !prior.ok()) return prior;  // see Prefetcher::post_gather

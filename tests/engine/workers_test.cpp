@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -109,6 +110,36 @@ TEST(TaskThread, AnInlineTasksFailureIsTheThreadsError) {
   const Status thrown = u.error();
   ASSERT_FALSE(thrown.ok());
   EXPECT_NE(thrown.message().find("grad thread: a task threw: out of cheese"), std::string::npos) << thrown.message();
+
+  // Not a std::exception: still an error, and the thread is not left busy
+  // (wait_idle would hang).
+  TaskThread v("grad");
+  v.run_inline_or_post([]() -> Status { throw 42; });
+  v.post([] { return ok_status(); });
+  const Status odd = v.wait_idle();
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.message().find("grad thread: a task threw something"), std::string::npos) << odd.message();
+}
+
+// wait_idle() returning means the object may go: an inline task on another
+// thread has finished touching it (ThreadSanitizer sees a notify after the
+// destruction otherwise).
+TEST(TaskThread, ItCanBeDestroyedOnceWaitIdleReturns) {
+  for (int i = 0; i < 200; ++i) {
+    auto t = std::make_unique<TaskThread>("test");
+    std::atomic<bool> started{false};
+    std::thread other([&t, &started] {
+      t->run_inline_or_post([&started] {
+        started = true;
+        return ok_status();
+      });
+      // `t` is not touched after run_inline_or_post returns.
+    });
+    while (!started) std::this_thread::yield();
+    ASSERT_TRUE(t->wait_idle().ok());
+    t.reset();
+    other.join();
+  }
 }
 
 TEST(TaskThread, ManyThreadsMixingInlineAndPostedTasksKeepEachThreadsOrder) {

@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import shutil
+import zlib
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ MiB = 1 << 20
 
 @pytest.fixture
 def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % (1 << 32))
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))  # per test, the same in every process
 
 
 # ---------------------------------------------------------------- _core.Hyper / CpuOptimizer
@@ -718,3 +719,39 @@ def test_pinned_host_memory_counts_as_cpu():
     g, m, v = torch.ones(64).pin_memory(), torch.zeros(64), torch.zeros(64)
     _core.CpuOptimizer(threads=1).step(_core.Hyper(), 1, 1.0, p, g, m, v)
     assert bool((p < 1).all())
+
+
+# ---------------------------------------------------------------- array lifetime
+
+class _OwnsItsMemory:
+    """An array known only by __dlpack__, whose capsule owns the memory (a fresh array each call)."""
+
+    def __init__(self, value, n):
+        self.value, self.n = value, n
+
+    def __dlpack__(self, stream=None, **kwargs):
+        return np.full(self.n, self.value, np.float32).__dlpack__()
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
+
+
+def test_a_written_array_whose_capsule_owns_its_memory_lives_through_the_call(rng):
+    # The imported array is held for the whole call (it was dropped before the kernel ran: a use-after-free).
+    n = 1 << 22
+    value = float(rng.uniform(0.5, 2.0))
+    grad = rng.standard_normal(n).astype(np.float32)
+    sumsq, bad = _core.CpuOptimizer(threads=1).accumulate_grad(_OwnsItsMemory(value, n), grad, scale=1.0)
+    want = ((np.float32(value) + grad).astype(np.float64) ** 2).sum()
+    assert sumsq == pytest.approx(want, rel=1e-5) and bad is False
+
+
+def test_export_names_must_be_one_list_per_block(nvme_dir, tmp_path):
+    eng = tierzero.Engine(host_config(nvme_dir), BLOCKS)
+    with pytest.raises(TypeError, match=r"names\[1\] is the string 'w'"):
+        eng.export_safetensors(tmp_path / "x.safetensors", names=[["w", "b"], "w"])
+    with pytest.raises(TypeError, match="one list of names per block"):
+        eng.export_safetensors(tmp_path / "x.safetensors", names=[])
+    with pytest.raises(ValueError, match="names is empty"):
+        eng._core.export_safetensors(str(tmp_path / "x.safetensors"), [])
+    assert not (tmp_path / "x.safetensors").exists()
