@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any, Callable, ClassVar, Iterable, Optional
 
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from . import _core
 
@@ -125,9 +126,11 @@ class _CpuOptimizer(torch.optim.Optimizer):
             param16 = self._param16.get(p)
             if param16 is None:
                 param16 = self._param16[p] = torch.empty_like(p, dtype=self._param16_dtype)
-        # p.detach(): the same storage; torch refuses to export a tensor that requires grad.
-        self._kernel.step(hyper, int(state["step"].item()), 1.0, p.detach(), p.grad.detach(),
-                          param16=param16, **self._state_arrays(state, group))
+        # Handed over as DLPack capsules (Note [Capsules, not tensors] in torch.py); p.detach(): the
+        # same storage (torch refuses to export a tensor that requires grad).
+        states = {k: to_dlpack(v) for k, v in self._state_arrays(state, group).items()}
+        self._kernel.step(hyper, int(state["step"].item()), 1.0, to_dlpack(p.detach()), to_dlpack(p.grad.detach()),
+                          param16=None if param16 is None else to_dlpack(param16), **states)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

@@ -51,6 +51,16 @@ gradient_accumulation_steps by the engine: engine.backward(loss) does not
 divide the loss, and engine.step() is called after every micro-batch (it runs
 the optimizer at the accumulation boundary).
 
+Note [Capsules, not tensors]
+The tensors handed to _core on hot paths (gradients to reduce_grads, the
+optimizer's arrays in tierzero.optim) go as DLPack capsules made by
+torch.utils.dlpack.to_dlpack (a C call, ~0.4 us), not as tensors: given a
+tensor, nanobind calls Tensor.__dlpack__, which is Python and costs ~3 us per
+array, more than the rest of a small block's reduce_grads. The capsule
+carries no stream, which is right here: CUDA gradients are synchronised
+before reduce_grads (stream=-1), and tierzero.optim is CPU only. Arrays are
+checked the same way (dtype, device, order, size, by argument name).
+
 Note [Learning rate]
 The engine's learning rate comes from the config's "scheduler" block
 (DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, computed by the engine
@@ -72,6 +82,7 @@ from collections import namedtuple
 from typing import Any, Iterator, Optional, Union
 
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from . import _core, config_args
 
@@ -352,7 +363,7 @@ class TorchEngine:
             self._flush(b)
 
     def _flush(self, b: _Block) -> None:
-        grads = [None if g is None else g.detach().contiguous() for g in b.grads]
+        grads = [None if g is None else to_dlpack(g.detach().contiguous()) for g in b.grads]  # Note [Capsules, not tensors]
         if self._cuda:
             # The engine copies on its own stream; the release below also needs this
             # block's kernels done, so synchronise here and tell reduce_grads not to wait.
