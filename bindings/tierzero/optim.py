@@ -17,6 +17,19 @@ tensors. Anything else is refused with a message naming the parameter
 (param_groups[g]['params'][i]). maximize, capturable, differentiable and
 sparse gradients are not supported (refused).
 
+Note [Per-parameter cost]
+A step is one kernel call per parameter, and with small tensors the Python
+around the call is most of the time (bench/RESULTS.md: torch's fused AdamW
+takes a whole group in one call). So the per-parameter path does only what
+it must: arrays go as DLPack capsules (Note [Capsules, not tensors] in
+torch.py); the checks that name a parameter run only when the kernel or the
+export refuses it (the kernel checks dtype, device, order and size itself);
+the step counter, a 0-d float32 tensor in the state as torch keeps it, is
+read and written through a cached numpy view of it (a tensor += 1 and .item()
+cost ~2.3 us, the view ~0.1 us), and only after the kernel ran, so a refused
+parameter's state is left as it was (parameters before it in the same step()
+have stepped: each is stepped or refused on its own, as before).
+
 param16_dtype=torch.bfloat16 (or float16) adds the fused 16-bit copy-out:
 the same pass writes each new parameter rounded to 16 bits into a separate
 tensor, `optimizer.param16(p)`, for a mixed-precision model to run on. It is
@@ -52,6 +65,7 @@ class _CpuOptimizer(torch.optim.Optimizer):
         self._kernel = _core.CpuOptimizer(threads=threads)
         self._param16_dtype = param16_dtype
         self._param16: dict[torch.Tensor, torch.Tensor] = {}
+        self._counters: dict[torch.Tensor, tuple] = {}  # p -> (state["step"], a numpy view of it)
 
     @property
     def simd(self) -> str:
@@ -112,25 +126,45 @@ class _CpuOptimizer(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                self._check(p, g, i)
-                self._step_param(p, group, hyper)
+                try:
+                    self._step_param(p, group, hyper)
+                except (TypeError, ValueError, RuntimeError, BufferError):
+                    try:
+                        self._check(p, g, i)
+                    except (TypeError, ValueError) as named:  # the same refusal, naming the parameter
+                        raise named from None
+                    raise
         return loss
 
     def _step_param(self, p: torch.Tensor, group: dict, hyper: Any) -> None:
+        """One parameter's step (Note [Per-parameter cost])."""
+        grad = p.grad
+        if grad.shape != p.shape:
+            raise ValueError("gradient shape")  # _check names it
         state = self.state[p]
-        if len(state) == 0:
+        fresh = len(state) == 0
+        if fresh:
             self._init_state(p, state, group)
-        state["step"] += 1
+        step = state["step"]
+        counter = self._counters.get(p)
+        if counter is None or counter[0] is not step:  # new, or replaced (load_state_dict, by hand)
+            counter = self._counters[p] = (step, step.numpy())
+        n = int(counter[1]) + 1
         param16 = None
         if self._param16_dtype is not None:
             param16 = self._param16.get(p)
             if param16 is None:
                 param16 = self._param16[p] = torch.empty_like(p, dtype=self._param16_dtype)
-        # Handed over as DLPack capsules (Note [Capsules, not tensors] in torch.py); p.detach(): the
-        # same storage (torch refuses to export a tensor that requires grad).
-        states = {k: to_dlpack(v) for k, v in self._state_arrays(state, group).items()}
-        self._kernel.step(hyper, int(state["step"].item()), 1.0, to_dlpack(p.detach()), to_dlpack(p.grad.detach()),
-                          param16=None if param16 is None else to_dlpack(param16), **states)
+        try:
+            # p.detach(): the same storage (torch refuses to export a tensor that requires grad).
+            states = {k: to_dlpack(v) for k, v in self._state_arrays(state, group).items()}
+            self._kernel.step(hyper, n, 1.0, to_dlpack(p.detach()), to_dlpack(grad),
+                              param16=None if param16 is None else to_dlpack(param16), **states)
+        except BaseException:
+            if fresh:
+                state.clear()  # a refused parameter keeps no state
+            raise
+        counter[1][...] = n  # state["step"] += 1, once the step is done
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -140,7 +174,14 @@ class _CpuOptimizer(torch.optim.Optimizer):
             for key, value in state.items():
                 if key != "step" and isinstance(value, torch.Tensor) and not value.is_contiguous():
                     state[key] = value.contiguous()
+            step = state.get("step")
+            if step is not None and not (isinstance(step, torch.Tensor) and step.device.type == "cpu"
+                                         and step.dtype == torch.float32 and step.dim() == 0):
+                # A number, or a tensor on a GPU (torch's fused/capturable optimizers): the counter is a
+                # 0-d float32 CPU tensor here (Note [Per-parameter cost]).
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
         self._param16.clear()
+        self._counters.clear()
 
 
 class Adam(_CpuOptimizer):

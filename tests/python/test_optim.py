@@ -145,6 +145,48 @@ def test_param16_copy_out():
         tzo.AdamW([p]).param16(p)
 
 
+def test_a_refused_step_leaves_the_state_as_it_was():
+    torch.manual_seed(4)
+    p, q = torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(3, 2))
+    opt = tzo.AdamW([p, q], lr=1e-2)
+    p.grad, q.grad = torch.randn(6), torch.randn(3, 2)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[q].items()}
+    q_before = q.detach().clone()
+    q.grad = torch.randn(2, 3).t()  # not contiguous: the kernel refuses it
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[1\]\.grad is a torch.float32 tensor"):
+        opt.step()
+    assert all(torch.equal(opt.state[q][k], v) for k, v in before.items()) and torch.equal(q.detach(), q_before)
+    assert opt.state[q]["step"].item() == 1
+    q.grad = None
+    fresh = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    fresh.grad = torch.ones(4, dtype=torch.float64)
+    opt.add_param_group({"params": [fresh]})
+    p.grad = torch.randn(6)
+    with pytest.raises(TypeError, match=r"param_groups\[1\]\['params'\]\[0\] is a torch.float64 tensor"):
+        opt.step()
+    assert len(opt.state[fresh]) == 0  # no state for a parameter never stepped
+    # Parameters before the refused one in the same step() did step (each is refused or stepped on its own).
+    assert opt.state[p]["step"].item() == 3
+
+
+def test_step_counters_continue_from_a_loaded_state_dict():
+    torch.manual_seed(6)
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = tzo.Adam([p], lr=1e-2)
+    for _ in range(3):
+        p.grad = torch.randn(8)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["state"][0]["step"].item() == 3
+    sd["state"][0]["step"] = 7  # a plain number, as some checkpoints have it
+    opt.load_state_dict(sd)
+    assert opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"].item() == 7
+    p.grad = torch.randn(8)
+    opt.step()
+    assert opt.state[p]["step"].item() == 8 and opt.state_dict()["state"][0]["step"].item() == 8
+
+
 def test_unsupported_params_and_options_are_refused_by_name():
     p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
     p.grad = torch.ones(4, dtype=torch.float64)
