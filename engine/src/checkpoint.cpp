@@ -16,6 +16,7 @@
 #include <fstream>
 #include <set>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "host_collectives.h"
@@ -89,6 +90,43 @@ Status ZeroEngineImpl::agree(const Status& mine, std::string_view what) {
   return ok_status();
 }
 
+namespace {
+
+std::string shape_text(const std::vector<std::int64_t>& shape) { return fmt::format("({})", fmt::join(shape, ", ")); }
+
+// Note [Checkpoints know their parameters]
+// A block's shard is a flat run of floats: a model whose blocks have the
+// same names and sizes but other parameters (a weight transposed, two
+// parameters swapped, a renamed one) would load it without complaint and
+// train on scrambled weights. So each block's entry in a rank manifest lists
+// its parameters (name, shape), and a load refuses a model whose parameters
+// differ, naming the first difference. Manifests written before this have no
+// list; those load as before, checked by block name and size only.
+Status check_saved_params(const std::string& dir, const nlohmann::json& saved, const BlockLayout& want) {
+  if (!saved.contains("params")) return ok_status();
+  const nlohmann::json& params = saved["params"];
+  if (!params.is_array()) return data_corruption("checkpoint {}: block '{}' has a malformed parameter list", dir, want.name);
+  if (params.size() != want.params.size()) {
+    return invalid_argument("checkpoint {}: block '{}' was saved with {} parameters; the model's has {}", dir, want.name,
+                            params.size(), want.params.size());
+  }
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamLayout& p = want.params[i];
+    const std::string name = params[i].value("name", "");
+    std::vector<std::int64_t> shape;
+    if (params[i].contains("shape") && params[i]["shape"].is_array()) {
+      for (const auto& d : params[i]["shape"]) shape.push_back(d.is_number_integer() ? d.get<std::int64_t>() : -1);
+    }
+    if (name != p.name || shape != p.shape) {
+      return invalid_argument("checkpoint {}: parameter {} of block '{}' was saved as '{}' {}; the model has '{}' {}",
+                              dir, i, want.name, name, shape_text(shape), p.name, shape_text(p.shape));
+    }
+  }
+  return ok_status();
+}
+
+}  // namespace
+
 Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   const int rank = comm_->rank();
   const std::string bin = fmt::format("{}/rank-{}.bin", dir, rank);
@@ -109,8 +147,10 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
       chunks.emplace_back(buffers.back().data(), bytes);
       offset += bytes;
     }
+    nlohmann::json params = nlohmann::json::array();
+    for (const ParamLayout& p : layout_.blocks[b].params) params.push_back({{"name", p.name}, {"shape", p.shape}});
     blocks.push_back({{"name", layout_.blocks[b].name}, {"shard_numel", layout_.blocks[b].shard_numel},
-                      {"states", states}});
+                      {"params", params}, {"states", states}});
   }
   TZ_TRY(write_durably(bin, chunks));
   const detail::LossScaler::State ls = scaler_.state();
@@ -208,6 +248,7 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
                               dir, b, blocks[b].value("name", ""), blocks[b].value("shard_numel", 0ULL), want.name,
                               want.shard_numel);
     }
+    TZ_TRY(check_saved_params(dir, blocks[b], want));
     const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
     for (int k = 0; k < 3; ++k) {
       if (!blocks[b]["states"].contains(names[k])) continue;

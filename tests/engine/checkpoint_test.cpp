@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -225,6 +226,51 @@ TEST(Checkpoint, CorruptTruncatedOrMismatchedCheckpointsAreRefusedAndNothingIsRe
   EXPECT_NE(s.message().find("layer0"), std::string::npos) << s.message();
   s = e->load_checkpoint(ckpt.path() + "/nothing-here");
   EXPECT_EQ(s.code(), tz::ErrorCode::kNotFound) << s.to_string();
+}
+
+// Note [Checkpoints know their parameters]: blocks of the same names and
+// sizes whose parameters differ (a weight reshaped, a renamed parameter)
+// are refused, naming the parameter; nothing is replaced. A manifest from
+// before the parameter lists still loads.
+TEST(Checkpoint, AModelWithOtherParametersInBlocksOfTheSameSizeIsRefused) {
+  TempDir nvme, ckpt;
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 2).ok());
+  ASSERT_TRUE(e->save_checkpoint(ckpt.path()).ok());
+
+  auto load_into = [&](std::vector<tz::BlockSpec> model) {
+    auto o = tz::ZeroEngine::create({.config = test_config(nvme.path(), 3, 1)}, std::move(model), tz::mlp::init(kMlp));
+    EXPECT_TRUE(o.ok()) << o.status().to_string();
+    const auto before = masters(**o);
+    const tz::Status s = (*o)->load_checkpoint(ckpt.path());
+    if (!s.ok()) EXPECT_EQ(masters(**o), before) << "a refused load replaces nothing";
+    if (s.ok()) EXPECT_EQ(masters(**o), masters(*e)) << "a load gives the saved weights";
+    return s;
+  };
+  const std::vector<tz::BlockSpec> model = tz::mlp::model(kMlp);
+  ASSERT_GE(model[1].params.size(), 1u);
+  ASSERT_EQ(model[1].params[0].shape.size(), 2u);
+  auto reshaped = model;  // the same elements in another shape: (r, c) -> (r / 2, 2c)
+  auto& shape = reshaped[1].params[0].shape;
+  ASSERT_EQ(shape[0] % 2, 0);
+  shape = {shape[0] / 2, shape[1] * 2};
+  tz::Status s = load_into(reshaped);
+  EXPECT_EQ(s.code(), tz::ErrorCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("parameter 0 of block '" + model[1].name + "'"), std::string::npos) << s.message();
+  auto renamed = model;
+  renamed[2].params.back().name = "renamed";
+  s = load_into(renamed);
+  EXPECT_EQ(s.code(), tz::ErrorCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("the model has 'renamed'"), std::string::npos) << s.message();
+  EXPECT_TRUE(load_into(model).ok());  // the same model loads
+
+  // A manifest without parameter lists (written before them) loads by block name and size.
+  const std::string manifest = ckpt.path() + "/step-2/rank-0.json";
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
+  for (auto& block : m["blocks"]) block.erase("params");
+  std::ofstream(manifest) << m.dump(1);
+  EXPECT_TRUE(load_into(reshaped).ok());
 }
 
 TEST(Checkpoint, AnNvmeErrorMidStepFailsTheStepAndLeavesTheSavedStateIntact) {
