@@ -115,9 +115,11 @@ inline std::vector<int> run_ranks(int world, const std::string& rendezvous_dir,
   static std::mt19937 rng(std::random_device{}());
   const int port = 20000 + static_cast<int>(rng() % 20000);
   std::vector<pid_t> pids;
+  std::fflush(nullptr);  // nothing buffered is written twice, by parent and child
   for (int r = 0; r < world; ++r) {
     const pid_t pid = ::fork();
     if (pid == 0) {
+      ::alarm(240);  // a hung rank dies of SIGALRM (code 128 + 14) and fails its test, not hangs it
       tz::RankInfo info{.rank = r, .world_size = world, .local_rank = r, .local_world_size = world,
                         .master_addr = "127.0.0.1", .master_port = port, .source = "test"};
       ::setenv("TIERZERO_RENDEZVOUS_DIR", rendezvous_dir.c_str(), 1);
