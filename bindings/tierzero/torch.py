@@ -97,22 +97,14 @@ class _Block:
 
     def __init__(self, index: int, name: str, params: list, names: list, layout: dict):
         self.index, self.name, self.params, self.names = index, name, params, names
-        self.slots = [(p["offset"], p["numel"], tuple(p["shape"])) for p in layout["params"]]
-        # (shape, stride, offset) of each parameter's view of the gathered buffer: one as_strided call each
-        self.views = [(shape, _contiguous_strides(shape), offset) for offset, _, shape in self.slots]
+        # (shape, stride, offset) of each parameter's view of a gathered buffer: one as_strided call each
+        self.views = [(tuple(p["shape"]), torch.empty(p["shape"], device="meta").stride(), p["offset"])
+                      for p in layout["params"]]
         self.flat: Optional[torch.Tensor] = None   # (whole_numel,) view of the gathered buffer, while gathered
         self.users = 0                             # acquisitions holding it (forward calls, backward)
         self.grads: list = [None] * len(params)    # gradients arrived in this backward
         self.arrived = 0
         self.backward_held = False                 # fetched for this backward, released at its flush
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
 
 
 class _PreBackward(torch.autograd.Function):
@@ -472,8 +464,8 @@ class TorchEngine:
         out = {}
         for b in self._blocks:
             flat = torch.from_numpy(self._core.gather_master(b.index))
-            for (offset, numel, shape), name in zip(b.slots, b.names):
-                out[name] = flat[offset:offset + numel].view(shape).clone()
+            for view, name in zip(b.views, b.names):
+                out[name] = flat.as_strided(*view).clone()
         return out
 
     def detach_module(self) -> torch.nn.Module:

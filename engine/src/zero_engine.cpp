@@ -458,9 +458,9 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   // Note [Single-rank reduce]
   // With one rank the reduced gradient is the buffer as the caller filled it
   // (a reduce-scatter over one rank is a copy, an all-reduce nothing), and
-  // there is no order of collectives to keep with peers: the buffer goes
-  // straight to the grad thread: a thread hand-off and, at stages 2 and 3, a
-  // device copy of the whole block less per reduce_grads.
+  // there is no order of collectives to keep with peers. So the buffer goes
+  // straight to the grad thread, saving a thread hand-off and, at stages 2
+  // and 3, a device copy of the whole block per reduce_grads.
   if (comm_->size() == 1) {
     accumulate_later(held->data(), nullptr);
     return grad_thread_->error();
