@@ -359,9 +359,10 @@ class PyEngine {
 
   nb::dict step() { return report_dict(locked(*core_, [&] { return core_->engine->step(); })); }
 
+  // fn() under the engine mutex, the GIL released; an error raises, a value is returned.
   template <typename Fn>
-  void call(Fn&& fn) {
-    locked(*core_, std::forward<Fn>(fn));
+  auto call(Fn&& fn) {
+    return locked(*core_, std::forward<Fn>(fn));
   }
   // A value read under the engine mutex (GIL released while waiting for it).
   template <typename Fn>
@@ -409,10 +410,30 @@ void bind_engine(nb::module_& m) {
            "wait for the work queued on `stream` (an int as DLPack passes streams: a cudaStream_t, 0 or 1 the legacy "
            "default stream, 2 the per-thread one, -1 none), by default the legacy default stream.")
       .def("step", &PyEngine::step, "Ends a micro-batch; at the accumulation boundary runs the optimizer. A dict.")
-      .def("save_checkpoint", [](PyEngine& e, const std::string& d) { e.call([&] { return e.engine().save_checkpoint(d); }); },
-           nb::arg("dir"))
-      .def("load_checkpoint", [](PyEngine& e, const std::string& d) { e.call([&] { return e.engine().load_checkpoint(d); }); },
-           nb::arg("dir"))
+      .def("save_checkpoint",
+           [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag,
+              const std::optional<nb::bytes>& client_state, bool save_latest) {
+             tz::CheckpointSave options{.tag = tag.value_or(""), .save_latest = save_latest};
+             if (tag && tag->empty()) raise_status(tz::invalid_argument("save_checkpoint: tag is empty; give a name, or None"));
+             if (client_state) options.client_state = std::string(client_state->c_str(), client_state->size());
+             return e.call([&] { return e.engine().save_checkpoint(d, options); });
+           },
+           nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(), nb::arg("client_state") = nb::none(),
+           nb::arg("save_latest") = true,
+           "Saves every rank's states under dir/<tag> (default step-<N>; an existing tag is replaced atomically), "
+           "with rank 0's client_state bytes, and points dir/latest at it unless save_latest is False. Returns the "
+           "checkpoint's directory.")
+      .def("load_checkpoint",
+           [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag) {
+             if (tag && tag->empty()) raise_status(tz::invalid_argument("load_checkpoint: tag is empty; give a name, or None"));
+             tz::LoadedCheckpoint loaded = e.call([&] { return e.engine().load_checkpoint(d, tag.value_or("")); });
+             nb::object state = nb::none();
+             if (loaded.client_state) state = nb::bytes(loaded.client_state->data(), loaded.client_state->size());
+             return nb::make_tuple(loaded.path, state);
+           },
+           nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(),
+           "Loads dir/<tag>, or dir/latest (or dir itself when it is a checkpoint). Returns (the checkpoint's "
+           "directory, the client_state bytes saved with it or None).")
       .def("export_safetensors",
            [](PyEngine& e, const std::string& p, const std::optional<std::vector<std::vector<std::string>>>& names) {
              if (names && names->empty()) {
@@ -435,6 +456,9 @@ void bind_engine(nb::module_& m) {
       // Read under the engine mutex: step() may be running on another thread.
       .def_prop_ro("loss_scale",
                    [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.loss_scale(); }); })
+      .def_prop_ro("optimizer_steps",
+                   [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.optimizer_steps(); }); },
+                   "Optimizer steps taken (skipped fp16 steps not counted; restored by load_checkpoint).")
       .def_prop_ro("learning_rate",
                    [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.learning_rate(); }); },
                    "The learning rate the next optimizer step will use (the config's scheduler, or the optimizer's).")

@@ -89,11 +89,19 @@ class Engine:
         self._core.set_learning_rate(float(lr))
 
     # --- state
-    def save_checkpoint(self, directory: Union[str, os.PathLike]) -> None:
-        self._core.save_checkpoint(os.fspath(directory))
+    def save_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None, *,
+                        client_state: Optional[bytes] = None, save_latest: bool = True) -> str:
+        """Every rank's states under directory/<tag> (default "step-<N>", a fresh name; saving under an
+        existing tag replaces that checkpoint atomically), with rank 0's client_state bytes, and
+        directory/latest pointed at it unless save_latest is False. A collective. Returns its directory."""
+        return self._core.save_checkpoint(os.fspath(directory), tag=tag, client_state=client_state,
+                                          save_latest=save_latest)
 
-    def load_checkpoint(self, directory: Union[str, os.PathLike]) -> None:
-        self._core.load_checkpoint(os.fspath(directory))
+    def load_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None) -> tuple:
+        """Loads directory/<tag>, or directory/latest (or directory itself when it is a checkpoint); every
+        checksum is verified before any state is replaced. Returns (its directory, the client_state
+        bytes saved with it, or None)."""
+        return self._core.load_checkpoint(os.fspath(directory), tag=tag)
 
     def export_safetensors(self, path: Union[str, os.PathLike], names: Optional[Sequence[Sequence[str]]] = None) -> None:
         """The fp32 weights as one safetensors file: tensors named "<block>.<param>", or names[b][p]
@@ -130,6 +138,11 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self._core.loss_scale
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (skipped fp16 steps not counted; restored by load_checkpoint)."""
+        return self._core.optimizer_steps
 
     @property
     def learning_rate(self) -> float:

@@ -51,6 +51,27 @@ gradient_accumulation_steps by the engine: engine.backward(loss) does not
 divide the loss, and engine.step() is called after every micro-batch (it runs
 the optimizer at the accumulation boundary).
 
+Note [Model dtype]
+With the config's "bf16" or "fp16" block enabled, the engine trains 16-bit
+parameters against fp32 master weights, and initialize() casts the model to
+that dtype as DeepSpeed's does (model.to(dtype): frozen parameters and
+floating-point buffers too), so an fp32 model and a DeepSpeed config work
+unchanged. The masters start from the parameters' values before the cast: an
+fp32 model's exact weights, not their 16-bit rounding. The model's inputs are
+the caller's to cast, as with DeepSpeed. Without either block the engine
+trains fp32 parameters, and a trainable parameter of another dtype is refused
+by name (the engine would otherwise round or widen it silently).
+
+Note [Client state]
+save_checkpoint(..., client_state={...}) stores a dict of the caller's with
+the checkpoint, as DeepSpeed's does: torch.save's bytes, which rank 0 writes
+into the checkpoint directory with a checksum before it is published, so the
+dict and the weights are saved, replaced and verified together. They are read
+back with torch.load(weights_only=True), which runs no code from the file;
+save_checkpoint tries that read before anything is written and refuses a dict
+it could not read back (an arbitrary object, say), rather than save a
+checkpoint whose client state would fail to load. Tensors come back on the CPU.
+
 Note [Capsules, not tensors]
 The tensors handed to _core on hot paths (gradients to reduce_grads, the
 optimizer's arrays in tierzero.optim) go as DLPack capsules made by
@@ -226,13 +247,15 @@ class TorchEngine:
         # messages and describe() show them; export_safetensors writes the qualified names.
         specs = [(name, [(n.rpartition(".")[2], tuple(p.shape)) for n, p in zip(names, params)])
                  for name, params, names in blocks]
+        # The masters start from the model's own values, before any cast (Note [Model dtype]).
         init = [[p.detach().to("cpu", torch.float32).contiguous() for p in params] for _, params, _ in blocks]
         self._core = _core.Engine(blocks=specs, init=init, **config_args(config))
         layout = self._core.layout()
         self._blocks = [_Block(i, name, params, names, layout[i]) for i, (name, params, names) in enumerate(blocks)]
         self._dtype = _DTYPES[self._core.param_dtype]
         self._cuda = self._core.device.startswith("cuda")
-        self._check_dtypes()
+        if self._dtype == torch.float32:
+            self._check_dtypes(blocks)
         self._slot = {p: (b, i) for b in self._blocks for i, p in enumerate(b.params)}
         self._live: dict[int, _Block] = {}        # gathered buffer address -> block (Note [Saved tensors])
         self._held_for_unpack: list[_Block] = []  # fetched by the unpack hook, released when backward ends
@@ -259,14 +282,17 @@ class TorchEngine:
         for module, block_ids in self._module_blocks.items():
             self._hooks.append(module.register_forward_pre_hook(self._make_pre_forward(block_ids)))
             self._hooks.append(module.register_forward_hook(self._make_post_forward(block_ids)))
+        if self._dtype != torch.float32:
+            model.to(self._dtype)  # Note [Model dtype]: frozen parameters and floating buffers
 
-    def _check_dtypes(self) -> None:
-        for b in self._blocks:
-            for n, p in zip(b.names, b.params):
-                if p.dtype != self._dtype:
+    def _check_dtypes(self, blocks: list) -> None:
+        """Note [Model dtype]: an fp32 config trains fp32 parameters; any other trainable dtype is refused."""
+        for _, params, names in blocks:
+            for n, p in zip(names, params):
+                if p.dtype != torch.float32:
                     raise ValueError(f"tierzero.torch.initialize: parameter '{n}' is {p.dtype}, but the config trains "
-                                     f"{self._core.param_dtype} parameters (its bf16/fp16 blocks); convert the model "
-                                     "first (model.to(dtype))")
+                                     "float32 parameters; enable the config's \"bf16\" (or \"fp16\") block to train "
+                                     "16-bit parameters with fp32 master weights, or convert the model (model.float())")
 
     # ------------------------------------------------------------ gathering
     def _acquire(self, b: _Block) -> None:
@@ -444,15 +470,42 @@ class TorchEngine:
         return self.train(False)
 
     # ------------------------------------------------------------ state
-    def save_checkpoint(self, save_dir: Union[str, os.PathLike]) -> None:
-        """Every rank's master weights, optimizer moments, step and loss scale under save_dir/step-N (atomic)."""
-        self._core.save_checkpoint(os.fspath(save_dir))
+    def save_checkpoint(self, save_dir: Union[str, os.PathLike], tag: Any = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True) -> bool:
+        """Every rank's master weights, optimizer moments, step, learning rate and loss scale under
+        save_dir/<tag> (default "step-<N>"), as DeepSpeed's save_checkpoint: saving under an existing tag
+        replaces that checkpoint atomically, and save_dir/latest points at it unless save_latest is False.
+        client_state: a dict of yours (an epoch, a data loader's position) that rank 0 saves with it and
+        load_checkpoint returns (Note [Client state]). A collective: every rank calls it."""
+        blob = None
+        if client_state is not None:
+            blob = _pack_client_state(client_state)
+        self._core.save_checkpoint(os.fspath(save_dir), tag=None if tag is None else str(tag), client_state=blob,
+                                   save_latest=save_latest)
+        return True
 
-    def load_checkpoint(self, load_dir: Union[str, os.PathLike]) -> None:
-        """Loads save_dir/latest (or a step directory); training resumes bit for bit."""
-        self._core.load_checkpoint(os.fspath(load_dir))
+    def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple:
+        """Loads load_dir/<tag>, or load_dir/latest (or load_dir itself when it is a checkpoint); training
+        resumes bit for bit. Returns (the checkpoint's directory, the client_state saved with it, {} if
+        none), as DeepSpeed's does. A missing or corrupt checkpoint raises (DeepSpeed returns (None, None)
+        for a missing one), and nothing is replaced. The engine restores weights and optimizer states
+        together and only into a model whose parameters match: the other flags must keep their defaults."""
+        for flag, value, default in (("load_module_strict", load_module_strict, True),
+                                     ("load_optimizer_states", load_optimizer_states, True),
+                                     ("load_lr_scheduler_states", load_lr_scheduler_states, True),
+                                     ("load_module_only", load_module_only, False)):
+            if bool(value) != default:
+                raise ValueError(f"load_checkpoint: {flag}={value} is not supported: a tierzero checkpoint restores "
+                                 "the weights, optimizer states and schedule together, into a model whose "
+                                 "parameters match it (for the weights alone: export_safetensors, then "
+                                 "model.load_state_dict)")
+        path, blob = self._core.load_checkpoint(os.fspath(load_dir), tag=None if tag is None else str(tag))
+        self.global_steps = self._core.optimizer_steps
         if self.optimizer is not None:
             self.optimizer._show_lr()  # the restored schedule's (or saved) rate for the next step
+        return path, ({} if blob is None else _unpack_client_state(blob, path))
 
     def export_safetensors(self, path: Union[str, os.PathLike]) -> None:
         """The fp32 weights as one safetensors file, each tensor under its name in model.state_dict()
@@ -534,6 +587,34 @@ def _collect_blocks(model: torch.nn.Module) -> tuple[list, dict]:
                 owner[p] = index
             uses.setdefault(module, []).append(index)
     return blocks, {m: sorted(set(ids)) for m, ids in uses.items()}
+
+
+def _pack_client_state(client_state: Any) -> bytes:
+    """Note [Client state]: torch.save's bytes, refused here if torch.load(weights_only=True) could not read them."""
+    import io
+
+    if not isinstance(client_state, dict):
+        raise ValueError(f"save_checkpoint: client_state must be a dict (as DeepSpeed's), not "
+                         f"{type(client_state).__name__}")
+    buf = io.BytesIO()
+    torch.save(client_state, buf)
+    blob = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, named in the message
+        raise ValueError("save_checkpoint: client_state holds something load_checkpoint could not read back "
+                         f"safely (torch.load with weights_only=True: {e}); keep it to tensors, numbers, strings, "
+                         "lists, tuples and dicts") from None
+    return blob
+
+
+def _unpack_client_state(blob: bytes, path: str) -> dict:
+    import io
+
+    try:
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"load_checkpoint: {path}: the client state does not load ({e})") from None
 
 
 def _hyper_from_config(config: Any) -> dict:

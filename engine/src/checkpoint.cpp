@@ -10,6 +10,7 @@
 // old latest pointing at the old, complete checkpoint; a crash after it
 // leaves the new one. A half-written .partial directory is never read.
 #include <fcntl.h>
+#include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc 2.28)
 #include <unistd.h>
 
 #include <filesystem>
@@ -167,7 +168,58 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   return write_text_durably(fmt::format("{}/rank-{}.json", dir, rank), manifest.dump(1));
 }
 
-Status ZeroEngineImpl::save_checkpoint(const std::string& dir) {
+namespace {
+
+constexpr const char* kClientStateFile = "client_state.bin";
+
+// A tag is one directory name under the checkpoint directory, and not one of
+// the names the directory uses itself.
+Status check_tag(const std::string& tag) {
+  if (tag.empty() || tag == "." || tag == ".." || tag.find('/') != std::string::npos ||
+      tag.find('\0') != std::string::npos || tag.size() > 200) {
+    return invalid_argument("checkpoint tag '{}' is not a directory name (1 to 200 characters, no '/', not '.' or '..')",
+                            tag);
+  }
+  if (tag == "latest" || tag == "latest.tmp" || tag.ends_with(".partial")) {
+    return invalid_argument("checkpoint tag '{}' is a name the checkpoint directory uses itself ('latest', "
+                            "'latest.tmp', '*.partial')",
+                            tag);
+  }
+  return ok_status();
+}
+
+// Note [Replacing a checkpoint]
+// Saving under an existing tag must not leave a moment with no complete
+// checkpoint there: `latest` may point at it, and a crash would leave it
+// dangling. So the new one is written beside it (<tag>.partial) and the two
+// directories swap names in one renameat2(RENAME_EXCHANGE); the old one, now
+// <tag>.partial, is then removed (or, after a crash, by the next save of that
+// tag). A file system without the exchange gets an error, not a replacement
+// that could lose both.
+Status publish(const std::string& partial, const std::string& final_dir) {
+  std::error_code ec;
+  if (!fs::exists(final_dir, ec)) {
+    fs::rename(partial, final_dir, ec);
+    if (ec) return io_error("checkpoint: renaming {} to {}: {}", partial, final_dir, ec.message());
+    return ok_status();
+  }
+  if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0) {
+    const int err = errno;
+    if (err == EINVAL || err == ENOSYS) {
+      return failed_precondition("checkpoint: replacing {} needs an atomic exchange of directories (renameat2 "
+                                 "RENAME_EXCHANGE), which this file system refuses; save under a new tag",
+                                 final_dir);
+    }
+    return errno_status(err, "checkpoint: exchanging " + partial + " with " + final_dir);
+  }
+  fs::remove_all(partial, ec);  // the replaced checkpoint
+  if (ec) TZ_LOG_WARN("engine", "checkpoint: the replaced checkpoint {} could not be removed: {}", partial, ec.message());
+  return ok_status();
+}
+
+}  // namespace
+
+Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, const CheckpointSave& options) {
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());
   if (micro_ != 0) {
@@ -175,44 +227,61 @@ Status ZeroEngineImpl::save_checkpoint(const std::string& dir) {
                                "save after a step",
                                micro_, gas_);
   }
-  // A fresh name even when this step was saved before (an fp16-skipped step
-  // does not advance it), so no complete checkpoint is ever moved or
-  // overwritten. Every rank sees `dir` (one directory for all ranks), so all
-  // pick the same name.
-  std::string name = fmt::format("step-{}", step_);
-  for (int k = 1; fs::exists(dir + "/" + name); ++k) name = fmt::format("step-{}.{}", step_, k);
+  // Without a tag, a fresh name even when this step was saved before (an
+  // fp16-skipped step does not advance it), so no complete checkpoint is
+  // ever moved or overwritten. Every rank sees `dir` (one directory for all
+  // ranks), so all pick the same name.
+  std::string name = options.tag;
+  if (name.empty()) {
+    name = fmt::format("step-{}", step_);
+    for (int k = 1; fs::exists(dir + "/" + name); ++k) name = fmt::format("step-{}.{}", step_, k);
+  } else {
+    TZ_TRY(check_tag(name));
+  }
   const std::string final_dir = dir + "/" + name, partial = final_dir + ".partial";
   Status prepared;
   if (comm_->rank() == 0) {
     std::error_code ec;
-    fs::create_directories(dir, ec);
-    fs::remove_all(partial, ec);  // a crashed earlier save of this step
-    if (!ec) fs::create_directories(partial, ec);
-    if (ec) prepared = io_error("checkpoint: preparing {}: {}", partial, ec.message());
+    if (fs::exists(final_dir, ec) && !fs::exists(final_dir + "/manifest.json", ec)) {
+      prepared = already_exists("checkpoint: {} exists and is not a tierzero checkpoint (no manifest.json); "
+                                     "not replacing it",
+                                     final_dir);
+    } else {
+      fs::create_directories(dir, ec);
+      fs::remove_all(partial, ec);  // a crashed earlier save of this name, or a replaced one left behind
+      if (!ec) fs::create_directories(partial, ec);
+      if (ec) prepared = io_error("checkpoint: preparing {}: {}", partial, ec.message());
+    }
   }
   TZ_TRY(agree(prepared, "checkpoint"));
   TZ_TRY(agree(write_rank_files(partial), "checkpoint " + final_dir));
   Status published;
   if (comm_->rank() == 0) {
     published = [&]() -> Status {
-      const nlohmann::json manifest = {{"format", "tierzero-checkpoint"}, {"version", kFormatVersion},
-                                       {"world_size", comm_->size()}, {"step", step_},
-                                       {"blocks", layout_.blocks.size()}, {"stage", stage_}};
+      nlohmann::json manifest = {{"format", "tierzero-checkpoint"}, {"version", kFormatVersion},
+                                 {"world_size", comm_->size()}, {"step", step_},
+                                 {"blocks", layout_.blocks.size()}, {"stage", stage_}};
+      if (options.client_state) {
+        const std::string& bytes = *options.client_state;
+        TZ_TRY(write_text_durably(partial + "/" + kClientStateFile, bytes));
+        manifest["client_state"] = {{"file", kClientStateFile}, {"bytes", bytes.size()},
+                                    {"xxh3", hex(nvme::checksum(bytes.data(), bytes.size()))}};
+      }
       TZ_TRY(write_text_durably(partial + "/manifest.json", manifest.dump(1)));
       TZ_TRY(fsync_dir(partial));
-      std::error_code ec;
-      fs::rename(partial, final_dir, ec);
-      if (ec) return io_error("checkpoint: renaming {} to {}: {}", partial, final_dir, ec.message());
-      TZ_TRY(write_text_durably(dir + "/latest.tmp", name));
-      if (std::rename((dir + "/latest.tmp").c_str(), (dir + "/latest").c_str()) != 0) {
-        return errno_status(errno, "checkpoint: pointing " + dir + "/latest at " + name);
+      TZ_TRY(publish(partial, final_dir));  // Note [Replacing a checkpoint]
+      if (options.save_latest) {
+        TZ_TRY(write_text_durably(dir + "/latest.tmp", name));
+        if (std::rename((dir + "/latest.tmp").c_str(), (dir + "/latest").c_str()) != 0) {
+          return errno_status(errno, "checkpoint: pointing " + dir + "/latest at " + name);
+        }
       }
       return fsync_dir(dir);
     }();
   }
   TZ_TRY(agree(published, "checkpoint " + final_dir));
   TZ_LOG_INFO("engine", "checkpoint saved: {}", final_dir);
-  return ok_status();
+  return final_dir;
 }
 
 // Reads and verifies this rank's files; states[b * 3 + k] = master, exp_avg,
@@ -281,11 +350,46 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
   return ok_status();
 }
 
-Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
+namespace {
+
+// The checkpoint's own manifest, and the client state it lists (verified).
+Status read_manifest(const std::string& dir, std::optional<std::string>& client_state) {
+  TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(dir + "/manifest.json"));
+  if (m.value("format", "") != "tierzero-checkpoint" || m.value("version", 0) != kFormatVersion) {
+    return data_corruption("checkpoint {}: manifest.json is not a tierzero checkpoint's (format version {})", dir,
+                           kFormatVersion);
+  }
+  if (!m.contains("client_state")) return ok_status();
+  const nlohmann::json& c = m["client_state"];
+  if (!c.is_object() || c.value("file", "").empty()) {
+    return data_corruption("checkpoint {}: manifest.json has a malformed client_state entry", dir);
+  }
+  const std::string file = dir + "/" + c.value("file", "");
+  TZ_ASSIGN_OR_RETURN(std::string bytes, read_text(file));
+  if (bytes.size() != c.value("bytes", std::uint64_t{0})) {
+    return data_corruption("checkpoint file {} holds {} bytes; its manifest says {} (truncated?)", file, bytes.size(),
+                           c.value("bytes", std::uint64_t{0}));
+  }
+  if (hex(nvme::checksum(bytes.data(), bytes.size())) != c.value("xxh3", "")) {
+    return data_corruption("checkpoint {}: checksum mismatch in {}: the file is corrupt", dir, file);
+  }
+  client_state = std::move(bytes);
+  return ok_status();
+}
+
+}  // namespace
+
+Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& path, const std::string& tag) {
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());
   std::string dir = path;
-  if (fs::exists(path + "/latest")) {
+  if (!tag.empty()) {
+    TZ_TRY(check_tag(tag));
+    dir = path + "/" + tag;
+    if (!fs::exists(dir + "/manifest.json")) {
+      return not_found("checkpoint: no checkpoint tagged '{}' under {} ({} has no manifest.json)", tag, path, dir);
+    }
+  } else if (fs::exists(path + "/latest")) {
     TZ_ASSIGN_OR_RETURN(std::string name, read_text(path + "/latest"));
     dir = path + "/" + name;
   }
@@ -296,9 +400,13 @@ Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
   std::int64_t step = 0;
   detail::LossScaler::State scaler{};
   std::optional<double> saved_lr;
+  std::optional<std::string> client_state;
   // Everything is read and verified on every rank before any state is replaced.
-  TZ_TRY(agree(read_rank_files(dir, states, step, scaler, saved_lr),
-               "loading checkpoint " + dir));
+  const Status read = [&]() -> Status {
+    TZ_TRY(read_manifest(dir, client_state));
+    return read_rank_files(dir, states, step, scaler, saved_lr);
+  }();
+  TZ_TRY(agree(read, "loading checkpoint " + dir));
   // Prefetched blocks hold the old parameters, and their reads would race
   // the replacement: drop them first.
   prefetcher_->reset();
@@ -331,7 +439,7 @@ Status ZeroEngineImpl::load_checkpoint(const std::string& path) {
   nvme_read_bytes_ = 0;
   nvme_write_bytes_ = 0;
   TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {})", dir, step_);
-  return ok_status();
+  return LoadedCheckpoint{dir, step_, std::move(client_state)};
 }
 
 namespace {

@@ -595,12 +595,19 @@ Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {
 }
 
 std::string ZeroEngineImpl::describe() const {
-  std::string out = fmt::format("ZeRO stage {} over {} rank(s) ({}), {} blocks, {} parameters ({} per rank), {} params, "
+  // Shards are padded (Note [Chunk layout]), so on a model of small blocks the count per rank can exceed
+  // the model's: say why rather than print a count that looks wrong.
+  const std::uint64_t padding = layout_.shard_numel * comm_->size() - layout_.param_numel;
+  const std::string padded =
+      padding * 10 > layout_.param_numel
+          ? fmt::format(" with padding: a block's shard is whole runs of {} elements", kShardAlignElems)
+          : std::string();
+  std::string out = fmt::format("ZeRO stage {} over {} rank(s) ({}), {} blocks, {} parameters ({} per rank{}), {} params, "
                                 "{} gradients; device {}",
                                 stage_, comm_->size(), comm_->describe(), layout_.blocks.size(),
                                 format_count(static_cast<double>(layout_.param_numel)),
-                                format_count(static_cast<double>(layout_.shard_numel)), elem_type_name(param_type_),
-                                elem_type_name(grad_type_), device_->name());
+                                format_count(static_cast<double>(layout_.shard_numel)), padded,
+                                elem_type_name(param_type_), elem_type_name(grad_type_), device_->name());
   for (std::size_t s = 0; s < kNumStateClasses; ++s) {
     out += fmt::format("; {} on {}", state_class_name(static_cast<StateClass>(s)), tier_name(plan_.tier[s]));
   }

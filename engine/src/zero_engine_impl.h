@@ -57,8 +57,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   int world_size() const override { return comm_->size(); }
   Expected<std::vector<float>> gather_master(std::size_t block) override;
   std::string describe() const override;
-  Status save_checkpoint(const std::string& dir) override;
-  Status load_checkpoint(const std::string& dir) override;
+  using ZeroEngine::load_checkpoint;
+  using ZeroEngine::save_checkpoint;
+  Expected<std::string> save_checkpoint(const std::string& dir, const CheckpointSave& options) override;
+  Expected<LoadedCheckpoint> load_checkpoint(const std::string& dir, const std::string& tag) override;
   using ZeroEngine::export_safetensors;
   Status export_safetensors(const std::string& path, const std::vector<std::vector<std::string>>& names) override;
   void record_timeline(bool on) override { timeline_.enable(on); }

@@ -11,7 +11,9 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -46,6 +48,19 @@ tz::Status train(tz::ZeroEngine& e, int from, int to) {
 std::vector<std::vector<float>> masters(tz::ZeroEngine& e) {
   std::vector<std::vector<float>> out;
   for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) out.push_back(e.gather_master(b).value());
+  return out;
+}
+
+std::string read_latest(const std::string& dir) {
+  std::ifstream latest(dir + "/latest");
+  std::string name;
+  latest >> name;
+  return name;
+}
+
+std::set<std::string> entries(const std::string& dir) {
+  std::set<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) out.insert(e.path().filename().string());
   return out;
 }
 
@@ -141,50 +156,167 @@ TEST(Checkpoint, SavingTheSameStepTwiceKeepsBothComplete) {
   ASSERT_TRUE(a->save_checkpoint(ckpt.path()).ok());
   EXPECT_TRUE(std::filesystem::exists(ckpt.path() + "/step-2/manifest.json"));
   EXPECT_TRUE(std::filesystem::exists(ckpt.path() + "/step-2.1/manifest.json"));
-  std::ifstream latest(ckpt.path() + "/latest");
-  std::string name;
-  latest >> name;
-  EXPECT_EQ(name, "step-2.1");
+  EXPECT_EQ(read_latest(ckpt.path()), "step-2.1");
   auto b = make(nvme.path(), kCpu);
   ASSERT_TRUE(b->load_checkpoint(ckpt.path()).ok());
   EXPECT_EQ(masters(*b), masters(*a));
 }
 
-TEST(Checkpoint, KillDashNineDuringASaveLeavesTheLastCheckpointLoadable) {
+// As DeepSpeed's save_checkpoint(dir, tag, client_state): the tag names the
+// directory, saving under it again replaces it whole (Note [Replacing a
+// checkpoint]), and the client state comes back on every load.
+TEST(Checkpoint, ATagNamesTheCheckpointAndSavingUnderItAgainReplacesIt) {
   TempDir nvme, ckpt;
+  auto a = make(nvme.path(), kCpu);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(train(*a, 0, 2).ok());
+  auto saved = a->save_checkpoint(ckpt.path(), {.tag = "best", .client_state = "epoch 1"});
+  ASSERT_TRUE(saved.ok()) << saved.status().to_string();
+  EXPECT_EQ(*saved, ckpt.path() + "/best");
+  const auto first = masters(*a);
+  ASSERT_TRUE(train(*a, 2, 3).ok());
+  std::string binary("epoch 2\0\xff", 9);  // the bytes as given, zeros and all
+  saved = a->save_checkpoint(ckpt.path(), {.tag = "best", .client_state = binary});
+  ASSERT_TRUE(saved.ok()) << saved.status().to_string();
+  EXPECT_EQ(entries(ckpt.path()), (std::set<std::string>{"best", "latest"})) << "the replaced one is gone";
+  EXPECT_EQ(read_latest(ckpt.path()), "best");
+
+  auto b = make(nvme.path(), kCpu);
+  ASSERT_TRUE(b);
+  auto loaded = b->load_checkpoint(ckpt.path(), "best");
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  EXPECT_EQ(loaded->path, ckpt.path() + "/best");
+  EXPECT_EQ(loaded->step, 3);
+  EXPECT_EQ(loaded->client_state, binary);
+  EXPECT_EQ(masters(*b), masters(*a));
+  EXPECT_NE(masters(*b), first);
+
+  // save_latest = false leaves `latest` where it was; a checkpoint saved without a client state has none.
+  ASSERT_TRUE(train(*a, 3, 4).ok());
+  ASSERT_TRUE(a->save_checkpoint(ckpt.path(), {.tag = "step-4-eval", .save_latest = false}).ok());
+  EXPECT_EQ(read_latest(ckpt.path()), "best");
+  loaded = b->load_checkpoint(ckpt.path(), "");
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  EXPECT_EQ(loaded->path, ckpt.path() + "/best");
+  loaded = b->load_checkpoint(ckpt.path(), "step-4-eval");
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  EXPECT_EQ(loaded->step, 4);
+  EXPECT_FALSE(loaded->client_state.has_value());
+  EXPECT_EQ(masters(*b), masters(*a));
+}
+
+TEST(Checkpoint, BadTagsAndADirectoryThatIsNoCheckpointAreRefusedAndLeftAlone) {
+  TempDir nvme, ckpt;
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 1).ok());
+  for (const std::string& tag : std::vector<std::string>{"a/b", "..", ".", "latest", "x.partial", std::string(201, 'x')}) {
+    const auto s = e->save_checkpoint(ckpt.path(), {.tag = tag});
+    EXPECT_EQ(s.status().code(), tz::ErrorCode::kInvalidArgument) << tag << ": " << s.status().to_string();
+    EXPECT_NE(s.status().message().find("'" + tag + "'"), std::string::npos) << s.status().message();
+  }
+  EXPECT_FALSE(std::filesystem::exists(ckpt.path() + "/latest"));
+  // A directory of the user's under that name is not replaced.
+  std::filesystem::create_directories(ckpt.path() + "/notes");
+  std::ofstream(ckpt.path() + "/notes/todo.txt") << "keep me";
+  const auto s = e->save_checkpoint(ckpt.path(), {.tag = "notes"});
+  EXPECT_EQ(s.status().code(), tz::ErrorCode::kAlreadyExists) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("is not a tierzero checkpoint"), std::string::npos) << s.status().message();
+  EXPECT_EQ(entries(ckpt.path() + "/notes"), std::set<std::string>{"todo.txt"});
+  EXPECT_EQ(entries(ckpt.path()), std::set<std::string>{"notes"});
+  const auto missing = e->load_checkpoint(ckpt.path(), "missing");
+  EXPECT_EQ(missing.status().code(), tz::ErrorCode::kNotFound) << missing.status().to_string();
+  EXPECT_NE(missing.status().message().find("no checkpoint tagged 'missing'"), std::string::npos);
+}
+
+TEST(Checkpoint, ACorruptOrTruncatedClientStateIsRefusedAndNothingIsReplaced) {
+  TempDir nvme, ckpt;
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 2).ok());
+  ASSERT_TRUE(e->save_checkpoint(ckpt.path(), {.client_state = std::string(5000, 'c')}).ok());
+  ASSERT_TRUE(train(*e, 2, 3).ok());
+  const auto before = masters(*e);
+  const std::string file = ckpt.path() + "/step-2/client_state.bin";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4000);
+    f.write("d", 1);
+  }
+  auto s = e->load_checkpoint(ckpt.path(), "");
+  EXPECT_EQ(s.status().code(), tz::ErrorCode::kDataCorruption) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("client_state.bin"), std::string::npos) << s.status().message();
+  EXPECT_EQ(masters(*e), before) << "a refused load replaces nothing";
+  std::filesystem::resize_file(file, 100);
+  s = e->load_checkpoint(ckpt.path(), "");
+  EXPECT_EQ(s.status().code(), tz::ErrorCode::kDataCorruption) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("truncated"), std::string::npos) << s.status().message();
+  EXPECT_EQ(masters(*e), before);
+}
+
+// Three times: forks a child that trains and saves with `save` after every
+// step, forever, and kills it (SIGKILL) at a random moment once a first
+// checkpoint exists. Returns whether every child died by the signal.
+::testing::AssertionResult kill_saving_children(const std::string& nvme, const std::string& ckpt, const Placement& p,
+                                                const std::function<tz::Status(tz::ZeroEngine&, int)>& save) {
   std::mt19937 rng(std::random_device{}());
   for (int round = 0; round < 3; ++round) {
     const pid_t child = ::fork();
     if (child == 0) {
-      // Saves after every step, forever, until killed.
-      auto e = make(nvme.path() , kNvme);
+      auto e = make(nvme, p);
       if (!e) ::_exit(3);
       for (int step = 0;; ++step) {
-        if (!train(*e, step, step + 1).ok() || !e->save_checkpoint(ckpt.path()).ok()) ::_exit(4);
+        if (!train(*e, step, step + 1).ok() || !save(*e, step + 1).ok()) ::_exit(4);
       }
     }
-    // Kill it at a random moment once a first checkpoint exists.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (!std::filesystem::exists(ckpt.path() + "/latest") && std::chrono::steady_clock::now() < deadline) {
+    while (!std::filesystem::exists(ckpt + "/latest") && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 400));
     ::kill(child, SIGKILL);
     int status = 0;
     ::waitpid(child, &status, 0);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "the child should have been killed, not exited (" << status << ")";
+    if (!WIFSIGNALED(status)) {
+      return ::testing::AssertionFailure() << "the child should have been killed, not exited (" << status << ")";
+    }
   }
+  return ::testing::AssertionSuccess();
+}
+
+TEST(Checkpoint, KillDashNineDuringASaveLeavesTheLastCheckpointLoadable) {
+  TempDir nvme, ckpt;
+  ASSERT_TRUE(kill_saving_children(nvme.path(), ckpt.path(), kNvme,
+                                   [&](tz::ZeroEngine& e, int) { return e.save_checkpoint(ckpt.path()); }));
   // Whatever the kill interrupted, `latest` names a complete checkpoint ...
   auto loaded = make(nvme.path(), kCpu);
   ASSERT_TRUE(loaded);
   const tz::Status s = loaded->load_checkpoint(ckpt.path());
   ASSERT_TRUE(s.ok()) << s.to_string();
-  std::ifstream latest(ckpt.path() + "/latest");
-  std::string name;
-  latest >> name;
+  const std::string name = read_latest(ckpt.path());
   const int step = std::stoi(name.substr(5));
   std::printf("[ engine ] after 3 kills, latest = %s\n", name.c_str());
   // ... equal to an uninterrupted run of the same number of steps.
+  auto fresh = make(nvme.path(), kCpu);
+  ASSERT_TRUE(train(*fresh, 0, step).ok());
+  EXPECT_EQ(masters(*loaded), masters(*fresh));
+}
+
+// Note [Replacing a checkpoint]: killed while saving over the same tag again
+// and again, the tag always holds one complete checkpoint.
+TEST(Checkpoint, KillDashNineWhileReplacingATaggedCheckpointLeavesOneComplete) {
+  TempDir nvme, ckpt;
+  ASSERT_TRUE(kill_saving_children(nvme.path(), ckpt.path(), kCpu, [&](tz::ZeroEngine& e, int step) {
+    return e.save_checkpoint(ckpt.path(), {.tag = "rolling", .client_state = std::to_string(step)}).status();
+  }));
+  auto loaded = make(nvme.path(), kCpu);
+  ASSERT_TRUE(loaded);
+  const auto l = loaded->load_checkpoint(ckpt.path(), "rolling");
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  ASSERT_TRUE(l->client_state.has_value());
+  const int step = std::stoi(*l->client_state);
+  EXPECT_EQ(l->step, step) << "the client state is the one saved with these weights";
+  std::printf("[ engine ] after 3 kills, 'rolling' holds step %d\n", step);
   auto fresh = make(nvme.path(), kCpu);
   ASSERT_TRUE(train(*fresh, 0, step).ok());
   EXPECT_EQ(masters(*loaded), masters(*fresh));
@@ -244,8 +376,11 @@ TEST(Checkpoint, AModelWithOtherParametersInBlocksOfTheSameSizeIsRefused) {
     EXPECT_TRUE(o.ok()) << o.status().to_string();
     const auto before = masters(**o);
     const tz::Status s = (*o)->load_checkpoint(ckpt.path());
-    if (!s.ok()) EXPECT_EQ(masters(**o), before) << "a refused load replaces nothing";
-    if (s.ok()) EXPECT_EQ(masters(**o), masters(*e)) << "a load gives the saved weights";
+    if (!s.ok()) {
+      EXPECT_EQ(masters(**o), before) << "a refused load replaces nothing";
+    } else {
+      EXPECT_EQ(masters(**o), masters(*e)) << "a load gives the saved weights";
+    }
     return s;
   };
   const std::vector<tz::BlockSpec> model = tz::mlp::model(kMlp);

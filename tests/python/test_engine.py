@@ -31,7 +31,8 @@ def test_fetch_gives_the_initial_values_and_the_layout(nvme_dir):
     np.testing.assert_array_equal(np.from_dlpack(g.param(0)), init[0][0])
     np.testing.assert_array_equal(np.from_dlpack(g.param(1)), np.zeros(8, np.float32))
     assert np.from_dlpack(g.data).shape == (lay[0]["whole_numel"],)
-    assert "ZeRO stage 3" in eng.describe()
+    # Two small blocks: each rank's shard is padded to whole 2048-element runs, and the text says so.
+    assert "ZeRO stage 3" in eng.describe() and "with padding: a block's shard is whole runs of 2048" in eng.describe()
 
 
 def test_zero_copy_the_same_memory_from_both_sides(nvme_dir):
@@ -167,6 +168,26 @@ def test_checkpoint_round_trip_and_safetensors(nvme_dir, tmp_path):
     assert not (tmp_path / "bad.safetensors").exists()
     with pytest.raises(OSError):
         eng.load_checkpoint(tmp_path / "missing")
+
+
+def test_checkpoint_tags_and_client_state_bytes(nvme_dir, tmp_path):
+    eng, _ = make(nvme_dir)
+    eng.reduce_grads(0, [torch.ones(8, 16), torch.ones(8)])
+    eng.step()
+    blob = bytes(range(256)) * 3
+    assert eng.save_checkpoint(tmp_path, "a", client_state=blob) == str(tmp_path / "a")
+    assert eng.load_checkpoint(tmp_path) == (str(tmp_path / "a"), blob) and eng.optimizer_steps == 1
+    assert eng.save_checkpoint(tmp_path, save_latest=False) == str(tmp_path / "step-1")
+    assert eng.load_checkpoint(tmp_path, "step-1") == (str(tmp_path / "step-1"), None)
+    with pytest.raises(ValueError, match="tag is empty"):
+        eng.save_checkpoint(tmp_path, "")
+    with pytest.raises(ValueError, match="checkpoint tag 'latest' is a name the checkpoint directory uses itself"):
+        eng.save_checkpoint(tmp_path, "latest")
+    data = bytearray((tmp_path / "a" / "client_state.bin").read_bytes())
+    data[100] ^= 1
+    (tmp_path / "a" / "client_state.bin").write_bytes(bytes(data))
+    with pytest.raises(OSError, match="checksum mismatch in .*client_state.bin"):
+        eng.load_checkpoint(tmp_path, "a")
 
 
 def test_timeline(nvme_dir, tmp_path):

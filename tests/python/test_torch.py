@@ -3,6 +3,7 @@
 import copy
 import gc
 import math
+import os
 import warnings
 import weakref
 
@@ -140,6 +141,70 @@ def test_tiny_transformer_with_tied_weights_matches_plain_pytorch(nvme_dir):
     assert "wte" in engine.block_names and "head" not in engine.block_names  # the tied weight lives once
 
 
+def _gpt_batches(seed, n, vocab=64):
+    gen = torch.Generator().manual_seed(seed)
+    return [(lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, vocab, (4, 17), generator=gen)) for _ in range(n)]
+
+
+def _next_token_loss(logits, y):
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_an_fp32_model_trains_in_16_bit_as_mixed_precision_pytorch_does(nvme_dir, precision):
+    # A DeepSpeed config with "bf16" (or "fp16") enabled and an fp32 model, unchanged: initialize() casts the
+    # model (Note [Model dtype]). The reference is mixed precision written out in plain PyTorch: fp32 masters
+    # from the fp32 weights, torch.optim.AdamW on them, gradients from the model in 16 bits; fp16 with a static
+    # loss scale, undone in fp32. Each step is checked on its own: the 16-bit weights the engine computes with
+    # must be its masters rounded, bit for bit, and the reference computes with those same weights. (A
+    # reference that rounded its own masters would compute with other weights wherever fp32 reordering moved a
+    # master across a rounding boundary, and those differences grow step by step.)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = copy.deepcopy(model).to(dtype)
+    masters = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
+    config = host_config(nvme_dir, lr=3e-3)
+    config[precision] = {"enabled": True} if precision == "bf16" else {"enabled": True, "loss_scale": 256}
+    engine, _ = tzt.initialize(model, config)
+    assert all(p.dtype == dtype for p in model.parameters()) and engine.loss_scale == (256 if precision == "fp16" else 1)
+    computed_with = {}  # the weights each module computes with, seen after the engine's pre-hook gathered them
+
+    def capture(prefix):
+        def hook(module, args):
+            computed_with.update({prefix + n: p.detach().clone() for n, p in module.named_parameters(recurse=False)})
+        return hook
+    for name, module in model.named_modules():
+        module.register_forward_pre_hook(capture(f"{name}." if name else ""))
+    opt = _adamw_like(config, masters.values())
+    losses, err = [], 0.0
+    for x, y in _gpt_batches(2, 6):
+        before = engine.master_state_dict()
+        if not losses:  # the masters start as the fp32 model's own weights, not their rounding
+            assert all(torch.equal(before[n], m.detach()) for n, m in masters.items())
+        loss = _next_token_loss(engine(x), y)
+        assert all(torch.equal(computed_with[n], before[n].to(dtype)) for n in masters), "16-bit weights != masters rounded"
+        engine.backward(loss)
+        assert engine.step()["stepped"]
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.copy_(computed_with[n])
+        ref_loss = _next_token_loss(ref(x), y)
+        assert ref_loss.item() == loss.item()
+        (ref_loss * engine.loss_scale).backward()
+        for n, p in ref.named_parameters():
+            masters[n].grad = p.grad.float() / engine.loss_scale
+            p.grad = None
+        opt.step()
+        after = engine.master_state_dict()
+        err = max(err, max((after[n] - m).abs().max().item() for n, m in masters.items()))
+        losses.append(loss.item())
+    print(f"tiny GPT, fp32 model with {precision} enabled, 6 steps: largest master error {err:.3g}; "
+          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    assert err <= TOL
+    assert losses[-1] < losses[0]
+
+
 def test_export_safetensors_loads_back_into_the_model_by_name(nvme_dir, tmp_path):
     from safetensors.torch import load_file
 
@@ -256,6 +321,55 @@ def test_checkpoint_resume_is_bit_for_bit(nvme_dir, tmp_path):
     run(other, batches[3:])
     got = other.master_state_dict()
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp_path):
+    # As DeepSpeed's save_checkpoint(save_dir, tag, client_state) and `_, client_sd = load_checkpoint(...)`.
+    torch.manual_seed(0)
+    engine, _ = tzt.initialize(mlp(), host_config(nvme_dir))
+    batches = _mlp_batches(1, 3)
+
+    def train(pairs):
+        for x, y in pairs:
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+    train(batches[:2])
+    ckpt = tmp_path / "ckpt"
+    assert engine.save_checkpoint(ckpt, "epoch-end", client_state={"epoch": 1}) is True
+    train(batches[2:])
+    state = {"epoch": 2, "order": torch.arange(5), "note": ("resume", 2.5)}
+    engine.save_checkpoint(ckpt, "epoch-end", client_state=state)  # replaces the first
+    engine.save_checkpoint(ckpt, "no-state", save_latest=False)
+    assert sorted(os.listdir(ckpt)) == ["epoch-end", "latest", "no-state"]
+
+    other, _ = tzt.initialize(mlp(), host_config(nvme_dir))
+    path, client = other.load_checkpoint(ckpt)  # latest: still the tagged one
+    assert path == str(ckpt / "epoch-end") and client["epoch"] == 2 and client["note"] == ("resume", 2.5)
+    assert torch.equal(client["order"], torch.arange(5))
+    assert other.global_steps == 3 == engine.global_steps  # as DeepSpeed's engine restores it
+    assert other.load_checkpoint(ckpt, tag="no-state") == (str(ckpt / "no-state"), {})
+    master, theirs = engine.master_state_dict(), other.master_state_dict()
+    assert all(torch.equal(master[n], theirs[n]) for n in master)
+
+    # Refused, naming the problem, with nothing written or replaced.
+    with pytest.raises(ValueError, match="client_state must be a dict"):
+        engine.save_checkpoint(ckpt, "x", client_state=[1, 2])
+    with pytest.raises(ValueError, match="could not read back safely"):
+        engine.save_checkpoint(ckpt, "x", client_state={"args": _Opaque()})
+    with pytest.raises(ValueError, match="checkpoint tag 'a/b' is not a directory name"):
+        engine.save_checkpoint(ckpt, "a/b")
+    assert sorted(os.listdir(ckpt)) == ["epoch-end", "latest", "no-state"]
+    with pytest.raises(ValueError, match="load_optimizer_states=False is not supported"):
+        other.load_checkpoint(ckpt, load_optimizer_states=False)
+    with pytest.raises(FileNotFoundError, match="no checkpoint tagged 'epoch-9'"):
+        other.load_checkpoint(ckpt, tag="epoch-9")
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(FileExistsError, match="is not a tierzero checkpoint"):
+        engine.save_checkpoint(tmp_path, "mine")
+
+
+class _Opaque:
+    """An object torch.save pickles but torch.load(weights_only=True) refuses."""
 
 
 def test_a_torch_scheduler_on_the_returned_optimizer_trains_like_plain_pytorch(nvme_dir):
@@ -382,12 +496,30 @@ def test_a_dropped_engine_is_collected(nvme_dir):
 def test_refusals_name_the_problem(nvme_dir):
     with pytest.raises(ValueError, match="pass optimizer=None"):
         tzt.initialize(mlp(), host_config(nvme_dir), optimizer=torch.optim.SGD(mlp().parameters(), lr=0.1))
-    with pytest.raises(ValueError, match=r"parameter '0.weight' is torch.float64"):
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is torch.float64, .* enable the config's \"bf16\""):
         tzt.initialize(mlp().double(), host_config(nvme_dir))
     with pytest.raises(ValueError, match="no parameters that require grad"):
         tzt.initialize(mlp().requires_grad_(False), host_config(nvme_dir))
     with pytest.raises(ValueError, match="config= is required"):
         tzt.initialize(mlp())
+
+
+def test_a_16_bit_config_casts_frozen_parameters_and_buffers_too(nvme_dir):
+    # As DeepSpeed's initialize does with "bf16" enabled: the whole model, so a frozen layer or a norm's running
+    # statistics compute in the same dtype as the trained ones (Note [Model dtype]).
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    model[0].requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    config = host_config(nvme_dir)
+    config["bf16"] = {"enabled": True}
+    engine, _ = tzt.initialize(model, config)
+    assert model[0].weight.dtype == model[1].running_mean.dtype == torch.bfloat16
+    assert model[1].num_batches_tracked.dtype == torch.int64  # not a floating-point buffer: left as it is
+    assert torch.equal(model[0].weight, frozen.bfloat16())
+    engine.backward(engine(torch.randn(8, 16).bfloat16()).float().square().mean())
+    assert engine.step()["stepped"]
+    master = engine.master_state_dict()
+    assert set(master) == {"1.weight", "1.bias", "3.weight", "3.bias"} and master["3.weight"].dtype == torch.float32
 
 
 def test_frozen_parameters_stay_with_torch(nvme_dir):
@@ -400,18 +532,26 @@ def test_frozen_parameters_stay_with_torch(nvme_dir):
     assert "0" not in engine.block_names and torch.equal(model[0].weight, frozen)
 
 
-def test_huggingface_gpt2_trains(nvme_dir):
+@pytest.mark.parametrize("recompute", [None, "reentrant", "non-reentrant"])
+def test_huggingface_gpt2_trains(nvme_dir, recompute):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(cfg)
     model.config.use_cache = False
+    if recompute:
+        # Activation checkpointing: each layer's forward runs again inside backward, so its blocks are gathered
+        # a second time there, by the same hooks.
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": recompute == "reentrant"})
     gen = torch.Generator().manual_seed(4)
     batches = [(lambda t: (t, t))(torch.randint(0, 128, (2, 16), generator=gen)) for _ in range(4)]
     ref = copy.deepcopy(model)
     config = host_config(nvme_dir, lr=1e-3)
     engine, _ = tzt.initialize(model, config)
+    forwards = []
+    model.transformer.h[0].mlp.c_fc.register_forward_pre_hook(lambda m, a: forwards.append(m.weight.numel()))
     opt = _adamw_like(config, ref.parameters())
     for x, _ in batches:
         engine.backward(engine(input_ids=x, labels=x).loss)
@@ -423,8 +563,12 @@ def test_huggingface_gpt2_trains(nvme_dir):
     master = engine.master_state_dict()
     keep = lambda n, t: torch.cat([t[:32], t[64:]]) if "c_attn.bias" in n else t  # noqa: E731
     err = max((keep(n, master[n]) - keep(n, p.detach())).abs().max().item() for n, p in ref.named_parameters())
-    print(f"Hugging Face GPT-2 (2 layers, 32 wide), 4 steps: largest error {err:.3g}")
+    print(f"Hugging Face GPT-2 (2 layers, 32 wide, activation checkpointing {recompute or 'off'}), 4 steps: "
+          f"largest error {err:.3g}")
     assert err <= TOL
+    assert tzt._live_gathered(engine) == 0
+    # Each forward saw the layer's gathered weights; with recomputation the layer ran twice per step.
+    assert forwards == [32 * 128] * (len(batches) * (2 if recompute else 1))
 
 
 def test_a_forward_that_raises_leaves_nothing_gathered(nvme_dir):

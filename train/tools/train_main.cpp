@@ -19,17 +19,15 @@
 // its Host backend ("device" memory is host memory, budgeted by
 // tierzero.tiers.gpu_bytes as a GPU's would be); on CUDA the GPT runs as
 // CUDA kernels and cuBLAS (TF32 unless --no-tf32) with the engine on the GPU.
-// The engine has no GPU optimizer yet, so on CUDA the optimizer states must
-// be offloaded (zero_optimization.offload_optimizer "cpu" or "nvme"; the
-// shipped config offloads to NVMe).
+// The shipped config offloads the optimizer states to NVMe; with none
+// offloaded, on CUDA the engine's GPU optimizer steps them there (Adam and
+// AdamW; Note [GPU optimizer] in engine/src/zero_engine.cpp).
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 #include <tbb/global_control.h>
 
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
 
@@ -159,21 +157,6 @@ std::int64_t preset_steps(const Flags& f) {
   return f.steps.value_or(300);
 }
 
-// The step of the checkpoint `dir` points at (dir/latest -> step-N/manifest.json).
-tz::Expected<std::int64_t> checkpoint_step(const std::string& dir) {
-  std::string step_dir = dir;
-  if (std::ifstream latest(dir + "/latest"); latest) {
-    std::string name;
-    std::getline(latest, name);
-    step_dir = dir + "/" + name;
-  }
-  std::ifstream in(step_dir + "/manifest.json");
-  if (!in) return tz::not_found("--resume {}: no {}/manifest.json", dir, step_dir);
-  const nlohmann::json m = nlohmann::json::parse(in, nullptr, false);
-  if (m.is_discarded() || !m.contains("step")) return tz::data_corruption("{}/manifest.json has no step", step_dir);
-  return m["step"].get<std::int64_t>();
-}
-
 class Run {
  public:
   explicit Run(Flags f) : f_(std::move(f)) {}
@@ -219,8 +202,9 @@ tz::Status Run::setup() {
                                                       tz::train::init(gpt_)));
   TZ_ASSIGN_OR_RETURN(trainer_, tz::train::GptTrainer::create(*engine_, gpt_, {.tf32 = f_.tf32}));
   if (!f_.resume_dir.empty()) {
-    TZ_TRY_CTX(engine_->load_checkpoint(f_.resume_dir), "--resume {}", f_.resume_dir);
-    TZ_ASSIGN_OR_RETURN(info_.first_step, checkpoint_step(f_.resume_dir));
+    auto loaded = engine_->load_checkpoint(f_.resume_dir, "");
+    TZ_TRY_CTX(loaded.status(), "--resume {}", f_.resume_dir);
+    info_.first_step = loaded->step;
   }
   info_.steps = preset_steps(f_);
   info_.params = engine_->layout().param_numel;

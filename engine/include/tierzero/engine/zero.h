@@ -165,6 +165,28 @@ struct StepReport {
   std::uint64_t new_allocations = 0;
 };
 
+// save_checkpoint's choices beyond the directory (DeepSpeed's save_checkpoint
+// takes the same: a tag, whether to point `latest` at it, a client state).
+struct CheckpointSave {
+  // The checkpoint's directory under `dir`. Empty: "step-<N>", a name no
+  // existing checkpoint has. A tag naming an existing checkpoint replaces it
+  // in one atomic exchange: at every instant one complete checkpoint is there.
+  std::string tag;
+  // Point dir/latest at it.
+  bool save_latest = true;
+  // Bytes of the caller's (a data loader's position, an epoch count) that rank
+  // 0 stores with the checkpoint, checksummed; load_checkpoint gives them back
+  // to every rank.
+  std::optional<std::string> client_state;
+};
+
+// What load_checkpoint loaded.
+struct LoadedCheckpoint {
+  std::string path;  // the checkpoint's directory
+  std::int64_t step = 0;
+  std::optional<std::string> client_state;  // as saved; none when it was saved without
+};
+
 class ZeroEngine {
  public:
   static Expected<std::unique_ptr<ZeroEngine>> create(const ZeroOptions& options, const std::vector<BlockSpec>& model,
@@ -209,13 +231,17 @@ class ZeroEngine {
   // checksums and a manifest), each file written under a temporary name and
   // fsynced; only when every rank is done is the directory renamed into place
   // and dir/latest pointed at it. A crash at any point leaves the previous
-  // checkpoint, and `latest`, intact. Call between steps.
-  virtual Status save_checkpoint(const std::string& dir) = 0;
-  // Loads dir/latest (or dir itself when it is a step directory) into this
-  // engine's tiers, whatever tiers it was saved from; the world size and the
-  // model's layout must match. Every checksum is verified before any state is
+  // checkpoint, and `latest`, intact. Call between steps. Returns the
+  // checkpoint's directory.
+  virtual Expected<std::string> save_checkpoint(const std::string& dir, const CheckpointSave& options) = 0;
+  Status save_checkpoint(const std::string& dir) { return save_checkpoint(dir, CheckpointSave{}).status(); }
+  // Loads dir/<tag>, or with no tag dir/latest (or dir itself when it is a
+  // checkpoint directory), into this engine's tiers, whatever tiers it was
+  // saved from; the world size and the model's layout must match. Every
+  // checksum (the client state's too) is verified before any state is
   // replaced. Resuming continues bit for bit as the saved run would have.
-  virtual Status load_checkpoint(const std::string& dir) = 0;
+  virtual Expected<LoadedCheckpoint> load_checkpoint(const std::string& dir, const std::string& tag) = 0;
+  Status load_checkpoint(const std::string& dir) { return load_checkpoint(dir, "").status(); }
   // The full fp32 weights as one safetensors file, like DeepSpeed's
   // zero_to_fp32. Tensors are named "<block>.<param>", or names[b][p] when
   // `names` is given (one list per block, one name per parameter: the names
