@@ -456,6 +456,18 @@ void bind_engine(nb::module_& m) {
       // Read under the engine mutex: step() may be running on another thread.
       .def_prop_ro("loss_scale",
                    [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.loss_scale(); }); })
+      .def_prop_ro("gradient_accumulation_steps",
+                   [](PyEngine& e) { return e.engine().config().gradient_accumulation_steps; },
+                   "Micro-batches per optimizer step, as the engine runs them (derived from train_batch_size "
+                   "and the ranks where the config says so).")
+      .def_prop_ro("train_micro_batch_size_per_gpu",
+                   [](PyEngine& e) { return e.engine().config().train_micro_batch_size_per_gpu; })
+      .def_prop_ro("train_batch_size",
+                   [](PyEngine& e) {
+                     const tz::Config& c = e.engine().config();
+                     return c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * e.engine().world_size();
+                   },
+                   "train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks.")
       .def_prop_ro("optimizer_steps",
                    [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.optimizer_steps(); }); },
                    "Optimizer steps taken (skipped fp16 steps not counted; restored by load_checkpoint).")

@@ -53,7 +53,7 @@ tz::Config effective_config(const EstimateArgs& a) {
   if (a.config_path) config = value_or_raise(tz::load_config(*a.config_path));
   if (a.config_json) config = value_or_raise(tz::parse_config(*a.config_json, "<config dict>"));
   if (a.stage) config.zero.stage = *a.stage;
-  if (a.grad_accum) config.gradient_accumulation_steps = *a.grad_accum;
+  if (a.grad_accum) tz::override_gradient_accumulation_steps(config, *a.grad_accum);
   if (a.gpu || !has_config) config.tiers.gpu = budget_of(a.gpu.value_or("auto"), "gpu");
   if (a.cpu || !has_config) config.tiers.cpu = budget_of(a.cpu.value_or("auto"), "cpu");
   if (a.nvme || !has_config) config.tiers.nvme = budget_of(a.nvme.value_or("auto"), "nvme");
@@ -66,6 +66,7 @@ tz::Config effective_config(const EstimateArgs& a) {
   if (a.placement && *a.placement != "auto" && *a.placement != "deepspeed") {
     raise_status(tz::invalid_argument("placement '{}': expected auto or deepspeed", *a.placement));
   }
+  check(tz::resolve_batch(config, a.ranks));  // Note [Batch keys]
   return config;
 }
 

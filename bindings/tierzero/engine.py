@@ -140,6 +140,12 @@ class Engine:
         return self._core.loss_scale
 
     @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (derived from train_batch_size and the ranks where the config
+        gives that instead, as DeepSpeed does)."""
+        return self._core.gradient_accumulation_steps
+
+    @property
     def optimizer_steps(self) -> int:
         """Optimizer steps taken (skipped fp16 steps not counted; restored by load_checkpoint)."""
         return self._core.optimizer_steps

@@ -265,6 +265,8 @@ class TorchEngine:
         self._hooks: list = []
         self.last_report: dict = {}
         self.global_steps = 0
+        self.micro_steps = 0  # engine.step() calls, as DeepSpeed's engine counts them
+        self._last_grad_norm: Optional[float] = None
         self.optimizer: Optional[EngineOptimizer] = None  # set by initialize()
         # A tensor's hooks are held on the C++ side, out of the garbage collector's sight: a hook that
         # referenced the engine would make model -> parameter -> hook -> engine -> model a cycle nothing frees.
@@ -449,11 +451,42 @@ class TorchEngine:
             self.optimizer._take_lr()  # Note [Learning rate]
         self.last_report = self._core.step()
         self.global_steps = self.last_report["step"]
+        self.micro_steps += 1
+        if self.last_report["stepped"] or self.last_report["overflow"]:
+            self._last_grad_norm = self.last_report["grad_norm"]
         if self.optimizer is not None:
             self.optimizer._show_lr()
             if self.last_report["stepped"]:
                 self.optimizer._opt_called = True  # what torch's schedulers check: the optimizer stepped
         return self.last_report
+
+    # DeepSpeed's engine queries, for scripts and trainers that call them.
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (derived from train_batch_size and the ranks where the config
+        gives that instead, as DeepSpeed does)."""
+        return self._core.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._core.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        """train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks."""
+        return self._core.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the coming engine.step() runs the optimizer (the micro-batch in progress is the last of
+        its accumulation)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def was_step_applied(self) -> bool:
+        """Whether the last engine.step() updated the weights (False between boundaries and when fp16
+        overflowed)."""
+        return bool(self.last_report.get("stepped", False))
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The gradient norm of the last accumulation boundary (before clipping; inf or nan where fp16
+        overflowed), None before the first."""
+        return self._last_grad_norm
 
     def get_lr(self) -> list:
         """[the learning rate the next optimizer step will use], as DeepSpeed's engine.get_lr() gives it
@@ -503,6 +536,7 @@ class TorchEngine:
                                  "model.load_state_dict)")
         path, blob = self._core.load_checkpoint(os.fspath(load_dir), tag=None if tag is None else str(tag))
         self.global_steps = self._core.optimizer_steps
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()  # checkpoints are at a boundary
         if self.optimizer is not None:
             self.optimizer._show_lr()  # the restored schedule's (or saved) rate for the next step
         return path, ({} if blob is None else _unpack_client_state(blob, path))

@@ -240,6 +240,21 @@ Key choice_key(std::string_view name, Get get, std::vector<std::pair<std::string
           }};
 }
 
+// One of DeepSpeed's batch keys (Note [Batch keys]): kept as given, and, for
+// the micro batch and the accumulation steps, in effect until resolve_batch()
+// derives the rest; "auto" leaves it to be derived.
+Key batch_key(std::string_view name, std::optional<std::int64_t> BatchKeys::*given) {
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (is_auto(v)) return ok_status();
+            TZ_ASSIGN_OR_RETURN(std::int64_t n, as_integer(st, v, path, "an integer or \"auto\""));
+            if (n < 1) return range_error(st, path, v, int_range(1, kMaxInt));
+            st.config.batch_given.*given = n;
+            if (given == &BatchKeys::train_micro_batch_size_per_gpu) st.config.train_micro_batch_size_per_gpu = n;
+            if (given == &BatchKeys::gradient_accumulation_steps) st.config.gradient_accumulation_steps = n;
+            return ok_status();
+          }};
+}
+
 // Runs `after` once `key` has accepted its value.
 Key then(Key key, void (*after)(ParseState&)) {
   return {key.name, [set = std::move(key.set), after](ParseState& st, const Json& v, const std::string& path) {
@@ -402,8 +417,9 @@ const Block& tierzero_aio_block();
 const Block& top_block() {
   static const Block block = [] {
     Block b{{
-        int_key("train_micro_batch_size_per_gpu", TZ_FIELD(train_micro_batch_size_per_gpu), 1),
-        int_key("gradient_accumulation_steps", TZ_FIELD(gradient_accumulation_steps), 1),
+        batch_key("train_batch_size", &BatchKeys::train_batch_size),
+        batch_key("train_micro_batch_size_per_gpu", &BatchKeys::train_micro_batch_size_per_gpu),
+        batch_key("gradient_accumulation_steps", &BatchKeys::gradient_accumulation_steps),
         real_key("gradient_clipping", TZ_FIELD(gradient_clipping), kNonNegative),
         block_key("fp16", fp16_block),
         block_key("bf16", bf16_block),
@@ -420,7 +436,7 @@ const Block& top_block() {
         block_key("aio", aio_block),
         block_key("tierzero", tierzero_block),
     }};
-    ignore(b, {"train_batch_size", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+    ignore(b, {"steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
                "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp32_allreduce",
                "disable_allgather", "communication_data_type", "seq_parallel_communication_data_type",
                "data_types", "amp", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
@@ -927,6 +943,65 @@ Status check_paths(const Config& config) {
     if (::access(dir.c_str(), W_OK) != 0) return errno_status(errno, fmt::format("{}: not writable", what));
   }
   return ok_status();
+}
+
+// Note [Batch keys]
+// DeepSpeed reads train_batch_size, train_micro_batch_size_per_gpu and
+// gradient_accumulation_steps as one relation, train_batch_size = micro batch
+// x accumulation steps x data-parallel ranks, and derives whichever are
+// missing: train_batch_size 256 with a micro batch of 4 on 8 ranks means 8
+// accumulation steps. A config written that way and read as "accumulation
+// steps absent, so 1" would train with an 8 times smaller batch and say
+// nothing, so the engine resolves the keys as DeepSpeed does once it knows
+// the ranks: all three given must agree; two given derive the third; a
+// train_batch_size alone means no accumulation; no train_batch_size leaves a
+// missing micro batch or step count at 1 (DeepSpeed refuses a config with
+// neither batch size; tierzero keeps accepting it, its micro batch size only
+// informs). A derived value must be whole.
+Status resolve_batch(Config& config, int ranks) {
+  if (ranks < 1) return invalid_argument("ranks is {}: the batch keys resolve for 1 or more", ranks);
+  const BatchKeys& given = config.batch_given;
+  const std::int64_t n = ranks;
+  std::int64_t micro = given.train_micro_batch_size_per_gpu.value_or(1);
+  std::int64_t gas = given.gradient_accumulation_steps.value_or(1);
+  if (const auto& total = given.train_batch_size) {
+    const bool has_micro = given.train_micro_batch_size_per_gpu.has_value();
+    const bool has_gas = given.gradient_accumulation_steps.has_value();
+    if (has_micro && has_gas) {
+      if (*total != micro * gas * n) {
+        return invalid_argument("{}: train_batch_size = {}, but train_micro_batch_size_per_gpu x "
+                                "gradient_accumulation_steps x ranks = {} x {} x {} = {}; they must agree (or give "
+                                "two of the three and the third is derived)",
+                                config.source, *total, micro, gas, n, micro * gas * n);
+      }
+    } else {
+      // The one missing (the accumulation steps when both are: a train_batch_size alone means none).
+      const std::int64_t per_rank_known = has_micro ? micro * n : has_gas ? gas * n : n;
+      const char* known = has_micro ? "train_micro_batch_size_per_gpu x ranks" : has_gas
+                                                                                  ? "gradient_accumulation_steps x ranks"
+                                                                                  : "the ranks";
+      if (*total % per_rank_known != 0) {
+        return invalid_argument("{}: train_batch_size = {} is not a multiple of {} = {}, so {} cannot be derived",
+                                config.source, *total, known, per_rank_known,
+                                has_micro ? "gradient_accumulation_steps" : "train_micro_batch_size_per_gpu");
+      }
+      if (has_micro) {
+        gas = *total / per_rank_known;
+      } else {
+        micro = *total / per_rank_known;
+      }
+    }
+  }
+  config.train_micro_batch_size_per_gpu = micro;
+  config.gradient_accumulation_steps = gas;
+  config.batch_given = {micro * gas * n, micro, gas};
+  return ok_status();
+}
+
+void override_gradient_accumulation_steps(Config& config, std::int64_t steps) {
+  config.gradient_accumulation_steps = steps;
+  config.batch_given.gradient_accumulation_steps = steps;
+  config.batch_given.train_batch_size.reset();
 }
 
 }  // namespace tz

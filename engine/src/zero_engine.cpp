@@ -229,11 +229,12 @@ void ZeroEngineImpl::make_sub_groups() {
 Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
   const Config& c = options_.config;
   stage_ = c.zero.stage;
-  gas_ = static_cast<int>(std::max<std::int64_t>(c.gradient_accumulation_steps, 1));
   // Neither fp16 nor bf16: fp32 training, as in DeepSpeed.
   param_type_ = c.precision.fp16 ? ElemType::kFp16 : c.precision.bf16 ? ElemType::kBf16 : ElemType::kFp32;
   grad_type_ = options_.grad_type.value_or(param_type_);
   TZ_TRY(make_device_and_comm());
+  TZ_TRY(resolve_batch(options_.config, comm_->size()));  // Note [Batch keys] (common/src/config.cpp)
+  gas_ = static_cast<int>(c.gradient_accumulation_steps);
   // Stage 3 keeps small blocks whole; stages 0-2 keep every block whole.
   const std::uint64_t persist_below =
       stage_ >= 3 ? static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_param_persistence_threshold, 0))

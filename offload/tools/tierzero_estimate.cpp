@@ -147,7 +147,7 @@ tz::Expected<tz::Config> effective_config(const Options& o) {
     TZ_ASSIGN_OR_RETURN(config, tz::load_config(o.config_path));
   }
   if (o.has_stage) config.zero.stage = o.stage;
-  if (o.has_grad_accum) config.gradient_accumulation_steps = o.grad_accum;
+  if (o.has_grad_accum) tz::override_gradient_accumulation_steps(config, o.grad_accum);
   if (o.has_gpu || o.config_path.empty()) config.tiers.gpu = budget_of(o.gpu);
   if (o.has_cpu || o.config_path.empty()) config.tiers.cpu = budget_of(o.cpu);
   if (o.has_nvme || o.config_path.empty()) config.tiers.nvme = budget_of(o.nvme);
@@ -250,6 +250,7 @@ int run(const Options& o) {
   if (!blocks.ok()) return fail(blocks.status(), kExitBadArgs);
   tz::Expected<tz::Config> config = effective_config(o);
   if (!config.ok()) return fail(config.status(), kExitBadArgs);
+  if (const tz::Status s = tz::resolve_batch(*config, o.ranks); !s.ok()) return fail(s, kExitBadArgs);
   tz::Expected<tz::ResolvedBudgets> budgets = budgets_for(o, *config);
   if (!budgets.ok()) return fail(budgets.status(), kExitBadArgs);
   tz::PlanInput in = tz::PlanInput::from_config(*config, *std::move(blocks), o.ranks, o.ranks_per_node, *budgets);

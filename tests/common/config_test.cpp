@@ -241,7 +241,54 @@ TEST(Config, CpuOffloadWithFp16DynamicScalingAndSchedulerLoads) {
     EXPECT_FALSE(key.starts_with("scheduler.")) << key;
     EXPECT_FALSE(key.starts_with("tensorboard.")) << key;
   }
-  EXPECT_EQ(c.ignored_keys.front(), "train_batch_size");
+  EXPECT_FALSE(contains(c.ignored_keys, "train_batch_size")) << "read now (Note [Batch keys])";
+  EXPECT_EQ(c.batch_given.train_batch_size, 256);
+}
+
+// Note [Batch keys]: the three batch keys resolve as DeepSpeed's do, for the
+// number of ranks the engine runs on.
+TEST(Config, BatchKeysResolveAsDeepSpeedsForTheRanks) {
+  auto resolved = [](std::string_view keys, int ranks) -> Expected<Config> {
+    TZ_ASSIGN_OR_RETURN(Config c, parse_config(fmt::format("{{{}}}", keys), "ds.json"));
+    TZ_TRY(resolve_batch(c, ranks));
+    return c;
+  };
+  auto pair = [](const Expected<Config>& c) {
+    return c.ok() ? std::pair{c->train_micro_batch_size_per_gpu, c->gradient_accumulation_steps}
+                  : std::pair<std::int64_t, std::int64_t>{-1, -1};
+  };
+  // Two given derive the third; one train_batch_size alone means no accumulation.
+  EXPECT_EQ(pair(resolved(R"("train_batch_size": 256, "train_micro_batch_size_per_gpu": 8)", 4)), std::pair(8L, 8L));
+  EXPECT_EQ(pair(resolved(R"("train_batch_size": 64, "gradient_accumulation_steps": 4)", 2)), std::pair(8L, 4L));
+  EXPECT_EQ(pair(resolved(R"("train_batch_size": 64)", 4)), std::pair(16L, 1L));
+  EXPECT_EQ(pair(resolved(R"("train_micro_batch_size_per_gpu": 4)", 8)), std::pair(4L, 1L));
+  EXPECT_EQ(pair(resolved(R"("train_batch_size": "auto", "gradient_accumulation_steps": "auto")", 2)), std::pair(1L, 1L));
+  // All three must agree.
+  Expected<Config> fixture_config = load_config(fixture("ds_zero_offload_cpu_fp16.json"));  // 256 = 8 x 4 x 8
+  ASSERT_TRUE(fixture_config.ok());
+  Config c = *fixture_config;
+  ASSERT_TRUE(resolve_batch(c, 8).ok());
+  EXPECT_EQ(pair(c), std::pair(8L, 4L));
+  ASSERT_TRUE(resolve_batch(c, 8).ok()) << "resolving again for the same ranks changes nothing";
+  Status s = resolve_batch(c, 2);
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("train_batch_size = 256, but train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+                             "x ranks = 8 x 4 x 2 = 64"),
+            std::string::npos)
+      << s.message();
+  // A value that would not be whole.
+  s = resolved(R"("train_batch_size": 100, "train_micro_batch_size_per_gpu": 8)", 3).status();
+  EXPECT_NE(s.message().find("ds.json: train_batch_size = 100 is not a multiple of train_micro_batch_size_per_gpu x "
+                             "ranks = 24, so gradient_accumulation_steps cannot be derived"),
+            std::string::npos)
+      << s.message();
+  s = resolved(R"("train_batch_size": 0)", 1).status();
+  EXPECT_NE(s.message().find("train_batch_size"), std::string::npos) << s.message();
+  // A tool's --grad-accum replaces the config's, and the train_batch_size given with it no longer binds.
+  Config o = *fixture_config;
+  override_gradient_accumulation_steps(o, 2);
+  ASSERT_TRUE(resolve_batch(o, 1).ok());
+  EXPECT_EQ(pair(o), std::pair(8L, 2L));
 }
 
 TEST(Config, HfTrainerAutoValuesKeepTierzeroDefaults) {

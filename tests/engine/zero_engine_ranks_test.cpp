@@ -18,21 +18,33 @@ constexpr tz::mlp::MlpConfig kMlp{.layers = 3, .hidden = 64, .batch = 4, .seed =
 constexpr double kTolerance = 1e-6;  // lr 1e-3: a real error moves a weight by ~1e-3
 
 // One rank's run: engine and reference side by side; 0 when they agree.
+// `batch`, when given, replaces the engine config's batch keys (the reference
+// keeps 2 accumulation steps).
 int train_rank(const tz::RankInfo& info, const std::string& nvme_dir, int stage, const Placement& placement,
-               int steps) {
+               int steps, const std::optional<tz::BatchKeys>& batch = std::nullopt) {
   const tz::Config config = test_config(nvme_dir + "/rank" + std::to_string(info.rank), stage, 2);
+  tz::Config engine_config = config;
+  if (batch) {
+    engine_config.batch_given = *batch;
+    engine_config.gradient_accumulation_steps = batch->gradient_accumulation_steps.value_or(1);
+  }
   std::filesystem::create_directories(nvme_dir + "/rank" + std::to_string(info.rank));
   auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
   if (!comm.ok()) {
     std::fprintf(stderr, "rank %d: %s\n", info.rank, comm.status().to_string().c_str());
     return 1;
   }
-  auto engine = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .grad_type = tz::ElemType::kFp32,
+  auto engine = tz::ZeroEngine::create({.config = engine_config, .comm = comm->get(), .grad_type = tz::ElemType::kFp32,
                                         .placement = placement},
                                        tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   if (!engine.ok()) {
     std::fprintf(stderr, "rank %d: %s\n", info.rank, engine.status().to_string().c_str());
     return 1;
+  }
+  if ((*engine)->config().gradient_accumulation_steps != 2) {
+    std::fprintf(stderr, "rank %d: the engine runs %lld accumulation steps, not 2\n", info.rank,
+                 static_cast<long long>((*engine)->config().gradient_accumulation_steps));
+    return 3;
   }
   tz::mlp::Reference ref(kMlp, config, info.world_size, tz::ElemType::kFp32);
   for (int step = 0; step < steps; ++step) {
@@ -73,6 +85,28 @@ TEST(ZeroEngineRanks, TwoAndFourRanksMatchTheReferenceForEveryPlacement) {
       for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << world << " ranks, rank " << r << ", " << placement_name(p);
     }
   }
+}
+
+// Note [Batch keys]: DeepSpeed's train_batch_size with a micro batch size
+// means train_batch / (micro x ranks) accumulation steps: 32 / (8 x 2) = 2
+// here, which the reference takes. Read as "no accumulation", the engine would
+// step after every micro-batch and part from the reference.
+TEST(ZeroEngineRanks, TheAccumulationStepsAreDerivedFromTrainBatchSizeAndTheRanks) {
+  const Placement p{Tier::kGpu, Tier::kCpu, Tier::kCpu, Tier::kCpu};
+  const tz::BatchKeys batch{.train_batch_size = 32, .train_micro_batch_size_per_gpu = 8};
+  TempDir dir;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
+    return train_rank(info, dir.path(), 3, p, 2, batch);
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  // 48 with a micro batch of 8 and 2 accumulation steps means 3 ranks: on 1, refused rather than guessed.
+  TempDir bad;
+  auto config = test_config(bad.path(), 3, 2);
+  config.batch_given = {.train_batch_size = 48, .train_micro_batch_size_per_gpu = 8, .gradient_accumulation_steps = 2};
+  const auto refused = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("train_batch_size = 48, but"), std::string::npos)
+      << refused.status().message();
 }
 
 TEST(ZeroEngineRanks, StagesOneAndTwoMatchTheReference) {

@@ -77,3 +77,18 @@ def test_units():
     assert _core.parse_bytes("64GiB") == 64 << 30
     with pytest.raises(ValueError, match="abc"):
         _core.parse_count("abc")
+
+
+def test_the_batch_keys_resolve_for_the_ranks_as_deepspeeds_do():
+    # Note [Batch keys]: 64 = 8 per micro-batch x 4 accumulation steps x 2 ranks, so the traffic per step is
+    # that of 4 accumulation steps; on 3 ranks 64 does not divide, and the error says so.
+    budgets = dict(gpu="8GB", cpu="64GB", nvme="1TB")
+    derived, _ = tierzero.estimate("1B", ranks=2, config={"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8},
+                                   **budgets)
+    explicit, _ = tierzero.estimate("1B", ranks=2, config={"gradient_accumulation_steps": 4}, **budgets)
+    one_step, _ = tierzero.estimate("1B", ranks=2, config={}, **budgets)
+    assert derived["traffic"] == explicit["traffic"] != one_step["traffic"]
+    with pytest.raises(ValueError, match=r"train_batch_size = 64 is not a multiple of train_micro_batch_size_per_gpu x "
+                                         r"ranks = 24"):
+        tierzero.estimate("1B", ranks=3, config={"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8},
+                          **budgets)

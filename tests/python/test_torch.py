@@ -323,6 +323,39 @@ def test_checkpoint_resume_is_bit_for_bit(nvme_dir, tmp_path):
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
+def test_train_batch_size_derives_the_accumulation_steps_and_the_engine_answers_deepspeeds_queries(nvme_dir):
+    # Note [Batch keys]: train_batch_size 16 with micro-batches of 8 on one rank is 2 accumulation steps.
+    torch.manual_seed(0)
+    model = mlp()
+    config = host_config(nvme_dir)
+    del config["gradient_accumulation_steps"]
+    config["train_batch_size"] = 16
+    ref = copy.deepcopy(model)
+    engine, _ = tzt.initialize(model, config)
+    assert (engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu(),
+            engine.train_batch_size()) == (2, 8, 16)
+    assert engine.get_global_grad_norm() is None
+    opt = _adamw_like(config, ref.parameters())
+    for i, (x, y) in enumerate(_mlp_batches(3, 6)):
+        boundary = i % 2 == 1
+        assert engine.is_gradient_accumulation_boundary() == boundary
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+        (F.mse_loss(ref(x), y) / 2).backward()
+        assert engine.was_step_applied() == boundary
+        if boundary:
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
+            opt.step()
+            opt.zero_grad()
+            assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-5)
+    assert engine.global_steps == 3 and engine.micro_steps == 6
+    assert largest_error(engine, ref) <= TOL
+    config["train_batch_size"] = 24  # 8 x 2 accumulation steps x 1 rank is 16
+    config["gradient_accumulation_steps"] = 2
+    with pytest.raises(ValueError, match=r"train_batch_size = 24, but .* = 8 x 2 x 1 = 16"):
+        tzt.initialize(mlp(), config)
+
+
 def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp_path):
     # As DeepSpeed's save_checkpoint(save_dir, tag, client_state) and `_, client_sd = load_checkpoint(...)`.
     torch.manual_seed(0)

@@ -189,12 +189,14 @@ class Run {
 
 tz::Status Run::setup() {
   TZ_ASSIGN_OR_RETURN(config_, load_train_config(f_));
+  TZ_ASSIGN_OR_RETURN(tz::RankInfo ranks, tz::rank_info_from_env());
+  // The micro batch may be derived from train_batch_size (Note [Batch keys]), and the GPT is built for it.
+  TZ_TRY(tz::resolve_batch(config_, ranks.world_size));
   TZ_ASSIGN_OR_RETURN(gpt_, gpt_config(f_, config_));
   if (f_.data_path.empty()) {
     TZ_ASSIGN_OR_RETURN(f_.data_path, tz::train::default_corpus_path(exe_dir()));
   }
   TZ_ASSIGN_OR_RETURN(corpus_, tz::train::Corpus::load(f_.data_path));
-  TZ_ASSIGN_OR_RETURN(tz::RankInfo ranks, tz::rank_info_from_env());
   if (ranks.world_size > 1) {
     TZ_ASSIGN_OR_RETURN(comm_, tz::create_communicator({.ranks = ranks}));
   }
@@ -218,7 +220,7 @@ tz::Status Run::setup() {
   info_.batch = gpt_.batch;
   info_.seq = gpt_.seq;
   info_.ranks = engine_->world_size();
-  info_.gas = static_cast<int>(std::max<std::int64_t>(config_.gradient_accumulation_steps, 1));
+  info_.gas = static_cast<int>(engine_->config().gradient_accumulation_steps);
   info_.config_path = f_.config_path;
   info_.command = f_.command;
   if (leader()) {

@@ -180,10 +180,20 @@ struct TierConfig {
   std::optional<int> numa_node;          // nullopt = auto (nearest the GPU)
 };
 
+// DeepSpeed's three batch keys as the file gave them (none: absent or "auto").
+struct BatchKeys {
+  std::optional<std::int64_t> train_batch_size;
+  std::optional<std::int64_t> train_micro_batch_size_per_gpu;
+  std::optional<std::int64_t> gradient_accumulation_steps;
+};
+
 struct Config {
   std::string source;                    // file name, or "<string>"
+  // The batch: what the file gave, until resolve_batch() derives the rest
+  // for a number of ranks (the engine does, once it knows them).
   std::int64_t train_micro_batch_size_per_gpu = 1;
   std::int64_t gradient_accumulation_steps = 1;
+  BatchKeys batch_given;
   double gradient_clipping = 0.0;        // 0 = off
   PrecisionConfig precision;
   OptimizerConfig optimizer;
@@ -209,5 +219,15 @@ Expected<Config> load_config(const std::string& path);
 // Every NVMe path exists, is a directory and is writable; the error names the
 // key and the path.
 Status check_paths(const Config& config);
+// Note [Batch keys]: sets train_micro_batch_size_per_gpu and
+// gradient_accumulation_steps from the batch keys given and the number of
+// data-parallel ranks, as DeepSpeed does (train_batch_size = micro batch x
+// accumulation steps x ranks); the error names the keys and values when they
+// disagree. Afterwards all three are recorded as given, so resolving again
+// for the same ranks changes nothing, and for other ranks is refused.
+Status resolve_batch(Config& config, int ranks);
+// An override of the accumulation steps (a tool's flag): it replaces the
+// config's, and a train_batch_size given with them no longer binds.
+void override_gradient_accumulation_steps(Config& config, std::int64_t steps);
 
 }  // namespace tz

@@ -199,6 +199,9 @@ class ZeroEngine {
   // Ends a micro-batch; at the accumulation boundary runs the optimizer.
   virtual Expected<StepReport> step() = 0;
 
+  // The config as the engine runs it: its batch keys resolved for the ranks
+  // (Note [Batch keys] in common/src/config.cpp).
+  virtual const Config& config() const = 0;
   // The loss scale to multiply the loss by (1 without fp16).
   virtual double loss_scale() const = 0;
   // Optimizer steps taken (restored by load_checkpoint).
