@@ -412,28 +412,53 @@ void bind_engine(nb::module_& m) {
       .def("step", &PyEngine::step, "Ends a micro-batch; at the accumulation boundary runs the optimizer. A dict.")
       .def("save_checkpoint",
            [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag,
-              const std::optional<nb::bytes>& client_state, bool save_latest) {
+              const std::optional<nb::bytes>& client_state, bool save_latest, const std::optional<std::string>& refusal) {
              tz::CheckpointSave options{.tag = tag.value_or(""), .save_latest = save_latest};
-             if (tag && tag->empty()) raise_status(tz::invalid_argument("save_checkpoint: tag is empty; give a name, or None"));
              if (client_state) options.client_state = std::string(client_state->c_str(), client_state->size());
+             // Refusals go through the save, so every rank fails together (CheckpointSave::refusal).
+             if (refusal) {
+               options.refusal = tz::invalid_argument("{}", *refusal);
+             } else if (tag && tag->empty()) {
+               options.refusal = tz::invalid_argument("save_checkpoint: tag is empty; give a name, or None");
+             }
              return e.call([&] { return e.engine().save_checkpoint(d, options); });
            },
            nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(), nb::arg("client_state") = nb::none(),
-           nb::arg("save_latest") = true,
+           nb::arg("save_latest") = true, nb::arg("refusal") = nb::none(),
            "Saves every rank's states under dir/<tag> (default step-<N>; an existing tag is replaced atomically), "
            "with rank 0's client_state bytes, and points dir/latest at it unless save_latest is False. Returns the "
-           "checkpoint's directory.")
+           "checkpoint's directory. refusal: this rank's reason not to save (every rank then fails, this one with "
+           "the reason as a ValueError).")
       .def("load_checkpoint",
-           [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag) {
+           [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag,
+              const std::optional<nb::callable>& check_client_state) {
              if (tag && tag->empty()) raise_status(tz::invalid_argument("load_checkpoint: tag is empty; give a name, or None"));
-             tz::LoadedCheckpoint loaded = e.call([&] { return e.engine().load_checkpoint(d, tag.value_or("")); });
+             tz::CheckpointLoad options{.tag = tag.value_or("")};
+             if (check_client_state) {
+               // Runs inside the engine call (GIL released): takes the GIL back, and turns a Python
+               // exception into a refusal that every rank agrees on before anything is replaced.
+               options.check_client_state = [&](const std::optional<std::string>& state) -> tz::Status {
+                 nb::gil_scoped_acquire gil;
+                 try {
+                   nb::object arg = nb::none();
+                   if (state) arg = nb::bytes(state->data(), state->size());
+                   (*check_client_state)(arg);
+                   return tz::ok_status();
+                 } catch (nb::python_error& err) {
+                   return tz::invalid_argument("{}", nb::str(err.value()).c_str());
+                 }
+               };
+             }
+             tz::LoadedCheckpoint loaded = e.call([&] { return e.engine().load_checkpoint(d, options); });
              nb::object state = nb::none();
              if (loaded.client_state) state = nb::bytes(loaded.client_state->data(), loaded.client_state->size());
              return nb::make_tuple(loaded.path, state);
            },
-           nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(),
+           nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(), nb::arg("check_client_state") = nb::none(),
            "Loads dir/<tag>, or dir/latest (or dir itself when it is a checkpoint). Returns (the checkpoint's "
-           "directory, the client_state bytes saved with it or None).")
+           "directory, the client_state bytes saved with it or None). check_client_state(bytes or None) runs on "
+           "every rank once every file is verified, before anything is replaced; if it raises, the load is "
+           "refused (ValueError with its message) and nothing is replaced.")
       .def("export_safetensors",
            [](PyEngine& e, const std::string& p, const std::optional<std::vector<std::vector<std::string>>>& names) {
              if (names && names->empty()) {

@@ -63,14 +63,19 @@ trains fp32 parameters, and a trainable parameter of another dtype is refused
 by name (the engine would otherwise round or widen it silently).
 
 Note [Client state]
-save_checkpoint(..., client_state={...}) stores a dict of the caller's with
-the checkpoint, as DeepSpeed's does: torch.save's bytes, which rank 0 writes
-into the checkpoint directory with a checksum before it is published, so the
-dict and the weights are saved, replaced and verified together. They are read
-back with torch.load(weights_only=True), which runs no code from the file;
-save_checkpoint tries that read before anything is written and refuses a dict
-it could not read back (an arbitrary object, say), rather than save a
-checkpoint whose client state would fail to load. Tensors come back on the CPU.
+The engine checkpoints what it holds; the rest of a model's state_dict()
+(buffers such as a norm's running statistics, frozen parameters) and a dict
+of the caller's (client_state, as DeepSpeed's save_checkpoint takes it) go in
+the checkpoint's client state: torch.save's bytes, which rank 0 writes into
+the checkpoint directory with a checksum before it is published, so they and
+the weights are saved, replaced and verified together. They are read back
+with torch.load(weights_only=True), which runs no code from the file;
+save_checkpoint tries that read first and refuses a dict it could not read
+back (an arbitrary object, say), on every rank, before anything is written.
+load_checkpoint decodes them, and checks the buffers' names and shapes
+against the model, inside the engine's load, after every checksum and before
+anything is replaced: a checkpoint that would fail there replaces nothing.
+Tensors come back on the CPU, and are copied into the model's own.
 
 Note [Capsules, not tensors]
 The tensors handed to _core on hot paths (gradients to reduce_grads, the
@@ -98,6 +103,7 @@ own state is saved by its owner (scheduler.state_dict()), as in plain torch.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections import namedtuple
 from typing import Any, Iterator, Optional, Union
@@ -504,42 +510,86 @@ class TorchEngine:
 
     # ------------------------------------------------------------ state
     def save_checkpoint(self, save_dir: Union[str, os.PathLike], tag: Any = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Every rank's master weights, optimizer moments, step, learning rate and loss scale under
         save_dir/<tag> (default "step-<N>"), as DeepSpeed's save_checkpoint: saving under an existing tag
         replaces that checkpoint atomically, and save_dir/latest points at it unless save_latest is False.
-        client_state: a dict of yours (an epoch, a data loader's position) that rank 0 saves with it and
-        load_checkpoint returns (Note [Client state]). A collective: every rank calls it."""
-        blob = None
-        if client_state is not None:
-            blob = _pack_client_state(client_state)
+        Rank 0 adds the model's buffers and frozen parameters (those too unless exclude_frozen_parameters)
+        and client_state, a dict of yours (an epoch, a data loader's position) that load_checkpoint
+        returns (Note [Client state]). A collective: every rank calls it."""
+        blob, refusal = None, None
+        if self.rank == 0:  # the other ranks' client_state is not saved, as in DeepSpeed
+            try:
+                blob = _pack_client_state(client_state, self._module_state(exclude_frozen_parameters))
+            except ValueError as e:
+                refusal = str(e)  # refused on every rank, before anything is written
         self._core.save_checkpoint(os.fspath(save_dir), tag=None if tag is None else str(tag), client_state=blob,
-                                   save_latest=save_latest)
+                                   save_latest=save_latest, refusal=refusal)
         return True
 
     def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple:
-        """Loads load_dir/<tag>, or load_dir/latest (or load_dir itself when it is a checkpoint); training
-        resumes bit for bit. Returns (the checkpoint's directory, the client_state saved with it, {} if
-        none), as DeepSpeed's does. A missing or corrupt checkpoint raises (DeepSpeed returns (None, None)
-        for a missing one), and nothing is replaced. The engine restores weights and optimizer states
-        together and only into a model whose parameters match: the other flags must keep their defaults."""
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple:
+        """Loads load_dir/<tag>, or load_dir/latest (or load_dir itself when it is a checkpoint): the
+        engine's states, and the model's buffers and frozen parameters saved with them; training resumes
+        bit for bit. Returns (the checkpoint's directory, the client_state saved with it, {} if none), as
+        DeepSpeed's does, and, as DeepSpeed's, (None, None) with a warning when load_dir holds no
+        checkpoint and no tag is given. A corrupt checkpoint, a missing tag, or one saved from another
+        model raises, and nothing is replaced. The engine restores weights and optimizer states together:
+        the other flags must keep their defaults."""
         for flag, value, default in (("load_module_strict", load_module_strict, True),
                                      ("load_optimizer_states", load_optimizer_states, True),
                                      ("load_lr_scheduler_states", load_lr_scheduler_states, True),
-                                     ("load_module_only", load_module_only, False)):
+                                     ("load_module_only", load_module_only, False),
+                                     ("custom_load_fn", custom_load_fn is not None, False)):
             if bool(value) != default:
                 raise ValueError(f"load_checkpoint: {flag}={value} is not supported: a tierzero checkpoint restores "
                                  "the weights, optimizer states and schedule together, into a model whose "
                                  "parameters match it (for the weights alone: export_safetensors, then "
                                  "model.load_state_dict)")
-        path, blob = self._core.load_checkpoint(os.fspath(load_dir), tag=None if tag is None else str(tag))
+        load_dir = os.fspath(load_dir)
+        if tag is None and not any(os.path.exists(os.path.join(load_dir, f)) for f in ("latest", "manifest.json")):
+            warnings.warn(f"load_checkpoint: {load_dir} holds no checkpoint (no 'latest' file, no manifest.json); "
+                          "nothing was loaded", stacklevel=2)
+            return None, None
+        decoded: dict = {}
+
+        def check(blob: Optional[bytes]) -> None:  # every rank, before the engine replaces anything
+            decoded.update(_unpack_client_state(blob))
+            self._check_module_state(decoded.get("module"))
+        path, _ = self._core.load_checkpoint(load_dir, tag=None if tag is None else str(tag), check_client_state=check)
+        self._restore_module_state(decoded.get("module"))
         self.global_steps = self._core.optimizer_steps
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()  # checkpoints are at a boundary
         if self.optimizer is not None:
             self.optimizer._show_lr()  # the restored schedule's (or saved) rate for the next step
-        return path, ({} if blob is None else _unpack_client_state(blob, path))
+        return path, decoded.get("client_state", {})
+
+    def _module_state(self, exclude_frozen: bool) -> dict:
+        """The model's state_dict() less what the engine holds: buffers, and frozen parameters."""
+        engine_owned = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p in self._slot}
+        frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p not in self._slot}
+        return {n: t for n, t in self.module.state_dict().items()
+                if n not in engine_owned and not (exclude_frozen and n in frozen)}
+
+    def _check_module_state(self, saved: Optional[dict]) -> None:
+        if saved is None:
+            return
+        have = self._module_state(exclude_frozen=False)
+        unexpected = sorted(set(saved) - set(have))
+        wrong = [f"'{n}' {tuple(t.shape)} (the model's: {tuple(have[n].shape)})" for n, t in saved.items()
+                 if n in have and t.shape != have[n].shape]
+        if unexpected or wrong:
+            raise ValueError("the checkpoint's buffers and frozen parameters are not the model's: "
+                             + "; ".join(([f"not in the model: {unexpected}"] if unexpected else []) + wrong))
+
+    def _restore_module_state(self, saved: Optional[dict]) -> None:
+        if not saved:
+            return
+        targets = self.module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in saved.items():
+                targets[name].copy_(value)
 
     def export_safetensors(self, path: Union[str, os.PathLike]) -> None:
         """The fp32 weights as one safetensors file, each tensor under its name in model.state_dict()
@@ -623,15 +673,18 @@ def _collect_blocks(model: torch.nn.Module) -> tuple[list, dict]:
     return blocks, {m: sorted(set(ids)) for m, ids in uses.items()}
 
 
-def _pack_client_state(client_state: Any) -> bytes:
+_STATE_FORMAT = "tierzero.torch checkpoint state 1"
+
+
+def _pack_client_state(client_state: Optional[dict], module_state: dict) -> bytes:
     """Note [Client state]: torch.save's bytes, refused here if torch.load(weights_only=True) could not read them."""
     import io
 
-    if not isinstance(client_state, dict):
+    if client_state is not None and not isinstance(client_state, dict):
         raise ValueError(f"save_checkpoint: client_state must be a dict (as DeepSpeed's), not "
                          f"{type(client_state).__name__}")
     buf = io.BytesIO()
-    torch.save(client_state, buf)
+    torch.save({"format": _STATE_FORMAT, "client_state": client_state or {}, "module": module_state}, buf)
     blob = buf.getvalue()
     try:
         torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
@@ -642,13 +695,20 @@ def _pack_client_state(client_state: Any) -> bytes:
     return blob
 
 
-def _unpack_client_state(blob: bytes, path: str) -> dict:
+def _unpack_client_state(blob: Optional[bytes]) -> dict:
+    """{"client_state": ..., "module": ...} as _pack_client_state saved them; {} for a checkpoint saved
+    without (by the C++ engine or tierzero.Engine, or before tierzero.torch saved any)."""
     import io
 
+    if blob is None:
+        return {}
     try:
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"load_checkpoint: {path}: the client state does not load ({e})") from None
+        raise ValueError(f"the client state was not saved by tierzero.torch (torch.load: {e})") from None
+    if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+        raise ValueError("the client state was not saved by tierzero.torch (no tierzero.torch format mark)")
+    return state
 
 
 def _hyper_from_config(config: Any) -> dict:

@@ -1,14 +1,17 @@
 // Checkpoints and the fp32 export.
 //
 // Note [Checkpoint atomicity]
-// dir/step-<N>.partial/ is filled by every rank (rank-<r>.bin with its shards,
-// rank-<r>.json with their sizes and XXH3 checksums), each file written,
-// fsynced and closed before it counts. Only when every rank reports success
-// (an all-reduce of a failure flag) does rank 0 write manifest.json, rename
-// the directory to step-<N>, and replace dir/latest by renaming a fsynced
-// latest.tmp over it. A crash anywhere before that last rename leaves the
-// old latest pointing at the old, complete checkpoint; a crash after it
-// leaves the new one. A half-written .partial directory is never read.
+// dir/<name>.partial/ (name: the caller's tag, or step-<N>) is filled by
+// every rank (rank-<r>.bin with its shards, rank-<r>.json with their sizes and
+// XXH3 checksums), each file written, fsynced and closed before it counts.
+// Only when every rank reports success (an all-reduce of a failure flag) does
+// rank 0 write the client state and manifest.json (the client state's
+// checksum in it), move the directory to <name> (a rename, or an exchange with
+// the checkpoint it replaces: Note [Replacing a checkpoint]), and replace
+// dir/latest by renaming a fsynced latest.tmp over it. A crash anywhere
+// before that last rename leaves the old latest pointing at the old, complete
+// checkpoint; a crash after it leaves the new one. A .partial directory is
+// never read.
 #include <fcntl.h>
 #include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc 2.28)
 #include <unistd.h>
@@ -88,6 +91,21 @@ Status ZeroEngineImpl::agree(const Status& mine, std::string_view what) {
   }));
   if (!mine.ok()) return mine;
   if (failed > 0) return io_error("{}: {} other rank(s) failed (see their errors)", what, failed);
+  return ok_status();
+}
+
+Status ZeroEngineImpl::agree_on_name(const std::string& name, std::string_view what) {
+  // The largest and the smallest of the ranks' hashes (as max of h and of -h): equal when all ranks agree.
+  const auto h = static_cast<std::int64_t>(nvme::checksum(name.data(), name.size()) >> 2);
+  std::int64_t extremes[2] = {h, -h};
+  TZ_TRY(comm_thread_->run([&] {
+    return detail::all_reduce_host(*comm_, *device_, *device_pool_, extremes, 2, DataType::kInt64, ReduceOp::kMax);
+  }));
+  if (extremes[0] != -extremes[1]) {
+    return invalid_argument("{}: the ranks name different checkpoints (this rank: '{}'); every rank must pass the "
+                            "same directory and tag",
+                            what, name);
+  }
   return ok_status();
 }
 
@@ -196,6 +214,17 @@ Status check_tag(const std::string& tag) {
 // <tag>.partial, is then removed (or, after a crash, by the next save of that
 // tag). A file system without the exchange gets an error, not a replacement
 // that could lose both.
+Status exchange(const std::string& a, const std::string& b) {
+  if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0) return ok_status();
+  const int err = errno;
+  if (err == EINVAL || err == ENOSYS || err == ENOTSUP) {
+    return failed_precondition("checkpoint: replacing {} needs an atomic exchange of directories (renameat2 "
+                               "RENAME_EXCHANGE), which this file system refuses; save under a new tag",
+                               b);
+  }
+  return errno_status(err, "checkpoint: exchanging " + a + " with " + b);
+}
+
 Status publish(const std::string& partial, const std::string& final_dir) {
   std::error_code ec;
   if (!fs::exists(final_dir, ec)) {
@@ -203,21 +232,45 @@ Status publish(const std::string& partial, const std::string& final_dir) {
     if (ec) return io_error("checkpoint: renaming {} to {}: {}", partial, final_dir, ec.message());
     return ok_status();
   }
-  if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0) {
-    const int err = errno;
-    if (err == EINVAL || err == ENOSYS) {
-      return failed_precondition("checkpoint: replacing {} needs an atomic exchange of directories (renameat2 "
-                                 "RENAME_EXCHANGE), which this file system refuses; save under a new tag",
-                                 final_dir);
-    }
-    return errno_status(err, "checkpoint: exchanging " + partial + " with " + final_dir);
-  }
+  TZ_TRY(exchange(partial, final_dir));
+  // The exchange is durable before the replaced checkpoint's files go: after
+  // a power loss <tag> is the new checkpoint or the whole old one.
+  TZ_TRY(fsync_dir(fs::path(final_dir).parent_path().string()));
   fs::remove_all(partial, ec);  // the replaced checkpoint
   if (ec) TZ_LOG_WARN("engine", "checkpoint: the replaced checkpoint {} could not be removed: {}", partial, ec.message());
   return ok_status();
 }
 
+// A file system that cannot exchange (NFS, some FUSE ones) is found out on two
+// empty directories before anything is written, not after every rank has
+// written its shards.
+Status probe_exchange(const std::string& final_dir) {
+  const std::string a = final_dir + ".exchange-a.partial", b = final_dir + ".exchange-b.partial";
+  std::error_code ec;
+  fs::create_directories(a, ec);
+  if (!ec) fs::create_directories(b, ec);
+  if (ec) return io_error("checkpoint: preparing {}: {}", a, ec.message());
+  const Status exchanged = exchange(a, b);
+  fs::remove_all(a, ec);
+  fs::remove_all(b, ec);
+  return exchanged;
+}
+
 }  // namespace
+
+Status ZeroEngineImpl::prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial) {
+  std::error_code ec;
+  const bool replacing = fs::exists(final_dir, ec);
+  if (replacing && !fs::exists(final_dir + "/manifest.json", ec)) {
+    return already_exists("checkpoint: {} exists and is not a tierzero checkpoint (no manifest.json); not replacing it",
+                          final_dir);
+  }
+  fs::create_directories(dir, ec);
+  fs::remove_all(partial, ec);  // a crashed earlier save of this name, or a replaced one left behind
+  if (!ec) fs::create_directories(partial, ec);
+  if (ec) return io_error("checkpoint: preparing {}: {}", partial, ec.message());
+  return replacing ? probe_exchange(final_dir) : ok_status();
+}
 
 Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, const CheckpointSave& options) {
   TZ_TRY(comm_thread_->wait_idle());
@@ -239,21 +292,9 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
     TZ_TRY(check_tag(name));
   }
   const std::string final_dir = dir + "/" + name, partial = final_dir + ".partial";
-  Status prepared;
-  if (comm_->rank() == 0) {
-    std::error_code ec;
-    if (fs::exists(final_dir, ec) && !fs::exists(final_dir + "/manifest.json", ec)) {
-      prepared = already_exists("checkpoint: {} exists and is not a tierzero checkpoint (no manifest.json); "
-                                     "not replacing it",
-                                     final_dir);
-    } else {
-      fs::create_directories(dir, ec);
-      fs::remove_all(partial, ec);  // a crashed earlier save of this name, or a replaced one left behind
-      if (!ec) fs::create_directories(partial, ec);
-      if (ec) prepared = io_error("checkpoint: preparing {}: {}", partial, ec.message());
-    }
-  }
-  TZ_TRY(agree(prepared, "checkpoint"));
+  TZ_TRY(agree_on_name(final_dir, "checkpoint"));
+  TZ_TRY(agree(options.refusal, "checkpoint " + final_dir));  // before anything is written
+  TZ_TRY(agree(comm_->rank() == 0 ? prepare_save(dir, final_dir, partial) : ok_status(), "checkpoint " + final_dir));
   TZ_TRY(agree(write_rank_files(partial), "checkpoint " + final_dir));
   Status published;
   if (comm_->rank() == 0) {
@@ -379,9 +420,10 @@ Status read_manifest(const std::string& dir, std::optional<std::string>& client_
 
 }  // namespace
 
-Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& path, const std::string& tag) {
+Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& path, const CheckpointLoad& options) {
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());
+  const std::string& tag = options.tag;
   std::string dir = path;
   if (!tag.empty()) {
     TZ_TRY(check_tag(tag));
@@ -402,9 +444,12 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   std::optional<double> saved_lr;
   std::optional<std::string> client_state;
   // Everything is read and verified on every rank before any state is replaced.
+  TZ_TRY(agree_on_name(dir, "loading checkpoint"));
   const Status read = [&]() -> Status {
     TZ_TRY(read_manifest(dir, client_state));
-    return read_rank_files(dir, states, step, scaler, saved_lr);
+    TZ_TRY(read_rank_files(dir, states, step, scaler, saved_lr));
+    if (options.check_client_state) TZ_TRY_CTX(options.check_client_state(client_state), "checkpoint {}", dir);
+    return ok_status();
   }();
   TZ_TRY(agree(read, "loading checkpoint " + dir));
   // Prefetched blocks hold the old parameters, and their reads would race

@@ -61,7 +61,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   using ZeroEngine::load_checkpoint;
   using ZeroEngine::save_checkpoint;
   Expected<std::string> save_checkpoint(const std::string& dir, const CheckpointSave& options) override;
-  Expected<LoadedCheckpoint> load_checkpoint(const std::string& dir, const std::string& tag) override;
+  Expected<LoadedCheckpoint> load_checkpoint(const std::string& dir, const CheckpointLoad& options) override;
   using ZeroEngine::export_safetensors;
   Status export_safetensors(const std::string& path, const std::vector<std::vector<std::string>>& names) override;
   void record_timeline(bool on) override { timeline_.enable(on); }
@@ -106,6 +106,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status barrier();
   // Every rank passes its own result; all return an error if any rank failed.
   Status agree(const Status& mine, std::string_view what);
+  // Every rank names the same checkpoint directory; an error names this rank's otherwise.
+  Status agree_on_name(const std::string& name, std::string_view what);
+  // Rank 0 makes `partial` ready for a save to `final_dir` (Note [Replacing a checkpoint]).
+  Status prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial);
   Status write_rank_files(const std::string& dir);
   // `saved_lr`: the rate set_learning_rate() set before the save; none when
   // it was never called (the config's rate then stands).

@@ -183,7 +183,7 @@ TEST(Checkpoint, ATagNamesTheCheckpointAndSavingUnderItAgainReplacesIt) {
 
   auto b = make(nvme.path(), kCpu);
   ASSERT_TRUE(b);
-  auto loaded = b->load_checkpoint(ckpt.path(), "best");
+  auto loaded = b->load_checkpoint(ckpt.path(), {.tag = "best"});
   ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
   EXPECT_EQ(loaded->path, ckpt.path() + "/best");
   EXPECT_EQ(loaded->step, 3);
@@ -195,10 +195,10 @@ TEST(Checkpoint, ATagNamesTheCheckpointAndSavingUnderItAgainReplacesIt) {
   ASSERT_TRUE(train(*a, 3, 4).ok());
   ASSERT_TRUE(a->save_checkpoint(ckpt.path(), {.tag = "step-4-eval", .save_latest = false}).ok());
   EXPECT_EQ(read_latest(ckpt.path()), "best");
-  loaded = b->load_checkpoint(ckpt.path(), "");
+  loaded = b->load_checkpoint(ckpt.path(), {.tag = ""});
   ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
   EXPECT_EQ(loaded->path, ckpt.path() + "/best");
-  loaded = b->load_checkpoint(ckpt.path(), "step-4-eval");
+  loaded = b->load_checkpoint(ckpt.path(), {.tag = "step-4-eval"});
   ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
   EXPECT_EQ(loaded->step, 4);
   EXPECT_FALSE(loaded->client_state.has_value());
@@ -224,7 +224,7 @@ TEST(Checkpoint, BadTagsAndADirectoryThatIsNoCheckpointAreRefusedAndLeftAlone) {
   EXPECT_NE(s.status().message().find("is not a tierzero checkpoint"), std::string::npos) << s.status().message();
   EXPECT_EQ(entries(ckpt.path() + "/notes"), std::set<std::string>{"todo.txt"});
   EXPECT_EQ(entries(ckpt.path()), std::set<std::string>{"notes"});
-  const auto missing = e->load_checkpoint(ckpt.path(), "missing");
+  const auto missing = e->load_checkpoint(ckpt.path(), {.tag = "missing"});
   EXPECT_EQ(missing.status().code(), tz::ErrorCode::kNotFound) << missing.status().to_string();
   EXPECT_NE(missing.status().message().find("no checkpoint tagged 'missing'"), std::string::npos);
 }
@@ -243,12 +243,12 @@ TEST(Checkpoint, ACorruptOrTruncatedClientStateIsRefusedAndNothingIsReplaced) {
     f.seekp(4000);
     f.write("d", 1);
   }
-  auto s = e->load_checkpoint(ckpt.path(), "");
+  auto s = e->load_checkpoint(ckpt.path(), {.tag = ""});
   EXPECT_EQ(s.status().code(), tz::ErrorCode::kDataCorruption) << s.status().to_string();
   EXPECT_NE(s.status().message().find("client_state.bin"), std::string::npos) << s.status().message();
   EXPECT_EQ(masters(*e), before) << "a refused load replaces nothing";
   std::filesystem::resize_file(file, 100);
-  s = e->load_checkpoint(ckpt.path(), "");
+  s = e->load_checkpoint(ckpt.path(), {.tag = ""});
   EXPECT_EQ(s.status().code(), tz::ErrorCode::kDataCorruption) << s.status().to_string();
   EXPECT_NE(s.status().message().find("truncated"), std::string::npos) << s.status().message();
   EXPECT_EQ(masters(*e), before);
@@ -311,7 +311,7 @@ TEST(Checkpoint, KillDashNineWhileReplacingATaggedCheckpointLeavesOneComplete) {
   }));
   auto loaded = make(nvme.path(), kCpu);
   ASSERT_TRUE(loaded);
-  const auto l = loaded->load_checkpoint(ckpt.path(), "rolling");
+  const auto l = loaded->load_checkpoint(ckpt.path(), {.tag = "rolling"});
   ASSERT_TRUE(l.ok()) << l.status().to_string();
   ASSERT_TRUE(l->client_state.has_value());
   const int step = std::stoi(*l->client_state);
@@ -469,6 +469,66 @@ TEST(Checkpoint, TwoRanksSaveAndResumeBitIdentically) {
   });
   EXPECT_EQ(codes[0], 0);
   EXPECT_EQ(codes[1], 0);
+}
+
+// Over two ranks: a tag is replaced as on one; a refusal on one rank (its
+// client state would not pack, a check of the loaded client state fails)
+// fails the save or load on both, writing or replacing nothing; ranks that
+// name different checkpoints are refused before anything is written.
+TEST(Checkpoint, TwoRanksReplaceATagAndOneRanksRefusalFailsBoth) {
+  TempDir dir;
+  const std::string ckpt = dir.path() + "/ckpt";
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+    const std::string nvme = dir.path() + "/nvme" + std::to_string(info.rank);
+    std::filesystem::create_directories(nvme);
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    auto e = tz::ZeroEngine::create({.config = test_config(nvme, 3, 1), .comm = comm->get(), .placement = kCpu},
+                                    tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    if (!e.ok()) return 2;
+    auto step = [&](int s) {
+      return tz::mlp::train_micro_batch(**e, kMlp, tz::mlp::make_batch(kMlp, info.rank, 0, s)).ok() && (*e)->step().ok();
+    };
+    auto fails_with = [&](const tz::Status& s, const std::string& text) {
+      if (s.ok() || s.message().find(text) == std::string::npos) {
+        std::fprintf(stderr, "rank %d: want an error with '%s', got: %s\n", info.rank, text.c_str(),
+                     s.to_string().c_str());
+        return false;
+      }
+      return true;
+    };
+    if (!step(0) || !(*e)->save_checkpoint(ckpt, {.tag = "t", .client_state = "one"}).ok()) return 3;
+    if (!step(1) || !(*e)->save_checkpoint(ckpt, {.tag = "t", .client_state = "two"}).ok()) return 4;
+    const auto at_save = masters(**e);
+    // Rank 1 refuses: both fail, rank 0 saying the other rank did.
+    const tz::Status refused = (*e)->save_checkpoint(ckpt, {.tag = "u", .refusal = info.rank == 1
+                                                                             ? tz::invalid_argument("rank 1 says no")
+                                                                             : tz::Status()})
+                                   .status();
+    if (!fails_with(refused, info.rank == 1 ? "rank 1 says no" : "1 other rank(s) failed")) return 5;
+    // Different tags on the two ranks.
+    const tz::Status split = (*e)->save_checkpoint(ckpt, {.tag = "r" + std::to_string(info.rank)}).status();
+    if (!fails_with(split, "the ranks name different checkpoints")) return 6;
+    if (!step(2)) return 7;
+    // A check of the client state that fails on rank 0 only: nothing is replaced on either rank.
+    const auto before = masters(**e);
+    const tz::Status unchecked =
+        (*e)->load_checkpoint(ckpt, {.tag = "t",
+                                     .check_client_state = [&](const std::optional<std::string>& state) {
+                                       return info.rank == 0 ? tz::invalid_argument("rank 0 dislikes '{}'",
+                                                                                    state.value_or(""))
+                                                             : tz::ok_status();
+                                     }})
+            .status();
+    if (!fails_with(unchecked, info.rank == 0 ? "rank 0 dislikes 'two'" : "1 other rank(s) failed")) return 8;
+    if (masters(**e) != before) return 9;
+    const auto loaded = (*e)->load_checkpoint(ckpt, {.tag = "t"});
+    if (!loaded.ok() || loaded->client_state != "two" || loaded->step != 2) return 10;
+    return masters(**e) == at_save ? 0 : 11;
+  });
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 0);
+  EXPECT_EQ(entries(ckpt), (std::set<std::string>{"latest", "t"})) << "the refused saves wrote nothing";
 }
 
 // A safetensors file parsed as the format says: u64 header length, JSON

@@ -401,6 +401,59 @@ def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp
         engine.save_checkpoint(tmp_path, "mine")
 
 
+def test_a_checkpoint_carries_the_models_buffers_and_frozen_parameters(nvme_dir, tmp_path):
+    # The engine holds the trainable parameters; the running statistics of a BatchNorm and a frozen layer go
+    # in the checkpoint's client state (Note [Client state]), so resuming is bit for bit for such models too.
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4))
+        m[0].requires_grad_(False)
+        return m
+    batches = _mlp_batches(5, 5)
+
+    def train(engine, pairs):
+        for x, y in pairs:
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+    a, _ = tzt.initialize(model(), host_config(nvme_dir))
+    train(a, batches[:2])
+    a.save_checkpoint(tmp_path / "ckpt")
+    train(a, batches[2:])
+    b, _ = tzt.initialize(model(), host_config(nvme_dir))
+    with torch.no_grad():
+        b.module[0].weight.mul_(2)  # a frozen weight that differs from the saved one
+    b.load_checkpoint(tmp_path / "ckpt")
+    assert int(b.module[1].num_batches_tracked) == 2
+    train(b, batches[2:])
+    for name, t in a.module.state_dict().items():
+        if t.numel():  # the engine's parameters are empty placeholders between steps
+            assert torch.equal(t, b.module.state_dict()[name]), name
+    master, theirs = a.master_state_dict(), b.master_state_dict()
+    assert all(torch.equal(master[n], theirs[n]) for n in master)
+
+    # Saved buffers the model does not have: refused, naming them, and nothing is replaced.
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32, track_running_stats=False),
+                                torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    other[0].requires_grad_(False)
+    c, _ = tzt.initialize(other, host_config(nvme_dir))
+    before = c.master_state_dict()
+    with pytest.raises(ValueError, match=r"not the model's: not in the model: \['1.num_batches_tracked', "
+                                         r"'1.running_mean', '1.running_var'\]"):
+        c.load_checkpoint(tmp_path / "ckpt")
+    after = c.master_state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before) and c.global_steps == 0
+    # A buffer the checkpoint lacks keeps the model's value; a directory without a checkpoint gives
+    # DeepSpeed's (None, None) and a warning.
+    d, _ = tzt.initialize(model(), host_config(nvme_dir))
+    d.module.register_buffer("extra", torch.full((3,), 7.0))
+    d.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(d.module.extra, torch.full((3,), 7.0)) and d.global_steps == 2
+    with pytest.warns(UserWarning, match="holds no checkpoint"):
+        assert d.load_checkpoint(tmp_path / "empty") == (None, None)
+
+
 class _Opaque:
     """An object torch.save pickles but torch.load(weights_only=True) refuses."""
 
@@ -577,7 +630,11 @@ def test_huggingface_gpt2_trains(nvme_dir, recompute):
         # Activation checkpointing: each layer's forward runs again inside backward, so its blocks are gathered
         # a second time there, by the same hooks.
         model.train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": recompute == "reentrant"})
+        kwargs = {"use_reentrant": recompute == "reentrant"}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name (the old one goes in 6)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     gen = torch.Generator().manual_seed(4)
     batches = [(lambda t: (t, t))(torch.randint(0, 128, (2, 16), generator=gen)) for _ in range(4)]
     ref = copy.deepcopy(model)

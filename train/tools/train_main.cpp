@@ -204,7 +204,7 @@ tz::Status Run::setup() {
                                                       tz::train::init(gpt_)));
   TZ_ASSIGN_OR_RETURN(trainer_, tz::train::GptTrainer::create(*engine_, gpt_, {.tf32 = f_.tf32}));
   if (!f_.resume_dir.empty()) {
-    auto loaded = engine_->load_checkpoint(f_.resume_dir, "");
+    auto loaded = engine_->load_checkpoint(f_.resume_dir, tz::CheckpointLoad{});
     TZ_TRY_CTX(loaded.status(), "--resume {}", f_.resume_dir);
     info_.first_step = loaded->step;
   }

@@ -178,6 +178,21 @@ struct CheckpointSave {
   // 0 stores with the checkpoint, checksummed; load_checkpoint gives them back
   // to every rank.
   std::optional<std::string> client_state;
+  // A refusal of the caller's (its client state would not pack, say), agreed
+  // on with the other ranks before anything is written: one rank's refusal
+  // fails the save on every rank instead of leaving them waiting.
+  Status refusal;
+};
+
+// load_checkpoint's choices beyond the directory.
+struct CheckpointLoad {
+  // The checkpoint under `dir` to load; empty: dir/latest (or dir itself).
+  std::string tag;
+  // Called on every rank with the client state once every file is verified
+  // and before any state is replaced; an error refuses the load on every rank
+  // and replaces nothing (a caller that decodes the client state checks it
+  // here).
+  std::function<Status(const std::optional<std::string>&)> check_client_state;
 };
 
 // What load_checkpoint loaded.
@@ -230,12 +245,13 @@ class ZeroEngine {
 
   // Checkpoints (collectives: every rank calls them at the same point).
   // save_checkpoint writes every rank's master weights, Adam moments, step
-  // and loss-scale state under dir/step-<N>/ (per-rank shard files with XXH3
-  // checksums and a manifest), each file written under a temporary name and
-  // fsynced; only when every rank is done is the directory renamed into place
-  // and dir/latest pointed at it. A crash at any point leaves the previous
-  // checkpoint, and `latest`, intact. Call between steps. Returns the
-  // checkpoint's directory.
+  // and loss-scale state under dir/<tag or step-N>/ (per-rank shard files
+  // with XXH3 checksums and a manifest; rank 0's client state), each file
+  // written under a temporary name and fsynced; only when every rank is done
+  // is the directory renamed (or, replacing a tag, exchanged) into place and
+  // dir/latest pointed at it. A crash at any point leaves the previous
+  // checkpoint, and `latest`, intact (Note [Checkpoint atomicity]). Call
+  // between steps. Returns the checkpoint's directory.
   virtual Expected<std::string> save_checkpoint(const std::string& dir, const CheckpointSave& options) = 0;
   Status save_checkpoint(const std::string& dir) { return save_checkpoint(dir, CheckpointSave{}).status(); }
   // Loads dir/<tag>, or with no tag dir/latest (or dir itself when it is a
@@ -243,8 +259,8 @@ class ZeroEngine {
   // saved from; the world size and the model's layout must match. Every
   // checksum (the client state's too) is verified before any state is
   // replaced. Resuming continues bit for bit as the saved run would have.
-  virtual Expected<LoadedCheckpoint> load_checkpoint(const std::string& dir, const std::string& tag) = 0;
-  Status load_checkpoint(const std::string& dir) { return load_checkpoint(dir, "").status(); }
+  virtual Expected<LoadedCheckpoint> load_checkpoint(const std::string& dir, const CheckpointLoad& options) = 0;
+  Status load_checkpoint(const std::string& dir) { return load_checkpoint(dir, CheckpointLoad{}).status(); }
   // The full fp32 weights as one safetensors file, like DeepSpeed's
   // zero_to_fp32. Tensors are named "<block>.<param>", or names[b][p] when
   // `names` is given (one list per block, one name per parameter: the names
