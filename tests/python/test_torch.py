@@ -590,6 +590,33 @@ def test_refusals_name_the_problem(nvme_dir):
         tzt.initialize(mlp())
 
 
+def test_fp16_steps_that_overflow_are_skipped_and_the_loss_scale_backs_off(nvme_dir):
+    # Dynamic loss scaling from 2^24: the 16-bit gradients overflow, the engine skips those steps (weights,
+    # moments and step count untouched) and halves the scale until one fits; then a step applies.
+    torch.manual_seed(0)
+    config = host_config(nvme_dir, lr=3e-3)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 24, "hysteresis": 1}
+    engine, _ = tzt.initialize(TinyGPT(), config)
+    scales, applied = [], []
+    for x, y in _gpt_batches(2, 12):
+        before = engine.master_state_dict()
+        scale = engine.loss_scale
+        engine.backward(_next_token_loss(engine(x), y))
+        report = engine.step()
+        after = engine.master_state_dict()
+        unchanged = all(torch.equal(before[n], after[n]) for n in before)
+        assert report["overflow"] != report["stepped"] and engine.was_step_applied() == report["stepped"]
+        assert unchanged == (not report["stepped"])
+        if report["overflow"]:
+            assert engine.loss_scale == scale / 2 and math.isinf(engine.get_global_grad_norm())
+        scales.append(scale)
+        applied.append(report["stepped"])
+    first = applied.index(True)
+    print(f"fp16 from 2^24: {first} steps skipped, stepping at scale 2^{int(math.log2(scales[first]))}")
+    assert 0 < first < 12 and all(applied[first:]) and engine.global_steps == 12 - first
+    assert math.isfinite(engine.get_global_grad_norm())
+
+
 def test_a_16_bit_config_casts_frozen_parameters_and_buffers_too(nvme_dir):
     # As DeepSpeed's initialize does with "bf16" enabled: the whole model, so a frozen layer or a norm's running
     # statistics compute in the same dtype as the trained ones (Note [Model dtype]).

@@ -41,6 +41,25 @@ WORKER = textwrap.dedent("""
     master = engine.master_state_dict()  # a collective: both ranks call it
     if {rank} == 0:
         torch.save(master, out)
+
+    # Checkpoints over two ranks: rank 0's client state is the one saved; a client state rank 0 refuses
+    # fails the save on both ranks, before anything is written.
+    class Opaque:
+        pass
+    ckpt = out + ".ckpt"
+    try:
+        engine.save_checkpoint(ckpt, "t", client_state={{"x": Opaque()}} if {rank} == 0 else {{}})
+        raise SystemExit("the refused save went through")
+    except (ValueError, OSError) as e:
+        want = "could not read back safely" if {rank} == 0 else "1 other rank(s) failed"
+        assert want in str(e), (type(e), str(e))
+    engine.save_checkpoint(ckpt, "t", client_state={{"epoch": 3}} if {rank} == 0 else None)
+    other, _ = tzt.initialize(mlp(), config)
+    path, client = other.load_checkpoint(ckpt, "t")
+    assert client == {{"epoch": 3}} and other.global_steps == engine.global_steps, (client, other.global_steps)
+    theirs = other.master_state_dict()
+    assert all(torch.equal(master[n], theirs[n]) for n in master)
+    print("rank {rank}: refused save and tagged checkpoint ok")
 """)
 
 
