@@ -431,9 +431,9 @@ void bind_engine(nb::module_& m) {
            "the reason as a ValueError).")
       .def("load_checkpoint",
            [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag,
-              const std::optional<nb::callable>& check_client_state) {
+              const std::optional<nb::callable>& check_client_state, bool weights_only) {
              if (tag && tag->empty()) raise_status(tz::invalid_argument("load_checkpoint: tag is empty; give a name, or None"));
-             tz::CheckpointLoad options{.tag = tag.value_or("")};
+             tz::CheckpointLoad options{.tag = tag.value_or(""), .weights_only = weights_only};
              if (check_client_state) {
                // Runs inside the engine call (GIL released): takes the GIL back, and turns a Python
                // exception into a refusal that every rank agrees on before anything is replaced.
@@ -455,10 +455,13 @@ void bind_engine(nb::module_& m) {
              return nb::make_tuple(loaded.path, state);
            },
            nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(), nb::arg("check_client_state") = nb::none(),
+           nb::arg("weights_only") = false,
            "Loads dir/<tag>, or dir/latest (or dir itself when it is a checkpoint). Returns (the checkpoint's "
            "directory, the client_state bytes saved with it or None). check_client_state(bytes or None) runs on "
            "every rank once every file is verified, before anything is replaced; if it raises, the load is "
-           "refused (ValueError with its message) and nothing is replaced.")
+           "refused (ValueError with its message) and nothing is replaced. weights_only: the weights alone; the "
+           "optimizer's moments, step, learning rate and loss scale stay this engine's (the checkpoint's "
+           "optimizer may differ).")
       .def("export_safetensors",
            [](PyEngine& e, const std::string& p, const std::optional<std::vector<std::vector<std::string>>>& names) {
              if (names && names->empty()) {

@@ -97,11 +97,13 @@ class Engine:
         return self._core.save_checkpoint(os.fspath(directory), tag=tag, client_state=client_state,
                                           save_latest=save_latest)
 
-    def load_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None) -> tuple:
+    def load_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None, *,
+                        weights_only: bool = False) -> tuple:
         """Loads directory/<tag>, or directory/latest (or directory itself when it is a checkpoint); every
-        checksum is verified before any state is replaced. Returns (its directory, the client_state
-        bytes saved with it, or None)."""
-        return self._core.load_checkpoint(os.fspath(directory), tag=tag)
+        checksum is verified before any state is replaced. weights_only: the weights alone (the optimizer
+        starts afresh from them, and may differ from the checkpoint's). Returns (its directory, the
+        client_state bytes saved with it, or None)."""
+        return self._core.load_checkpoint(os.fspath(directory), tag=tag, weights_only=weights_only)
 
     def export_safetensors(self, path: Union[str, os.PathLike], names: Optional[Sequence[Sequence[str]]] = None) -> None:
         """The fp32 weights as one safetensors file: tensors named "<block>.<param>", or names[b][p]

@@ -535,18 +535,19 @@ class TorchEngine:
         bit for bit. Returns (the checkpoint's directory, the client_state saved with it, {} if none), as
         DeepSpeed's does, and, as DeepSpeed's, (None, None) with a warning when load_dir holds no
         checkpoint and no tag is given. A corrupt checkpoint, a missing tag, or one saved from another
-        model raises, and nothing is replaced. The engine restores weights and optimizer states together:
-        the other flags must keep their defaults."""
-        for flag, value, default in (("load_module_strict", load_module_strict, True),
-                                     ("load_optimizer_states", load_optimizer_states, True),
-                                     ("load_lr_scheduler_states", load_lr_scheduler_states, True),
-                                     ("load_module_only", load_module_only, False),
-                                     ("custom_load_fn", custom_load_fn is not None, False)):
+        model or optimizer raises, and nothing is replaced. load_module_only=True loads the weights (and
+        buffers) alone: the optimizer starts afresh from them, and may differ from the checkpoint's
+        (fine-tuning). Otherwise the weights, optimizer states and schedule come together: the partial
+        flags must keep their defaults."""
+        flags = [("load_module_strict", load_module_strict, True), ("custom_load_fn", custom_load_fn is not None, False)]
+        if not load_module_only:  # DeepSpeed ignores these with load_module_only
+            flags += [("load_optimizer_states", load_optimizer_states, True),
+                      ("load_lr_scheduler_states", load_lr_scheduler_states, True)]
+        for flag, value, default in flags:
             if bool(value) != default:
                 raise ValueError(f"load_checkpoint: {flag}={value} is not supported: a tierzero checkpoint restores "
                                  "the weights, optimizer states and schedule together, into a model whose "
-                                 "parameters match it (for the weights alone: export_safetensors, then "
-                                 "model.load_state_dict)")
+                                 "parameters match it (for the weights alone: load_module_only=True)")
         load_dir = os.fspath(load_dir)
         if tag is None and not any(os.path.exists(os.path.join(load_dir, f)) for f in ("latest", "manifest.json")):
             warnings.warn(f"load_checkpoint: {load_dir} holds no checkpoint (no 'latest' file, no manifest.json); "
@@ -557,7 +558,8 @@ class TorchEngine:
         def check(blob: Optional[bytes]) -> None:  # every rank, before the engine replaces anything
             decoded.update(_unpack_client_state(blob))
             self._check_module_state(decoded.get("module"))
-        path, _ = self._core.load_checkpoint(load_dir, tag=None if tag is None else str(tag), check_client_state=check)
+        path, _ = self._core.load_checkpoint(load_dir, tag=None if tag is None else str(tag), check_client_state=check,
+                                             weights_only=bool(load_module_only))
         self._restore_module_state(decoded.get("module"))
         self.global_steps = self._core.optimizer_steps
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()  # checkpoints are at a boundary

@@ -327,9 +327,31 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
 
 // Reads and verifies this rank's files; states[b * 3 + k] = master, exp_avg,
 // exp_avg_sq of block b (empty where the optimizer has no such state).
-Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states,
-                                       std::int64_t& step, detail::LossScaler::State& scaler,
-                                       std::optional<double>& saved_lr) {
+Status ZeroEngineImpl::read_rank_files(const std::string& dir, bool weights_only,
+                                       std::vector<std::vector<float>>& states, std::int64_t& step,
+                                       detail::LossScaler::State& scaler, std::optional<double>& saved_lr) {
+  // A manifest whose fields have the wrong JSON types is corrupt, not a crash.
+  try {
+    return read_rank_files_json(dir, weights_only, states, step, scaler, saved_lr);
+  } catch (const nlohmann::json::exception& e) {
+    return data_corruption("checkpoint {}: rank-{}.json is malformed ({})", dir, comm_->rank(), e.what());
+  }
+}
+
+namespace {
+
+// Adam and AdamW keep the same moments; any other change of optimizer leaves
+// states the new one cannot continue from.
+bool same_optimizer_states(const std::string& a, const std::string& b) {
+  auto family = [](const std::string& t) { return t == "AdamW" ? std::string("Adam") : t; };
+  return family(a) == family(b);
+}
+
+}  // namespace
+
+Status ZeroEngineImpl::read_rank_files_json(const std::string& dir, bool weights_only,
+                                            std::vector<std::vector<float>>& states, std::int64_t& step,
+                                            detail::LossScaler::State& scaler, std::optional<double>& saved_lr) {
   const int rank = comm_->rank();
   TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(fmt::format("{}/rank-{}.json", dir, rank)));
   if (m.value("format", "") != "tierzero-checkpoint-rank" || m.value("version", 0) != kFormatVersion) {
@@ -339,6 +361,12 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
   if (m.value("world_size", 0) != comm_->size()) {
     return invalid_argument("checkpoint {} was saved by {} ranks; this run has {}", dir, m.value("world_size", 0),
                             comm_->size());
+  }
+  const std::string saved_optimizer = m.value("optimizer", "");
+  if (!weights_only && !same_optimizer_states(saved_optimizer, options_.config.optimizer.type)) {
+    return invalid_argument("checkpoint {} was saved by the {} optimizer; this engine's {} cannot continue from its "
+                            "states (set optimizer.type \"{}\", or load the weights alone)",
+                            dir, saved_optimizer, options_.config.optimizer.type, saved_optimizer);
   }
   const nlohmann::json& blocks = m["blocks"];
   if (!blocks.is_array() || blocks.size() != layout_.blocks.size()) {
@@ -360,9 +388,15 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
     }
     TZ_TRY(check_saved_params(dir, blocks[b], want));
     const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
+    const bool needed[3] = {true, !weights_only && exp_avg_ != nullptr, !weights_only && exp_avg_sq_ != nullptr};
+    const nlohmann::json& saved_states = blocks[b].at("states");
     for (int k = 0; k < 3; ++k) {
-      if (!blocks[b]["states"].contains(names[k])) continue;
-      const nlohmann::json& s = blocks[b]["states"][names[k]];
+      if (!needed[k]) continue;
+      if (!saved_states.contains(names[k])) {
+        return data_corruption("checkpoint {}: block '{}' has no {} (saved by {})", bin, want.name, names[k],
+                               saved_optimizer);
+      }
+      const nlohmann::json& s = saved_states.at(names[k]);
       const std::uint64_t offset = s.value("offset", 0ULL), bytes = s.value("bytes", 0ULL);
       if (bytes != want.shard_numel * 4 || offset + bytes > data.size()) {
         return data_corruption("checkpoint {}: {} of {} has a bad extent ({} bytes at {})", bin, names[k], want.name,
@@ -377,7 +411,7 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
       std::memcpy(out.data(), data.data() + offset, bytes);
     }
   }
-  const nlohmann::json& ls = m["loss_scaler"];
+  const nlohmann::json& ls = m.at("loss_scaler");
   step = m.value("step", std::int64_t{0});
   if (m.contains("lr") && !m["lr"].is_null()) {
     if (!m["lr"].is_number()) return data_corruption("checkpoint {}: learning rate {} is not a number", dir, m["lr"].dump());
@@ -394,7 +428,7 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, std::vector<std::
 namespace {
 
 // The checkpoint's own manifest, and the client state it lists (verified).
-Status read_manifest(const std::string& dir, std::optional<std::string>& client_state) {
+Status read_manifest_json(const std::string& dir, std::optional<std::string>& client_state) {
   TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(dir + "/manifest.json"));
   if (m.value("format", "") != "tierzero-checkpoint" || m.value("version", 0) != kFormatVersion) {
     return data_corruption("checkpoint {}: manifest.json is not a tierzero checkpoint's (format version {})", dir,
@@ -416,6 +450,14 @@ Status read_manifest(const std::string& dir, std::optional<std::string>& client_
   }
   client_state = std::move(bytes);
   return ok_status();
+}
+
+Status read_manifest(const std::string& dir, std::optional<std::string>& client_state) {
+  try {
+    return read_manifest_json(dir, client_state);
+  } catch (const nlohmann::json::exception& e) {
+    return data_corruption("checkpoint {}: manifest.json is malformed ({})", dir, e.what());
+  }
 }
 
 }  // namespace
@@ -447,7 +489,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   TZ_TRY(agree_on_name(dir, "loading checkpoint"));
   const Status read = [&]() -> Status {
     TZ_TRY(read_manifest(dir, client_state));
-    TZ_TRY(read_rank_files(dir, states, step, scaler, saved_lr));
+    TZ_TRY(read_rank_files(dir, options.weights_only, states, step, scaler, saved_lr));
     if (options.check_client_state) TZ_TRY_CTX(options.check_client_state(client_state), "checkpoint {}", dir);
     return ok_status();
   }();
@@ -456,21 +498,12 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   // the replacement: drop them first.
   prefetcher_->reset();
   Status loaded = [&]() -> Status {
-    step_ = step;
-    if (saved_lr) {
-      if (*saved_lr != base_lr_) {
-        TZ_LOG_INFO("engine", "learning rate {} from the checkpoint (set_learning_rate before it was saved), not {}",
-                    *saved_lr, base_lr_);
-      }
-      base_lr_ = *saved_lr;
-      lr_set_by_caller_ = true;
-    }
-    scaler_.restore(scaler);
+    if (!options.weights_only) restore_progress(step, scaler, saved_lr);
     for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
       const std::vector<float>& master = states[b * 3];
       TZ_TRY(put(*master_, b, master.data()));
-      if (exp_avg_) TZ_TRY(put(*exp_avg_, b, states[b * 3 + 1].data()));
-      if (exp_avg_sq_) TZ_TRY(put(*exp_avg_sq_, b, states[b * 3 + 2].data()));
+      if (exp_avg_ && !options.weights_only) TZ_TRY(put(*exp_avg_, b, states[b * 3 + 1].data()));
+      if (exp_avg_sq_ && !options.weights_only) TZ_TRY(put(*exp_avg_sq_, b, states[b * 3 + 2].data()));
       // The 16-bit parameters are the master weights rounded, as the
       // optimizer's copy-out wrote them.
       TZ_TRY(put(*param16_, b, to_param_type(master.data(), master.size(), param_type_).data()));
@@ -483,8 +516,23 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   TZ_TRY(agree(loaded, "loading checkpoint " + dir));
   nvme_read_bytes_ = 0;
   nvme_write_bytes_ = 0;
-  TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {})", dir, step_);
+  TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {}{})", dir, step_, options.weights_only ? ", weights only" : "");
   return LoadedCheckpoint{dir, step_, std::move(client_state)};
+}
+
+// The optimizer's progress from a checkpoint: step count, learning rate, loss scale.
+void ZeroEngineImpl::restore_progress(std::int64_t step, const detail::LossScaler::State& scaler,
+                                      const std::optional<double>& saved_lr) {
+  step_ = step;
+  if (saved_lr) {
+    if (*saved_lr != base_lr_) {
+      TZ_LOG_INFO("engine", "learning rate {} from the checkpoint (set_learning_rate before it was saved), not {}",
+                  *saved_lr, base_lr_);
+    }
+    base_lr_ = *saved_lr;
+    lr_set_by_caller_ = true;
+  }
+  scaler_.restore(scaler);
 }
 
 namespace {

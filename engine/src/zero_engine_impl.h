@@ -113,8 +113,13 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status write_rank_files(const std::string& dir);
   // `saved_lr`: the rate set_learning_rate() set before the save; none when
   // it was never called (the config's rate then stands).
-  Status read_rank_files(const std::string& dir, std::vector<std::vector<float>>& states, std::int64_t& step,
-                         detail::LossScaler::State& scaler, std::optional<double>& saved_lr);
+  // weights_only: the masters alone are needed (and the optimizer may differ).
+  Status read_rank_files(const std::string& dir, bool weights_only, std::vector<std::vector<float>>& states,
+                         std::int64_t& step, detail::LossScaler::State& scaler, std::optional<double>& saved_lr);
+  Status read_rank_files_json(const std::string& dir, bool weights_only, std::vector<std::vector<float>>& states,
+                              std::int64_t& step, detail::LossScaler::State& scaler, std::optional<double>& saved_lr);
+  void restore_progress(std::int64_t step, const detail::LossScaler::State& scaler,
+                        const std::optional<double>& saved_lr);
 
   // --- the step (optimizer_pass.cpp)
   Status zero_stale_grads();

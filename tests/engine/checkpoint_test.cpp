@@ -30,9 +30,11 @@ constexpr tz::mlp::MlpConfig kMlp{.layers = 3, .hidden = 64, .batch = 4, .seed =
 const Placement kNvme{Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme};
 const Placement kCpu{Tier::kCpu, Tier::kCpu, Tier::kCpu, Tier::kCpu};
 
-std::unique_ptr<tz::ZeroEngine> make(const std::string& nvme, const Placement& p) {
-  auto e = tz::ZeroEngine::create({.config = test_config(nvme, 3, 1), .placement = p}, tz::mlp::model(kMlp),
-                                  tz::mlp::init(kMlp));
+std::unique_ptr<tz::ZeroEngine> make(const std::string& nvme, const Placement& p, const std::string& optimizer = "AdamW",
+                                     const tz::ParamInit& init = tz::mlp::init(kMlp)) {
+  tz::Config config = test_config(nvme, 3, 1);
+  config.optimizer.type = optimizer;
+  auto e = tz::ZeroEngine::create({.config = config, .placement = p}, tz::mlp::model(kMlp), init);
   EXPECT_TRUE(e.ok()) << e.status().to_string();
   return e.ok() ? std::move(*e) : nullptr;
 }
@@ -203,6 +205,80 @@ TEST(Checkpoint, ATagNamesTheCheckpointAndSavingUnderItAgainReplacesIt) {
   EXPECT_EQ(loaded->step, 4);
   EXPECT_FALSE(loaded->client_state.has_value());
   EXPECT_EQ(masters(*b), masters(*a));
+}
+
+// Another optimizer's checkpoint is refused by name (loading a Lion
+// checkpoint into AdamW once read moments it does not have), unless only its
+// weights are wanted: then the engine continues exactly as a fresh one
+// started from those weights would. Adam and AdamW keep the same moments.
+TEST(Checkpoint, AnotherOptimizersCheckpointIsRefusedOrLoadsItsWeightsAlone) {
+  TempDir nvme, ckpt;
+  auto lion = make(nvme.path(), kCpu, "Lion");
+  ASSERT_TRUE(lion);
+  ASSERT_TRUE(train(*lion, 0, 3).ok());
+  ASSERT_TRUE(lion->save_checkpoint(ckpt.path()).ok());
+  const auto weights = masters(*lion);
+
+  auto adamw = make(nvme.path(), kCpu, "AdamW");
+  ASSERT_TRUE(adamw);
+  const auto before = masters(*adamw);
+  const tz::Status refused = adamw->load_checkpoint(ckpt.path());
+  EXPECT_EQ(refused.code(), tz::ErrorCode::kInvalidArgument) << refused.to_string();
+  EXPECT_NE(refused.message().find("saved by the Lion optimizer; this engine's AdamW cannot continue"),
+            std::string::npos)
+      << refused.message();
+  EXPECT_EQ(masters(*adamw), before) << "a refused load replaces nothing";
+
+  const auto loaded = adamw->load_checkpoint(ckpt.path(), {.weights_only = true});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  EXPECT_EQ(loaded->step, 0) << "the engine's own step count stays";
+  EXPECT_EQ(masters(*adamw), weights);
+  // A fresh AdamW engine initialised with those weights takes the same steps.
+  const auto layout = adamw->layout();
+  auto fresh = make(nvme.path(), kCpu, "AdamW", [&](std::size_t b, std::size_t p, float* out, std::uint64_t numel) {
+    const auto& param = layout.blocks[b].params[p];
+    std::copy_n(weights[b].begin() + static_cast<std::ptrdiff_t>(param.offset), numel, out);
+  });
+  ASSERT_TRUE(fresh);
+  ASSERT_TRUE(train(*adamw, 3, 5).ok());
+  ASSERT_TRUE(train(*fresh, 3, 5).ok());
+  EXPECT_EQ(masters(*adamw), masters(*fresh));
+
+  // Adam continues from AdamW's moments.
+  TempDir ckpt2;
+  ASSERT_TRUE(adamw->save_checkpoint(ckpt2.path()).ok());
+  auto adam = make(nvme.path(), kCpu, "Adam");
+  ASSERT_TRUE(adam);
+  const tz::Status s = adam->load_checkpoint(ckpt2.path());
+  EXPECT_TRUE(s.ok()) << s.to_string();
+}
+
+// Manifest fields of the wrong JSON type, or a state the optimizer needs and
+// the file lacks, are corruption: refused by name, not a crash.
+TEST(Checkpoint, AMalformedRankManifestIsRefusedAsCorrupt) {
+  TempDir nvme, ckpt;
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 1).ok());
+  ASSERT_TRUE(e->save_checkpoint(ckpt.path()).ok());
+  const std::string manifest = ckpt.path() + "/step-1/rank-0.json";
+  nlohmann::json good;
+  std::ifstream(manifest) >> good;
+  auto refused_with = [&](const std::function<void(nlohmann::json&)>& edit, const std::string& text) {
+    nlohmann::json m = good;
+    edit(m);
+    std::ofstream(manifest, std::ios::trunc) << m.dump();
+    const tz::Status s = e->load_checkpoint(ckpt.path());
+    EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
+    EXPECT_NE(s.message().find(text), std::string::npos) << s.message();
+  };
+  refused_with([](nlohmann::json& m) { m["loss_scaler"] = "big"; }, "rank-0.json is malformed");
+  refused_with([](nlohmann::json& m) { m.erase("loss_scaler"); }, "rank-0.json is malformed");
+  refused_with([](nlohmann::json& m) { m["blocks"][0] = 7; }, "rank-0.json is malformed");
+  refused_with([](nlohmann::json& m) { m["blocks"][1]["states"].erase("exp_avg_sq"); }, "has no exp_avg_sq");
+  std::ofstream(ckpt.path() + "/step-1/manifest.json", std::ios::trunc) << "[1, 2]";
+  const tz::Status s = e->load_checkpoint(ckpt.path());
+  EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
 }
 
 TEST(Checkpoint, BadTagsAndADirectoryThatIsNoCheckpointAreRefusedAndLeftAlone) {

@@ -215,3 +215,18 @@ def test_fetch_releases_the_gil(nvme_dir):
     stop.set()
     th.join()
     assert ticks[0] > 0
+
+
+def test_another_optimizers_checkpoint_is_refused_or_loads_its_weights_alone(nvme_dir, tmp_path):
+    lion = tierzero.Engine(host_config(nvme_dir, optimizer="Lion"), BLOCKS)
+    lion.reduce_grads(0, [torch.ones(8, 16), torch.ones(8)])
+    lion.step()
+    lion.save_checkpoint(tmp_path)
+    adamw, _ = make(nvme_dir)
+    before = adamw.gather_master(0).copy()
+    with pytest.raises(ValueError, match="saved by the Lion optimizer; this engine's AdamW cannot continue"):
+        adamw.load_checkpoint(tmp_path)  # it once read moments the checkpoint does not have, and crashed
+    np.testing.assert_array_equal(adamw.gather_master(0), before)
+    adamw.load_checkpoint(tmp_path, weights_only=True)
+    np.testing.assert_array_equal(adamw.gather_master(0), lion.gather_master(0))
+    assert adamw.optimizer_steps == 0

@@ -394,6 +394,28 @@ def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp
     assert sorted(os.listdir(ckpt)) == ["epoch-end", "latest", "no-state"]
     with pytest.raises(ValueError, match="load_optimizer_states=False is not supported"):
         other.load_checkpoint(ckpt, load_optimizer_states=False)
+
+    # Fine-tuning: another optimizer starts afresh from the weights alone (load_module_only), as a fresh engine
+    # given those weights does; loading all of the checkpoint into it is refused, naming both optimizers.
+    def lion():
+        m = mlp()
+        return m, host_config(nvme_dir, optimizer="Lion", lr=1e-3)
+    tuned, _ = tzt.initialize(*lion())
+    with pytest.raises(ValueError, match="saved by the AdamW optimizer; this engine's Lion cannot continue"):
+        tuned.load_checkpoint(ckpt)
+    tuned.load_checkpoint(ckpt, load_module_only=True, load_optimizer_states=False)
+    assert tuned.global_steps == 0
+    fresh_model, fresh_config = lion()
+    with torch.no_grad():
+        for n, p in fresh_model.named_parameters():
+            p.copy_(master[n])
+    fresh, _ = tzt.initialize(fresh_model, fresh_config)
+    for e in (tuned, fresh):
+        for x, y in batches:
+            e.backward(F.mse_loss(e(x), y))
+            e.step()
+    a, b = tuned.master_state_dict(), fresh.master_state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
     with pytest.raises(FileNotFoundError, match="no checkpoint tagged 'epoch-9'"):
         other.load_checkpoint(ckpt, tag="epoch-9")
     (tmp_path / "mine").mkdir()

@@ -193,6 +193,11 @@ struct CheckpointLoad {
   // and replaces nothing (a caller that decodes the client state checks it
   // here).
   std::function<Status(const std::optional<std::string>&)> check_client_state;
+  // The weights alone (the masters, and their 16-bit copies): this engine's
+  // optimizer moments, step count, learning rate and loss scale stay as they
+  // are, and the checkpoint's optimizer may be another. Fine-tuning from a
+  // checkpoint with a fresh optimizer.
+  bool weights_only = false;
 };
 
 // What load_checkpoint loaded.
