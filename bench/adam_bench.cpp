@@ -1001,9 +1001,7 @@ tz::Status run(const Flags& flags) {
         {"torch", torch_json},
         {"torch_unavailable_reason", torch_reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(torch_reason)},
         {"targets", targets}};
-    std::ofstream file(flags.json_path);
-    file << out.dump(2) << "\n";
-    if (!file) return tz::io_error("writing {}", flags.json_path);
+    if (!tzbench::write_file(flags.json_path, out.dump(2) + "\n")) return tz::io_error("writing {}", flags.json_path);
     std::printf("\nwrote %s\n", flags.json_path.c_str());
   }
   return tz::ok_status();
@@ -1032,7 +1030,8 @@ int main(int argc, char** argv) {
                  "elements per tile for the kernels and the limit loops (multiple of 16); 0: the library's choice")
       ->check(CLI::Range(std::size_t{0}, std::size_t{1} << 30))
       ->capture_default_str();
-  app.add_option("--json", flags.json_path, "write the results as JSON to this file");
+  app.add_option("--json", flags.json_path, "write the results as JSON to this file")
+      ->check(CLI::Validator(tzbench::writable_file, "FILE"));
   app.add_flag("!--no-hugepages", flags.hugepages, "do not madvise(MADV_HUGEPAGE) the arrays");
   app.add_flag("!--no-torch", flags.torch, "do not time torch.optim.AdamW even if torch is importable");
   app.add_flag("--plain-copy-limit", flags.plain_copy_limit,

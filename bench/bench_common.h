@@ -27,6 +27,24 @@ namespace tzbench {
 
 using Clock = std::chrono::steady_clock;
 
+// --json's check, before the benchmark runs (a CLI11 validator): the file can
+// be written, so a long run does not end in "cannot write". An existing file
+// is left as it is; one created to find out is removed.
+inline std::string writable_file(std::string& path) {
+  const bool existed = ::access(path.c_str(), F_OK) == 0;
+  if (std::ofstream probe(path, std::ios::app); !probe) return "cannot write " + path;
+  if (!existed) std::remove(path.c_str());
+  return {};
+}
+
+// A results file written whole; false when it could not be.
+inline bool write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+  out.close();
+  return static_cast<bool>(out);
+}
+
 inline double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }

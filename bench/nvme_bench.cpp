@@ -324,9 +324,7 @@ tz::Status run_modes(const Flags& f, tzbench::Context& ctx, nlohmann::json& out)
 }
 
 tz::Status write_json(const std::string& path, const nlohmann::json& out) {
-  std::ofstream file(path);
-  file << out.dump(2) << "\n";
-  if (!file) return tz::io_error("writing {}", path);
+  if (!tzbench::write_file(path, out.dump(2) + "\n")) return tz::io_error("writing {}", path);
   std::printf("\nwrote %s\n", path.c_str());
   return tz::ok_status();
 }
@@ -415,7 +413,8 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_flag("--compare-fio", f.compare_fio, "alternate with fio's io_uring engine on the same file");
   app.add_option("--pairs", f.pairs, "ours/fio pairs, and swap rounds")->check(CLI::Range(1, 1000))->capture_default_str();
   app.add_option("--fio", f.fio, "fio executable")->capture_default_str();
-  app.add_option("--json", f.json_path, "write the results as JSON to this file");
+  app.add_option("--json", f.json_path, "write the results as JSON to this file")
+      ->check(CLI::Validator(tzbench::writable_file, "FILE"));
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include <map>
 #include <thread>
 
+#include "bench_common.h"
 #include "tierzero/engine.h"
 
 namespace {
@@ -221,7 +222,7 @@ tz::Status run(const Flags& f) {
                                 {"layers", f.layers}, {"hidden", f.hidden}, {"compute_ms", f.compute_ms},
                                 {"placement", f.placement}, {"synthetic", f.synthetic}, {"backend", f.backend}, {"steps", steps},
                                 {"median_ratio_to_critical_path", ratio}, {"median_wait_fraction", wait}};
-    std::ofstream(f.json_path) << out.dump(2) << "\n";
+    if (!tzbench::write_file(f.json_path, out.dump(2) + "\n")) return tz::io_error("writing {}", f.json_path);
     std::printf("wrote %s\n", f.json_path.c_str());
   }
   return tz::ok_status();
@@ -246,7 +247,7 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"host", "cuda"}));
   app.add_flag("--synthetic", f.synthetic, "skip the MLP arithmetic: compute is the simulated time alone");
-  app.add_option("--json", f.json_path, "write results as JSON");
+  app.add_option("--json", f.json_path, "write results as JSON")->check(CLI::Validator(tzbench::writable_file, "FILE"));
   app.add_option("--trace", f.trace_path, "write the last step's Chrome trace here");
   CLI11_PARSE(app, argc, argv);
   const tz::Status s = run(f);

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <vector>
 
+#include "bench_common.h"
 #include "tierzero/engine.h"
 
 namespace {
@@ -187,7 +188,7 @@ tz::Status run(const Options& opt) {
                           {"device_pool", pool_json(dev)}, {"host_pool", pool_json(host)},
                           {"steady_state_allocations", steady_allocations},
                           {"plan", plan.ok() ? plan->summary : plan.status().message()}};
-    std::ofstream(opt.json_path) << out.dump(2) << "\n";
+    if (!tzbench::write_file(opt.json_path, out.dump(2) + "\n")) return tz::io_error("writing {}", opt.json_path);
   }
   if (steady_allocations != 0) return tz::internal_error("pools allocated {} times after warm-up", steady_allocations);
   return tz::ok_status();
@@ -204,7 +205,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", opt.steps, "steps to run (the first 2 are warm-up)")->check(CLI::Range(3, 10000));
   app.add_option("--chunks", opt.chunks, "chunks moved per step")->check(CLI::Range(1, 4096));
   app.add_option("--chunk-mib", opt.chunk_mib, "chunk size, MiB")->check(CLI::Range(0.0625, 4096.0));
-  app.add_option("--json", opt.json_path, "write results as JSON to this file");
+  app.add_option("--json", opt.json_path, "write results as JSON to this file")
+      ->check(CLI::Validator(tzbench::writable_file, "FILE"));
   CLI11_PARSE(app, argc, argv);
   tz::Status status = run(opt);
   if (!status.ok()) {

@@ -44,11 +44,16 @@ class PyIoFuture {
   }
   bool ready() const { return done_ || future_.ready(); }
   void wait(std::optional<double> timeout_s) {
+    if (timeout_s && !(*timeout_s >= 0)) {
+      raise_status(tz::invalid_argument("IoFuture.wait(): timeout {} must be a number of seconds >= 0", *timeout_s));
+    }
+    // Beyond a year is as good as forever (and would overflow the milliseconds).
+    const bool forever = !timeout_s || *timeout_s > 365.0 * 24 * 3600;
     tz::Status s;
     {
       nb::gil_scoped_release release;
-      s = timeout_s ? future_.wait_for(std::chrono::milliseconds(static_cast<std::int64_t>(*timeout_s * 1e3)))
-                    : future_.wait();
+      s = forever ? future_.wait()
+                  : future_.wait_for(std::chrono::milliseconds(static_cast<std::int64_t>(*timeout_s * 1e3)));
     }
     if (s.code() != tz::ErrorCode::kTimeout) done_ = true;
     check(s);
@@ -146,6 +151,12 @@ class PyIoEngine {
     nv::IoRequest r{.op = read ? nv::IoOp::kRead : nv::IoOp::kWrite, .buffer = b.data};
     std::size_t total = 0;
     for (const auto& [file, offset, length] : segments) {
+      // Each within the buffer, so the sum below cannot wrap around.
+      if (length > b.nbytes - std::min(total, b.nbytes)) {
+        raise_status(tz::invalid_argument("IoEngine.submit(): segment {} (length {}) runs past the end of 'buffer' "
+                                          "({} bytes)",
+                                          r.segments.size(), length, b.nbytes));
+      }
       r.segments.push_back({nv::FileId{file}, offset, length});
       total += length;
     }

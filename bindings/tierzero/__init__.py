@@ -141,6 +141,9 @@ def estimate(params: Union[int, float, str], *, ranks: int = 1, ranks_per_node: 
     unknown = set(links) - {"nvme_read_gbps", "nvme_write_gbps", "pcie_gbps", "cpu_mem_gbps"}
     if unknown:
         raise ValueError(f"links_gbps: unknown link(s) {sorted(unknown)}; known: nvme_read, nvme_write, pcie, cpu_mem")
+    for key, value in links.items():
+        if not (0 < value < float("inf")):  # 0 and below (and nan) would silently mean "the default"
+            raise ValueError(f"links_gbps: {key[:-5]} = {value} GB/s must be a finite number > 0")
     return _core.plan_placement(_blocks(n, layers, largest_block), ranks=ranks, ranks_per_node=ranks_per_node,
                                 stage=stage, grad_accum=grad_accum, nvme_paths=[os.fspath(p) for p in nvme_paths],
                                 offload_param=offload_param, offload_optimizer=offload_optimizer,

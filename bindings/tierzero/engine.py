@@ -27,11 +27,25 @@ from . import _core
 BlockSpec = Sequence[Any]  # (name, [(param name, shape), ...])
 
 
+def _dim(block: Any, param: Any, d: Any) -> int:
+    """A dimension as an int; 2.0 is 2, but 2.7 is refused rather than cut to 2."""
+    import operator
+
+    try:
+        return operator.index(d)
+    except TypeError:
+        if isinstance(d, float) and d.is_integer():
+            return int(d)
+        raise ValueError(f"blocks: {block}.{param} has dimension {d!r}, which is not a whole number") from None
+
+
 def _normalise_blocks(blocks: Union[Mapping[str, Mapping[str, Sequence[int]]], Sequence[BlockSpec]]) -> list:
-    if isinstance(blocks, Mapping):
-        return [(str(name), [(str(p), tuple(int(d) for d in s)) for p, s in params.items()])
-                for name, params in blocks.items()]
-    return [(str(name), [(str(p), tuple(int(d) for d in s)) for p, s in params]) for name, params in blocks]
+    pairs = blocks.items() if isinstance(blocks, Mapping) else blocks
+    out = []
+    for name, params in pairs:
+        items = params.items() if isinstance(params, Mapping) else params
+        out.append((str(name), [(str(p), tuple(_dim(name, p, d) for d in s)) for p, s in items]))
+    return out
 
 
 def _config_kwargs(config: Any) -> dict:

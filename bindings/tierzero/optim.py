@@ -56,6 +56,7 @@ class _CpuOptimizer(torch.optim.Optimizer):
 
     _algorithm: ClassVar[Any]
     _state_keys: ClassVar[tuple[str, ...]]
+    _optional_state_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: Iterable[Any], defaults: dict, *, threads: int = 0,
                  param16_dtype: Optional[torch.dtype] = None):
@@ -166,7 +167,25 @@ class _CpuOptimizer(torch.optim.Optimizer):
             raise
         counter[1][...] = n  # state["step"] += 1, once the step is done
 
+    def _refuse_foreign(self, state_dict: dict) -> None:
+        """Another optimizer's state_dict (a torch Adagrad's into AdamW, an AdamW's into Lion) is refused by
+        name before anything is loaded: its groups lack hyperparameters this one needs, or its states hold
+        other moments."""
+        name = type(self).__name__
+        for g, group in enumerate(state_dict.get("param_groups", [])):
+            missing = sorted(set(self.defaults) - set(group))
+            if missing:
+                raise ValueError(f"{name}.load_state_dict: param_groups[{g}] has no {missing}: the state_dict is "
+                                 "another optimizer's")
+        allowed = {"step", *self._state_keys, *self._optional_state_keys}
+        for index, state in state_dict.get("state", {}).items():
+            keys = set(state)
+            if keys and (keys - allowed or not set(self._state_keys) <= keys):
+                raise ValueError(f"{name}.load_state_dict: state[{index}] holds {sorted(keys)}; {name} keeps "
+                                 f"{sorted({'step', *self._state_keys})}: the state_dict is another optimizer's")
+
     def load_state_dict(self, state_dict: dict) -> None:
+        self._refuse_foreign(state_dict)
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype and device; the
         # kernels also need contiguous memory.
@@ -189,6 +208,7 @@ class Adam(_CpuOptimizer):
 
     _algorithm = _core.Algorithm.Adam
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _optional_state_keys = ("max_exp_avg_sq",)  # amsgrad
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
@@ -237,6 +257,10 @@ class Adagrad(_CpuOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
                  threads: int = 0, param16_dtype: Optional[torch.dtype] = None):
+        if not initial_accumulator_value >= 0:  # a negative sum of squares has no square root
+            raise ValueError(f"Adagrad: initial_accumulator_value = {initial_accumulator_value} must be >= 0")
+        if not lr_decay >= 0:
+            raise ValueError(f"Adagrad: lr_decay = {lr_decay} must be >= 0")
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize)
         super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype)

@@ -520,7 +520,8 @@ class TorchEngine:
         blob, refusal = None, None
         if self.rank == 0:  # the other ranks' client_state is not saved, as in DeepSpeed
             try:
-                blob = _pack_client_state(client_state, self._module_state(exclude_frozen_parameters))
+                blob = _pack_client_state(client_state, self._module_state(exclude_frozen_parameters),
+                                          bool(exclude_frozen_parameters))
             except ValueError as e:
                 refusal = str(e)  # refused on every rank, before anything is written
         self._core.save_checkpoint(os.fspath(save_dir), tag=None if tag is None else str(tag), client_state=blob,
@@ -557,7 +558,7 @@ class TorchEngine:
 
         def check(blob: Optional[bytes]) -> None:  # every rank, before the engine replaces anything
             decoded.update(_unpack_client_state(blob))
-            self._check_module_state(decoded.get("module"))
+            self._check_module_state(decoded.get("module"), bool(decoded.get("exclude_frozen", False)))
         path, _ = self._core.load_checkpoint(load_dir, tag=None if tag is None else str(tag), check_client_state=check,
                                              weights_only=bool(load_module_only))
         self._restore_module_state(decoded.get("module"))
@@ -567,23 +568,30 @@ class TorchEngine:
             self.optimizer._show_lr()  # the restored schedule's (or saved) rate for the next step
         return path, decoded.get("client_state", {})
 
+    def _frozen_names(self) -> set:
+        return {n for n, p in self.module.named_parameters(remove_duplicate=False) if p not in self._slot}
+
     def _module_state(self, exclude_frozen: bool) -> dict:
         """The model's state_dict() less what the engine holds: buffers, and frozen parameters."""
         engine_owned = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p in self._slot}
-        frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p not in self._slot}
+        frozen = self._frozen_names()
         return {n: t for n, t in self.module.state_dict().items()
                 if n not in engine_owned and not (exclude_frozen and n in frozen)}
 
-    def _check_module_state(self, saved: Optional[dict]) -> None:
+    def _check_module_state(self, saved: Optional[dict], exclude_frozen: bool) -> None:
+        """As load_state_dict(strict=True) would: the same names (less the frozen parameters when the save
+        excluded them), the same shapes."""
         if saved is None:
             return
         have = self._module_state(exclude_frozen=False)
         unexpected = sorted(set(saved) - set(have))
+        missing = sorted(set(have) - set(saved) - (self._frozen_names() if exclude_frozen else set()))
         wrong = [f"'{n}' {tuple(t.shape)} (the model's: {tuple(have[n].shape)})" for n, t in saved.items()
                  if n in have and t.shape != have[n].shape]
-        if unexpected or wrong:
+        if unexpected or missing or wrong:
             raise ValueError("the checkpoint's buffers and frozen parameters are not the model's: "
-                             + "; ".join(([f"not in the model: {unexpected}"] if unexpected else []) + wrong))
+                             + "; ".join(([f"not in the model: {unexpected}"] if unexpected else [])
+                                         + ([f"not in the checkpoint: {missing}"] if missing else []) + wrong))
 
     def _restore_module_state(self, saved: Optional[dict]) -> None:
         if not saved:
@@ -678,7 +686,7 @@ def _collect_blocks(model: torch.nn.Module) -> tuple[list, dict]:
 _STATE_FORMAT = "tierzero.torch checkpoint state 1"
 
 
-def _pack_client_state(client_state: Optional[dict], module_state: dict) -> bytes:
+def _pack_client_state(client_state: Optional[dict], module_state: dict, exclude_frozen: bool) -> bytes:
     """Note [Client state]: torch.save's bytes, refused here if torch.load(weights_only=True) could not read them."""
     import io
 
@@ -686,7 +694,8 @@ def _pack_client_state(client_state: Optional[dict], module_state: dict) -> byte
         raise ValueError(f"save_checkpoint: client_state must be a dict (as DeepSpeed's), not "
                          f"{type(client_state).__name__}")
     buf = io.BytesIO()
-    torch.save({"format": _STATE_FORMAT, "client_state": client_state or {}, "module": module_state}, buf)
+    torch.save({"format": _STATE_FORMAT, "client_state": client_state or {}, "module": module_state,
+                "exclude_frozen": exclude_frozen}, buf)
     blob = buf.getvalue()
     try:
         torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)

@@ -295,7 +295,9 @@ Key path_key(std::string_view name, Get get) {
   return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
             if (v.is_null()) return ok_status();
             if (!v.is_string()) return type_error(st, path, v, "a directory path (string) or null");
-            get(st.config) = v.get<std::string>();
+            std::string dir = v.get<std::string>();
+            if (dir.find('\0') != std::string::npos) return key_error(st, path, "the path has a NUL character");
+            get(st.config) = std::move(dir);
             return ok_status();
           }};
 }
@@ -374,6 +376,7 @@ Key nvme_paths_key() {
                 return type_error(st, item_path, v[i], "a non-empty directory path");
               }
               const auto& dir = v[i].get_ref<const std::string&>();
+              if (dir.find('\0') != std::string::npos) return key_error(st, item_path, "the path has a NUL character");
               if (std::find(paths.begin(), paths.end(), dir) != paths.end()) {
                 return key_error(st, item_path, fmt::format("'{}' is listed twice", dir));
               }

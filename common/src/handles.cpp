@@ -24,7 +24,16 @@ Status UniqueFd::close() {
   return ok_status();
 }
 
+Status check_path(const std::string& path, std::string_view what) {
+  if (path.empty()) return invalid_argument("{}: the path is empty", what);
+  if (const auto nul = path.find('\0'); nul != std::string::npos) {
+    return invalid_argument("{}: the path '{}' has a NUL character at {}", what, path.substr(0, nul), nul);
+  }
+  return ok_status();
+}
+
 Expected<UniqueFd> open_file(const std::string& path, int flags, mode_t mode) {
+  TZ_TRY(check_path(path, "open"));
   int fd;
   do {
     fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);

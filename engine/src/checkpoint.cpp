@@ -13,9 +13,11 @@
 // checkpoint; a crash after it leaves the new one. A .partial directory is
 // never read.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc 2.28)
 #include <unistd.h>
 
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -64,10 +66,29 @@ Status fsync_dir(const std::string& dir) {
   return fd.close();
 }
 
+// A whole file. Errors name the path (a directory where a file should be is
+// one, not an exception from the stream library).
 Expected<std::string> read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return not_found("checkpoint: cannot open {}", path);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return errno == ENOENT ? not_found("checkpoint: {} does not exist", path)
+                           : errno_status(errno, "checkpoint: opening " + path);
+  }
+  UniqueFd owned(fd);
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) return errno_status(errno, "checkpoint: reading " + path);
+  if (!S_ISREG(info.st_mode)) return data_corruption("checkpoint: {} is not a regular file", path);
+  std::string text(static_cast<std::size_t>(info.st_size), '\0');
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno_status(errno, "checkpoint: reading " + path);
+    if (n == 0) break;  // shorter than it was a moment ago
+    done += static_cast<std::size_t>(n);
+  }
+  text.resize(done);
+  return text;
 }
 
 Expected<nlohmann::json> read_json(const std::string& path) {
@@ -280,6 +301,7 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
                                "save after a step",
                                micro_, gas_);
   }
+  TZ_TRY(check_path(dir, "save_checkpoint"));
   // Without a tag, a fresh name even when this step was saved before (an
   // fp16-skipped step does not advance it), so no complete checkpoint is
   // ever moved or overwritten. Every rank sees `dir` (one directory for all
@@ -398,7 +420,7 @@ Status ZeroEngineImpl::read_rank_files_json(const std::string& dir, bool weights
       }
       const nlohmann::json& s = saved_states.at(names[k]);
       const std::uint64_t offset = s.value("offset", 0ULL), bytes = s.value("bytes", 0ULL);
-      if (bytes != want.shard_numel * 4 || offset + bytes > data.size()) {
+      if (bytes != want.shard_numel * 4 || offset > data.size() || bytes > data.size() - offset) {
         return data_corruption("checkpoint {}: {} of {} has a bad extent ({} bytes at {})", bin, names[k], want.name,
                                bytes, offset);
       }
@@ -422,6 +444,14 @@ Status ZeroEngineImpl::read_rank_files_json(const std::string& dir, bool weights
     saved_lr = lr;
   }
   scaler = {ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})};
+  if (!(scaler.scale > 0) || !std::isfinite(scaler.scale) || scaler.hysteresis_left < 1 || scaler.good_steps < 0) {
+    return data_corruption("checkpoint {}: loss scaler {} is impossible (a scale must be finite and > 0, hysteresis "
+                           ">= 1, good steps >= 0)",
+                           dir, ls.dump());
+  }
+  if (step < 0 || step > (std::int64_t{1} << 53)) {
+    return data_corruption("checkpoint {}: step {} is impossible", dir, step);
+  }
   return ok_status();
 }
 
@@ -465,6 +495,7 @@ Status read_manifest(const std::string& dir, std::optional<std::string>& client_
 Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& path, const CheckpointLoad& options) {
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());
+  TZ_TRY(check_path(path, "load_checkpoint"));
   const std::string& tag = options.tag;
   std::string dir = path;
   if (!tag.empty()) {
@@ -475,6 +506,11 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
     }
   } else if (fs::exists(path + "/latest")) {
     TZ_ASSIGN_OR_RETURN(std::string name, read_text(path + "/latest"));
+    while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();  // hand-written
+    if (!check_tag(name).ok()) {
+      return data_corruption("checkpoint: {}/latest names '{}', which is not a checkpoint directory beside it", path,
+                             name);
+    }
     dir = path + "/" + name;
   }
   if (!fs::exists(dir + "/manifest.json")) {
@@ -559,6 +595,11 @@ Expected<std::vector<std::vector<std::string>>> export_names(const ModelLayout& 
         return invalid_argument("export_safetensors: names[{}][{}] (for {}.{}) is empty", b, p, block.name,
                                 block.params[p].name);
       }
+      if (name == "__metadata__") {
+        return invalid_argument("export_safetensors: names[{}][{}] is '__metadata__', which the safetensors format "
+                                "reserves for its metadata",
+                                b, p);
+      }
       if (!seen.insert(name).second) {
         return invalid_argument("export_safetensors: two tensors are named '{}'", name);
       }
@@ -573,7 +614,8 @@ Expected<std::vector<std::vector<std::string>>> export_names(const ModelLayout& 
 Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::vector<std::vector<std::string>>& names) {
   // Every rank takes part in the gathers below, or none does.
   Expected<std::vector<std::vector<std::string>>> tensor_names = export_names(layout_, names);
-  TZ_TRY(agree(tensor_names.status(), "exporting " + path));
+  const Status checked = tensor_names.ok() ? check_path(path, "export_safetensors") : tensor_names.status();
+  TZ_TRY(agree(checked, "exporting " + path));
   // Header: {"<name>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   std::vector<std::vector<float>> tensors;
@@ -601,6 +643,7 @@ Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::ve
     if (written.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) {
       written = errno_status(errno, "renaming " + tmp + " to " + path);
     }
+    if (!written.ok()) ::unlink(tmp.c_str());  // nothing partial left behind
   }
   return agree(written, "exporting " + path);
 }

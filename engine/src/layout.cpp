@@ -9,6 +9,8 @@
 // 16-bit shard is whole 4 KiB pages for O_DIRECT and an fp32 one whole 8 KiB.
 #include <set>
 
+#include <fmt/ranges.h>
+
 #include "tierzero/engine/model.h"
 
 namespace tz {
@@ -39,11 +41,23 @@ Expected<ModelLayout> ModelLayout::make(const std::vector<BlockSpec>& model, int
       if (!param_names.insert(p.name).second) {
         return invalid_argument("model layout: {} has two parameters named '{}'", block_name, p.name);
       }
+      // Every dimension >= 1, and the product well inside 64 bits (2^50 elements is 4 PiB of fp32: no model
+      // has a parameter that size, and offsets and byte counts derived from it cannot overflow).
+      constexpr std::uint64_t kMaxNumel = std::uint64_t{1} << 50;
+      std::uint64_t numel = 1;
       for (std::int64_t d : p.shape) {
         if (d < 1) {
           return invalid_argument("model layout: {}.{} has a dimension of {} (every dimension must be >= 1)",
                                   block_name, p.name, d);
         }
+        if (static_cast<std::uint64_t>(d) > kMaxNumel / numel) {
+          return invalid_argument("model layout: {}.{} of shape ({}) has more than 2^50 elements", block_name, p.name,
+                                  fmt::join(p.shape, ", "));
+        }
+        numel *= static_cast<std::uint64_t>(d);
+      }
+      if (block.used_numel > kMaxNumel) {
+        return invalid_argument("model layout: {} has more than 2^50 elements", block_name);
       }
       const std::uint64_t offset = align_up(block.used_numel, kParamAlignElems);
       block.params.push_back(ParamLayout{p.name, p.shape, offset, p.numel()});

@@ -50,7 +50,10 @@ class LossScaler {
     std::int64_t good_steps;
   };
   State state() const { return {scale_, hysteresis_left_, good_steps_}; }
+  // A saved dynamic state continues; a static scale, or none (bf16, fp32), is
+  // this run's config's, whatever the saving run used.
   void restore(const State& s) {
+    if (!dynamic_) return;
     scale_ = s.scale;
     hysteresis_left_ = s.hysteresis_left;
     good_steps_ = s.good_steps;

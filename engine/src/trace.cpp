@@ -45,6 +45,7 @@ std::size_t Timeline::size() const {
 }
 
 Status Timeline::write_json(const std::string& path) const {
+  TZ_TRY(check_path(path, "write_timeline"));
   nlohmann::json events = nlohmann::json::array();
   const int pid = static_cast<int>(::getpid());
   {
@@ -65,7 +66,10 @@ Status Timeline::write_json(const std::string& path) const {
   {
     std::ofstream out(tmp);
     out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
-    if (!out) return io_error("writing the trace {}", tmp);
+    if (!out) {
+      std::remove(tmp.c_str());
+      return io_error("writing the trace {}", tmp);
+    }
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) return errno_status(errno, "renaming the trace to " + path);
   return ok_status();

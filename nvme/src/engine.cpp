@@ -389,6 +389,11 @@ std::size_t IoEngineImpl::piece_count(const IoRequest& request) const {
 Expected<std::unique_ptr<RequestState>> IoEngineImpl::build(IoRequest& request) {
   if (request.buffer == nullptr) return invalid_argument("I/O request with a null buffer");
   if (request.segments.empty()) return invalid_argument("I/O request with no segments");
+  for (const Segment& s : request.segments) {  // sizes no buffer has, or an end past 2^64, before anything is sized
+    if (s.length > (std::uint64_t{1} << 48) || s.offset > UINT64_MAX - s.length) {
+      return invalid_argument("I/O request segment of {} bytes at offset {} is out of range", s.length, s.offset);
+    }
+  }
   auto state = std::make_unique<RequestState>();
   state->op = request.op;
   state->label = std::move(request.label);

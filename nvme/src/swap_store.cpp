@@ -202,6 +202,11 @@ void SwapStoreImpl::lay_out(Extent& e, std::size_t first_file) const {
 Expected<ExtentId> SwapStoreImpl::allocate(std::size_t bytes) {
   if (bytes == 0) return invalid_argument("swap store: allocating an empty extent");
   std::lock_guard<std::mutex> lock(mu_);
+  if (bytes > stats_.capacity_bytes) {  // also keeps the padding below from wrapping around
+    return Status(ErrorCode::kNoSpace, fmt::format("swap store: an extent of {} is larger than the whole store ({}); "
+                                                   "raise the NVMe budget (tierzero.tiers.nvme_bytes)",
+                                                   format_bytes(bytes), format_bytes(stats_.capacity_bytes)));
+  }
   Extent e;
   e.bytes = bytes;
   e.padded = padded_bytes(bytes);

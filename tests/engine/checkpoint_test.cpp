@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <random>
 #include <set>
 #include <thread>
@@ -276,9 +277,53 @@ TEST(Checkpoint, AMalformedRankManifestIsRefusedAsCorrupt) {
   refused_with([](nlohmann::json& m) { m.erase("loss_scaler"); }, "rank-0.json is malformed");
   refused_with([](nlohmann::json& m) { m["blocks"][0] = 7; }, "rank-0.json is malformed");
   refused_with([](nlohmann::json& m) { m["blocks"][1]["states"].erase("exp_avg_sq"); }, "has no exp_avg_sq");
-  std::ofstream(ckpt.path() + "/step-1/manifest.json", std::ios::trunc) << "[1, 2]";
-  const tz::Status s = e->load_checkpoint(ckpt.path());
+  // An extent whose offset + bytes wraps past 2^64 once passed the bounds check and was read far outside the file.
+  refused_with([](nlohmann::json& m) {
+    auto& s = m["blocks"][0]["states"]["exp_avg"];
+    s["offset"] = std::numeric_limits<std::uint64_t>::max() - s["bytes"].get<std::uint64_t>() + 1;
+  }, "has a bad extent");
+  refused_with([](nlohmann::json& m) { m["loss_scaler"]["scale"] = 0; }, "loss scaler");
+  refused_with([](nlohmann::json& m) { m["loss_scaler"]["hysteresis_left"] = 0; }, "loss scaler");
+  refused_with([](nlohmann::json& m) { m["step"] = -3; }, "step -3 is impossible");
+  refused_with([](nlohmann::json& m) { m["step"] = std::numeric_limits<std::int64_t>::max(); }, "is impossible");
+  std::ofstream(manifest, std::ios::trunc) << good.dump();
+  // `latest` written by hand: a trailing newline is fine; a path out of the directory, or a directory, is not.
+  std::ofstream(ckpt.path() + "/latest", std::ios::trunc) << "step-1\n";
+  tz::Status s = e->load_checkpoint(ckpt.path());
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  std::ofstream(ckpt.path() + "/latest", std::ios::trunc) << "../elsewhere/step-1";
+  s = e->load_checkpoint(ckpt.path());
   EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
+  EXPECT_NE(s.message().find("latest names '../elsewhere/step-1'"), std::string::npos) << s.message();
+  std::filesystem::remove(ckpt.path() + "/latest");
+  std::filesystem::create_directory(ckpt.path() + "/latest");
+  s = e->load_checkpoint(ckpt.path());
+  EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
+  EXPECT_NE(s.message().find("latest is not a regular file"), std::string::npos) << s.message();
+  std::ofstream(ckpt.path() + "/step-1/manifest.json", std::ios::trunc) << "[1, 2]";
+  s = e->load_checkpoint(ckpt.path() + "/step-1");
+  EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
+}
+
+// A static loss scale, or none, is the loading run's: an fp16 checkpoint's
+// 65536 carried into a bf16 run once divided every gradient by it.
+TEST(Checkpoint, OnlyADynamicLossScaleIsRestored) {
+  TempDir nvme, ckpt;
+  auto fp16 = tz::ZeroEngine::create({.config = test_config(nvme.path(), 3, 1, "fp16"), .placement = kCpu},
+                                     tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(fp16.ok()) << fp16.status().to_string();
+  ASSERT_TRUE(train(**fp16, 0, 2).ok());
+  ASSERT_GT((*fp16)->loss_scale(), 1.0);
+  ASSERT_TRUE((*fp16)->save_checkpoint(ckpt.path()).ok());
+  auto bf16 = make(nvme.path(), kCpu);
+  ASSERT_TRUE(bf16);
+  ASSERT_TRUE(bf16->load_checkpoint(ckpt.path()).ok());
+  EXPECT_EQ(bf16->loss_scale(), 1.0);
+  auto again = tz::ZeroEngine::create({.config = test_config(nvme.path(), 3, 1, "fp16"), .placement = kCpu},
+                                      tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(again.ok());
+  ASSERT_TRUE((*again)->load_checkpoint(ckpt.path()).ok());
+  EXPECT_EQ((*again)->loss_scale(), (*fp16)->loss_scale()) << "a dynamic scale continues";
 }
 
 TEST(Checkpoint, BadTagsAndADirectoryThatIsNoCheckpointAreRefusedAndLeftAlone) {

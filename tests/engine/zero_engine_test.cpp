@@ -261,6 +261,14 @@ TEST(ZeroEngine, BadBlocksAndAModelThatFitsNowhereAreRefusedWithTheNumbers) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), tz::ErrorCode::kOutOfMemory) << refused.status().to_string();
   EXPECT_NE(refused.status().message().find("nvme_bytes"), std::string::npos) << refused.status().message();
+  // A shape whose element count overflows 64 bits once wrapped to 0 and shared its offset with the next
+  // parameter; anything above 2^50 elements is refused by name.
+  const std::vector<tz::BlockSpec> huge = {{"a", {{"w", {std::int64_t{1} << 32, std::int64_t{1} << 32}}, {"b", {4}}}}};
+  auto overflow = tz::ZeroEngine::create({.config = test_config(nvme.path())}, huge, tz::mlp::init(kMlp));
+  ASSERT_FALSE(overflow.ok());
+  EXPECT_NE(overflow.status().message().find("a.w of shape (4294967296, 4294967296) has more than 2^50 elements"),
+            std::string::npos)
+      << overflow.status().message();
 }
 
 }  // namespace

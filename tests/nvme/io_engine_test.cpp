@@ -540,6 +540,15 @@ TEST(IoEngine, MisalignedRequestsAreRefusedBeforeAnyIo) {
   s = engine->submit(IoRequest{.op = IoOp::kRead, .buffer = buf.data(), .segments = {{FileId{42}, 0, 4096}}}).wait();
   EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
   EXPECT_NE(s.message().find("not open"), std::string::npos) << s.message();
+  // A length no buffer has, or an end past 2^64: refused before anything is sized from it (it was std::bad_alloc).
+  s = engine->submit(IoRequest{.op = IoOp::kRead, .buffer = buf.data(), .segments = {{f, 0, ~std::uint64_t{4095}}}})
+          .wait();
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("out of range"), std::string::npos) << s.message();
+  s = engine->submit(IoRequest{.op = IoOp::kRead, .buffer = buf.data(), .segments = {{f, ~std::uint64_t{4095}, 8192}}})
+          .wait();
+  EXPECT_NE(s.message().find("out of range"), std::string::npos) << s.message();
+  EXPECT_EQ(engine->stats().pieces, 0U);
 }
 
 TEST(IoEngine, BadOptionsAreRefusedByName) {

@@ -48,7 +48,9 @@ def test_misaligned_o_direct_request_is_a_value_error(nvme_dir):
     buf = tzn.aligned_empty(4096 + 1)[1:]
     with pytest.raises(ValueError, match="align"):
         eng.write(f, 0, buf).wait()
-    with pytest.raises(ValueError, match="segments cover 8192 bytes; 'buffer' has 4096"):
+    with pytest.raises(ValueError, match="segments cover 4096 bytes; 'buffer' has 8192"):
+        eng.submit("write", tzn.aligned_empty(8192), [(f, 0, 4096)])
+    with pytest.raises(ValueError, match=r"segment 0 \(length 8192\) runs past the end of 'buffer' \(4096 bytes\)"):
         eng.submit("write", tzn.aligned_empty(4096), [(f, 0, 8192)])
 
 

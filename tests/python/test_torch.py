@@ -466,14 +466,19 @@ def test_a_checkpoint_carries_the_models_buffers_and_frozen_parameters(nvme_dir,
         c.load_checkpoint(tmp_path / "ckpt")
     after = c.master_state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before) and c.global_steps == 0
-    # A buffer the checkpoint lacks keeps the model's value; a directory without a checkpoint gives
-    # DeepSpeed's (None, None) and a warning.
+    # A buffer the checkpoint lacks is refused too (load_module_strict), unless it is a frozen parameter the
+    # save excluded; a directory without a checkpoint gives DeepSpeed's (None, None) and a warning.
     d, _ = tzt.initialize(model(), host_config(nvme_dir))
     d.module.register_buffer("extra", torch.full((3,), 7.0))
-    d.load_checkpoint(tmp_path / "ckpt")
-    assert torch.equal(d.module.extra, torch.full((3,), 7.0)) and d.global_steps == 2
+    with pytest.raises(ValueError, match=r"not in the checkpoint: \['extra'\]"):
+        d.load_checkpoint(tmp_path / "ckpt")
+    a.save_checkpoint(tmp_path / "no-frozen", exclude_frozen_parameters=True)
+    e, _ = tzt.initialize(model(), host_config(nvme_dir))
+    frozen = e.module[0].weight.clone()
+    e.load_checkpoint(tmp_path / "no-frozen")
+    assert torch.equal(e.module[0].weight, frozen) and e.global_steps == 5
     with pytest.warns(UserWarning, match="holds no checkpoint"):
-        assert d.load_checkpoint(tmp_path / "empty") == (None, None)
+        assert e.load_checkpoint(tmp_path / "empty") == (None, None)
 
 
 class _Opaque:

@@ -48,6 +48,9 @@ class UniqueFd {
 
 // open(2) with EINTR retry; the error names the path.
 Expected<UniqueFd> open_file(const std::string& path, int flags, mode_t mode = 0644);
+// A path the system can take as given: not empty, no NUL character (which
+// would cut it short, so another file would be used). The error names `what`.
+Status check_path(const std::string& path, std::string_view what);
 
 // An owned anonymous or file mapping (munmap on destruction).
 class MappedRegion {
