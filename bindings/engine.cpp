@@ -387,6 +387,20 @@ class PyEngine {
 }  // namespace
 
 void bind_engine(nb::module_& m) {
+  m.def(
+      "read_checkpoint_client_state",
+      [](const std::string& dir, const std::optional<std::string>& tag) -> nb::object {
+        if (tag && tag->empty()) raise_status(tz::invalid_argument("load_checkpoint: tag is empty; give a name, or None"));
+        tz::Expected<std::optional<std::string>> state = [&] {
+          nb::gil_scoped_release release;
+          return tz::read_checkpoint_client_state(dir, tag.value_or(""));
+        }();
+        const std::optional<std::string> bytes = value_or_raise(std::move(state));
+        return bytes ? nb::object(nb::bytes(bytes->data(), bytes->size())) : nb::none();
+      },
+      nb::arg("dir"), nb::arg("tag") = nb::none(),
+      "The client state bytes of the checkpoint load_checkpoint(dir, tag=tag) would load, checksum verified (None "
+      "when saved without). Reads files only, so a caller can check it before the collective load.");
   nb::class_<PyGathered>(m, "GatheredBlock", nb::is_weak_referenceable(),
                          "A whole block's parameters, gathered on the engine's device. Its arrays are zero-copy views "
                          "that keep it alive; the engine gets the buffer back when the last view is gone.")
@@ -430,23 +444,20 @@ void bind_engine(nb::module_& m) {
            "checkpoint's directory. refusal: this rank's reason not to save (every rank then fails, this one with "
            "the reason as a ValueError).")
       .def("load_checkpoint",
-           [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag,
-              const std::optional<nb::callable>& check_client_state, bool weights_only) {
+           [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag, bool weights_only,
+              const std::optional<std::string>& refusal, bool checked, const std::optional<nb::bytes>& client_state) {
              if (tag && tag->empty()) raise_status(tz::invalid_argument("load_checkpoint: tag is empty; give a name, or None"));
              tz::CheckpointLoad options{.tag = tag.value_or(""), .weights_only = weights_only};
-             if (check_client_state) {
-               // Runs inside the engine call (GIL released): takes the GIL back, and turns a Python
-               // exception into a refusal that every rank agrees on before anything is replaced.
-               options.check_client_state = [&](const std::optional<std::string>& state) -> tz::Status {
-                 nb::gil_scoped_acquire gil;
-                 try {
-                   nb::object arg = nb::none();
-                   if (state) arg = nb::bytes(state->data(), state->size());
-                   (*check_client_state)(arg);
-                   return tz::ok_status();
-                 } catch (nb::python_error& err) {
-                   return tz::invalid_argument("{}", nb::str(err.value()).c_str());
-                 }
+             if (refusal) options.refusal = tz::invalid_argument("{}", *refusal);
+             if (checked) {
+               // The caller checked this client state (read_checkpoint_client_state) before the load; the
+               // load must find the same bytes. Plain C++: no Python runs under the engine mutex.
+               std::optional<std::string> expected;
+               if (client_state) expected = std::string(client_state->c_str(), client_state->size());
+               options.check_client_state = [expected](const std::optional<std::string>& found) {
+                 return found == expected ? tz::ok_status()
+                                          : tz::data_corruption("the client state changed between its check and "
+                                                                "the load (was the checkpoint replaced?)");
                };
              }
              tz::LoadedCheckpoint loaded = e.call([&] { return e.engine().load_checkpoint(d, options); });
@@ -454,14 +465,14 @@ void bind_engine(nb::module_& m) {
              if (loaded.client_state) state = nb::bytes(loaded.client_state->data(), loaded.client_state->size());
              return nb::make_tuple(loaded.path, state);
            },
-           nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(), nb::arg("check_client_state") = nb::none(),
-           nb::arg("weights_only") = false,
+           nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(), nb::arg("weights_only") = false,
+           nb::arg("refusal") = nb::none(), nb::arg("checked") = false, nb::arg("client_state") = nb::none(),
            "Loads dir/<tag>, or dir/latest (or dir itself when it is a checkpoint). Returns (the checkpoint's "
-           "directory, the client_state bytes saved with it or None). check_client_state(bytes or None) runs on "
-           "every rank once every file is verified, before anything is replaced; if it raises, the load is "
-           "refused (ValueError with its message) and nothing is replaced. weights_only: the weights alone; the "
-           "optimizer's moments, step, learning rate and loss scale stay this engine's (the checkpoint's "
-           "optimizer may differ).")
+           "directory, the client_state bytes saved with it or None). weights_only: the weights alone; the "
+           "optimizer's moments, step, learning rate and loss scale stay this engine's (the checkpoint's optimizer "
+           "may differ). refusal: this rank's reason not to load (every rank then fails before anything is "
+           "replaced). checked=True: the caller checked `client_state` (read_checkpoint_client_state) and the "
+           "load must find the same bytes.")
       .def("export_safetensors",
            [](PyEngine& e, const std::string& p, const std::optional<std::vector<std::vector<std::string>>>& names) {
              if (names && names->empty()) {

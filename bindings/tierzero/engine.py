@@ -114,8 +114,9 @@ class Engine:
     def load_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None, *,
                         weights_only: bool = False) -> tuple:
         """Loads directory/<tag>, or directory/latest (or directory itself when it is a checkpoint); every
-        checksum is verified before any state is replaced. weights_only: the weights alone (the optimizer
-        starts afresh from them, and may differ from the checkpoint's). Returns (its directory, the
+        checksum is verified before any state is replaced. weights_only: the weights alone (this engine's
+        optimizer moments, step count and learning rate stay as they are, fresh on a new engine; the
+        checkpoint's optimizer may differ). Returns (its directory, the
         client_state bytes saved with it, or None)."""
         return self._core.load_checkpoint(os.fspath(directory), tag=tag, weights_only=weights_only)
 

@@ -72,9 +72,11 @@ the weights are saved, replaced and verified together. They are read back
 with torch.load(weights_only=True), which runs no code from the file;
 save_checkpoint tries that read first and refuses a dict it could not read
 back (an arbitrary object, say), on every rank, before anything is written.
-load_checkpoint decodes them, and checks the buffers' names and shapes
-against the model, inside the engine's load, after every checksum and before
-anything is replaced: a checkpoint that would fail there replaces nothing.
+load_checkpoint reads them first (files only, checksum verified), decodes
+them and checks the buffers' names and shapes against the model, then loads:
+a rank's refusal goes into the collective load, which fails on every rank
+before anything is replaced, and the load checks it finds the same bytes. No
+Python runs inside the engine's call (Note [Engine calls and the GIL]).
 Tensors come back on the CPU, and are copied into the model's own.
 
 Note [Capsules, not tensors]
@@ -522,8 +524,9 @@ class TorchEngine:
             try:
                 blob = _pack_client_state(client_state, self._module_state(exclude_frozen_parameters),
                                           bool(exclude_frozen_parameters))
-            except ValueError as e:
-                refusal = str(e)  # refused on every rank, before anything is written
+            except Exception as e:  # noqa: BLE001 - a pickling error too: refused on every rank, nothing written
+                refusal = str(e) if isinstance(e, ValueError) else \
+                    f"save_checkpoint: client_state does not save ({type(e).__name__}: {e})"
         self._core.save_checkpoint(os.fspath(save_dir), tag=None if tag is None else str(tag), client_state=blob,
                                    save_latest=save_latest, refusal=refusal)
         return True
@@ -537,8 +540,8 @@ class TorchEngine:
         DeepSpeed's does, and, as DeepSpeed's, (None, None) with a warning when load_dir holds no
         checkpoint and no tag is given. A corrupt checkpoint, a missing tag, or one saved from another
         model or optimizer raises, and nothing is replaced. load_module_only=True loads the weights (and
-        buffers) alone: the optimizer starts afresh from them, and may differ from the checkpoint's
-        (fine-tuning). Otherwise the weights, optimizer states and schedule come together: the partial
+        buffers) alone: this engine's optimizer state (moments, step count) stays as it is, fresh on a
+        new engine, and the checkpoint's optimizer may differ (fine-tuning). Otherwise the weights, optimizer states and schedule come together: the partial
         flags must keep their defaults."""
         flags = [("load_module_strict", load_module_strict, True), ("custom_load_fn", custom_load_fn is not None, False)]
         if not load_module_only:  # DeepSpeed ignores these with load_module_only
@@ -554,13 +557,17 @@ class TorchEngine:
             warnings.warn(f"load_checkpoint: {load_dir} holds no checkpoint (no 'latest' file, no manifest.json); "
                           "nothing was loaded", stacklevel=2)
             return None, None
-        decoded: dict = {}
-
-        def check(blob: Optional[bytes]) -> None:  # every rank, before the engine replaces anything
-            decoded.update(_unpack_client_state(blob))
+        tag = None if tag is None else str(tag)
+        # The client state is read and checked first (files only), and a refusal goes into the load, so every
+        # rank fails before anything is replaced (Note [Client state]).
+        blob, refusal, decoded = _core.read_checkpoint_client_state(load_dir, tag), None, {}
+        try:
+            decoded = _unpack_client_state(blob)
             self._check_module_state(decoded.get("module"), bool(decoded.get("exclude_frozen", False)))
-        path, _ = self._core.load_checkpoint(load_dir, tag=None if tag is None else str(tag), check_client_state=check,
-                                             weights_only=bool(load_module_only))
+        except ValueError as e:
+            refusal = f"load_checkpoint: {e}"
+        path, _ = self._core.load_checkpoint(load_dir, tag=tag, weights_only=bool(load_module_only), refusal=refusal,
+                                             checked=True, client_state=blob)
         self._restore_module_state(decoded.get("module"))
         self.global_steps = self._core.optimizer_steps
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()  # checkpoints are at a boundary
@@ -575,8 +582,9 @@ class TorchEngine:
         """The model's state_dict() less what the engine holds: buffers, and frozen parameters."""
         engine_owned = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p in self._slot}
         frozen = self._frozen_names()
+        # Tensors only: a module's non-tensor extra state (get_extra_state) is its own to save.
         return {n: t for n, t in self.module.state_dict().items()
-                if n not in engine_owned and not (exclude_frozen and n in frozen)}
+                if isinstance(t, torch.Tensor) and n not in engine_owned and not (exclude_frozen and n in frozen)}
 
     def _check_module_state(self, saved: Optional[dict], exclude_frozen: bool) -> None:
         """As load_state_dict(strict=True) would: the same names (less the frozen parameters when the save
@@ -717,8 +725,14 @@ def _unpack_client_state(blob: Optional[bytes]) -> dict:
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"the client state was not saved by tierzero.torch (torch.load: {e})") from None
+    if isinstance(state, dict) and "format" not in state:
+        # The first format (the caller's dict alone): no buffers or frozen parameters to restore.
+        warnings.warn("load_checkpoint: this checkpoint holds no buffers or frozen parameters (saved before "
+                      "tierzero.torch kept them); the model's own stay", stacklevel=3)
+        return {"client_state": state}
     if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-        raise ValueError("the client state was not saved by tierzero.torch (no tierzero.torch format mark)")
+        raise ValueError(f"the client state was not saved by tierzero.torch (format {state.get('format')!r})"
+                         if isinstance(state, dict) else "the client state was not saved by tierzero.torch")
     return state
 
 

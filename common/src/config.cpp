@@ -240,6 +240,8 @@ Key choice_key(std::string_view name, Get get, std::vector<std::pair<std::string
           }};
 }
 
+constexpr std::int64_t kMaxBatchKey = std::numeric_limits<std::int32_t>::max();
+
 // One of DeepSpeed's batch keys (Note [Batch keys]): kept as given, and, for
 // the micro batch and the accumulation steps, in effect until resolve_batch()
 // derives the rest; "auto" leaves it to be derived.
@@ -247,7 +249,8 @@ Key batch_key(std::string_view name, std::optional<std::int64_t> BatchKeys::*giv
   return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
             if (is_auto(v)) return ok_status();
             TZ_ASSIGN_OR_RETURN(std::int64_t n, as_integer(st, v, path, "an integer or \"auto\""));
-            if (n < 1) return range_error(st, path, v, int_range(1, kMaxInt));
+            // 2^31: no batch is larger, and products of three such values with the ranks stay in 64 bits.
+            if (n < 1 || n > kMaxBatchKey) return range_error(st, path, v, int_range(1, kMaxBatchKey));
             st.config.batch_given.*given = n;
             if (given == &BatchKeys::train_micro_batch_size_per_gpu) st.config.train_micro_batch_size_per_gpu = n;
             if (given == &BatchKeys::gradient_accumulation_steps) st.config.gradient_accumulation_steps = n;
@@ -961,21 +964,41 @@ Status check_paths(const Config& config) {
 // missing micro batch or step count at 1 (DeepSpeed refuses a config with
 // neither batch size; tierzero keeps accepting it, its micro batch size only
 // informs). A derived value must be whole.
+namespace {
+
+// micro x gas x ranks; none past 2^63.
+std::optional<std::int64_t> batch_product(std::int64_t micro, std::int64_t gas, std::int64_t ranks) {
+  std::int64_t per_rank = 0, total = 0;
+  if (__builtin_mul_overflow(micro, gas, &per_rank) || __builtin_mul_overflow(per_rank, ranks, &total)) {
+    return std::nullopt;
+  }
+  return total;
+}
+
+}  // namespace
+
 Status resolve_batch(Config& config, int ranks) {
   if (ranks < 1) return invalid_argument("ranks is {}: the batch keys resolve for 1 or more", ranks);
   const BatchKeys& given = config.batch_given;
   const std::int64_t n = ranks;
-  std::int64_t micro = given.train_micro_batch_size_per_gpu.value_or(1);
-  std::int64_t gas = given.gradient_accumulation_steps.value_or(1);
+  // What a key not given means: the field's value (1, or what a caller building a Config in code set).
+  std::int64_t micro = given.train_micro_batch_size_per_gpu.value_or(config.train_micro_batch_size_per_gpu);
+  std::int64_t gas = given.gradient_accumulation_steps.value_or(config.gradient_accumulation_steps);
+  for (const auto& [key, value] : {std::pair{"train_micro_batch_size_per_gpu", micro},
+                                   std::pair{"gradient_accumulation_steps", gas}}) {
+    if (value < 1 || value > kMaxBatchKey) {
+      return invalid_argument("{}: {} = {} is out of range 1..{}", config.source, key, value, kMaxBatchKey);
+    }
+  }
   if (const auto& total = given.train_batch_size) {
     const bool has_micro = given.train_micro_batch_size_per_gpu.has_value();
     const bool has_gas = given.gradient_accumulation_steps.has_value();
     if (has_micro && has_gas) {
-      if (*total != micro * gas * n) {
+      if (batch_product(micro, gas, n) != *total) {
         return invalid_argument("{}: train_batch_size = {}, but train_micro_batch_size_per_gpu x "
                                 "gradient_accumulation_steps x ranks = {} x {} x {} = {}; they must agree (or give "
                                 "two of the three and the third is derived)",
-                                config.source, *total, micro, gas, n, micro * gas * n);
+                                config.source, *total, micro, gas, n, static_cast<double>(micro) * gas * n);
       }
     } else {
       // The one missing (the accumulation steps when both are: a train_batch_size alone means none).
@@ -997,7 +1020,13 @@ Status resolve_batch(Config& config, int ranks) {
   }
   config.train_micro_batch_size_per_gpu = micro;
   config.gradient_accumulation_steps = gas;
-  config.batch_given = {micro * gas * n, micro, gas};
+  const std::optional<std::int64_t> total = batch_product(micro, gas, n);
+  if (!total) {
+    return invalid_argument("{}: train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks = {} x {} x {} "
+                            "is beyond any batch",
+                            config.source, micro, gas, n);
+  }
+  config.batch_given = {*total, micro, gas};
   return ok_status();
 }
 

@@ -492,11 +492,12 @@ Status read_manifest(const std::string& dir, std::optional<std::string>& client_
 
 }  // namespace
 
-Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& path, const CheckpointLoad& options) {
-  TZ_TRY(comm_thread_->wait_idle());
-  TZ_TRY(grad_thread_->wait_idle());
+namespace {
+
+// The checkpoint directory `path` and `tag` name: path/<tag>, or what
+// path/latest names, or path itself.
+Expected<std::string> checkpoint_dir(const std::string& path, const std::string& tag) {
   TZ_TRY(check_path(path, "load_checkpoint"));
-  const std::string& tag = options.tag;
   std::string dir = path;
   if (!tag.empty()) {
     TZ_TRY(check_tag(tag));
@@ -516,6 +517,22 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   if (!fs::exists(dir + "/manifest.json")) {
     return not_found("checkpoint: {} has no manifest.json (not a complete checkpoint, and no 'latest' beside it)", dir);
   }
+  return dir;
+}
+
+}  // namespace
+
+Expected<std::optional<std::string>> read_checkpoint_client_state(const std::string& dir, const std::string& tag) {
+  TZ_ASSIGN_OR_RETURN(std::string resolved, checkpoint_dir(dir, tag));
+  std::optional<std::string> client_state;
+  TZ_TRY(read_manifest(resolved, client_state));
+  return client_state;
+}
+
+Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& path, const CheckpointLoad& options) {
+  TZ_TRY(comm_thread_->wait_idle());
+  TZ_TRY(grad_thread_->wait_idle());
+  TZ_ASSIGN_OR_RETURN(const std::string dir, checkpoint_dir(path, options.tag));
   std::vector<std::vector<float>> states;
   std::int64_t step = 0;
   detail::LossScaler::State scaler{};
@@ -523,6 +540,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   std::optional<std::string> client_state;
   // Everything is read and verified on every rank before any state is replaced.
   TZ_TRY(agree_on_name(dir, "loading checkpoint"));
+  TZ_TRY(agree(options.refusal, "loading checkpoint " + dir));
   const Status read = [&]() -> Status {
     TZ_TRY(read_manifest(dir, client_state));
     TZ_TRY(read_rank_files(dir, options.weights_only, states, step, scaler, saved_lr));

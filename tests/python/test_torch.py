@@ -421,6 +421,19 @@ def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp
     (tmp_path / "mine").mkdir()
     with pytest.raises(FileExistsError, match="is not a tierzero checkpoint"):
         engine.save_checkpoint(tmp_path, "mine")
+    # The first format (the caller's dict alone, no buffers) still loads, with a warning that says so.
+    import io
+    buf = io.BytesIO()
+    torch.save({"epoch": 7}, buf)
+    engine._core.save_checkpoint(str(ckpt), tag="old", client_state=buf.getvalue())
+    with pytest.warns(UserWarning, match="holds no buffers or frozen parameters"):
+        assert other.load_checkpoint(ckpt, tag="old") == (str(ckpt / "old"), {"epoch": 7})
+    # A client state tierzero.torch did not write is refused before anything is replaced.
+    engine._core.save_checkpoint(str(ckpt), tag="raw", client_state=b"not a pickle")
+    before = other.master_state_dict()
+    with pytest.raises(ValueError, match="load_checkpoint: the client state was not saved by tierzero.torch"):
+        other.load_checkpoint(ckpt, tag="raw")
+    assert all(torch.equal(before[n], t) for n, t in other.master_state_dict().items())
 
 
 def test_a_checkpoint_carries_the_models_buffers_and_frozen_parameters(nvme_dir, tmp_path):
@@ -474,9 +487,12 @@ def test_a_checkpoint_carries_the_models_buffers_and_frozen_parameters(nvme_dir,
         d.load_checkpoint(tmp_path / "ckpt")
     a.save_checkpoint(tmp_path / "no-frozen", exclude_frozen_parameters=True)
     e, _ = tzt.initialize(model(), host_config(nvme_dir))
-    frozen = e.module[0].weight.clone()
+    with torch.no_grad():
+        e.module[0].weight.mul_(2)  # differs from the saved run's: an excluded frozen weight is not restored
+    doubled = e.module[0].weight.clone()
     e.load_checkpoint(tmp_path / "no-frozen")
-    assert torch.equal(e.module[0].weight, frozen) and e.global_steps == 5
+    assert torch.equal(e.module[0].weight, doubled) and e.global_steps == 5
+    assert int(e.module[1].num_batches_tracked) == 5  # the buffers still are
     with pytest.warns(UserWarning, match="holds no checkpoint"):
         assert e.load_checkpoint(tmp_path / "empty") == (None, None)
 

@@ -190,8 +190,13 @@ class Run {
 tz::Status Run::setup() {
   TZ_ASSIGN_OR_RETURN(config_, load_train_config(f_));
   TZ_ASSIGN_OR_RETURN(tz::RankInfo ranks, tz::rank_info_from_env());
-  // The micro batch may be derived from train_batch_size (Note [Batch keys]), and the GPT is built for it.
-  TZ_TRY(tz::resolve_batch(config_, ranks.world_size));
+  // --batch is the micro batch; the accumulation steps may then be derived from train_batch_size (Note [Batch
+  // keys]), and the GPT is built for the micro batch.
+  if (f_.batch) {
+    config_.train_micro_batch_size_per_gpu = *f_.batch;
+    config_.batch_given.train_micro_batch_size_per_gpu = *f_.batch;
+  }
+  TZ_TRY_CTX(tz::resolve_batch(config_, ranks.world_size), "--batch and the config's batch keys");
   TZ_ASSIGN_OR_RETURN(gpt_, gpt_config(f_, config_));
   if (f_.data_path.empty()) {
     TZ_ASSIGN_OR_RETURN(f_.data_path, tz::train::default_corpus_path(exe_dir()));

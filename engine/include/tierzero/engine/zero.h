@@ -190,9 +190,13 @@ struct CheckpointLoad {
   std::string tag;
   // Called on every rank with the client state once every file is verified
   // and before any state is replaced; an error refuses the load on every rank
-  // and replaces nothing (a caller that decodes the client state checks it
-  // here).
+  // and replaces nothing. It runs inside the engine's call: it must not call
+  // the engine.
   std::function<Status(const std::optional<std::string>&)> check_client_state;
+  // A refusal of the caller's (the client state, read beforehand with
+  // read_checkpoint_client_state, does not suit it), agreed on with the other
+  // ranks before anything is replaced.
+  Status refusal;
   // The weights alone (the masters, and their 16-bit copies): this engine's
   // optimizer moments, step count, learning rate and loss scale stay as they
   // are, and the checkpoint's optimizer may be another. Fine-tuning from a
@@ -206,6 +210,12 @@ struct LoadedCheckpoint {
   std::int64_t step = 0;
   std::optional<std::string> client_state;  // as saved; none when it was saved without
 };
+
+// The client state of the checkpoint load_checkpoint(dir, {.tag}) would load,
+// verified against its checksum; none when it was saved without. Reads files
+// only: a caller can check it before the (collective) load, and pass a
+// refusal to it.
+Expected<std::optional<std::string>> read_checkpoint_client_state(const std::string& dir, const std::string& tag);
 
 class ZeroEngine {
  public:
