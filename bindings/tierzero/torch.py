@@ -115,7 +115,7 @@ from torch.utils.dlpack import to_dlpack
 
 from . import _core, config_args
 
-__all__ = ["initialize", "TorchEngine", "EngineOptimizer"]
+__all__ = ["initialize", "register_external_parameter", "TorchEngine", "EngineOptimizer"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _Saved = namedtuple("_Saved", "block offset size stride")
@@ -292,6 +292,10 @@ class TorchEngine:
         for module, block_ids in self._module_blocks.items():
             self._hooks.append(module.register_forward_pre_hook(self._make_pre_forward(block_ids)))
             self._hooks.append(module.register_forward_hook(self._make_post_forward(block_ids)))
+        for module in model.modules():
+            module.__dict__["_tierzero_engine"] = engine_ref  # register_external_parameter() after initialize()
+            for p in module.__dict__.pop("_tierzero_external", []):
+                self.register_external_parameter(module, p)
         if self._dtype != torch.float32:
             model.to(self._dtype)  # Note [Model dtype]: frozen parameters and floating buffers
 
@@ -303,6 +307,21 @@ class TorchEngine:
                     raise ValueError(f"tierzero.torch.initialize: parameter '{n}' is {p.dtype}, but the config trains "
                                      "float32 parameters; enable the config's \"bf16\" (or \"fp16\") block to train "
                                      "16-bit parameters with fp32 master weights, or convert the model (model.float())")
+
+    def register_external_parameter(self, module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+        """`module`'s forward uses `parameter`, which another module owns (a shared embedding read as
+        self.emb.weight without calling self.emb): gather it with `module`'s own, as DeepSpeed's
+        deepspeed.zero.register_external_parameter says. Without it the parameter is an empty placeholder
+        there (Note [Parameters live in the engine]), and torch reports a shape mismatch."""
+        if parameter not in self._slot:
+            raise ValueError("register_external_parameter: the parameter is not one the engine trains (frozen, or "
+                             "not in the model)")
+        block, _ = self._slot[parameter]
+        if block.index in self._module_blocks.get(module, []):
+            return  # gathered with it already
+        self._module_blocks.setdefault(module, []).append(block.index)
+        self._hooks.append(module.register_forward_pre_hook(self._make_pre_forward([block.index])))
+        self._hooks.append(module.register_forward_hook(self._make_post_forward([block.index])))
 
     # ------------------------------------------------------------ gathering
     def _acquire(self, b: _Block) -> None:
@@ -629,6 +648,8 @@ class TorchEngine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for module in self.module.modules():
+            module.__dict__.pop("_tierzero_engine", None)
         for b in self._blocks:
             for p, name in zip(b.params, b.names):
                 p.data = weights[name].to(device=self._placeholder.device, dtype=self._dtype)
@@ -778,6 +799,17 @@ def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = N
     engine = TorchEngine(model, config)
     engine.optimizer = EngineOptimizer(engine, _hyper_from_config(config))
     return engine, engine.optimizer
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed's deepspeed.zero.register_external_parameter, before or after initialize(): `module`'s
+    forward uses `parameter`, which another module owns; it is gathered with `module`'s own parameters."""
+    engine_ref = getattr(module, "_tierzero_engine", None)
+    engine = engine_ref() if engine_ref is not None else None
+    if engine is not None:
+        engine.register_external_parameter(module, parameter)
+    else:  # initialize() reads these
+        module.__dict__.setdefault("_tierzero_external", []).append(parameter)
 
 
 def _live_gathered(engine: TorchEngine) -> int:

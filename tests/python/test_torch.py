@@ -731,6 +731,50 @@ def test_huggingface_gpt2_trains(nvme_dir, recompute):
     assert forwards == [32 * 128] * (len(batches) * (2 if recompute else 1))
 
 
+class ReadsAChildsWeight(torch.nn.Module):
+    """The output projection reads the embedding's weight without calling the embedding's module."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.mix = torch.nn.Linear(16, 16)
+
+    def forward(self, idx):
+        return torch.tanh(self.mix(self.emb(idx))) @ self.emb.weight.t()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_parameter_used_outside_its_module_trains_once_registered(nvme_dir, when):
+    # DeepSpeed's register_external_parameter: without it the weight is an empty placeholder in the root's
+    # forward (torch's shape error); registered, before or after initialize(), it trains as plain PyTorch does.
+    gen = torch.Generator().manual_seed(3)
+    batches = [(lambda t: (t, t))(torch.randint(0, 32, (4, 6), generator=gen)) for _ in range(5)]
+    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, 32), y.reshape(-1))  # noqa: E731
+    torch.manual_seed(0)
+    unregistered, _ = tzt.initialize(ReadsAChildsWeight(), host_config(nvme_dir))
+    with pytest.raises(RuntimeError):
+        unregistered(batches[0][0])
+    torch.manual_seed(0)
+    model = ReadsAChildsWeight()
+    if when == "before":
+        tzt.register_external_parameter(model, model.emb.weight)
+    config = host_config(nvme_dir)
+    ref = copy.deepcopy(model)
+    engine, _ = tzt.initialize(model, config)
+    if when == "after":
+        tzt.register_external_parameter(model, model.emb.weight)
+    opt = _adamw_like(config, ref.parameters())
+    for x, y in batches:
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+        loss_fn(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert largest_error(engine, ref) <= TOL and tzt._live_gathered(engine) == 0
+    with pytest.raises(ValueError, match="not one the engine trains"):
+        engine.register_external_parameter(model, torch.nn.Parameter(torch.zeros(3)))
+
+
 def test_a_forward_that_raises_leaves_nothing_gathered(nvme_dir):
     model = mlp()
     engine, _ = tzt.initialize(model, host_config(nvme_dir))
