@@ -502,10 +502,8 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("train_micro_batch_size_per_gpu",
                    [](PyEngine& e) { return e.engine().config().train_micro_batch_size_per_gpu; })
       .def_prop_ro("train_batch_size",
-                   [](PyEngine& e) {
-                     const tz::Config& c = e.engine().config();
-                     return c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * e.engine().world_size();
-                   },
+                   // resolve_batch() recorded it when the engine was made (Note [Batch keys])
+                   [](PyEngine& e) { return e.engine().config().batch_given.train_batch_size.value(); },
                    "train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks.")
       .def_prop_ro("optimizer_steps",
                    [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.optimizer_steps(); }); },

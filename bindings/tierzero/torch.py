@@ -104,6 +104,7 @@ own state is saved by its owner (scheduler.state_dict()), as in plain torch.
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 import weakref
@@ -541,7 +542,7 @@ class TorchEngine:
         blob, refusal = None, None
         if self.rank == 0:  # the other ranks' client_state is not saved, as in DeepSpeed
             try:
-                blob = _pack_client_state(client_state, self._module_state(exclude_frozen_parameters),
+                blob = _pack_client_state(client_state, self._module_state(exclude_frozen_parameters)[0],
                                           bool(exclude_frozen_parameters))
             except Exception as e:  # noqa: BLE001 - a pickling error too: refused on every rank, nothing written
                 refusal = str(e) if isinstance(e, ValueError) else \
@@ -560,8 +561,8 @@ class TorchEngine:
         checkpoint and no tag is given. A corrupt checkpoint, a missing tag, or one saved from another
         model or optimizer raises, and nothing is replaced. load_module_only=True loads the weights (and
         buffers) alone: this engine's optimizer state (moments, step count) stays as it is, fresh on a
-        new engine, and the checkpoint's optimizer may differ (fine-tuning). Otherwise the weights, optimizer states and schedule come together: the partial
-        flags must keep their defaults."""
+        new engine, and the checkpoint's optimizer may differ (fine-tuning). Otherwise the weights,
+        optimizer states and schedule come together: the partial flags must keep their defaults."""
         flags = [("load_module_strict", load_module_strict, True), ("custom_load_fn", custom_load_fn is not None, False)]
         if not load_module_only:  # DeepSpeed ignores these with load_module_only
             flags += [("load_optimizer_states", load_optimizer_states, True),
@@ -594,25 +595,24 @@ class TorchEngine:
             self.optimizer._show_lr()  # the restored schedule's (or saved) rate for the next step
         return path, decoded.get("client_state", {})
 
-    def _frozen_names(self) -> set:
-        return {n for n, p in self.module.named_parameters(remove_duplicate=False) if p not in self._slot}
-
-    def _module_state(self, exclude_frozen: bool) -> dict:
-        """The model's state_dict() less what the engine holds: buffers, and frozen parameters."""
-        engine_owned = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p in self._slot}
-        frozen = self._frozen_names()
-        # Tensors only: a module's non-tensor extra state (get_extra_state) is its own to save.
-        return {n: t for n, t in self.module.state_dict().items()
-                if isinstance(t, torch.Tensor) and n not in engine_owned and not (exclude_frozen and n in frozen)}
+    def _module_state(self, exclude_frozen: bool) -> tuple:
+        """(the model's state_dict() less what the engine holds: buffers and frozen parameters, the names of
+        the frozen parameters). Tensors only: a module's non-tensor extra state is its own to save."""
+        engine_owned, frozen = set(), set()
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            (engine_owned if p in self._slot else frozen).add(n)
+        state = {n: t for n, t in self.module.state_dict().items()
+                 if isinstance(t, torch.Tensor) and n not in engine_owned and not (exclude_frozen and n in frozen)}
+        return state, frozen
 
     def _check_module_state(self, saved: Optional[dict], exclude_frozen: bool) -> None:
         """As load_state_dict(strict=True) would: the same names (less the frozen parameters when the save
         excluded them), the same shapes."""
         if saved is None:
             return
-        have = self._module_state(exclude_frozen=False)
+        have, frozen = self._module_state(exclude_frozen=False)
         unexpected = sorted(set(saved) - set(have))
-        missing = sorted(set(have) - set(saved) - (self._frozen_names() if exclude_frozen else set()))
+        missing = sorted(set(have) - set(saved) - (frozen if exclude_frozen else set()))
         wrong = [f"'{n}' {tuple(t.shape)} (the model's: {tuple(have[n].shape)})" for n, t in saved.items()
                  if n in have and t.shape != have[n].shape]
         if unexpected or missing or wrong:
@@ -715,10 +715,13 @@ def _collect_blocks(model: torch.nn.Module) -> tuple[list, dict]:
 _STATE_FORMAT = "tierzero.torch checkpoint state 1"
 
 
-def _pack_client_state(client_state: Optional[dict], module_state: dict, exclude_frozen: bool) -> bytes:
-    """Note [Client state]: torch.save's bytes, refused here if torch.load(weights_only=True) could not read them."""
-    import io
+def _load_blob(blob: bytes) -> Any:
+    """Note [Client state]: torch.load with weights_only=True (no code from the file runs), tensors on the CPU."""
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
+
+def _pack_client_state(client_state: Optional[dict], module_state: dict, exclude_frozen: bool) -> bytes:
+    """Note [Client state]: torch.save's bytes, refused here if _load_blob could not read them back."""
     if client_state is not None and not isinstance(client_state, dict):
         raise ValueError(f"save_checkpoint: client_state must be a dict (as DeepSpeed's), not "
                          f"{type(client_state).__name__}")
@@ -727,7 +730,7 @@ def _pack_client_state(client_state: Optional[dict], module_state: dict, exclude
                 "exclude_frozen": exclude_frozen}, buf)
     blob = buf.getvalue()
     try:
-        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        _load_blob(blob)
     except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, named in the message
         raise ValueError("save_checkpoint: client_state holds something load_checkpoint could not read back "
                          f"safely (torch.load with weights_only=True: {e}); keep it to tensors, numbers, strings, "
@@ -738,12 +741,10 @@ def _pack_client_state(client_state: Optional[dict], module_state: dict, exclude
 def _unpack_client_state(blob: Optional[bytes]) -> dict:
     """{"client_state": ..., "module": ...} as _pack_client_state saved them; {} for a checkpoint saved
     without (by the C++ engine or tierzero.Engine, or before tierzero.torch saved any)."""
-    import io
-
     if blob is None:
         return {}
     try:
-        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        state = _load_blob(blob)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"the client state was not saved by tierzero.torch (torch.load: {e})") from None
     if isinstance(state, dict) and "format" not in state:

@@ -91,6 +91,17 @@ Expected<std::string> read_text(const std::string& path) {
   return text;
 }
 
+// fn(), reading a manifest: one whose fields have the wrong JSON types (the
+// library throws) is corrupt, not a crash. `what` names the file.
+template <typename Fn>
+Status malformed_is_corrupt(const std::string& what, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const nlohmann::json::exception& e) {
+    return data_corruption("{} is malformed ({})", what, e.what());
+  }
+}
+
 Expected<nlohmann::json> read_json(const std::string& path) {
   TZ_ASSIGN_OR_RETURN(std::string text, read_text(path));
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -352,12 +363,9 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
 Status ZeroEngineImpl::read_rank_files(const std::string& dir, bool weights_only,
                                        std::vector<std::vector<float>>& states, std::int64_t& step,
                                        detail::LossScaler::State& scaler, std::optional<double>& saved_lr) {
-  // A manifest whose fields have the wrong JSON types is corrupt, not a crash.
-  try {
+  return malformed_is_corrupt(fmt::format("checkpoint {}: rank-{}.json", dir, comm_->rank()), [&] {
     return read_rank_files_json(dir, weights_only, states, step, scaler, saved_lr);
-  } catch (const nlohmann::json::exception& e) {
-    return data_corruption("checkpoint {}: rank-{}.json is malformed ({})", dir, comm_->rank(), e.what());
-  }
+  });
 }
 
 namespace {
@@ -483,16 +491,9 @@ Status read_manifest_json(const std::string& dir, std::optional<std::string>& cl
 }
 
 Status read_manifest(const std::string& dir, std::optional<std::string>& client_state) {
-  try {
-    return read_manifest_json(dir, client_state);
-  } catch (const nlohmann::json::exception& e) {
-    return data_corruption("checkpoint {}: manifest.json is malformed ({})", dir, e.what());
-  }
+  return malformed_is_corrupt(fmt::format("checkpoint {}: manifest.json", dir),
+                              [&] { return read_manifest_json(dir, client_state); });
 }
-
-}  // namespace
-
-namespace {
 
 // The checkpoint directory `path` and `tag` name: path/<tag>, or what
 // path/latest names, or path itself.

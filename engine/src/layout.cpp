@@ -60,9 +60,9 @@ Expected<ModelLayout> ModelLayout::make(const std::vector<BlockSpec>& model, int
         return invalid_argument("model layout: {} has more than 2^50 elements", block_name);
       }
       const std::uint64_t offset = align_up(block.used_numel, kParamAlignElems);
-      block.params.push_back(ParamLayout{p.name, p.shape, offset, p.numel()});
-      block.used_numel = offset + p.numel();
-      block.param_numel += p.numel();
+      block.params.push_back(ParamLayout{p.name, p.shape, offset, numel});
+      block.used_numel = offset + numel;
+      block.param_numel += numel;
     }
     block.shard_numel = align_up((block.used_numel + ranks - 1) / ranks, kShardAlignElems);
     block.whole_numel = block.shard_numel * static_cast<std::uint64_t>(ranks);

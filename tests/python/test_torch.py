@@ -80,6 +80,13 @@ def _mlp_batches(seed, n):
     return [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(n)]
 
 
+def _train_mse(engine, pairs):
+    """One engine step per (x, y), on the mean squared error."""
+    for x, y in pairs:
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+
+
 def _adamw_like(config, params):
     hp = config["optimizer"]["params"]
     return torch.optim.AdamW(params, lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
@@ -304,21 +311,16 @@ def test_checkpoint_resume_is_bit_for_bit(nvme_dir, tmp_path):
     torch.manual_seed(0)
     batches = _mlp_batches(3, 6)
 
-    def run(engine, part):
-        for x, y in part:
-            engine.backward(F.mse_loss(engine(x), y))
-            engine.step()
-
     model = mlp()
     twin = copy.deepcopy(model)
     engine, _ = tzt.initialize(model, host_config(nvme_dir))
-    run(engine, batches[:3])
+    _train_mse(engine, batches[:3])
     engine.save_checkpoint(tmp_path / "ckpt")
-    run(engine, batches[3:])
+    _train_mse(engine, batches[3:])
     want = engine.master_state_dict()
     other, _ = tzt.initialize(twin, host_config(nvme_dir))
     other.load_checkpoint(tmp_path / "ckpt")
-    run(other, batches[3:])
+    _train_mse(other, batches[3:])
     got = other.master_state_dict()
     assert all(torch.equal(got[n], want[n]) for n in want)
 
@@ -361,15 +363,10 @@ def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp
     torch.manual_seed(0)
     engine, _ = tzt.initialize(mlp(), host_config(nvme_dir))
     batches = _mlp_batches(1, 3)
-
-    def train(pairs):
-        for x, y in pairs:
-            engine.backward(F.mse_loss(engine(x), y))
-            engine.step()
-    train(batches[:2])
+    _train_mse(engine, batches[:2])
     ckpt = tmp_path / "ckpt"
     assert engine.save_checkpoint(ckpt, "epoch-end", client_state={"epoch": 1}) is True
-    train(batches[2:])
+    _train_mse(engine, batches[2:])
     state = {"epoch": 2, "order": torch.arange(5), "note": ("resume", 2.5)}
     engine.save_checkpoint(ckpt, "epoch-end", client_state=state)  # replaces the first
     engine.save_checkpoint(ckpt, "no-state", save_latest=False)
@@ -411,9 +408,7 @@ def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp
             p.copy_(master[n])
     fresh, _ = tzt.initialize(fresh_model, fresh_config)
     for e in (tuned, fresh):
-        for x, y in batches:
-            e.backward(F.mse_loss(e(x), y))
-            e.step()
+        _train_mse(e, batches)
     a, b = tuned.master_state_dict(), fresh.master_state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
     with pytest.raises(FileNotFoundError, match="no checkpoint tagged 'epoch-9'"):
@@ -446,21 +441,16 @@ def test_a_checkpoint_carries_the_models_buffers_and_frozen_parameters(nvme_dir,
         m[0].requires_grad_(False)
         return m
     batches = _mlp_batches(5, 5)
-
-    def train(engine, pairs):
-        for x, y in pairs:
-            engine.backward(F.mse_loss(engine(x), y))
-            engine.step()
     a, _ = tzt.initialize(model(), host_config(nvme_dir))
-    train(a, batches[:2])
+    _train_mse(a, batches[:2])
     a.save_checkpoint(tmp_path / "ckpt")
-    train(a, batches[2:])
+    _train_mse(a, batches[2:])
     b, _ = tzt.initialize(model(), host_config(nvme_dir))
     with torch.no_grad():
         b.module[0].weight.mul_(2)  # a frozen weight that differs from the saved one
     b.load_checkpoint(tmp_path / "ckpt")
     assert int(b.module[1].num_batches_tracked) == 2
-    train(b, batches[2:])
+    _train_mse(b, batches[2:])
     for name, t in a.module.state_dict().items():
         if t.numel():  # the engine's parameters are empty placeholders between steps
             assert torch.equal(t, b.module.state_dict()[name]), name
