@@ -18,7 +18,10 @@
 // view of it is gone. No view can outlive the memory it points at. Each
 // object also holds the engine core, so an Engine dropped while views live
 // stays alive until they go. There is no explicit release(): one would leave
-// views dangling.
+// views dangling. On CUDA the caller's kernels reading the views may still be
+// queued when the last view goes: fetch(stream=) names the stream they run
+// on, and the release waits for it (Note [Stream-ordered release] in
+// tierzero/engine/zero.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -84,19 +87,20 @@ DType dtype_of(tz::ElemType t) {
 
 class PyGathered {
  public:
-  PyGathered(std::shared_ptr<EngineCore> core, tz::GatheredBlock block)
-      : core_(std::move(core)), block_(std::move(block)) {}
+  // `readers`: the caller's stream its kernels read the block on, where the
+  // release must wait for them (Note [Stream-ordered release] in
+  // tierzero/engine/zero.h); none: they are done when the last view goes.
+  PyGathered(std::shared_ptr<EngineCore> core, tz::GatheredBlock block, std::optional<void*> readers)
+      : core_(std::move(core)), block_(std::move(block)), readers_(readers) {}
   PyGathered(const PyGathered&) = delete;
   ~PyGathered() {
     // Called by Python's deallocator with the GIL held (Note [Engine calls and the GIL]).
     if (!block_.valid()) return;
     if (Py_IsInitialized() && !_Py_IsFinalizing()) {
       nb::gil_scoped_release release;
-      std::lock_guard<std::mutex> lock(core_->mu);
-      block_ = tz::GatheredBlock();
+      give_back();
     } else {
-      std::lock_guard<std::mutex> lock(core_->mu);
-      block_ = tz::GatheredBlock();
+      give_back();
     }
   }
 
@@ -111,6 +115,10 @@ class PyGathered {
                     core_->dl_device_type, core_->dl_device_id);
   }
   ExportArray data() { return view(0, {static_cast<std::int64_t>(layout().whole_numel)}); }
+  std::optional<std::int64_t> readers() const {
+    if (!readers_) return std::nullopt;
+    return static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(*readers_));
+  }
   ExportArray param(std::size_t i) {
     const tz::BlockLayout& b = layout();
     if (i >= b.params.size()) {
@@ -121,8 +129,21 @@ class PyGathered {
   }
 
  private:
+  // A destructor cannot raise: a failed release is logged, and the engine's
+  // next call fails with it.
+  void give_back() {
+    std::lock_guard<std::mutex> lock(core_->mu);
+    if (!readers_) {
+      block_ = tz::GatheredBlock();
+      return;
+    }
+    const tz::Status s = block_.release_after_native(*readers_);
+    if (!s.ok()) TZ_LOG_ERROR("python", "GatheredBlock: {}", s.to_string());
+  }
+
   std::shared_ptr<EngineCore> core_;
   tz::GatheredBlock block_;
+  std::optional<void*> readers_;
 };
 
 nb::dict report_dict(const tz::StepReport& r) {
@@ -264,20 +285,23 @@ tz::Status make_core(EngineCore& core, const tz::Config& config, const BlockList
 // torch's `cuda_stream` and CuPy's `.ptr` give for the default stream (torch's
 // from_dlpack reads it the same way). -1 says the caller has synchronised
 // already. No host blocking until the copies' own end.
-std::optional<void*> producer_stream(const EngineCore& core, std::optional<std::int64_t> stream) {
+// The same reading serves fetch's `stream=`, the stream whose kernels read
+// the block (its release waits for them; -1: the caller synchronises before
+// the last view goes). `call` names the method in errors.
+std::optional<void*> caller_stream(const EngineCore& core, std::optional<std::int64_t> stream, std::string_view call) {
   if (stream && *stream == -1) return std::nullopt;
   if (core.dl_device_type != kDLCUDA) {
     if (stream) {
       raise_status(tz::invalid_argument(
-          "Engine.reduce_grads(): stream={} is a CUDA stream; this engine is on cpu (leave stream unset)", *stream));
+          "Engine.{}(): stream={} is a CUDA stream; this engine is on cpu (leave stream unset)", call, *stream));
     }
     return std::nullopt;
   }
   if (!stream || *stream == 0) return nullptr;  // the legacy default stream
   if (*stream < -1) {
     raise_status(tz::invalid_argument(
-        "Engine.reduce_grads(): stream={} is not a CUDA stream (pass a cudaStream_t as an int, 0 or 1 for the "
-        "legacy default stream, 2 for the per-thread one, -1 when the gradients are ready)", *stream));
+        "Engine.{}(): stream={} is not a CUDA stream (pass a cudaStream_t as an int, 0 or 1 for the legacy default "
+        "stream, 2 for the per-thread one, -1 when the caller has synchronised)", call, *stream));
   }
   return reinterpret_cast<void*>(static_cast<std::intptr_t>(*stream));
 }
@@ -323,9 +347,10 @@ class PyEngine {
     locked(*core_, [&] { return make_core(*core_, config, blocks, ptrs); });
   }
 
-  std::unique_ptr<PyGathered> fetch(std::size_t block) {
+  std::unique_ptr<PyGathered> fetch(std::size_t block, std::optional<std::int64_t> stream) {
+    const std::optional<void*> readers = caller_stream(*core_, stream, "fetch");
     tz::GatheredBlock g = locked(*core_, [&] { return core_->engine->fetch(block); });
-    return std::make_unique<PyGathered>(core_, std::move(g));
+    return std::make_unique<PyGathered>(core_, std::move(g), readers);
   }
 
   void reduce_grads(std::size_t block, const std::vector<std::optional<InArray>>& grads,
@@ -353,7 +378,7 @@ class PyEngine {
                                           arg, infos[i]->numel, b.params[i].numel));
       }
     }
-    const std::optional<void*> producer = producer_stream(*core_, stream);
+    const std::optional<void*> producer = caller_stream(*core_, stream, "reduce_grads");
     locked(*core_, [&] { return reduce_from(*core_, block, infos, producer); });
   }
 
@@ -407,6 +432,9 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("index", &PyGathered::index)
       .def_prop_ro("name", [](PyGathered& g) { return g.layout().name; })
       .def_prop_ro("data", &PyGathered::data, "The whole gathered buffer, (whole_numel,) in the parameter dtype.")
+      .def_prop_ro("stream", &PyGathered::readers,
+                   "The stream whose work the release waits for (as fetch's stream=; 0 the legacy default), None "
+                   "when it waits for none (a cpu engine, or stream=-1).")
       .def("param", &PyGathered::param, nb::arg("i"), "Parameter i as an array of its shape (a view of data).");
   nb::class_<PyEngine>(m, "Engine",
                        "ZeRO-partitioned, tiered model states and the training step (tierzero/engine/zero.h). Ranks "
@@ -416,7 +444,12 @@ void bind_engine(nb::module_& m) {
            nb::arg("blocks") = BlockList{}, nb::arg("init") = InitArrays{},
            "blocks: [(block name, [(param name, shape)])]; init: per block, per parameter, a float32 cpu array of its "
            "numel or None (zeros); empty: all zeros.")
-      .def("fetch", &PyEngine::fetch, nb::arg("block"), "The whole block, gathered (waits for NVMe and collectives).")
+      .def("fetch", &PyEngine::fetch, nb::arg("block"), nb::kw_only(), nb::arg("stream") = nb::none(),
+           "The whole block, gathered (waits for NVMe and collectives). On CUDA the buffer goes back to the engine "
+           "when the last view is gone, to be reused only after the work queued by then on `stream` (the one the "
+           "caller's kernels read it on, an int as DLPack passes streams: a cudaStream_t, 0 or 1 the legacy default "
+           "stream, 2 the per-thread one, -1 when the caller synchronises first), by default the legacy default "
+           "stream.")
       .def("reduce_grads", &PyEngine::reduce_grads, nb::arg("block"), nb::arg("grads"), nb::kw_only(),
            nb::arg("stream") = nb::none(),
            "Copies each parameter's gradient (the grad dtype, on the engine's device, C-contiguous, the parameter's "

@@ -75,9 +75,16 @@ class Engine:
         self._layout = self._core.layout()
 
     # --- the step
-    def fetch(self, block: int) -> _core.GatheredBlock:
-        """The whole block gathered on the engine's device; .data and .param(i) are zero-copy arrays."""
-        return self._core.fetch(block)
+    def fetch(self, block: int, *, stream: Optional[int] = None) -> _core.GatheredBlock:
+        """The whole block gathered on the engine's device; .data and .param(i) are zero-copy arrays.
+
+        The buffer goes back to the engine when the last view of it is gone.
+        On CUDA, kernels reading it may still be queued then: the engine
+        reuses it only after the work queued by then on `stream`, the stream
+        that reads it, given as for reduce_grads (unset: the legacy default
+        stream; -1: the caller synchronises before letting the last view go).
+        """
+        return self._core.fetch(block, stream=stream)
 
     def reduce_grads(self, block: int, grads: Sequence[Any], *, stream: Optional[int] = None) -> None:
         """Hands the block's gradients (one array per parameter, or None) to the engine (copied).

@@ -22,8 +22,12 @@ the engine's memory, seen by torch); a forward hook sets .data back to the
 placeholder. The gathered buffer returns to the engine when no tensor views
 it any more (Note [Gathered block lifetime] in bindings/engine.cpp): torch's
 own reference counting decides, so no tensor can point at memory the engine
-has reused. Between steps, master_state_dict() gives the fp32 weights and
-detach_module() puts them back into the model.
+has reused. On CUDA the module's kernels may not have run yet by then: the
+block is fetched naming torch's current stream, and the engine reuses the
+buffer only once that stream has passed the point it had reached (Note
+[Stream-ordered release] in tierzero/engine/zero.h). Between steps,
+master_state_dict() gives the fp32 weights and detach_module() puts them back
+into the model.
 
 Note [Saved tensors]
 Autograd saves tensors in forward for backward: a Linear saves its weight,
@@ -327,7 +331,10 @@ class TorchEngine:
     # ------------------------------------------------------------ gathering
     def _acquire(self, b: _Block) -> None:
         if b.users == 0:
-            gathered = self._core.fetch(b.index)
+            # On CUDA the module's kernels read the block on the current stream, and may still be queued when
+            # its last view goes: the engine waits for that stream before reusing the buffer.
+            stream = torch.cuda.current_stream().cuda_stream if self._cuda else None
+            gathered = self._core.fetch(b.index, stream=stream)
             self._gathered.add(gathered)
             flat = torch.from_dlpack(gathered.data)  # zero-copy; flat's storage keeps `gathered` alive
             b.flat = flat

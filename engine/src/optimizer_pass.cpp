@@ -74,6 +74,7 @@ Expected<bool> ZeroEngineImpl::global_norm(double& norm) {
 
 Expected<StepReport> ZeroEngineImpl::step() {
   StepReport report;
+  TZ_TRY(release_error_);  // Note [Stream-ordered release]
   // Every gradient of this micro-batch has reached its accumulator.
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());

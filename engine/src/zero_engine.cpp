@@ -73,6 +73,19 @@ void GatheredBlock::reset() {
   data_ = nullptr;
 }
 
+Status GatheredBlock::release_after(Stream& stream) {
+  Releaser* owner = std::exchange(owner_, nullptr);
+  void* data = std::exchange(data_, nullptr);
+  return owner != nullptr && data != nullptr ? owner->release_after(block_, data, &stream, nullptr) : ok_status();
+}
+
+Status GatheredBlock::release_after_native(void* native_stream) {
+  Releaser* owner = std::exchange(owner_, nullptr);
+  void* data = std::exchange(data_, nullptr);
+  return owner != nullptr && data != nullptr ? owner->release_after(block_, data, nullptr, native_stream)
+                                             : ok_status();
+}
+
 void* GatheredBlock::param(std::size_t i) const {
   return static_cast<char*>(data_) + layout_->params.at(i).offset * elem_type_bytes(type_);
 }
@@ -106,6 +119,9 @@ Status ZeroEngineImpl::make_device_and_comm() {
     device_ = own_device_.get();
   }
   TZ_ASSIGN_OR_RETURN(stream_, device_->create_stream());
+  TZ_ASSIGN_OR_RETURN(release_stream_, device_->create_stream());
+  TZ_ASSIGN_OR_RETURN(reader_done_, device_->create_event());
+  TZ_ASSIGN_OR_RETURN(persistent_read_, device_->create_event());
   if (options_.comm != nullptr) {
     comm_ = options_.comm;
   } else {
@@ -359,6 +375,7 @@ Status ZeroEngineImpl::get(const detail::ShardStore& store, std::size_t block, v
 }
 
 Status ZeroEngineImpl::gather_persistent() {
+  TZ_TRY(device_->synchronize_event(*persistent_read_));  // Note [Stream-ordered release]
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     if (persistent_[b].valid()) {
       TZ_TRY_CTX(prefetcher_->gather_into(b, persistent_[b].data()), "gathering {}", layout_.blocks[b].name);
@@ -371,9 +388,10 @@ Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block) {
   if (block >= layout_.blocks.size()) {
     return invalid_argument("fetch: block {} does not exist (the model has {})", block, layout_.blocks.size());
   }
+  TZ_TRY(release_error_);
   const BlockLayout& b = layout_.blocks[block];
   if (persistent_[block].valid()) {
-    return GatheredBlock(nullptr, block, persistent_[block].data(), param_type_, &b);
+    return GatheredBlock(this, block, persistent_[block].data(), param_type_, &b);
   }
   Expected<PoolBlock> whole = prefetcher_->acquire(block);
   TZ_TRY_CTX(whole, "fetching {}", b.name);
@@ -383,20 +401,52 @@ Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block) {
   return GatheredBlock(this, block, data, param_type_, &b);
 }
 
-void ZeroEngineImpl::release(std::size_t block, void* data) {
+void ZeroEngineImpl::end_compute(std::size_t block, void* data) {
   auto since = live_since_.find(data);
   if (since != live_since_.end()) {
     timeline_.record(detail::Track::kCompute, layout_.blocks[block].name, since->second,
                      std::chrono::steady_clock::now());
     live_since_.erase(since);
   }
-  live_.erase(data);
+}
+
+void ZeroEngineImpl::release(std::size_t block, void* data) {
+  end_compute(block, data);
+  live_.erase(data);  // a persistent block's buffer is not in live_, and stays
+}
+
+// Note [Stream-ordered release]
+Status ZeroEngineImpl::release_after(std::size_t block, void* data, Stream* stream, void* native) {
+  if (stream == nullptr && device_->kind() == BackendKind::kHost) {
+    release(block, data);  // on the Host backend no foreign stream has work queued
+    return ok_status();
+  }
+  end_compute(block, data);
+  PoolBlock buffer;  // stays invalid for a persistent block
+  if (auto live = live_.find(data); live != live_.end()) {
+    buffer = std::move(live->second);
+    live_.erase(live);
+  }
+  Status s = stream != nullptr ? device_->record_event(*reader_done_, *stream) : ok_status();
+  if (s.ok()) {
+    s = stream != nullptr ? device_->stream_wait_event(*release_stream_, *reader_done_)
+                          : device_->stream_wait_native(*release_stream_, native);
+  }
+  if (s.ok()) {
+    return buffer.valid() ? device_pool_->release_after(std::move(buffer), *release_stream_)
+                          : device_->record_event(*persistent_read_, *release_stream_);
+  }
+  if (buffer.valid()) quarantined_.push_back(std::move(buffer));  // when its readers end is unknown
+  s = std::move(s).with_context(fmt::format("releasing {} after its readers' stream", layout_.blocks[block].name));
+  if (release_error_.ok()) release_error_ = s;
+  return s;
 }
 
 Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
   if (block >= layout_.blocks.size()) {
     return invalid_argument("grad_buffer: block {} does not exist (the model has {})", block, layout_.blocks.size());
   }
+  TZ_TRY(release_error_);
   const BlockLayout& b = layout_.blocks[block];
   GradBlock g;
   g.block_ = block;
@@ -420,6 +470,7 @@ Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
 // so backward goes on while gradients drain. step() waits for both.
 Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   if (!grads.valid()) return invalid_argument("reduce_grads: an empty gradient buffer");
+  TZ_TRY(release_error_);
   TZ_TRY(comm_thread_->error());
   TZ_TRY(grad_thread_->error());
   const std::size_t block = grads.block();

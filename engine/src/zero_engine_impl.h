@@ -101,6 +101,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // Whether `block`'s accumulation may run on the caller (Note [Cheap accumulations run inline]).
   bool cheap_accumulate(std::size_t block) const;
   void release(std::size_t block, void* data) override;
+  Status release_after(std::size_t block, void* data, Stream* stream, void* native) override;
+  void end_compute(std::size_t block, void* data);  // the timeline's compute span, fetch to release
 
   // --- checkpoints (checkpoint.cpp)
   Status barrier();
@@ -156,6 +158,14 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
   std::map<void*, PoolBlock> live_;            // gathered buffers handed out
   std::map<void*, std::chrono::steady_clock::time_point> live_since_;
+  // Note [Stream-ordered release]: the stream that waits for readers, the
+  // event it waits on (recorded on the reader's stream), the point the
+  // persistent blocks' readers had reached when last released, the buffers
+  // whose readers' wait failed, and that failure.
+  std::unique_ptr<Stream> release_stream_;
+  std::unique_ptr<Event> reader_done_, persistent_read_;
+  std::vector<PoolBlock> quarantined_;
+  Status release_error_;
   std::unique_ptr<cpu_adam::CpuOptimizer> cpu_opt_;
   detail::LossScaler scaler_;
   // The optimizer's learning rate before any schedule: the config's, or what

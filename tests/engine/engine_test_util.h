@@ -145,3 +145,98 @@ inline std::vector<int> run_ranks(int world, const std::string& rendezvous_dir,
 }
 
 }  // namespace tzt
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+namespace tzt {
+
+// Note [Stream-ordered release], caused. A reader stream sleeps 300 ms and
+// then copies gathered block 0 (bf16, all 1.0) into scratch memory; block 0
+// is given back while that is queued, and the engine then reuses memory: it
+// gathers block 1 (all 2.0), or, when block 0 is persistent, steps and
+// re-gathers it with new values. The reader must still see 1.0. `how`:
+// "stream" (release_after the reader), "native" (release_after_native with
+// its handle: CUDA only, as the Host backend has no foreign streams), or
+// "none": plain destruction, the control, which must find block 1 gathered
+// straight into block 0's buffer (so the other cases would see 2.0 if
+// release_after did nothing). `config` trains bf16.
+inline void check_stream_ordered_release(tz::Config config, const std::string& how, bool persistent) {
+  SCOPED_TRACE(fmt::format("release: {}, {} block", how, persistent ? "persistent" : "gathered"));
+  constexpr std::int64_t kNumel = 8192;
+  constexpr std::uint16_t kOne = 0x3F80, kTwo = 0x4000;  // bf16
+  if (persistent) {
+    config.zero.stage3_param_persistence_threshold = 2 * kNumel;
+    config.optimizer.lr = 0.05;  // a step of 1e-3 would leave 1.0 the nearest bf16
+  }
+  const std::vector<tz::BlockSpec> model = {{"a", {{"w", {kNumel}}}}, {"b", {{"w", {kNumel}}}}};
+  const tz::ParamInit init = [](std::size_t b, std::size_t, float* out, std::uint64_t numel) {
+    std::fill(out, out + numel, static_cast<float>(b + 1));
+  };
+  const Placement on_device{tz::Tier::kGpu, tz::Tier::kGpu, tz::Tier::kGpu, tz::Tier::kGpu};
+  // fp32 gradients: their buffers are twice the size, so the pool never hands one out for a block's parameters.
+  auto created = tz::ZeroEngine::create({.config = config, .grad_type = tz::ElemType::kFp32, .placement = on_device},
+                                        model, init);
+  ASSERT_TRUE(created.ok()) << created.status().to_string();
+  tz::ZeroEngine& engine = **created;
+  ASSERT_EQ(engine.param_type(), tz::ElemType::kBf16);
+  tz::Device& device = engine.device();
+  auto reader = device.create_stream();
+  auto other = device.create_stream();
+  ASSERT_TRUE(reader.ok() && other.ok());
+  constexpr std::size_t kBytes = kNumel * 2;
+  auto scratch = device.allocate(kBytes, nullptr);
+  ASSERT_TRUE(scratch.ok()) << scratch.status().to_string();
+
+  auto p0 = engine.fetch(0);
+  ASSERT_TRUE(p0.ok()) << p0.status().to_string();
+  void* const first = p0->data();
+  ASSERT_TRUE(device.launch_host_func(**reader, [] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }).ok());
+  if (how == "none") {
+    *p0 = tz::GatheredBlock();
+    auto p1 = engine.fetch(1);
+    ASSERT_TRUE(p1.ok()) << p1.status().to_string();
+    EXPECT_EQ(p1->data(), first) << "a plain release leaves the buffer to the next gather at once";
+    EXPECT_TRUE(device.synchronize_stream(**reader).ok());
+    (void)device.deallocate(*scratch, kBytes, nullptr);
+    return;
+  }
+  ASSERT_TRUE(device.copy_async(*scratch, first, kBytes, **reader).ok());
+  const tz::Status released =
+      how == "stream" ? p0->release_after(**reader) : p0->release_after_native((*reader)->native_handle());
+  ASSERT_TRUE(released.ok()) << released.to_string();
+  EXPECT_FALSE(p0->valid());
+  if (persistent) {
+    for (std::size_t b : {1, 0}) {  // gradients for a step that moves every weight
+      auto g = engine.grad_buffer(b);
+      ASSERT_TRUE(g.ok()) << g.status().to_string();
+      ASSERT_TRUE(device.memset_async(g->data(), 0x3F, kNumel * 4, **other).ok());
+      ASSERT_TRUE(device.synchronize_stream(**other).ok());
+      ASSERT_TRUE(engine.reduce_grads(std::move(*g)).ok());
+    }
+    auto r = engine.step();
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_TRUE(r->stepped);
+  } else {
+    auto p1 = engine.fetch(1);
+    ASSERT_TRUE(p1.ok()) << p1.status().to_string();
+  }
+  std::vector<std::uint16_t> seen(kNumel);
+  ASSERT_TRUE(device.copy_async(seen.data(), *scratch, kBytes, **reader).ok());
+  ASSERT_TRUE(device.synchronize_stream(**reader).ok());
+  const auto ones = static_cast<std::size_t>(std::count(seen.begin(), seen.end(), kOne));
+  EXPECT_EQ(ones, seen.size()) << "the reader saw " << std::count(seen.begin(), seen.end(), kTwo)
+                               << " elements of block 1 and " << seen.size() - ones << " not 1.0";
+  if (persistent) {  // and the step did change the block, after the reader was done
+    auto again = engine.fetch(0);
+    ASSERT_TRUE(again.ok()) << again.status().to_string();
+    std::vector<std::uint16_t> now(kNumel);
+    ASSERT_TRUE(device.copy_async(now.data(), again->data(), kBytes, **other).ok());
+    ASSERT_TRUE(device.synchronize_stream(**other).ok());
+    EXPECT_EQ(std::count(now.begin(), now.end(), kOne), 0) << "the step should have moved every weight of block 0";
+  }
+  (void)device.deallocate(*scratch, kBytes, nullptr);
+}
+
+}  // namespace tzt

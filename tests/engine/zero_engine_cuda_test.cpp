@@ -66,6 +66,17 @@ TEST(ZeroEngineCuda, EveryPlacementMatchesTheInMemoryReference) {
   }
 }
 
+TEST(ZeroEngineCuda, ABlockReleasedAfterAStreamIsNotReusedUntilItsReadersAreDone) {
+  TZ_REQUIRE_CUDA_DEVICE();
+  TempDir nvme;
+  const tz::Config config = test_config(nvme.path(), 3, 1, "bf16", "cuda");
+  check_stream_ordered_release(config, "none", false);
+  for (const char* how : {"stream", "native"}) {
+    check_stream_ordered_release(config, how, false);
+    check_stream_ordered_release(config, how, true);
+  }
+}
+
 TEST(ZeroEngineCuda, ACheckpointFromTheGpuOptimizerResumesOnTheCpuOptimizer) {
   TZ_REQUIRE_CUDA_DEVICE();
   TempDir nvme, ckpt;

@@ -40,6 +40,14 @@ TEST(ZeroEngine, EveryPlacementMatchesTheInMemoryReference) {
   }
 }
 
+TEST(ZeroEngine, ABlockReleasedAfterAStreamIsNotReusedUntilItsReadersAreDone) {
+  TempDir nvme;
+  const tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  check_stream_ordered_release(config, "none", false);
+  check_stream_ordered_release(config, "stream", false);
+  check_stream_ordered_release(config, "stream", true);
+}
+
 TEST(ZeroEngine, Fp32TrainingWithoutBf16OrFp16MatchesTheReference) {
   for (const Placement& placement : {kPlacements[1], kPlacements[3]}) {
     TempDir nvme;

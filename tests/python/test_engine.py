@@ -107,6 +107,40 @@ def test_reduce_grads_stream_is_for_cuda_engines(nvme_dir):
     assert eng.step()["grad_norm"] == pytest.approx(np.sqrt(4 * 8), rel=1e-6)
 
 
+def test_fetch_stream_is_for_cuda_engines(nvme_dir):
+    # fetch(stream=) names the CUDA stream whose kernels read the block (Note [Stream-ordered release]).
+    eng, init = make(nvme_dir)
+    with pytest.raises(ValueError, match=r"Engine.fetch\(\): stream=7 is a CUDA stream; this engine is on cpu"):
+        eng.fetch(0, stream=7)
+    assert eng.fetch(0).stream is None and eng.fetch(0, stream=-1).stream is None
+    np.testing.assert_array_equal(np.from_dlpack(eng.fetch(0, stream=-1).param(0)), init[0][0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("on_default_stream", [False, True])
+def test_a_cuda_block_is_not_regathered_under_kernels_still_reading_it(on_default_stream):
+    # Block 0's last view goes while a copy of it is queued behind ~tens of ms of matrix products on
+    # the reader's stream; block 1 is then gathered, into a buffer of the same size. Were block 0's
+    # buffer back in the pool at once, the copy would read block 1's values.
+    n = 1 << 20
+    blocks = [("a", [("w", (n,))]), ("b", [("w", (n,))])]
+    init = [[np.full(n, 1.0, np.float32)], [np.full(n, 2.0, np.float32)]]
+    eng = tierzero.Engine(host_config(None, backend="cuda"), blocks, init=init)
+    reader = torch.cuda.current_stream() if on_default_stream else torch.cuda.Stream()
+    slow = torch.ones(4096, 4096, device="cuda")
+    with torch.cuda.stream(reader):
+        g = eng.fetch(0, stream=None if on_default_stream else reader.cuda_stream)
+        assert g.stream == (0 if on_default_stream else reader.cuda_stream)
+        w = torch.from_dlpack(g.param(0))
+        for _ in range(8):
+            slow = slow @ slow / 4096
+        copy = w.clone()  # queued behind the products
+        del w, g
+        eng.fetch(1)
+    reader.synchronize()
+    assert bool((copy == 1.0).all()), f"the reader saw {int((copy == 2.0).sum())} elements of block 1"
+
+
 def test_learning_rate_set_by_hand_or_by_the_configs_scheduler(nvme_dir):
     eng, _ = make(nvme_dir, lr=0.1, weight_decay=0.0)
     assert eng.learning_rate == 0.1

@@ -41,9 +41,11 @@
 // training loop), in the same order on every rank.
 // CUDA: a GatheredBlock's memory goes back to the pool when it is destroyed,
 // and a GradBlock's when reduce_grads takes it; the caller's kernels that read
-// or write them must be complete by then (synchronise the compute stream).
-// Stream-ordered release is not there yet. The CUDA path (the engine's tests
-// with a CUDA device, every placement, the GPU optimizer) ran on an H100.
+// or write them must be complete by then (synchronise the compute stream), or
+// give the block back with release_after(), which lets the caller's kernels
+// still be queued (Note [Stream-ordered release]). The CUDA path (the
+// engine's tests with a CUDA device, every placement, the GPU optimizer) ran
+// on an H100.
 // Errors: any failure (NVMe, a collective, a budget) fails the call that
 // sees it with a Status naming what failed; the engine is then unusable
 // (a failed step leaves checkpoints on disk untouched).
@@ -86,6 +88,20 @@ struct ZeroOptions {
   nvme::FaultInjector nvme_fault_injector;
 };
 
+// Note [Stream-ordered release]
+// A caller that computes on a stream of its own (a framework's compute
+// stream) queues kernels reading a gathered block and moves on; the kernels
+// may run long after the block is let go. Were the buffer back in the pool at
+// once, a prefetch could gather the next block into it under those kernels.
+// release_after() gives the block back with the point its reader stream has
+// reached: the engine's release stream waits for that point, and the buffer
+// is reused only once the release stream passes it (MemoryPool::
+// release_after). A persistent block's buffer is not returned, but step() and
+// load_checkpoint() rewrite it: they wait for every such point first. Without
+// release_after, destroying the block says its readers are done. If the wait
+// cannot be queued (a CUDA error) the buffer is never reused, and the error
+// fails the engine's next call.
+
 // A whole block's 16-bit parameters on the device, gathered from every rank's
 // shard. Move-only; releases the buffer when destroyed.
 class GatheredBlock {
@@ -101,11 +117,22 @@ class GatheredBlock {
   ElemType type() const { return type_; }
   bool valid() const { return data_ != nullptr; }
 
+  // Gives the block back now, while kernels reading it may still be queued on
+  // `stream` (one of the engine's device's streams): the buffer is reused only
+  // after the work queued on it so far (Note [Stream-ordered release]).
+  Status release_after(Stream& stream);
+  // The same for a stream the engine's device did not create, as
+  // Device::stream_wait_native takes it: a cudaStream_t on CUDA (nullptr: the
+  // legacy default stream). On the Host backend a plain release.
+  Status release_after_native(void* native_stream);
+
  private:
   friend class ZeroEngineImpl;
   struct Releaser {
     virtual ~Releaser() = default;
     virtual void release(std::size_t block, void* data) = 0;
+    // Waits for `stream` when it is given, else for the native stream.
+    virtual Status release_after(std::size_t block, void* data, Stream* stream, void* native) = 0;
   };
   GatheredBlock(Releaser* owner, std::size_t block, void* data, ElemType type, const BlockLayout* layout)
       : owner_(owner), block_(block), data_(data), type_(type), layout_(layout) {}
