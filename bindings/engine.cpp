@@ -349,6 +349,12 @@ class PyEngine {
 
   std::unique_ptr<PyGathered> fetch(std::size_t block, std::optional<std::int64_t> stream) {
     const std::optional<void*> readers = caller_stream(*core_, stream, "fetch");
+    if (readers && *readers == reinterpret_cast<void*>(2)) {
+      // Used when the last view goes, which may be on another thread (autograd's, the garbage collector's).
+      raise_status(tz::invalid_argument(
+          "Engine.fetch(): stream=2 is the per-thread default stream, which names another stream on each thread, "
+          "and the block may be released on another thread: pass the stream's own handle"));
+    }
     tz::GatheredBlock g = locked(*core_, [&] { return core_->engine->fetch(block); });
     return std::make_unique<PyGathered>(core_, std::move(g), readers);
   }
@@ -396,6 +402,15 @@ class PyEngine {
   }
   tz::ZeroEngine& engine() { return *core_->engine; }
   const EngineCore& core() const { return *core_; }
+
+  // A copy of `whole` goes in: a non-root rank's values are replaced by root's, but the caller's array is
+  // left as it was.
+  void set_master(std::size_t block, const InArray& whole, int root, const std::optional<std::string>& refusal) {
+    const ArrayInfo info = check(whole, ArraySpec{{DType::kFloat32}}, "Engine.set_master()", "whole");
+    std::vector<float> values(static_cast<const float*>(info.data), static_cast<const float*>(info.data) + info.numel);
+    const tz::Status refused = refusal ? tz::invalid_argument("{}", *refusal) : tz::Status();
+    locked(*core_, [&] { return core_->engine->set_master(block, values.data(), values.size(), root, refused); });
+  }
 
   nb::ndarray<nb::numpy, float> gather_master(std::size_t block) {
     std::vector<float> v = locked(*core_, [&] { return core_->engine->gather_master(block); });
@@ -448,8 +463,8 @@ void bind_engine(nb::module_& m) {
            "The whole block, gathered (waits for NVMe and collectives). On CUDA the buffer goes back to the engine "
            "when the last view is gone, to be reused only after the work queued by then on `stream` (the one the "
            "caller's kernels read it on, an int as DLPack passes streams: a cudaStream_t, 0 or 1 the legacy default "
-           "stream, 2 the per-thread one, -1 when the caller synchronises first), by default the legacy default "
-           "stream.")
+           "stream, -1 when the caller synchronises first), by default the legacy default stream. The stream must "
+           "outlive the block's views.")
       .def("reduce_grads", &PyEngine::reduce_grads, nb::arg("block"), nb::arg("grads"), nb::kw_only(),
            nb::arg("stream") = nb::none(),
            "Copies each parameter's gradient (the grad dtype, on the engine's device, C-contiguous, the parameter's "
@@ -519,6 +534,12 @@ void bind_engine(nb::module_& m) {
            "per block, one name per parameter). A collective; rank 0 writes it, never a partial file.")
       .def("gather_master", &PyEngine::gather_master, nb::arg("block"),
            "The block's fp32 master weights, (whole_numel,) numpy (a copy; a collective over ranks).")
+      .def("set_master", &PyEngine::set_master, nb::arg("block"), nb::arg("whole"), nb::kw_only(),
+           nb::arg("root") = 0, nb::arg("refusal") = nb::none(),
+           "Replaces the block's fp32 master weights and 16-bit parameters with rank `root`'s `whole` (float32, "
+           "cpu, C-contiguous, whole_numel values as gather_master gives). A collective: every rank calls it with "
+           "the same block and root. Moments, step and accumulated gradients stay. Between micro-batches only. refusal: "
+           "this rank's reason not to go on (every rank then fails, this one with the reason as a ValueError).")
       .def("record_timeline", [](PyEngine& e, bool on) { e.engine().record_timeline(on); }, nb::arg("on"))
       .def("write_timeline",
            [](PyEngine& e, const std::string& p) { e.call([&] { return e.engine().write_timeline(p); }); },

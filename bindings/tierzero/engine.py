@@ -56,6 +56,25 @@ def _config_kwargs(config: Any) -> dict:
     return config_args(config)
 
 
+def _fill_params(flat: Any, block: dict, values: Sequence[Any]) -> None:
+    """Writes each given parameter value (None: kept) into its run of `flat`, checked against the layout."""
+    import numpy as np
+
+    params = block["params"]
+    if len(values) != len(params):
+        raise ValueError(f"{len(values)} values for block '{block['name']}', which has {len(params)} parameters")
+    for p, v in zip(params, values):
+        if v is None:
+            continue
+        if hasattr(v, "detach"):  # a torch tensor, of any dtype (numpy has no bfloat16) and on any device
+            v = v.detach().float().cpu().numpy()
+        a = np.asarray(v, dtype=np.float32)
+        if tuple(a.shape) != tuple(p["shape"]):
+            raise ValueError(f"{block['name']}.{p['name']} has shape {tuple(p['shape'])}; the value given has "
+                             f"{tuple(a.shape)}")
+        flat[p["offset"]:p["offset"] + p["numel"]] = a.reshape(-1)
+
+
 class Engine:
     """ZeRO-partitioned, tiered model states and the training step.
 
@@ -148,6 +167,21 @@ class Engine:
         """The block's fp32 master weights, one numpy array per parameter, shaped."""
         flat = self.gather_master(block)
         return [flat[p["offset"]:p["offset"] + p["numel"]].reshape(p["shape"]) for p in self._layout[block]["params"]]
+
+    def set_master_params(self, block: int, values: Sequence[Any], *, root: int = 0) -> None:
+        """Replaces the block's fp32 master weights (and the 16-bit parameters made from them) with rank
+        `root`'s `values`: one array per parameter, of its shape (any float dtype, on any device: copied), or
+        None to keep that parameter. A collective: every rank calls it with the same block and root (the
+        other ranks' values are not used). Adam's moments, the step count and accumulated gradients stay.
+        Call between micro-batches (after step(), before the next fetch)."""
+        flat = self.gather_master(block)  # a collective: every rank, before anything can fail here
+        try:
+            _fill_params(flat, self._layout[block], values)
+        except (TypeError, ValueError) as e:
+            # Through the collective, so the other ranks fail with this one instead of waiting for it.
+            self._core.set_master(block, flat, root=root, refusal=f"set_master_params: {e}")
+            raise AssertionError("unreachable: the refused set_master raises") from e
+        self._core.set_master(block, flat, root=root)
 
     # --- facts
     @property

@@ -120,7 +120,8 @@ from torch.utils.dlpack import to_dlpack
 
 from . import _core, config_args
 
-__all__ = ["initialize", "register_external_parameter", "TorchEngine", "EngineOptimizer"]
+__all__ = ["initialize", "register_external_parameter", "GatheredParameters", "safe_get_full_fp32_param",
+           "safe_set_full_fp32_param", "TorchEngine", "EngineOptimizer"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _Saved = namedtuple("_Saved", "block offset size stride")
@@ -267,6 +268,7 @@ class TorchEngine:
         self._blocks = [_Block(i, name, params, names, layout[i]) for i, (name, params, names) in enumerate(blocks)]
         self._dtype = _DTYPES[self._core.param_dtype]
         self._cuda = self._core.device.startswith("cuda")
+        self._torch_device = torch.device(self._core.device)
         if self._dtype == torch.float32:
             self._check_dtypes(blocks)
         self._slot = {p: (b, i) for b in self._blocks for i, p in enumerate(b.params)}
@@ -293,6 +295,7 @@ class TorchEngine:
         for b in self._blocks:
             for p in b.params:
                 p.data = self._placeholder
+                p._tierzero_engine = engine_ref  # Note [Editing weights]
                 self._hooks.append(p.register_post_accumulate_grad_hook(on_grad))
         for module, block_ids in self._module_blocks.items():
             self._hooks.append(module.register_forward_pre_hook(self._make_pre_forward(block_ids)))
@@ -333,7 +336,7 @@ class TorchEngine:
         if b.users == 0:
             # On CUDA the module's kernels read the block on the current stream, and may still be queued when
             # its last view goes: the engine waits for that stream before reusing the buffer.
-            stream = torch.cuda.current_stream().cuda_stream if self._cuda else None
+            stream = torch.cuda.current_stream(self._torch_device).cuda_stream if self._cuda else None
             gathered = self._core.fetch(b.index, stream=stream)
             self._gathered.add(gathered)
             flat = torch.from_dlpack(gathered.data)  # zero-copy; flat's storage keeps `gathered` alive
@@ -420,9 +423,9 @@ class TorchEngine:
     def _flush(self, b: _Block) -> None:
         grads = [None if g is None else to_dlpack(g.detach().contiguous()) for g in b.grads]  # Note [Capsules, not tensors]
         if self._cuda:
-            # The engine copies on its own stream; the release below also needs this
-            # block's kernels done, so synchronise here and tell reduce_grads not to wait.
-            torch.cuda.current_stream().synchronize()
+            # The gradients were written on the current stream: synchronise it and tell
+            # reduce_grads not to wait (its copies go on the engine's own stream).
+            torch.cuda.current_stream(self._torch_device).synchronize()
             self._core.reduce_grads(b.index, grads, stream=-1)
         else:
             self._core.reduce_grads(b.index, grads)
@@ -649,6 +652,31 @@ class TorchEngine:
                 out[name] = flat.as_strided(*view).clone()
         return out
 
+    def _full_values(self, b: _Block, slots: list) -> tuple:
+        """(the block's fp32 masters as a flat CPU tensor, the given parameters' values in the model's dtype
+        on its device, each a fresh tensor). A collective (Note [Editing weights])."""
+        flat = torch.from_numpy(self._core.gather_master(b.index))
+        values = [flat.as_strided(*b.views[i]).to(device=self._torch_device, dtype=self._dtype, copy=True)
+                  for i in slots]
+        return flat, values
+
+    def _write_edits(self, b: _Block, flat: torch.Tensor, edits: list, root: int) -> None:
+        """Note [Editing weights]: each (slot, value given out, value now) whose elements changed replaces those
+        elements of the fp32 masters in `flat` (the others keep theirs), and rank `root`'s result becomes the
+        block's weights on every rank. A collective; a value of the wrong shape is refused on every rank."""
+        refusal = None
+        for i, given, now in edits:
+            if tuple(now.shape) != tuple(given.shape):
+                refusal = (f"{b.names[i]} was handed out with shape {tuple(given.shape)} and now has shape "
+                           f"{tuple(now.shape)}; a weight's shape cannot change")
+                break
+            now = now.detach().to(device=given.device, dtype=given.dtype)
+            bits = {2: torch.int16, 4: torch.int32}[given.element_size()]
+            changed = (now.view(bits) != given.view(bits)).cpu()  # bitwise: a NaN written is a change too
+            master = flat.as_strided(*b.views[i])
+            master[changed] = now.cpu().float()[changed]
+        self._core.set_master(b.index, flat, root=root, refusal=refusal)
+
     def detach_module(self) -> torch.nn.Module:
         """Removes the hooks and puts the master weights back into the parameters; the engine is done after it."""
         weights = self.master_state_dict()
@@ -660,6 +688,7 @@ class TorchEngine:
         for b in self._blocks:
             for p, name in zip(b.params, b.names):
                 p.data = weights[name].to(device=self._placeholder.device, dtype=self._dtype)
+                p.__dict__.pop("_tierzero_engine", None)
         return self.module
 
     # ------------------------------------------------------------ facts
@@ -818,6 +847,136 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
         engine.register_external_parameter(module, parameter)
     else:  # initialize() reads these
         module.__dict__.setdefault("_tierzero_external", []).append(parameter)
+
+
+# Note [Editing weights]
+# Outside its module's forward a trained parameter is an empty placeholder
+# (Note [Parameters live in the engine]), so code that reads or edits weights
+# between steps (a norm to log, an embedding row to reset, weights tied by
+# hand) asks for them, as with DeepSpeed's ZeRO-3. GatheredParameters and
+# safe_get_full_fp32_param gather the fp32 masters (gather_master, a
+# collective) and hand out copies, so an edit never reaches memory the engine
+# computes with. An edit is written back only when asked (modifier_rank, or
+# safe_set_full_fp32_param): the elements the editing rank changed replace
+# those fp32 masters, the rest keep their full precision (an fp32 master is
+# not its 16-bit rounding), the 16-bit parameters follow, and Adam's moments
+# and step count stay. Unlike DeepSpeed's ZeRO-3, whose GatheredParameters
+# edits the 16-bit partitions and leaves the fp32 optimizer copy as it was
+# (the next step then undoes the edit), the edit holds. Each parameter knows
+# its engine through a weak reference (`_tierzero_engine`), so no registry
+# keeps a model alive.
+
+def _engine_of(p: Any) -> Optional[TorchEngine]:
+    ref = p.__dict__.get("_tierzero_engine") if isinstance(p, torch.Tensor) else None
+    engine = ref() if ref is not None else None
+    return engine if engine is not None and p in engine._slot else None
+
+
+def _by_block(params: list) -> list:
+    """[(engine, block, [(slot, parameter)])] for the parameters an engine trains, in block order (the same
+    on every rank given the same parameters, as the collectives need)."""
+    engines: list = []  # in the order the parameters name them
+    groups: dict = {}
+    for p in params:
+        engine = _engine_of(p)
+        if engine is None:
+            continue
+        if all(e is not engine for e in engines):
+            engines.append(engine)
+        b, i = engine._slot[p]
+        entry = groups.setdefault((id(engine), b.index), (engine, b, []))
+        if all(q is not p for _, q in entry[2]):
+            entry[2].append((i, p))
+    rank = {id(e): n for n, e in enumerate(engines)}
+    return [groups[k] for k in sorted(groups, key=lambda k: (rank[k[0]], k[1]))]
+
+
+class GatheredParameters:
+    """DeepSpeed's deepspeed.zero.GatheredParameters for a model trained through tierzero.torch.
+
+        with tierzero.torch.GatheredParameters(model.embed.weight, modifier_rank=0):
+            if engine.rank == 0:
+                model.embed.weight[pad_id].zero_()
+
+    Inside, each given parameter (one, or an iterable) that an engine trains holds its full current value:
+    a tensor of the model's dtype on the engine's device, a copy of the engine's weights. Other parameters
+    (frozen ones, another model's) are left as they are. On leaving with modifier_rank=None the copies are
+    dropped; with modifier_rank=r, the elements rank r changed become the weights on every rank (Note
+    [Editing weights]: their fp32 masters, then the 16-bit parameters; Adam's state stays). Every rank must
+    enter with the same parameters: gathering and writing back are collectives. With modifier_rank, call
+    it between steps, not inside a forward or backward (refused). fwd_module is taken for compatibility;
+    enabled=False does nothing.
+    """
+
+    def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
+                 enabled: bool = True):
+        if params is None:
+            params = []
+        elif isinstance(params, torch.Tensor):
+            params = [params]
+        self._params = list(params)
+        self._root, self._enabled = modifier_rank, enabled
+        self._held: list = []  # (engine, block, flat masters, [(slot, parameter, value given, .data before)])
+
+    def __enter__(self) -> None:
+        if not self._enabled:
+            return
+        try:
+            for engine, b, slots in _by_block(self._params):
+                flat, values = engine._full_values(b, [i for i, _ in slots])
+                entries = []
+                for (i, p), value in zip(slots, values):
+                    entries.append((i, p, value.clone() if self._root is not None else None, p.data))
+                    p.data = value
+                self._held.append((engine, b, flat, entries))
+        except BaseException:
+            self._restore()
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if not self._enabled:
+            return False
+        try:
+            if self._root is not None and exc_type is None:
+                for engine, b, flat, entries in self._held:
+                    engine._write_edits(b, flat, [(i, given, p.data) for i, p, given, _ in entries], self._root)
+        finally:
+            self._restore()
+        return False
+
+    def _restore(self) -> None:
+        for _, _, _, entries in self._held:
+            for _, p, _, before in entries:
+                p.data = before  # the placeholder, or the forward's view of the gathered block
+        self._held = []
+
+
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """DeepSpeed's deepspeed.utils.safe_get_full_fp32_param: the parameter's fp32 master weight, whole, on
+    the engine's device; None for a parameter no engine trains. A collective: call it on every rank."""
+    engine = _engine_of(param)
+    if engine is None:
+        return None
+    b, i = engine._slot[param]
+    flat = torch.from_numpy(engine._core.gather_master(b.index))
+    return flat.as_strided(*b.views[i]).to(engine._torch_device, copy=True)
+
+
+def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """DeepSpeed's deepspeed.utils.safe_set_full_fp32_param: makes `value` (the parameter's shape, any float
+    dtype and device) the parameter's fp32 master weight, and its 16-bit copy that rounded; Adam's state
+    stays. A collective: every rank calls it, and rank 0's value is taken. Between steps only."""
+    engine = _engine_of(param)
+    if engine is None:
+        raise ValueError("safe_set_full_fp32_param: the parameter is not one a tierzero.torch engine trains")
+    b, i = engine._slot[param]
+    flat = torch.from_numpy(engine._core.gather_master(b.index))
+    refusal = None
+    if tuple(value.shape) != b.views[i][0]:
+        refusal = f"safe_set_full_fp32_param: {b.names[i]} has shape {b.views[i][0]}; the value has {tuple(value.shape)}"
+    else:
+        flat.as_strided(*b.views[i]).copy_(value.detach().to("cpu", torch.float32))
+    engine._core.set_master(b.index, flat, root=0, refusal=refusal)
 
 
 def _live_gathered(engine: TorchEngine) -> int:

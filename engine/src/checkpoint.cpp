@@ -126,7 +126,8 @@ Status ZeroEngineImpl::agree(const Status& mine, std::string_view what) {
   return ok_status();
 }
 
-Status ZeroEngineImpl::agree_on_name(const std::string& name, std::string_view what) {
+Status ZeroEngineImpl::agree_on_name(const std::string& name, std::string_view what, std::string_view noun,
+                                     std::string_view advice) {
   // The largest and the smallest of the ranks' hashes (as max of h and of -h): equal when all ranks agree.
   const auto h = static_cast<std::int64_t>(nvme::checksum(name.data(), name.size()) >> 2);
   std::int64_t extremes[2] = {h, -h};
@@ -134,9 +135,8 @@ Status ZeroEngineImpl::agree_on_name(const std::string& name, std::string_view w
     return detail::all_reduce_host(*comm_, *device_, *device_pool_, extremes, 2, DataType::kInt64, ReduceOp::kMax);
   }));
   if (extremes[0] != -extremes[1]) {
-    return invalid_argument("{}: the ranks name different checkpoints (this rank: '{}'); every rank must pass the "
-                            "same directory and tag",
-                            what, name);
+    return invalid_argument("{}: the ranks name different {} (this rank: '{}'); every rank must {}", what, noun, name,
+                            advice);
   }
   return ok_status();
 }
@@ -565,6 +565,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
     }
     std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
     micro_ = 0;
+    fetched_this_micro_ = 0;
     TZ_TRY(gather_persistent());
     return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
   }();

@@ -74,10 +74,11 @@ Expected<bool> ZeroEngineImpl::global_norm(double& norm) {
 
 Expected<StepReport> ZeroEngineImpl::step() {
   StepReport report;
-  TZ_TRY(release_error_);  // Note [Stream-ordered release]
+  TZ_TRY(release_failure());  // Note [Stream-ordered release]
   // Every gradient of this micro-batch has reached its accumulator.
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());
+  fetched_this_micro_ = 0;
   if (++micro_ < gas_) {
     TZ_TRY(prefetcher_->end_micro_batch());
     report.step = step_;

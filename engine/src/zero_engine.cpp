@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "tierzero/kernels.h"
+#include "host_collectives.h"
 #include "zero_engine_impl.h"
 
 namespace tz {
@@ -63,12 +64,13 @@ GatheredBlock& GatheredBlock::operator=(GatheredBlock&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     type_ = other.type_;
     layout_ = other.layout_;
+    persistent_ = other.persistent_;
   }
   return *this;
 }
 
 void GatheredBlock::reset() {
-  if (owner_ != nullptr && data_ != nullptr) owner_->release(block_, data_);
+  if (owner_ != nullptr && data_ != nullptr && !persistent_) owner_->release(block_, data_);
   owner_ = nullptr;
   data_ = nullptr;
 }
@@ -375,7 +377,9 @@ Status ZeroEngineImpl::get(const detail::ShardStore& store, std::size_t block, v
 }
 
 Status ZeroEngineImpl::gather_persistent() {
-  TZ_TRY(device_->synchronize_event(*persistent_read_));  // Note [Stream-ordered release]
+  // Note [Stream-ordered release]: a failed wait leaves the readers' end unknown.
+  TZ_TRY(release_failure());
+  TZ_TRY(device_->synchronize_event(*persistent_read_));
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     if (persistent_[b].valid()) {
       TZ_TRY_CTX(prefetcher_->gather_into(b, persistent_[b].data()), "gathering {}", layout_.blocks[b].name);
@@ -388,17 +392,18 @@ Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block) {
   if (block >= layout_.blocks.size()) {
     return invalid_argument("fetch: block {} does not exist (the model has {})", block, layout_.blocks.size());
   }
-  TZ_TRY(release_error_);
+  TZ_TRY(release_failure());
+  ++fetched_this_micro_;
   const BlockLayout& b = layout_.blocks[block];
   if (persistent_[block].valid()) {
-    return GatheredBlock(this, block, persistent_[block].data(), param_type_, &b);
+    return GatheredBlock(this, block, persistent_[block].data(), param_type_, &b, /*persistent=*/true);
   }
   Expected<PoolBlock> whole = prefetcher_->acquire(block);
   TZ_TRY_CTX(whole, "fetching {}", b.name);
   void* data = whole->data();
   live_.emplace(data, std::move(*whole));
   live_since_[data] = std::chrono::steady_clock::now();
-  return GatheredBlock(this, block, data, param_type_, &b);
+  return GatheredBlock(this, block, data, param_type_, &b, /*persistent=*/false);
 }
 
 void ZeroEngineImpl::end_compute(std::size_t block, void* data) {
@@ -417,8 +422,9 @@ void ZeroEngineImpl::release(std::size_t block, void* data) {
 
 // Note [Stream-ordered release]
 Status ZeroEngineImpl::release_after(std::size_t block, void* data, Stream* stream, void* native) {
+  const bool persistent = persistent_[block].valid() && persistent_[block].data() == data;
   if (stream == nullptr && device_->kind() == BackendKind::kHost) {
-    release(block, data);  // on the Host backend no foreign stream has work queued
+    if (!persistent) release(block, data);  // on the Host backend no foreign stream has work queued
     return ok_status();
   }
   end_compute(block, data);
@@ -433,9 +439,11 @@ Status ZeroEngineImpl::release_after(std::size_t block, void* data, Stream* stre
                           : device_->stream_wait_native(*release_stream_, native);
   }
   if (s.ok()) {
-    return buffer.valid() ? device_pool_->release_after(std::move(buffer), *release_stream_)
-                          : device_->record_event(*persistent_read_, *release_stream_);
+    // The pool drains release_stream_ itself when it cannot record its event, and then reuses the buffer.
+    s = buffer.valid() ? device_pool_->release_after(std::move(buffer), *release_stream_)
+                       : device_->record_event(*persistent_read_, *release_stream_);
   }
+  if (s.ok()) return s;
   if (buffer.valid()) quarantined_.push_back(std::move(buffer));  // when its readers end is unknown
   s = std::move(s).with_context(fmt::format("releasing {} after its readers' stream", layout_.blocks[block].name));
   if (release_error_.ok()) release_error_ = s;
@@ -446,7 +454,7 @@ Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
   if (block >= layout_.blocks.size()) {
     return invalid_argument("grad_buffer: block {} does not exist (the model has {})", block, layout_.blocks.size());
   }
-  TZ_TRY(release_error_);
+  TZ_TRY(release_failure());
   const BlockLayout& b = layout_.blocks[block];
   GradBlock g;
   g.block_ = block;
@@ -470,7 +478,7 @@ Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
 // so backward goes on while gradients drain. step() waits for both.
 Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   if (!grads.valid()) return invalid_argument("reduce_grads: an empty gradient buffer");
-  TZ_TRY(release_error_);
+  TZ_TRY(release_failure());
   TZ_TRY(comm_thread_->error());
   TZ_TRY(grad_thread_->error());
   const std::size_t block = grads.block();
@@ -644,6 +652,57 @@ Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {
     }
   }
   return whole;
+}
+
+Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t count, int root,
+                                  const Status& refusal) {
+  TZ_TRY(release_failure());
+  TZ_TRY(comm_thread_->wait_idle());
+  TZ_TRY(grad_thread_->wait_idle());
+  // Every rank must name the same block and root; then every check goes
+  // through one agreement, so a call refused on one rank fails on all of
+  // them instead of leaving the others waiting in the broadcast.
+  const bool exists = block < layout_.blocks.size();
+  TZ_TRY(agree_on_name(fmt::format("block {}{} from rank {}", block, exists ? " (" + layout_.blocks[block].name + ")" : "",
+                                   root),
+                       "set_master", "blocks or roots", "pass the same block and root"));
+  const std::size_t fetched = fetched_this_micro_;
+  const Status checked = [&]() -> Status {
+    if (!refusal.ok()) return refusal;
+    if (!exists) return invalid_argument("set_master: block {} does not exist", block);
+    const BlockLayout& b = layout_.blocks[block];
+    if (count != b.whole_numel) {
+      return invalid_argument("set_master: {} values for block '{}', which has {} (whole_numel, as gather_master "
+                              "gives)", count, b.name, b.whole_numel);
+    }
+    if (root < 0 || root >= comm_->size()) {
+      return invalid_argument("set_master: root rank {} is not one of the {} rank(s)", root, comm_->size());
+    }
+    if (fetched > 0 || !live_.empty()) {
+      return failed_precondition("set_master({}): a micro-batch is under way ({} block(s) fetched since the last "
+                                 "step(), {} still out); call it between micro-batches",
+                                 b.name, fetched, live_.size());
+    }
+    return ok_status();
+  }();
+  TZ_TRY(agree(checked, "set_master"));
+  const BlockLayout& b = layout_.blocks[block];
+  TZ_TRY(comm_thread_->run([&] {
+    return detail::broadcast_host(*comm_, *device_, *device_pool_, whole, count * sizeof(float), root);
+  }));
+  // Prefetched blocks hold the old parameters (as in load_checkpoint).
+  prefetcher_->reset();
+  const Status written = [&]() -> Status {
+    const float* shard = whole + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
+    TZ_TRY(put(*master_, block, shard));
+    TZ_TRY(put(*param16_, block, to_param_type(shard, b.shard_numel, param_type_).data()));
+    if (persistent_[block].valid()) {
+      TZ_TRY(device_->synchronize_event(*persistent_read_));  // Note [Stream-ordered release]
+      TZ_TRY(prefetcher_->gather_into(block, persistent_[block].data()));
+    }
+    return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
+  }();
+  return agree(written, fmt::format("set_master({})", b.name));
 }
 
 std::string ZeroEngineImpl::describe() const {

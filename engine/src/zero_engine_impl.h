@@ -57,6 +57,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   int rank() const override { return comm_->rank(); }
   int world_size() const override { return comm_->size(); }
   Expected<std::vector<float>> gather_master(std::size_t block) override;
+  using ZeroEngine::set_master;
+  Status set_master(std::size_t block, float* whole, std::size_t count, int root, const Status& refusal) override;
   std::string describe() const override;
   using ZeroEngine::load_checkpoint;
   using ZeroEngine::save_checkpoint;
@@ -103,13 +105,16 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   void release(std::size_t block, void* data) override;
   Status release_after(std::size_t block, void* data, Stream* stream, void* native) override;
   void end_compute(std::size_t block, void* data);  // the timeline's compute span, fetch to release
+  // A copy of the first failed release_after (sticky: every later call fails with it).
+  Status release_failure() const { return release_error_; }
 
   // --- checkpoints (checkpoint.cpp)
   Status barrier();
   // Every rank passes its own result; all return an error if any rank failed.
   Status agree(const Status& mine, std::string_view what);
-  // Every rank names the same checkpoint directory; an error names this rank's otherwise.
-  Status agree_on_name(const std::string& name, std::string_view what);
+  // Every rank names the same `noun` (a checkpoint directory, a block); an error names this rank's otherwise.
+  Status agree_on_name(const std::string& name, std::string_view what, std::string_view noun = "checkpoints",
+                       std::string_view advice = "pass the same directory and tag");
   // Rank 0 makes `partial` ready for a save to `final_dir` (Note [Replacing a checkpoint]).
   Status prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial);
   Status write_rank_files(const std::string& dir);
@@ -158,6 +163,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
   std::map<void*, PoolBlock> live_;            // gathered buffers handed out
   std::map<void*, std::chrono::steady_clock::time_point> live_since_;
+  std::size_t fetched_this_micro_ = 0;         // fetch() calls since the last step()
   // Note [Stream-ordered release]: the stream that waits for readers, the
   // event it waits on (recorded on the reader's stream), the point the
   // persistent blocks' readers had reached when last released, the buffers

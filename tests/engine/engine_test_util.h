@@ -148,6 +148,7 @@ inline std::vector<int> run_ranks(int world, const std::string& rendezvous_dir,
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <thread>
 
 namespace tzt {
@@ -218,13 +219,20 @@ inline void check_stream_ordered_release(tz::Config config, const std::string& h
     auto r = engine.step();
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     EXPECT_TRUE(r->stepped);
-  } else {
-    auto p1 = engine.fetch(1);
-    ASSERT_TRUE(p1.ok()) << p1.status().to_string();
+  }
+  std::optional<tz::Expected<tz::GatheredBlock>> p1;
+  if (!persistent) {
+    p1 = engine.fetch(1);
+    ASSERT_TRUE(p1->ok()) << p1->status().to_string();
   }
   std::vector<std::uint16_t> seen(kNumel);
   ASSERT_TRUE(device.copy_async(seen.data(), *scratch, kBytes, **reader).ok());
   ASSERT_TRUE(device.synchronize_stream(**reader).ok());
+  if (!persistent) {  // and once the readers are done, the buffer is the engine's again
+    auto again = engine.fetch(0);
+    ASSERT_TRUE(again.ok()) << again.status().to_string();
+    EXPECT_EQ(again->data(), first) << "block 0's buffer should be back in the pool once its reader is done";
+  }
   const auto ones = static_cast<std::size_t>(std::count(seen.begin(), seen.end(), kOne));
   EXPECT_EQ(ones, seen.size()) << "the reader saw " << std::count(seen.begin(), seen.end(), kTwo)
                                << " elements of block 1 and " << seen.size() - ones << " not 1.0";

@@ -8,6 +8,7 @@
 
 #include "../nvme/nvme_test_util.h"
 #include "engine_test_util.h"
+#include "tierzero/kernels.h"
 
 namespace tzt {
 namespace {
@@ -118,6 +119,69 @@ TEST(ZeroEngineRanks, StagesOneAndTwoMatchTheReference) {
     });
     for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "stage " << stage << ", rank " << r;
   }
+}
+
+// set_master over 2 ranks: rank 1's values reach both ranks' shards (rank 0
+// passes other values, which the broadcast overwrites), with a persistent
+// block and a partitioned one; ranks naming different blocks are refused on
+// both, with nothing changed.
+TEST(ZeroEngineRanks, SetMasterTakesTheRootsValuesOnEveryRank) {
+  TempDir dir;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+    tz::Config config = test_config(dir.path() + "/rank" + std::to_string(info.rank), 3, 1);
+    std::filesystem::create_directories(dir.path() + "/rank" + std::to_string(info.rank));
+    config.zero.stage3_param_persistence_threshold = 100;  // "small" stays whole on every rank
+    const std::vector<tz::BlockSpec> model = {{"small", {{"w", {4, 16}}}}, {"big", {{"w", {96, 64}}, {"b", {64}}}}};
+    const tz::ParamInit init = [](std::size_t b, std::size_t p, float* out, std::uint64_t n) {
+      for (std::uint64_t i = 0; i < n; ++i) out[i] = static_cast<float>((b * 31 + p * 7 + i) % 17) / 16.0F - 0.5F;
+    };
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    auto created = tz::ZeroEngine::create({.config = config, .comm = comm->get()}, model, init);
+    if (!created.ok()) {
+      std::fprintf(stderr, "rank %d: %s\n", info.rank, created.status().to_string().c_str());
+      return 1;
+    }
+    tz::ZeroEngine& engine = **created;
+    if (!engine.layout().blocks[0].persistent || engine.layout().blocks[1].persistent) return 9;
+    for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+      std::vector<float> w = engine.gather_master(b).value();
+      std::vector<float> want = w;
+      for (std::size_t i = 0; i < want.size(); i += 7) want[i] = static_cast<float>(i % 13) * 0.25F;
+      if (info.rank == 1) w = want;
+      else std::fill(w.begin(), w.end(), -9.0F);
+      if (tz::Status s = engine.set_master(b, w.data(), w.size(), 1); !s.ok()) {
+        std::fprintf(stderr, "rank %d: %s\n", info.rank, s.to_string().c_str());
+        return 2;
+      }
+      if (w != want || engine.gather_master(b).value() != want) {
+        std::fprintf(stderr, "rank %d, block %zu: not rank 1's values\n", info.rank, b);
+        return 3;
+      }
+      auto p = engine.fetch(b);  // the 16-bit copy, gathered from both ranks' shards (persistent or not)
+      if (!p.ok()) return 4;
+      const auto* got = static_cast<const std::uint16_t*>(p->data());
+      for (std::size_t i = 0; i < engine.layout().blocks[b].used_numel; ++i) {
+        if (got[i] != tz::kernels::fp32_to_bf16(want[i])) {
+          std::fprintf(stderr, "rank %d, block %zu (%s): 16-bit element %zu is not the new master rounded\n",
+                       info.rank, b, engine.layout().blocks[b].persistent ? "persistent" : "partitioned", i);
+          return 5;
+        }
+      }
+      *p = tz::GatheredBlock();
+      if (!engine.step().ok()) return 6;  // ends the micro-batch that fetch began
+    }
+    std::vector<float> w = engine.gather_master(0).value();
+    const std::vector<float> before = w;
+    w[0] += 1;
+    const tz::Status split = engine.set_master(info.rank, w.data(), w.size(), 0);
+    if (split.ok() || split.message().find("the ranks name different blocks or roots") == std::string::npos) {
+      std::fprintf(stderr, "rank %d: ranks naming different blocks: %s\n", info.rank, split.to_string().c_str());
+      return 7;
+    }
+    return engine.gather_master(0).value() == before ? 0 : 8;
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
 TEST(ZeroEngineRanks, ARankKilledMidStepMakesTheOthersFailWithinTheTimeout) {

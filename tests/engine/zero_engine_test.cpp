@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include "engine_test_util.h"
+#include "tierzero/kernels.h"
 #include "../nvme/nvme_test_util.h"
+#include "../offload/faulty_device.h"
 
 namespace tzt {
 namespace {
@@ -46,6 +48,44 @@ TEST(ZeroEngine, ABlockReleasedAfterAStreamIsNotReusedUntilItsReadersAreDone) {
   check_stream_ordered_release(config, "none", false);
   check_stream_ordered_release(config, "stream", false);
   check_stream_ordered_release(config, "stream", true);
+}
+
+// Note [Stream-ordered release]: a release whose wait the device refuses
+// leaves the readers' end unknown, so the engine's later calls all fail with
+// that error (a persistent block would otherwise be re-gathered under them).
+TEST(ZeroEngine, AFailedStreamOrderedReleaseFailsEveryLaterCall) {
+  for (bool persistent : {false, true}) {
+    SCOPED_TRACE(persistent ? "persistent block" : "partitioned block");
+    tz::FaultyDevice device(tz::create_host_device());
+    TempDir nvme;
+    tz::Config config = test_config(nvme.path(), 3, 1);
+    if (persistent) config.zero.stage3_param_persistence_threshold = 1 << 20;
+    auto created = tz::ZeroEngine::create({.config = config, .device = &device}, tz::mlp::model(kMlp),
+                                          tz::mlp::init(kMlp));
+    ASSERT_TRUE(created.ok()) << created.status().to_string();
+    tz::ZeroEngine& engine = **created;
+    ASSERT_EQ(engine.layout().blocks[0].persistent, persistent);
+    auto reader = device.create_stream();
+    ASSERT_TRUE(reader.ok());
+    auto p = engine.fetch(0);
+    ASSERT_TRUE(p.ok());
+    device.fail_stream_wait = true;
+    const tz::Status released = p->release_after(**reader);
+    device.fail_stream_wait = false;
+    const std::string cause = "releasing " + engine.layout().blocks[0].name + " after its readers' stream";
+    auto names_the_failure = [&](const tz::Status& s) {
+      return !s.ok() && s.message().find("injected stream wait failure") != std::string::npos &&
+             s.message().find(cause) != std::string::npos;
+    };
+    EXPECT_TRUE(names_the_failure(released)) << released.to_string();
+    for (int round = 0; round < 2; ++round) {  // not once: every time
+      EXPECT_TRUE(names_the_failure(engine.fetch(1).status())) << "fetch, round " << round;
+      EXPECT_TRUE(names_the_failure(engine.grad_buffer(1).status())) << "grad_buffer, round " << round;
+      EXPECT_TRUE(names_the_failure(engine.step().status())) << "step, round " << round;
+      std::vector<float> w(engine.layout().blocks[1].whole_numel);
+      EXPECT_TRUE(names_the_failure(engine.set_master(1, w.data(), w.size(), 0))) << "set_master, round " << round;
+    }
+  }
 }
 
 TEST(ZeroEngine, Fp32TrainingWithoutBf16OrFp16MatchesTheReference) {
@@ -250,6 +290,101 @@ TEST(ZeroEngine, AnAutoStepCountInTheSchedulerIsRefusedByName) {
   ASSERT_FALSE(engine.ok());
   EXPECT_NE(engine.status().message().find("scheduler.params.warmup_num_steps = \"auto\""), std::string::npos)
       << engine.status().message();
+}
+
+// Trains one optimizer step (gas micro-batches) of the MLP workload; false on an error (printed).
+bool train_step(tz::ZeroEngine& engine, int step, int gas) {
+  for (int micro = 0; micro < gas; ++micro) {
+    auto loss = tz::mlp::train_micro_batch(engine, kMlp, tz::mlp::make_batch(kMlp, engine.rank(), micro, step));
+    auto report = loss.ok() ? engine.step() : tz::Expected<tz::StepReport>(loss.status());
+    EXPECT_TRUE(report.ok()) << "step " << step << ": " << report.status().to_string();
+    if (!report.ok()) return false;
+  }
+  return true;
+}
+
+TEST(ZeroEngine, SetMasterReplacesTheWeightsAndKeepsTheOptimizerState) {
+  for (const char* precision : {"bf16", "fp32"}) {
+    for (const Placement& placement : {kPlacements[0], kPlacements[3]}) {
+      SCOPED_TRACE(fmt::format("{}, {}", precision, placement_name(placement)));
+      TempDir nvme_a, nvme_b;
+      auto make = [&](const TempDir& dir) {
+        return tz::ZeroEngine::create({.config = test_config(dir.path(), 3, 2, precision), .placement = placement},
+                                      tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+      };
+      auto a = make(nvme_a), b = make(nvme_b);
+      ASSERT_TRUE(a.ok() && b.ok());
+      tz::ZeroEngine& edited = **a;
+      tz::ZeroEngine& plain = **b;
+      ASSERT_TRUE(train_step(edited, 0, 2) && train_step(plain, 0, 2));
+      // Writing back the weights as they are changes nothing: the next steps match the untouched engine's bit
+      // for bit (moments, step count and the prefetcher's trace all kept).
+      for (std::size_t blk = 0; blk < edited.layout().blocks.size(); ++blk) {
+        auto w = edited.gather_master(blk);
+        ASSERT_TRUE(w.ok());
+        ASSERT_TRUE(edited.set_master(blk, w->data(), w->size(), 0).ok());
+      }
+      for (int step = 1; step < 3; ++step) ASSERT_TRUE(train_step(edited, step, 2) && train_step(plain, step, 2));
+      for (std::size_t blk = 0; blk < edited.layout().blocks.size(); ++blk) {
+        EXPECT_EQ(edited.gather_master(blk).value(), plain.gather_master(blk).value()) << "block " << blk;
+      }
+      // An edited weight is the new master, the 16-bit parameter is its rounding, and Adam steps from it.
+      const tz::BlockLayout& first = edited.layout().blocks[0];
+      std::vector<float> w = edited.gather_master(0).value();
+      const std::vector<float> before = w;
+      const float target = before[5] + 0.5F;
+      w[5] = target;
+      w[6] = 0.1F;  // not a bf16 value: the master keeps it, the 16-bit copy rounds it
+      ASSERT_TRUE(edited.set_master(0, w.data(), w.size(), 0).ok());
+      EXPECT_EQ(edited.gather_master(0).value(), w);
+      {
+        auto p = edited.fetch(0);
+        ASSERT_TRUE(p.ok()) << p.status().to_string();
+        if (edited.param_type() == tz::ElemType::kBf16) {
+          const auto* got = static_cast<const std::uint16_t*>(p->data());
+          for (std::size_t i = 0; i < first.used_numel; ++i) {
+            ASSERT_EQ(got[i], tz::kernels::fp32_to_bf16(w[i])) << "element " << i;
+          }
+        } else {
+          EXPECT_EQ(std::memcmp(p->data(), w.data(), first.used_numel * 4), 0);
+        }
+      }
+      ASSERT_TRUE(train_step(edited, 3, 2));
+      const std::vector<float> after = edited.gather_master(0).value();
+      EXPECT_LE(std::fabs(after[5] - target), 1.1e-3) << "lr 1e-3: Adam moves a weight by about lr per step";
+      EXPECT_LE(std::fabs(after[6] - 0.1F), 1.1e-3);
+    }
+  }
+}
+
+TEST(ZeroEngine, SetMasterIsRefusedMidMicroBatchAndForBadArguments) {
+  TempDir nvme;
+  auto created = tz::ZeroEngine::create({.config = test_config(nvme.path())}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(created.ok());
+  tz::ZeroEngine& engine = **created;
+  std::vector<float> w = engine.gather_master(1).value();
+  const std::vector<float> before = w;
+  auto fails_with = [&](const tz::Status& s, tz::ErrorCode code, const std::string& text) {
+    EXPECT_EQ(s.code(), code) << s.to_string();
+    EXPECT_NE(s.message().find(text), std::string::npos) << s.to_string();
+  };
+  fails_with(engine.set_master(9, w.data(), w.size(), 0), tz::ErrorCode::kInvalidArgument, "block 9 does not exist");
+  fails_with(engine.set_master(1, w.data(), w.size() - 1, 0), tz::ErrorCode::kInvalidArgument,
+             fmt::format("{} values for block '{}', which has {}", w.size() - 1, engine.layout().blocks[1].name,
+                         w.size()));
+  fails_with(engine.set_master(1, w.data(), w.size(), 1), tz::ErrorCode::kInvalidArgument,
+             "root rank 1 is not one of the 1 rank(s)");
+  {
+    auto held = engine.fetch(0);
+    ASSERT_TRUE(held.ok());
+    w[0] += 1;
+    fails_with(engine.set_master(1, w.data(), w.size(), 0), tz::ErrorCode::kFailedPrecondition,
+               "a micro-batch is under way (1 block(s) fetched since the last step(), 1 still out)");
+  }
+  EXPECT_EQ(engine.gather_master(1).value(), before) << "a refused set_master must change nothing";
+  ASSERT_TRUE(engine.step().ok());  // ends the micro-batch
+  EXPECT_TRUE(engine.set_master(1, w.data(), w.size(), 0).ok());
+  EXPECT_EQ(engine.gather_master(1).value(), w);
 }
 
 TEST(ZeroEngine, BadBlocksAndAModelThatFitsNowhereAreRefusedWithTheNumbers) {

@@ -117,28 +117,67 @@ def test_fetch_stream_is_for_cuda_engines(nvme_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
-@pytest.mark.parametrize("on_default_stream", [False, True])
-def test_a_cuda_block_is_not_regathered_under_kernels_still_reading_it(on_default_stream):
-    # Block 0's last view goes while a copy of it is queued behind ~tens of ms of matrix products on
-    # the reader's stream; block 1 is then gathered, into a buffer of the same size. Were block 0's
-    # buffer back in the pool at once, the copy would read block 1's values.
-    n = 1 << 20
-    blocks = [("a", [("w", (n,))]), ("b", [("w", (n,))])]
-    init = [[np.full(n, 1.0, np.float32)], [np.full(n, 2.0, np.float32)]]
+@pytest.mark.parametrize("how", ["control", "stream", "default stream"])
+def test_a_cuda_block_is_not_regathered_under_kernels_still_reading_it(how):
+    # Block 0's last view goes while a copy of it is queued behind ~tens of ms of matrix products on the
+    # reader's stream; then every other block is gathered and held, more blocks than the pool has cached
+    # buffers of that size, so a buffer back in the pool at once is taken (the control shows it is). With
+    # the release ordered after the reader, the copy sees block 0's values.
+    n, count = 1 << 18, 16
+    blocks = [(f"b{i}", [("w", (n,))]) for i in range(count)]
+    init = [[np.full(n, float(i + 1), np.float32)] for i in range(count)]
     eng = tierzero.Engine(host_config(None, backend="cuda"), blocks, init=init)
-    reader = torch.cuda.current_stream() if on_default_stream else torch.cuda.Stream()
+    reader = torch.cuda.current_stream() if how == "default stream" else torch.cuda.Stream()
     slow = torch.ones(4096, 4096, device="cuda")
     with torch.cuda.stream(reader):
-        g = eng.fetch(0, stream=None if on_default_stream else reader.cuda_stream)
-        assert g.stream == (0 if on_default_stream else reader.cuda_stream)
+        stream = {"control": -1, "stream": reader.cuda_stream, "default stream": None}[how]
+        g = eng.fetch(0, stream=stream)
+        assert g.stream == (None if how == "control" else 0 if how == "default stream" else reader.cuda_stream)
         w = torch.from_dlpack(g.param(0))
+        first = w.data_ptr()
         for _ in range(8):
             slow = slow @ slow / 4096
-        copy = w.clone()  # queued behind the products
+        if how != "control":
+            copy = w.clone()  # queued behind the products
         del w, g
-        eng.fetch(1)
+        held = [eng.fetch(i) for i in range(1, count)]
     reader.synchronize()
-    assert bool((copy == 1.0).all()), f"the reader saw {int((copy == 2.0).sum())} elements of block 1"
+    reused = [torch.from_dlpack(h.data).data_ptr() == first for h in held]
+    if how == "control":
+        assert any(reused), "a plain release should leave block 0's buffer to the next gathers at once"
+    else:
+        assert not any(reused), "block 0's buffer was gathered into while its reader was still queued"
+        assert bool((copy == 1.0).all()), f"the reader saw {int((copy != 1.0).sum())} elements of other blocks"
+    # The per-thread default stream names another stream on each thread, and views may die on any.
+    with pytest.raises(ValueError, match=r"stream=2 is the per-thread default stream"):
+        eng.fetch(0, stream=2)
+
+
+def test_set_master_params_replaces_weights_between_steps(nvme_dir):
+    eng, init = make(nvme_dir, lr=0.1, weight_decay=0.0)
+    eng.reduce_grads(0, [torch.ones(8, 16), None])
+    eng.step()  # moments that the replacement keeps
+    w = np.arange(128, dtype=np.float32).reshape(8, 16) / 7
+    eng.set_master_params(0, [torch.from_numpy(w).double(), None])  # any float dtype; None keeps that one
+    got = eng.master_params(0)
+    np.testing.assert_array_equal(got[0], w)
+    np.testing.assert_array_equal(got[1], np.zeros(8, np.float32))
+    np.testing.assert_array_equal(np.from_dlpack(eng.fetch(0).param(0)), w)  # the parameters fetch gives
+    eng.step()  # ends the micro-batch that fetch began (and steps: Adam's momentum moves w again)
+    stepped = eng.master_params(0)[0]
+    assert not np.array_equal(stepped, w)
+    with pytest.raises(ValueError, match=r"set_master_params: layer0.w has shape \(8, 16\); the value given has \(16, 8\)"):
+        eng.set_master_params(0, [w.T, None])
+    with pytest.raises(ValueError, match=r"set_master_params: 1 values for block 'layer0', which has 2 parameters"):
+        eng.set_master_params(0, [w])
+    np.testing.assert_array_equal(eng.master_params(0)[0], stepped)  # refusals changed nothing
+    with pytest.raises(TypeError, match=r"Engine.set_master\(\): argument 'whole' must be float32; got float64"):
+        eng._core.set_master(0, np.zeros(eng.layout[0]["whole_numel"]))
+    with pytest.raises(ValueError, match=r"set_master: 5 values for block 'layer0', which has"):
+        eng._core.set_master(0, np.zeros(5, np.float32))
+    eng.fetch(1)
+    with pytest.raises(RuntimeError, match=r"a micro-batch is under way \(1 block\(s\) fetched since the last step\(\)"):
+        eng.set_master_params(0, [w, None])
 
 
 def test_learning_rate_set_by_hand_or_by_the_configs_scheduler(nvme_dir):

@@ -61,6 +61,16 @@ WORKER = textwrap.dedent("""
     theirs = other.master_state_dict()
     assert all(torch.equal(master[n], theirs[n]) for n in master)
     print("rank {rank}: refused save and tagged checkpoint ok")
+
+    # Editing weights (Note [Editing weights]): rank 1's edit is the one kept, on both ranks; each rank's
+    # values differ, so a rank that kept its own would be seen.
+    w = engine.module[0].weight
+    with torch.no_grad(), tzt.GatheredParameters(w, modifier_rank=1):
+        assert torch.equal(w, master["0.weight"])
+        w[0].fill_({rank} + 7.0)
+    edited = engine.master_state_dict()["0.weight"]
+    assert bool((edited[0] == 8.0).all()) and torch.equal(edited[1:], master["0.weight"][1:]), edited[0]
+    print("rank {rank}: rank 1's edit kept")
 """)
 
 

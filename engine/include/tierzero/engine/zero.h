@@ -45,7 +45,8 @@
 // give the block back with release_after(), which lets the caller's kernels
 // still be queued (Note [Stream-ordered release]). The CUDA path (the
 // engine's tests with a CUDA device, every placement, the GPU optimizer) ran
-// on an H100.
+// on an H100; release_after and set_master were written later and have run
+// on the Host backend only.
 // Errors: any failure (NVMe, a collective, a budget) fails the call that
 // sees it with a Status naming what failed; the engine is then unusable
 // (a failed step leaves checkpoints on disk untouched).
@@ -99,8 +100,11 @@ struct ZeroOptions {
 // release_after). A persistent block's buffer is not returned, but step() and
 // load_checkpoint() rewrite it: they wait for every such point first. Without
 // release_after, destroying the block says its readers are done. If the wait
-// cannot be queued (a CUDA error) the buffer is never reused, and the error
-// fails the engine's next call.
+// cannot be queued (a CUDA error; a stream destroyed before the release, or
+// one of another device) the buffer is never reused, and every later call of
+// the engine fails with that error: where the readers end is unknown, so is
+// when a persistent block may be rewritten. The stream must outlive the
+// block.
 
 // A whole block's 16-bit parameters on the device, gathered from every rank's
 // shard. Move-only; releases the buffer when destroyed.
@@ -134,14 +138,16 @@ class GatheredBlock {
     // Waits for `stream` when it is given, else for the native stream.
     virtual Status release_after(std::size_t block, void* data, Stream* stream, void* native) = 0;
   };
-  GatheredBlock(Releaser* owner, std::size_t block, void* data, ElemType type, const BlockLayout* layout)
-      : owner_(owner), block_(block), data_(data), type_(type), layout_(layout) {}
+  GatheredBlock(Releaser* owner, std::size_t block, void* data, ElemType type, const BlockLayout* layout,
+                bool persistent)
+      : owner_(owner), block_(block), data_(data), type_(type), layout_(layout), persistent_(persistent) {}
   void reset();
   Releaser* owner_ = nullptr;
   std::size_t block_ = 0;
   void* data_ = nullptr;
   ElemType type_ = ElemType::kBf16;
   const BlockLayout* layout_ = nullptr;
+  bool persistent_ = false;  // its buffer stays the engine's: destroying it tells the engine nothing
 };
 
 // A whole block's gradient buffer on the device (zeroed), for the caller's
@@ -280,8 +286,23 @@ class ZeroEngine {
   virtual int world_size() const = 0;
 
   // The whole block's fp32 master weights (every rank gets them; a
-  // collective: call on every rank). For tests and export.
+  // collective: call on every rank), whole_numel floats (the padding past
+  // used_numel included). For reading weights between steps, and export.
   virtual Expected<std::vector<float>> gather_master(std::size_t block) = 0;
+  // Replaces the block's fp32 master weights, and the 16-bit parameters
+  // computed from them, with `root`'s `whole` (whole_numel floats, as
+  // gather_master gives them). A collective: every rank calls it with the
+  // same block and root, and root's values are broadcast into the others'
+  // `whole`. The optimizer's moments, step count and accumulated gradients
+  // stay. Call between micro-batches: refused while blocks fetched since the
+  // last step() are out. Editing weights in place, as DeepSpeed's
+  // GatheredParameters(modifier_rank=) and safe_set_full_fp32_param do.
+  // `refusal`: this rank's reason not to go on (every rank then fails, this
+  // one with the reason), as CheckpointSave::refusal.
+  virtual Status set_master(std::size_t block, float* whole, std::size_t count, int root, const Status& refusal) = 0;
+  Status set_master(std::size_t block, float* whole, std::size_t count, int root) {
+    return set_master(block, whole, count, root, Status());
+  }
   // Human-readable: where each state class lives, the budgets and use.
   virtual std::string describe() const = 0;
 

@@ -1,0 +1,172 @@
+"""Reading and editing weights between steps (Note [Editing weights] in bindings/tierzero/torch.py):
+tierzero.torch.GatheredParameters, safe_get_full_fp32_param and safe_set_full_fp32_param, as DeepSpeed's."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tierzero.torch as tzt
+from conftest import host_config
+from test_torch import TOL, _adamw_like, _mlp_batches, largest_error, mlp
+
+
+def _step_both(engine, ref, opt, pairs):
+    """One optimizer step per (x, y) on the engine and on the plain-PyTorch copy."""
+    for x, y in pairs:
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_gathered_parameters_hand_out_copies_and_drop_edits_without_modifier_rank(nvme_dir):
+    torch.manual_seed(0)
+    model = mlp()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    batches = _mlp_batches(1, 2)
+    for x, y in batches:
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+    masters = engine.master_state_dict()
+    untrained = torch.ones(3)
+    named = dict(model.named_parameters())
+    assert all(p.numel() == 0 for p in named.values()), "outside a forward a parameter is a placeholder"
+    with tzt.GatheredParameters([*model.parameters(), untrained]):
+        for n, p in named.items():
+            assert torch.equal(p, masters[n]), n
+            p.data.add_(1.0)  # dropped on leaving: no modifier_rank
+        untrained.mul_(2)
+    assert all(p.numel() == 0 for p in named.values())
+    assert torch.equal(untrained, torch.full((3,), 2.0)), "a tensor no engine trains is left to the caller"
+    after = engine.master_state_dict()
+    assert all(torch.equal(after[n], masters[n]) for n in masters)
+    # and training goes on from the untouched weights: the same loss as an engine that never gathered
+    torch.manual_seed(0)
+    twin, _ = tzt.initialize(mlp(), host_config(nvme_dir))
+    for x, y in batches:
+        twin.backward(F.mse_loss(twin(x), y))
+        twin.step()
+    x, y = _mlp_batches(2, 1)[0]
+    assert F.mse_loss(engine(x), y).item() == F.mse_loss(twin(x), y).item()
+    with tzt.GatheredParameters(model[0].weight, enabled=False):
+        assert model[0].weight.numel() == 0
+
+
+def test_an_edit_with_modifier_rank_holds_and_training_goes_on_like_plain_pytorch(nvme_dir):
+    # The reference edits its weights in place under torch.no_grad(), keeping AdamW's moments: the engine
+    # must do the same (an edit that reset the moments, or that the next step undid, would be off by ~lr).
+    torch.manual_seed(0)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    config = host_config(nvme_dir)
+    engine, _ = tzt.initialize(model, config)
+    opt = _adamw_like(config, ref.parameters())
+    _step_both(engine, ref, opt, _mlp_batches(3, 3))
+    with torch.no_grad(), tzt.GatheredParameters(model[0].weight, modifier_rank=0):  # as editing a torch weight
+        model[0].weight[3].zero_()
+        model[0].weight[5, 7] = 2.5
+    with torch.no_grad():
+        ref[0].weight[3].zero_()
+        ref[0].weight[5, 7] = 2.5
+    edited = engine.master_state_dict()["0.weight"]
+    assert bool((edited[3] == 0).all()) and edited[5, 7].item() == 2.5
+    _step_both(engine, ref, opt, _mlp_batches(4, 4))
+    err = largest_error(engine, ref)
+    print(f"mlp, edited after 3 steps then 4 more: largest master error vs plain PyTorch {err:.3g}")
+    assert err <= TOL
+
+
+def test_a_16_bit_edit_keeps_the_full_precision_of_the_weights_it_did_not_touch(nvme_dir):
+    torch.manual_seed(0)
+    model = mlp()
+    config = host_config(nvme_dir, lr=3e-3)
+    config["bf16"] = {"enabled": True}
+    engine, _ = tzt.initialize(model, config)
+    for x, y in _mlp_batches(5, 3):
+        engine.backward(F.mse_loss(engine(x.bfloat16()), y.bfloat16()).float())
+        engine.step()
+    before = engine.master_state_dict()["2.weight"]
+    assert not torch.equal(before, before.bfloat16().float()), "the masters should carry more than bf16 holds"
+    w = model[2].weight
+    with torch.no_grad(), tzt.GatheredParameters(w, modifier_rank=0):
+        assert w.dtype == torch.bfloat16 and torch.equal(w, before.bfloat16()), "handed out: the masters rounded"
+        w[1, 2] = 0.75
+    after = engine.master_state_dict()["2.weight"]
+    assert after[1, 2].item() == 0.75
+    untouched = torch.ones_like(after, dtype=torch.bool)
+    untouched[1, 2] = False
+    assert torch.equal(after[untouched], before[untouched]), "an untouched master lost its precision"
+    with tzt.GatheredParameters(w):  # and the 16-bit weights the model computes with are the new masters rounded
+        assert torch.equal(w, after.bfloat16())
+
+
+def test_safe_get_and_set_full_fp32_param(nvme_dir):
+    torch.manual_seed(0)
+    model = mlp()
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    w, name = model[5].weight, "5.weight"
+    got = tzt.safe_get_full_fp32_param(w)
+    assert got.dtype == torch.float32 and torch.equal(got, engine.master_state_dict()[name])
+    value = torch.randn(got.shape)
+    tzt.safe_set_full_fp32_param(w, value.double())  # any float dtype: taken as fp32
+    assert torch.equal(engine.master_state_dict()[name], value)
+    with pytest.raises(ValueError, match=rf"safe_set_full_fp32_param: {name} has shape \(4, 48\); the value has \(48, 4\)"):
+        tzt.safe_set_full_fp32_param(w, value.t())
+    assert torch.equal(engine.master_state_dict()[name], value), "a refused set must change nothing"
+    assert tzt.safe_get_full_fp32_param(frozen) is None
+    with pytest.raises(ValueError, match="not one a tierzero.torch engine trains"):
+        tzt.safe_set_full_fp32_param(frozen, torch.zeros(2))
+    x, y = _mlp_batches(6, 1)[0]
+    engine.backward(F.mse_loss(engine(x), y))  # the engine trains on from the set weight
+    engine.step()
+    assert (engine.master_state_dict()[name] - value).abs().max().item() <= 1.1e-2  # lr 1e-2: one Adam step
+
+
+class _EditsInForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)  # fetched the block: the micro-batch is under way
+        with tzt.GatheredParameters(self.lin.weight, modifier_rank=0):
+            self.lin.weight.data.zero_()
+        return y
+
+
+def _refused_leaves_the_weights(model, nvme_dir, error, match, act):
+    """Runs act(engine) on a fresh engine of `model`, which must raise `error` matching `match` and leave every
+    master weight as it was. Returns the engine."""
+    torch.manual_seed(0)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    before = engine.master_state_dict()
+    with pytest.raises(error, match=match):
+        act(engine)
+    assert all(torch.equal(v, before[n]) for n, v in engine.master_state_dict().items())
+    return engine
+
+
+def test_an_edit_inside_a_forward_is_refused_and_the_engine_trains_on(nvme_dir):
+    model = _EditsInForward()
+    engine = _refused_leaves_the_weights(model, nvme_dir, RuntimeError,
+                                         r"set_master\(lin\): a micro-batch is under way .*call it between",
+                                         lambda e: e(torch.ones(2, 4)))
+    model.forward = lambda x: model.lin(x)  # the same model without the edit
+    engine.backward(engine(torch.ones(2, 4)).square().sum())
+    assert engine.step()["stepped"]
+
+
+def test_a_wrong_shape_is_refused_on_leaving(nvme_dir):
+    torch.manual_seed(0)
+    model = mlp()
+
+    def transpose(engine):
+        with tzt.GatheredParameters(model[0].weight, modifier_rank=0):
+            model[0].weight.data = model[0].weight.data.t().contiguous()
+    _refused_leaves_the_weights(model, nvme_dir, ValueError,
+                                r"0.weight was handed out with shape \(48, 16\) and now has shape \(16, 48\)", transpose)
+    assert model[0].weight.numel() == 0
