@@ -173,11 +173,11 @@ class Engine:
         `root`'s `values`: one array per parameter, of its shape (any float dtype, on any device: copied), or
         None to keep that parameter. A collective: every rank calls it with the same block and root (the
         other ranks' values are not used). Adam's moments, the step count and accumulated gradients stay.
-        Call between micro-batches (after step(), before the next fetch)."""
+        Refused while a gathered block is alive; not for use between a forward and its backward."""
         flat = self.gather_master(block)  # a collective: every rank, before anything can fail here
         try:
             _fill_params(flat, self._layout[block], values)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever it is, every rank must hear of it
             # Through the collective, so the other ranks fail with this one instead of waiting for it.
             self._core.set_master(block, flat, root=root, refusal=f"set_master_params: {e}")
             raise AssertionError("unreachable: the refused set_master raises") from e

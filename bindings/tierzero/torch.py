@@ -276,6 +276,8 @@ class TorchEngine:
         self._held_for_unpack: list[_Block] = []  # fetched by the unpack hook, released when backward ends
         self._gathered = weakref.WeakSet()        # gathered blocks handed out and alive (tests: none outlive use)
         self._callback_queued = False
+        self._backward_pending = False            # a grad-enabled forward ran; its backward has not (Note [Editing weights])
+        self._held_params: dict = {}              # parameter -> GatheredParameters contexts holding it
         self._placeholder = torch.empty(0, dtype=self._dtype, device=self._core.device)
         self._hooks: list = []
         self.last_report: dict = {}
@@ -286,6 +288,7 @@ class TorchEngine:
         # A tensor's hooks are held on the C++ side, out of the garbage collector's sight: a hook that
         # referenced the engine would make model -> parameter -> hook -> engine -> model a cycle nothing frees.
         engine_ref = weakref.ref(self)
+        _ENGINES.add(self)  # Note [Editing weights]
 
         def on_grad(p: torch.Tensor) -> None:
             engine = engine_ref()
@@ -295,7 +298,6 @@ class TorchEngine:
         for b in self._blocks:
             for p in b.params:
                 p.data = self._placeholder
-                p._tierzero_engine = engine_ref  # Note [Editing weights]
                 self._hooks.append(p.register_post_accumulate_grad_hook(on_grad))
         for module, block_ids in self._module_blocks.items():
             self._hooks.append(module.register_forward_pre_hook(self._make_pre_forward(block_ids)))
@@ -344,15 +346,18 @@ class TorchEngine:
             self._live[flat.data_ptr()] = b
             # as_strided, not a slice then view(): a quarter of the cost, which is most of the cost of a
             # tiny module's hooks
+            held = self._held_params  # a parameter a GatheredParameters context holds keeps its value there
             for p, (shape, stride, offset) in zip(b.params, b.views):
-                p.data = flat.as_strided(shape, stride, offset)
+                if p not in held:
+                    p.data = flat.as_strided(shape, stride, offset)
         b.users += 1
 
     def _release(self, b: _Block) -> None:
         b.users -= 1
         if b.users == 0:
             for p in b.params:
-                p.data = self._placeholder
+                if p not in self._held_params:
+                    p.data = self._placeholder
             del self._live[b.flat.data_ptr()]
             b.flat = None  # the engine gets the buffer back once autograd holds no view of it either
 
@@ -383,6 +388,7 @@ class TorchEngine:
             _flatten(output, tensors)
             if not tensors:
                 return output
+            self._backward_pending = True
             return _replace(output, iter(_PreBackward.apply(fetch_for_backward, *tensors)))
         return post_forward
 
@@ -442,6 +448,7 @@ class TorchEngine:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self._backward_pending = False
         for b in self._blocks:
             if b.arrived > 0:
                 self._flush(b)  # missing gradients go in as zeros
@@ -459,6 +466,7 @@ class TorchEngine:
                 return self.module(*args, **kwargs)
         except BaseException:
             self._release_all()  # a forward that raised never ran the forward hooks of the modules it was in
+            self._backward_pending = False  # its graph is gone with the exception
             raise
 
     def _release_all(self) -> None:
@@ -466,7 +474,8 @@ class TorchEngine:
         for b in self._blocks:
             if b.users:
                 for p in b.params:
-                    p.data = self._placeholder
+                    if p not in self._held_params:
+                        p.data = self._placeholder
                 self._live.pop(b.flat.data_ptr(), None)
                 b.flat, b.users, b.backward_held = None, 0, False
         self._held_for_unpack.clear()
@@ -485,6 +494,7 @@ class TorchEngine:
         # Blocks still gathered here (a forward without its backward) would keep showing the old
         # parameters after the optimizer runs: let go of them first.
         self._release_all()
+        self._backward_pending = False
         if self.optimizer is not None:
             self.optimizer._take_lr()  # Note [Learning rate]
         self.last_report = self._core.step()
@@ -652,30 +662,20 @@ class TorchEngine:
                 out[name] = flat.as_strided(*view).clone()
         return out
 
-    def _full_values(self, b: _Block, slots: list) -> tuple:
-        """(the block's fp32 masters as a flat CPU tensor, the given parameters' values in the model's dtype
-        on its device, each a fresh tensor). A collective (Note [Editing weights])."""
+    def _full_values(self, b: _Block, slots: list) -> list:
+        """The given parameters' current values in the model's dtype on its device, each a fresh tensor.
+        A collective (Note [Editing weights])."""
         flat = torch.from_numpy(self._core.gather_master(b.index))
-        values = [flat.as_strided(*b.views[i]).to(device=self._torch_device, dtype=self._dtype, copy=True)
-                  for i in slots]
-        return flat, values
+        return [flat.as_strided(*b.views[i]).to(device=self._torch_device, dtype=self._dtype, copy=True)
+                for i in slots]
 
-    def _write_edits(self, b: _Block, flat: torch.Tensor, edits: list, root: int) -> None:
-        """Note [Editing weights]: each (slot, value given out, value now) whose elements changed replaces those
-        elements of the fp32 masters in `flat` (the others keep theirs), and rank `root`'s result becomes the
-        block's weights on every rank. A collective; a value of the wrong shape is refused on every rank."""
-        refusal = None
-        for i, given, now in edits:
-            if tuple(now.shape) != tuple(given.shape):
-                refusal = (f"{b.names[i]} was handed out with shape {tuple(given.shape)} and now has shape "
-                           f"{tuple(now.shape)}; a weight's shape cannot change")
-                break
-            now = now.detach().to(device=given.device, dtype=given.dtype)
-            bits = {2: torch.int16, 4: torch.int32}[given.element_size()]
-            changed = (now.view(bits) != given.view(bits)).cpu()  # bitwise: a NaN written is a change too
-            master = flat.as_strided(*b.views[i])
-            master[changed] = now.cpu().float()[changed]
-        self._core.set_master(b.index, flat, root=root, refusal=refusal)
+    def _write_refusal(self) -> Optional[str]:
+        """Why weights cannot be written now, or None (Note [Editing weights])."""
+        if self._backward_pending:
+            return ("a forward ran with gradients enabled and its backward has not: the backward would gather "
+                    "other weights than the forward computed with; edit after backward (or step()), or run the "
+                    "forward under torch.no_grad()")
+        return None
 
     def detach_module(self) -> torch.nn.Module:
         """Removes the hooks and puts the master weights back into the parameters; the engine is done after it."""
@@ -685,10 +685,10 @@ class TorchEngine:
         self._hooks.clear()
         for module in self.module.modules():
             module.__dict__.pop("_tierzero_engine", None)
+        _ENGINES.discard(self)
         for b in self._blocks:
             for p, name in zip(b.params, b.names):
                 p.data = weights[name].to(device=self._placeholder.device, dtype=self._dtype)
-                p.__dict__.pop("_tierzero_engine", None)
         return self.module
 
     # ------------------------------------------------------------ facts
@@ -856,20 +856,31 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
 # hand) asks for them, as with DeepSpeed's ZeRO-3. GatheredParameters and
 # safe_get_full_fp32_param gather the fp32 masters (gather_master, a
 # collective) and hand out copies, so an edit never reaches memory the engine
-# computes with. An edit is written back only when asked (modifier_rank, or
-# safe_set_full_fp32_param): the elements the editing rank changed replace
-# those fp32 masters, the rest keep their full precision (an fp32 master is
-# not its 16-bit rounding), the 16-bit parameters follow, and Adam's moments
-# and step count stay. Unlike DeepSpeed's ZeRO-3, whose GatheredParameters
-# edits the 16-bit partitions and leaves the fp32 optimizer copy as it was
-# (the next step then undoes the edit), the edit holds. Each parameter knows
-# its engine through a weak reference (`_tierzero_engine`), so no registry
-# keeps a model alive.
+# computes with; a forward inside the context computes with the copy. An edit
+# is written back only when asked (modifier_rank, or
+# safe_set_full_fp32_param): the masters are gathered again, the elements the
+# editing rank changed replace theirs (the rest keep their full precision, and
+# whatever a step inside the context did to them), the 16-bit parameters
+# follow, and Adam's moments and step count stay. Unlike DeepSpeed's ZeRO-3,
+# whose GatheredParameters edits the 16-bit partitions and leaves the fp32
+# optimizer copy as it was (the next step then undoes the edit), the edit
+# holds.
+#
+# Writing back is a sequence of collectives (per block: gather, then
+# set_master), and every rank runs the same sequence whatever happened on it:
+# a reason not to write (the with-block raised here, a weight's shape
+# changed, a backward is pending) goes into the first set_master as a
+# refusal, which fails it on every rank before anything is written. Engines
+# are found through a weak set, so nothing keeps a model alive and the
+# parameters carry nothing that stops them pickling.
+
+_ENGINES: "weakref.WeakSet[TorchEngine]" = weakref.WeakSet()
+
 
 def _engine_of(p: Any) -> Optional[TorchEngine]:
-    ref = p.__dict__.get("_tierzero_engine") if isinstance(p, torch.Tensor) else None
-    engine = ref() if ref is not None else None
-    return engine if engine is not None and p in engine._slot else None
+    if not isinstance(p, torch.Tensor):
+        return None
+    return next((e for e in list(_ENGINES) if p in e._slot), None)
 
 
 def _by_block(params: list) -> list:
@@ -891,21 +902,34 @@ def _by_block(params: list) -> list:
     return [groups[k] for k in sorted(groups, key=lambda k: (rank[k[0]], k[1]))]
 
 
+def _write_blocks(writes: list, root: int, refusal: Optional[str]) -> None:
+    """Note [Editing weights]: for each (engine, block, fill), gathers the block's fp32 masters, lets
+    fill(flat) write the edits into them (unless refused), and makes rank `root`'s result the block's
+    weights. `refusal` goes into the first set_master, which then fails on every rank with nothing written."""
+    for k, (engine, b, fill) in enumerate(writes):
+        flat = torch.from_numpy(engine._core.gather_master(b.index))
+        if refusal is None:
+            fill(flat)
+        engine._core.set_master(b.index, flat, root=root, refusal=refusal if k == 0 else None)
+
+
 class GatheredParameters:
     """DeepSpeed's deepspeed.zero.GatheredParameters for a model trained through tierzero.torch.
 
-        with tierzero.torch.GatheredParameters(model.embed.weight, modifier_rank=0):
+        with torch.no_grad(), tierzero.torch.GatheredParameters(model.embed.weight, modifier_rank=0):
             if engine.rank == 0:
                 model.embed.weight[pad_id].zero_()
 
     Inside, each given parameter (one, or an iterable) that an engine trains holds its full current value:
-    a tensor of the model's dtype on the engine's device, a copy of the engine's weights. Other parameters
-    (frozen ones, another model's) are left as they are. On leaving with modifier_rank=None the copies are
-    dropped; with modifier_rank=r, the elements rank r changed become the weights on every rank (Note
-    [Editing weights]: their fp32 masters, then the 16-bit parameters; Adam's state stays). Every rank must
-    enter with the same parameters: gathering and writing back are collectives. With modifier_rank, call
-    it between steps, not inside a forward or backward (refused). fwd_module is taken for compatibility;
-    enabled=False does nothing.
+    a tensor of the model's dtype on the engine's device, a copy of the engine's weights (a forward inside
+    the context computes with it). Other parameters (frozen ones, another model's) are left as they are.
+    On leaving with modifier_rank=None the copies are dropped; with modifier_rank=r, the elements rank r
+    changed become the weights on every rank (Note [Editing weights]: their fp32 masters, then the 16-bit
+    parameters; Adam's state stays). Every rank must take part, with the same parameters: gathering and
+    writing back are collectives. Writing back is refused on every rank (ValueError on the rank with the
+    reason, OSError on the others; nothing written) when the block raised on some rank (that exception
+    goes on), a weight's shape changed, or a forward's backward is pending. fwd_module is taken for
+    compatibility; enabled=False does nothing.
     """
 
     def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
@@ -916,19 +940,20 @@ class GatheredParameters:
             params = [params]
         self._params = list(params)
         self._root, self._enabled = modifier_rank, enabled
-        self._held: list = []  # (engine, block, flat masters, [(slot, parameter, value given, .data before)])
+        self._held: list = []  # (engine, block, [(slot, parameter, value given, .data before)])
 
     def __enter__(self) -> None:
         if not self._enabled:
             return
         try:
             for engine, b, slots in _by_block(self._params):
-                flat, values = engine._full_values(b, [i for i, _ in slots])
+                values = engine._full_values(b, [i for i, _ in slots])
                 entries = []
                 for (i, p), value in zip(slots, values):
                     entries.append((i, p, value.clone() if self._root is not None else None, p.data))
                     p.data = value
-                self._held.append((engine, b, flat, entries))
+                    engine._held_params[p] = engine._held_params.get(p, 0) + 1
+                self._held.append((engine, b, entries))
         except BaseException:
             self._restore()
             raise
@@ -937,16 +962,42 @@ class GatheredParameters:
         if not self._enabled:
             return False
         try:
-            if self._root is not None and exc_type is None:
-                for engine, b, flat, entries in self._held:
-                    engine._write_edits(b, flat, [(i, given, p.data) for i, p, given, _ in entries], self._root)
+            if self._root is not None:
+                self._write_back(exc)
         finally:
             self._restore()
         return False
 
+    def _write_back(self, exc: Optional[BaseException]) -> None:
+        refusal = f"GatheredParameters: the with-block raised on this rank ({exc!r})" if exc is not None else None
+        for engine, b, entries in self._held:
+            for i, p, given, _ in entries:
+                if refusal is None and tuple(p.data.shape) != tuple(given.shape):
+                    refusal = (f"GatheredParameters: {b.names[i]} was handed out with shape {tuple(given.shape)} "
+                               f"and now has shape {tuple(p.data.shape)}; a weight's shape cannot change")
+            if refusal is None and engine._write_refusal() is not None:
+                refusal = f"GatheredParameters(modifier_rank={self._root}): {engine._write_refusal()}"
+
+        def fill(b: _Block, entries: list):
+            def write(flat: torch.Tensor) -> None:
+                for i, p, given, _ in entries:
+                    now = p.data.detach().to(device=given.device, dtype=given.dtype)
+                    bits = {2: torch.int16, 4: torch.int32}[given.element_size()]
+                    changed = (now.view(bits) != given.view(bits)).cpu()  # bitwise: a NaN written is a change too
+                    flat.as_strided(*b.views[i])[changed] = now.cpu().float()[changed]
+            return write
+        try:
+            _write_blocks([(engine, b, fill(b, entries)) for engine, b, entries in self._held], self._root, refusal)
+        except Exception:
+            if exc is None:
+                raise  # otherwise the with-block's own exception goes on
+
     def _restore(self) -> None:
-        for _, _, _, entries in self._held:
+        for engine, _, entries in self._held:
             for _, p, _, before in entries:
+                count = engine._held_params.pop(p, 1) - 1
+                if count:
+                    engine._held_params[p] = count
                 p.data = before  # the placeholder, or the forward's view of the gathered block
         self._held = []
 
@@ -962,21 +1013,29 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor
     return flat.as_strided(*b.views[i]).to(engine._torch_device, copy=True)
 
 
-def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """DeepSpeed's deepspeed.utils.safe_set_full_fp32_param: makes `value` (the parameter's shape, any float
-    dtype and device) the parameter's fp32 master weight, and its 16-bit copy that rounded; Adam's state
-    stays. A collective: every rank calls it, and rank 0's value is taken. Between steps only."""
+def safe_set_full_fp32_param(param: torch.nn.Parameter, value: Optional[torch.Tensor]) -> None:
+    """DeepSpeed's deepspeed.utils.safe_set_full_fp32_param: makes rank 0's `value` (the parameter's shape,
+    any float dtype and device) the parameter's fp32 master weight on every rank, and its 16-bit copy that
+    rounded; Adam's state stays. A collective: every rank calls it (the other ranks' values are not used,
+    and may be None). Refused on every rank, with nothing written, for a value of another shape or while a
+    forward's backward is pending."""
     engine = _engine_of(param)
     if engine is None:
         raise ValueError("safe_set_full_fp32_param: the parameter is not one a tierzero.torch engine trains")
     b, i = engine._slot[param]
-    flat = torch.from_numpy(engine._core.gather_master(b.index))
-    refusal = None
-    if tuple(value.shape) != b.views[i][0]:
-        refusal = f"safe_set_full_fp32_param: {b.names[i]} has shape {b.views[i][0]}; the value has {tuple(value.shape)}"
-    else:
-        flat.as_strided(*b.views[i]).copy_(value.detach().to("cpu", torch.float32))
-    engine._core.set_master(b.index, flat, root=0, refusal=refusal)
+    refusal = engine._write_refusal()
+    if refusal is None and engine.rank == 0:
+        try:
+            value = value.detach().to("cpu", torch.float32)
+            if tuple(value.shape) != b.views[i][0]:
+                refusal = f"{b.names[i]} has shape {b.views[i][0]}; the value has {tuple(value.shape)}"
+        except Exception as e:  # refused through the collective, not raised before it
+            refusal = f"the value for {b.names[i]} cannot be read as a tensor ({e!r})"
+
+    def fill(flat: torch.Tensor) -> None:
+        if engine.rank == 0:
+            flat.as_strided(*b.views[i]).copy_(value)
+    _write_blocks([(engine, b, fill)], 0, None if refusal is None else f"safe_set_full_fp32_param: {refusal}")
 
 
 def _live_gathered(engine: TorchEngine) -> int:

@@ -565,7 +565,6 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
     }
     std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
     micro_ = 0;
-    fetched_this_micro_ = 0;
     TZ_TRY(gather_persistent());
     return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
   }();

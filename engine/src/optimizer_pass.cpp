@@ -78,7 +78,6 @@ Expected<StepReport> ZeroEngineImpl::step() {
   // Every gradient of this micro-batch has reached its accumulator.
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());
-  fetched_this_micro_ = 0;
   if (++micro_ < gas_) {
     TZ_TRY(prefetcher_->end_micro_batch());
     report.step = step_;

@@ -393,7 +393,6 @@ Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block) {
     return invalid_argument("fetch: block {} does not exist (the model has {})", block, layout_.blocks.size());
   }
   TZ_TRY(release_failure());
-  ++fetched_this_micro_;
   const BlockLayout& b = layout_.blocks[block];
   if (persistent_[block].valid()) {
     return GatheredBlock(this, block, persistent_[block].data(), param_type_, &b, /*persistent=*/true);
@@ -656,19 +655,19 @@ Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {
 
 Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t count, int root,
                                   const Status& refusal) {
-  TZ_TRY(release_failure());
-  TZ_TRY(comm_thread_->wait_idle());
-  TZ_TRY(grad_thread_->wait_idle());
-  // Every rank must name the same block and root; then every check goes
-  // through one agreement, so a call refused on one rank fails on all of
-  // them instead of leaving the others waiting in the broadcast.
+  // Every rank must name the same block and root; then every check (this
+  // rank's own failures too) goes through one agreement, so a call refused
+  // on one rank fails on all of them instead of leaving the others waiting
+  // in the broadcast.
   const bool exists = block < layout_.blocks.size();
   TZ_TRY(agree_on_name(fmt::format("block {}{} from rank {}", block, exists ? " (" + layout_.blocks[block].name + ")" : "",
                                    root),
                        "set_master", "blocks or roots", "pass the same block and root"));
-  const std::size_t fetched = fetched_this_micro_;
   const Status checked = [&]() -> Status {
     if (!refusal.ok()) return refusal;
+    TZ_TRY(release_failure());
+    TZ_TRY(comm_thread_->wait_idle());
+    TZ_TRY(grad_thread_->wait_idle());
     if (!exists) return invalid_argument("set_master: block {} does not exist", block);
     const BlockLayout& b = layout_.blocks[block];
     if (count != b.whole_numel) {
@@ -678,10 +677,10 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
     if (root < 0 || root >= comm_->size()) {
       return invalid_argument("set_master: root rank {} is not one of the {} rank(s)", root, comm_->size());
     }
-    if (fetched > 0 || !live_.empty()) {
-      return failed_precondition("set_master({}): a micro-batch is under way ({} block(s) fetched since the last "
-                                 "step(), {} still out); call it between micro-batches",
-                                 b.name, fetched, live_.size());
+    if (!live_.empty()) {
+      return failed_precondition("set_master({}): {} gathered block(s) still out (a forward or backward under "
+                                 "way?); release them first",
+                                 b.name, live_.size());
     }
     return ok_status();
   }();
@@ -690,19 +689,24 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   TZ_TRY(comm_thread_->run([&] {
     return detail::broadcast_host(*comm_, *device_, *device_pool_, whole, count * sizeof(float), root);
   }));
-  // Prefetched blocks hold the old parameters (as in load_checkpoint).
+  // Prefetched blocks hold the old parameters (as in load_checkpoint); the
+  // trace's next pass starts afresh.
   prefetcher_->reset();
-  const Status written = [&]() -> Status {
-    const float* shard = whole + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
-    TZ_TRY(put(*master_, block, shard));
-    TZ_TRY(put(*param16_, block, to_param_type(shard, b.shard_numel, param_type_).data()));
-    if (persistent_[block].valid()) {
-      TZ_TRY(device_->synchronize_event(*persistent_read_));  // Note [Stream-ordered release]
-      TZ_TRY(prefetcher_->gather_into(block, persistent_[block].data()));
-    }
-    return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
-  }();
-  return agree(written, fmt::format("set_master({})", b.name));
+  // Each step is agreed before the next collective, so a rank that failed
+  // one does not meet the others' collectives with its own.
+  const float* shard = whole + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
+  TZ_TRY(agree(
+      [&]() -> Status {
+        TZ_TRY(put(*master_, block, shard));
+        TZ_TRY(put(*param16_, block, to_param_type(shard, b.shard_numel, param_type_).data()));
+        // Note [Stream-ordered release]: a persistent block's readers are done before it is rewritten.
+        return persistent_[block].valid() ? device_->synchronize_event(*persistent_read_) : ok_status();
+      }(),
+      fmt::format("set_master({})", b.name)));
+  if (persistent_[block].valid()) {
+    TZ_TRY(agree(prefetcher_->gather_into(block, persistent_[block].data()), fmt::format("set_master({})", b.name)));
+  }
+  return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
 }
 
 std::string ZeroEngineImpl::describe() const {

@@ -163,7 +163,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
   std::map<void*, PoolBlock> live_;            // gathered buffers handed out
   std::map<void*, std::chrono::steady_clock::time_point> live_since_;
-  std::size_t fetched_this_micro_ = 0;         // fetch() calls since the last step()
   // Note [Stream-ordered release]: the stream that waits for readers, the
   // event it waits on (recorded on the reader's stream), the point the
   // persistent blocks' readers had reached when last released, the buffers

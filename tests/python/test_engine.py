@@ -175,9 +175,12 @@ def test_set_master_params_replaces_weights_between_steps(nvme_dir):
         eng._core.set_master(0, np.zeros(eng.layout[0]["whole_numel"]))
     with pytest.raises(ValueError, match=r"set_master: 5 values for block 'layer0', which has"):
         eng._core.set_master(0, np.zeros(5, np.float32))
-    eng.fetch(1)
-    with pytest.raises(RuntimeError, match=r"a micro-batch is under way \(1 block\(s\) fetched since the last step\(\)"):
+    held = eng.fetch(1)
+    with pytest.raises(RuntimeError, match=r"set_master\(layer0\): 1 gathered block\(s\) still out"):
         eng.set_master_params(0, [w, None])
+    del held
+    eng.set_master_params(0, [w, None])  # once the block is back
+    np.testing.assert_array_equal(eng.master_params(0)[0], w)
 
 
 def test_learning_rate_set_by_hand_or_by_the_configs_scheduler(nvme_dir):

@@ -152,9 +152,9 @@ def _refused_leaves_the_weights(model, nvme_dir, error, match, act):
 
 def test_an_edit_inside_a_forward_is_refused_and_the_engine_trains_on(nvme_dir):
     model = _EditsInForward()
-    engine = _refused_leaves_the_weights(model, nvme_dir, RuntimeError,
-                                         r"set_master\(lin\): a micro-batch is under way .*call it between",
-                                         lambda e: e(torch.ones(2, 4)))
+    engine = _refused_leaves_the_weights(model, nvme_dir, ValueError,
+                                         r"GatheredParameters\(modifier_rank=0\): a forward ran with gradients "
+                                         r"enabled and its backward has not", lambda e: e(torch.ones(2, 4)))
     model.forward = lambda x: model.lin(x)  # the same model without the edit
     engine.backward(engine(torch.ones(2, 4)).square().sum())
     assert engine.step()["stepped"]
@@ -170,3 +170,66 @@ def test_a_wrong_shape_is_refused_on_leaving(nvme_dir):
     _refused_leaves_the_weights(model, nvme_dir, ValueError,
                                 r"0.weight was handed out with shape \(48, 16\) and now has shape \(16, 48\)", transpose)
     assert model[0].weight.numel() == 0
+
+
+def test_edits_nest_survive_a_step_inside_and_may_follow_an_evaluation(nvme_dir):
+    torch.manual_seed(0)
+    model = mlp()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    x, y = _mlp_batches(7, 1)[0]
+    with torch.no_grad():
+        engine(x)  # an evaluation forward: no backward pending, so edits may follow without a step
+    lin = model[2]
+    with torch.no_grad(), tzt.GatheredParameters(lin.weight, modifier_rank=0):
+        with tzt.GatheredParameters(lin.bias, modifier_rank=0):  # the same block, nested
+            lin.bias.fill_(7.0)
+        lin.weight[0, 0] = 3.0
+    m = engine.master_state_dict()
+    assert bool((m["2.bias"] == 7.0).all()), "the outer write-back undid the inner edit"
+    assert m["2.weight"][0, 0].item() == 3.0
+    # A step inside the context: the elements not edited keep what the step made of them.
+    with tzt.GatheredParameters(lin.weight, modifier_rank=0):
+        engine.backward(F.mse_loss(engine(x), y))  # computes with the context's copy, which stays
+        assert lin.weight.shape == (48, 48)
+        engine.step()
+        stepped = engine.master_state_dict()["2.weight"]
+        with torch.no_grad():
+            lin.weight[1, 1] = -2.0
+    after = engine.master_state_dict()["2.weight"]
+    assert after[1, 1].item() == -2.0
+    keep = torch.ones_like(after, dtype=torch.bool)
+    keep[1, 1] = False
+    assert torch.equal(after[keep], stepped[keep]), "the write-back reverted the step"
+    assert not torch.equal(stepped, m["2.weight"])
+
+
+def test_a_forward_inside_the_context_computes_with_the_copy(nvme_dir):
+    torch.manual_seed(0)
+    model = mlp()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    x = _mlp_batches(8, 1)[0][0]
+    with torch.no_grad():
+        out = engine(x)
+        with tzt.GatheredParameters(model[0].weight):
+            model[0].weight.zero_()
+            inside = engine(x)
+            assert model[0].weight.shape == (48, 16) and not bool(model[0].weight.any())
+        assert torch.equal(engine(x), out), "the copy's edit was dropped, and the engine's weights computed again"
+    zeroed = copy.deepcopy(engine.detach_module())
+    with torch.no_grad():
+        zeroed[0].weight.zero_()
+        torch.testing.assert_close(inside, zeroed(x), rtol=0, atol=1e-6)
+
+
+def test_a_refused_edit_of_two_blocks_writes_neither_and_parameters_still_pickle(nvme_dir, tmp_path):
+    torch.manual_seed(0)
+    model = mlp()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    before = engine.master_state_dict()
+    with pytest.raises(ValueError, match=r"2.weight was handed out with shape \(48, 48\) and now has shape \(24, 96\)"):
+        with torch.no_grad(), tzt.GatheredParameters([model[0].weight, model[2].weight], modifier_rank=0):
+            model[0].weight.fill_(1.0)
+            model[2].weight.data = model[2].weight.data.reshape(24, 96)
+    after = engine.master_state_dict()
+    assert all(torch.equal(after[n], before[n]) for n in before), "a refused edit wrote a block"
+    torch.save(model.state_dict(keep_vars=True), tmp_path / "params.pt")  # nothing unpicklable on the parameters

@@ -71,6 +71,22 @@ WORKER = textwrap.dedent("""
     edited = engine.master_state_dict()["0.weight"]
     assert bool((edited[0] == 8.0).all()) and torch.equal(edited[1:], master["0.weight"][1:]), edited[0]
     print("rank {rank}: rank 1's edit kept")
+
+    # The with-block raising on one rank: every rank leaves the write-back (nothing written), the raising
+    # rank with its own exception, the other with the refusal; neither waits for the other.
+    try:
+        with torch.no_grad(), tzt.GatheredParameters(w, modifier_rank=1):
+            if {rank} == 0:
+                raise KeyError("raised inside the block")
+            w[0].fill_(99.0)
+        raise SystemExit("the write-back went through though rank 0 raised")
+    except (KeyError, OSError) as e:
+        assert isinstance(e, KeyError if {rank} == 0 else OSError), (type(e), str(e))
+    assert torch.equal(engine.master_state_dict()["0.weight"], edited)
+    # safe_set_full_fp32_param takes rank 0's value; the other rank may pass None.
+    tzt.safe_set_full_fp32_param(w, torch.full_like(edited, 0.5) if {rank} == 0 else None)
+    assert bool((engine.master_state_dict()["0.weight"] == 0.5).all())
+    print("rank {rank}: a raise on one rank refused the write-back on both")
 """)
 
 

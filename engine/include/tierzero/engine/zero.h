@@ -294,8 +294,9 @@ class ZeroEngine {
   // gather_master gives them). A collective: every rank calls it with the
   // same block and root, and root's values are broadcast into the others'
   // `whole`. The optimizer's moments, step count and accumulated gradients
-  // stay. Call between micro-batches: refused while blocks fetched since the
-  // last step() are out. Editing weights in place, as DeepSpeed's
+  // stay. Refused while gathered blocks are out; not for use between a
+  // forward and its backward (the backward would gather other weights than
+  // the forward computed with). Editing weights in place, as DeepSpeed's
   // GatheredParameters(modifier_rank=) and safe_set_full_fp32_param do.
   // `refusal`: this rank's reason not to go on (every rank then fails, this
   // one with the reason), as CheckpointSave::refusal.
