@@ -347,7 +347,7 @@ class PyEngine {
     locked(*core_, [&] { return make_core(*core_, config, blocks, ptrs); });
   }
 
-  std::unique_ptr<PyGathered> fetch(std::size_t block, std::optional<std::int64_t> stream) {
+  std::unique_ptr<PyGathered> fetch(std::size_t block, std::optional<std::int64_t> stream, bool evaluation) {
     const std::optional<void*> readers = caller_stream(*core_, stream, "fetch");
     if (readers && *readers == reinterpret_cast<void*>(2)) {
       // Used when the last view goes, which may be on another thread (autograd's, the garbage collector's).
@@ -355,7 +355,8 @@ class PyEngine {
           "Engine.fetch(): stream=2 is the per-thread default stream, which names another stream on each thread, "
           "and the block may be released on another thread: pass the stream's own handle"));
     }
-    tz::GatheredBlock g = locked(*core_, [&] { return core_->engine->fetch(block); });
+    const tz::FetchFor purpose = evaluation ? tz::FetchFor::kEvaluation : tz::FetchFor::kTraining;
+    tz::GatheredBlock g = locked(*core_, [&] { return core_->engine->fetch(block, purpose); });
     return std::make_unique<PyGathered>(core_, std::move(g), readers);
   }
 
@@ -460,11 +461,13 @@ void bind_engine(nb::module_& m) {
            "blocks: [(block name, [(param name, shape)])]; init: per block, per parameter, a float32 cpu array of its "
            "numel or None (zeros); empty: all zeros.")
       .def("fetch", &PyEngine::fetch, nb::arg("block"), nb::kw_only(), nb::arg("stream") = nb::none(),
+           nb::arg("evaluation") = false,
            "The whole block, gathered (waits for NVMe and collectives). On CUDA the buffer goes back to the engine "
            "when the last view is gone, to be reused only after the work queued by then on `stream` (the one the "
            "caller's kernels read it on, an int as DLPack passes streams: a cudaStream_t, 0 or 1 the legacy default "
            "stream, -1 when the caller synchronises first), by default the legacy default stream. The stream must "
-           "outlive the block's views.")
+           "outlive the block's views. evaluation=True: a fetch outside training's order (a forward with no "
+           "backward), fetched on demand without disturbing the prefetch trace (tz::FetchFor).")
       .def("reduce_grads", &PyEngine::reduce_grads, nb::arg("block"), nb::arg("grads"), nb::kw_only(),
            nb::arg("stream") = nb::none(),
            "Copies each parameter's gradient (the grad dtype, on the engine's device, C-contiguous, the parameter's "

@@ -94,7 +94,7 @@ class Engine:
         self._layout = self._core.layout()
 
     # --- the step
-    def fetch(self, block: int, *, stream: Optional[int] = None) -> _core.GatheredBlock:
+    def fetch(self, block: int, *, stream: Optional[int] = None, evaluation: bool = False) -> _core.GatheredBlock:
         """The whole block gathered on the engine's device; .data and .param(i) are zero-copy arrays.
 
         The buffer goes back to the engine when the last view of it is gone.
@@ -102,8 +102,12 @@ class Engine:
         reuses it only after the work queued by then on `stream`, the stream
         that reads it, given as for reduce_grads (unset: the legacy default
         stream; -1: the caller synchronises before letting the last view go).
+
+        evaluation=True marks a fetch outside training's order (a forward with no backward, between steps):
+        it is fetched on demand and leaves the order the engine prefetches by alone, where a training fetch
+        out of that order would switch prefetching off for the rest of the run.
         """
-        return self._core.fetch(block, stream=stream)
+        return self._core.fetch(block, stream=stream, evaluation=evaluation)
 
     def reduce_grads(self, block: int, grads: Sequence[Any], *, stream: Optional[int] = None) -> None:
         """Hands the block's gradients (one array per parameter, or None) to the engine (copied).

@@ -277,6 +277,7 @@ class TorchEngine:
         self._gathered = weakref.WeakSet()        # gathered blocks handed out and alive (tests: none outlive use)
         self._callback_queued = False
         self._backward_pending = False            # a grad-enabled forward ran; its backward has not (Note [Editing weights])
+        self._evaluating = False                  # engine(...) runs under torch.no_grad() (Note [Evaluation fetches])
         self._held_params: dict = {}              # parameter -> GatheredParameters contexts holding it
         self._placeholder = torch.empty(0, dtype=self._dtype, device=self._core.device)
         self._hooks: list = []
@@ -339,7 +340,7 @@ class TorchEngine:
             # On CUDA the module's kernels read the block on the current stream, and may still be queued when
             # its last view goes: the engine waits for that stream before reusing the buffer.
             stream = torch.cuda.current_stream(self._torch_device).cuda_stream if self._cuda else None
-            gathered = self._core.fetch(b.index, stream=stream)
+            gathered = self._core.fetch(b.index, stream=stream, evaluation=self._evaluating)
             self._gathered.add(gathered)
             flat = torch.from_dlpack(gathered.data)  # zero-copy; flat's storage keeps `gathered` alive
             b.flat = flat
@@ -461,6 +462,10 @@ class TorchEngine:
     # ------------------------------------------------------------ the training loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model (with the saved-tensor hooks of Note [Saved tensors])."""
+        # Note [Evaluation fetches]: a forward called under torch.no_grad() has no backward, and its fetches
+        # are not training's: they go beside the prefetch trace. Decided here, at the top, not per module, so a
+        # no_grad region inside a training forward (reentrant activation checkpointing) stays traced.
+        self._evaluating = not torch.is_grad_enabled()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
@@ -468,6 +473,8 @@ class TorchEngine:
             self._release_all()  # a forward that raised never ran the forward hooks of the modules it was in
             self._backward_pending = False  # its graph is gone with the exception
             raise
+        finally:
+            self._evaluating = False
 
     def _release_all(self) -> None:
         """Drops every gathered view, so the next fetch gets current parameters."""

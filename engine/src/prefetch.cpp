@@ -250,10 +250,10 @@ Status Prefetcher::top_up() {
   return ok_status();
 }
 
-Expected<PoolBlock> Prefetcher::acquire(std::size_t block) {
+Expected<PoolBlock> Prefetcher::acquire(std::size_t block, bool traced) {
   const Clock::time_point start = Clock::now();
-  if (recording_ || active_) this_pass_.push_back(block);
-  if (active_ && !disabled_) {
+  if (traced && (recording_ || active_)) this_pass_.push_back(block);
+  if (traced && active_ && !disabled_) {
     if (position_ < trace_.size() && trace_[position_] == block) {
       if (in_flight_.empty()) TZ_TRY(top_up());
       if (!in_flight_.empty() && in_flight_.front()->block == block) {

@@ -13,7 +13,9 @@
 // window, its all-gather is queued when the block before it is fetched. The window depends only on block sizes and the trace,
 // so every rank issues the same collectives in the same order. A fetch that
 // does not follow the trace switches prefetching off for good, and says so
-// once: data-dependent control flow falls back to fetching on demand.
+// once: data-dependent control flow falls back to fetching on demand. An
+// untraced fetch (an evaluation's) is fetched on demand beside the window,
+// and the trace goes on after it.
 #pragma once
 
 #include <chrono>
@@ -58,7 +60,9 @@ class Prefetcher {
 
   // The whole gathered block for the next fetch of `block`: prefetched when
   // the trace predicted it, else fetched now. Waits; records the waits.
-  Expected<PoolBlock> acquire(std::size_t block);
+  // Untraced (an evaluation's fetch, tz::FetchFor): fetched now, and neither
+  // recorded nor checked against the trace.
+  Expected<PoolBlock> acquire(std::size_t block, bool traced = true);
   // End of a micro-batch: the first one's trace is checked across ranks
   // (a collective) and prefetching starts with the next.
   Status end_micro_batch();

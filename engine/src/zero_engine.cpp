@@ -388,7 +388,7 @@ Status ZeroEngineImpl::gather_persistent() {
   return ok_status();
 }
 
-Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block) {
+Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block, FetchFor purpose) {
   if (block >= layout_.blocks.size()) {
     return invalid_argument("fetch: block {} does not exist (the model has {})", block, layout_.blocks.size());
   }
@@ -397,7 +397,7 @@ Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block) {
   if (persistent_[block].valid()) {
     return GatheredBlock(this, block, persistent_[block].data(), param_type_, &b, /*persistent=*/true);
   }
-  Expected<PoolBlock> whole = prefetcher_->acquire(block);
+  Expected<PoolBlock> whole = prefetcher_->acquire(block, purpose == FetchFor::kTraining);
   TZ_TRY_CTX(whole, "fetching {}", b.name);
   void* data = whole->data();
   live_.emplace(data, std::move(*whole));

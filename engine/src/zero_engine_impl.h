@@ -29,7 +29,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
 
   Status init(const std::vector<BlockSpec>& model, const ParamInit& init);
 
-  Expected<GatheredBlock> fetch(std::size_t block) override;
+  using ZeroEngine::fetch;
+  Expected<GatheredBlock> fetch(std::size_t block, FetchFor purpose) override;
   Expected<GradBlock> grad_buffer(std::size_t block) override;
   Status reduce_grads(GradBlock grads) override;
   Expected<StepReport> step() override;

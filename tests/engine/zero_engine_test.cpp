@@ -303,6 +303,53 @@ bool train_step(tz::ZeroEngine& engine, int step, int gas) {
   return true;
 }
 
+// An evaluation pass between steps (every block fetched in forward order, no
+// gradients): as tz::FetchFor::kEvaluation it leaves prefetching on and the
+// training where it was; as training fetches (the control) it breaks the
+// recorded order and prefetching goes off for the rest of the run.
+TEST(ZeroEngine, AnEvaluationBetweenStepsLeavesPrefetchingOn) {
+  for (tz::FetchFor purpose : {tz::FetchFor::kEvaluation, tz::FetchFor::kTraining}) {
+    const bool evaluation = purpose == tz::FetchFor::kEvaluation;
+    SCOPED_TRACE(evaluation ? "evaluation fetches" : "training fetches (control)");
+    TempDir nvme;
+    const tz::Config config = test_config(nvme.path(), 3, 1);
+    auto created = tz::ZeroEngine::create({.config = config, .placement = kPlacements[3]}, tz::mlp::model(kMlp),
+                                          tz::mlp::init(kMlp));
+    ASSERT_TRUE(created.ok());
+    tz::ZeroEngine& engine = **created;
+    tz::mlp::Reference ref(kMlp, config, 1);
+    std::uint64_t fetches_after = 0, prefetched_after = 0;
+    for (int step = 0; step < 5; ++step) {
+      if (step == 2) {
+        for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+          auto p = engine.fetch(b, purpose);
+          ASSERT_TRUE(p.ok()) << p.status().to_string();
+        }
+      }
+      auto loss = tz::mlp::train_micro_batch(engine, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step));
+      ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+      auto r = engine.step();
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      ref.train_step(step);
+      if (step >= 3) {
+        fetches_after += r->fetches;
+        prefetched_after += r->prefetched;
+      }
+    }
+    std::printf("[ engine ] %-36s steps after the evaluation: %llu of %llu fetches prefetched\n",
+                evaluation ? "evaluation fetches" : "training fetches (control)",
+                static_cast<unsigned long long>(prefetched_after), static_cast<unsigned long long>(fetches_after));
+    if (evaluation) {
+      EXPECT_GT(prefetched_after, fetches_after / 2) << "prefetching should still be on";
+    } else {
+      EXPECT_EQ(prefetched_after, 0u) << "the control should have switched prefetching off";
+    }
+    auto c = compare_masters(engine, ref);
+    ASSERT_TRUE(c.ok());
+    EXPECT_LE(c->max_abs, 1e-6) << "an evaluation pass must not change training";
+  }
+}
+
 TEST(ZeroEngine, SetMasterReplacesTheWeightsAndKeepsTheOptimizerState) {
   for (const char* precision : {"bf16", "fp32"}) {
     for (const Placement& placement : {kPlacements[0], kPlacements[3]}) {

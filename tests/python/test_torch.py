@@ -93,6 +93,17 @@ def _adamw_like(config, params):
                              weight_decay=hp["weight_decay"])
 
 
+def mlp_and_reference(nvme_dir):
+    """A seeded MLP trained through the engine (NVMe offload), its plain-PyTorch copy, and AdamW on the copy:
+    (model, engine, reference, optimizer)."""
+    torch.manual_seed(0)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    config = host_config(nvme_dir)
+    engine, _ = tzt.initialize(model, config)
+    return model, engine, ref, _adamw_like(config, ref.parameters())
+
+
 def train_both(model, config, batches, loss_fn, gas, clip):
     """Trains `model` through the engine and a copy with torch.optim.AdamW; returns (engine, reference, losses)."""
     ref = copy.deepcopy(model)
@@ -285,6 +296,26 @@ def test_cuda_tensors_train_like_plain_pytorch_on_the_gpu(nvme_dir, offload):
           f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert err <= TOL
     assert losses[-1] < losses[0]
+
+
+def test_an_evaluation_between_steps_leaves_prefetching_on_and_training_unchanged(nvme_dir):
+    # engine(x) under torch.no_grad() fetches beside the recorded order (Note [Evaluation fetches]); before, the
+    # first validation pass switched prefetching off for the rest of the run.
+    _, engine, ref, opt = mlp_and_reference(nvme_dir)
+    reports = []
+    for i, (x, y) in enumerate(_mlp_batches(9, 6)):
+        if i % 2 == 1:
+            with torch.no_grad():
+                torch.testing.assert_close(engine(x), ref(x), rtol=0, atol=1e-5)  # it sees the current weights
+        engine.backward(F.mse_loss(engine(x), y))
+        reports.append(engine.step())
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    per_step = 2 * len(engine.block_names)  # every block fetched in forward and in backward
+    print("fetches / prefetched per step:", [(r["fetches"], r["prefetched"]) for r in reports])
+    assert all(r["prefetched"] == per_step for r in reports[1:]), "prefetching went off"
+    assert largest_error(engine, ref) <= TOL
 
 
 def test_gathered_blocks_are_released_between_forward_and_backward(nvme_dir):

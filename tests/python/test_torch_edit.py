@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import tierzero.torch as tzt
 from conftest import host_config
-from test_torch import TOL, _adamw_like, _mlp_batches, largest_error, mlp
+from test_torch import TOL, _mlp_batches, largest_error, mlp, mlp_and_reference
 
 
 def _step_both(engine, ref, opt, pairs):
@@ -58,12 +58,7 @@ def test_gathered_parameters_hand_out_copies_and_drop_edits_without_modifier_ran
 def test_an_edit_with_modifier_rank_holds_and_training_goes_on_like_plain_pytorch(nvme_dir):
     # The reference edits its weights in place under torch.no_grad(), keeping AdamW's moments: the engine
     # must do the same (an edit that reset the moments, or that the next step undid, would be off by ~lr).
-    torch.manual_seed(0)
-    model = mlp()
-    ref = copy.deepcopy(model)
-    config = host_config(nvme_dir)
-    engine, _ = tzt.initialize(model, config)
-    opt = _adamw_like(config, ref.parameters())
+    model, engine, ref, opt = mlp_and_reference(nvme_dir)
     _step_both(engine, ref, opt, _mlp_batches(3, 3))
     with torch.no_grad(), tzt.GatheredParameters(model[0].weight, modifier_rank=0):  # as editing a torch weight
         model[0].weight[3].zero_()

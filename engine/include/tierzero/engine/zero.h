@@ -150,6 +150,14 @@ class GatheredBlock {
   bool persistent_ = false;  // its buffer stays the engine's: destroying it tells the engine nothing
 };
 
+// What a fetch is for. Training fetches follow one order every micro-batch,
+// which the engine records and prefetches by (Note [Prefetch window] in
+// engine/src/prefetch.h). An evaluation's fetches (a forward with no
+// backward, between steps) are fetched on demand and leave that order
+// alone: as training fetches they would break it, and switch prefetching off
+// for the rest of the run at the first validation pass.
+enum class FetchFor : std::uint8_t { kTraining, kEvaluation };
+
 // A whole block's gradient buffer on the device (zeroed), for the caller's
 // backward to fill; handed back through reduce_grads().
 class GradBlock {
@@ -256,7 +264,8 @@ class ZeroEngine {
                                                       const ParamInit& init);
   virtual ~ZeroEngine() = default;
 
-  virtual Expected<GatheredBlock> fetch(std::size_t block) = 0;
+  virtual Expected<GatheredBlock> fetch(std::size_t block, FetchFor purpose) = 0;
+  Expected<GatheredBlock> fetch(std::size_t block) { return fetch(block, FetchFor::kTraining); }
   virtual Expected<GradBlock> grad_buffer(std::size_t block) = 0;
   virtual Status reduce_grads(GradBlock grads) = 0;
   // Ends a micro-batch; at the accumulation boundary runs the optimizer.
