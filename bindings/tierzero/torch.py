@@ -277,7 +277,8 @@ class TorchEngine:
         self._gathered = weakref.WeakSet()        # gathered blocks handed out and alive (tests: none outlive use)
         self._callback_queued = False
         self._backward_pending = False            # a grad-enabled forward ran; its backward has not (Note [Editing weights])
-        self._evaluating = False                  # engine(...) runs under torch.no_grad() (Note [Evaluation fetches])
+        self._evaluating = False                  # the model runs under torch.no_grad() (Note [Evaluation fetches])
+        self._depth = 0                           # calls of the root module under way
         self._held_params: dict = {}              # parameter -> GatheredParameters contexts holding it
         self._placeholder = torch.empty(0, dtype=self._dtype, device=self._core.device)
         self._hooks: list = []
@@ -303,12 +304,39 @@ class TorchEngine:
         for module, block_ids in self._module_blocks.items():
             self._hooks.append(module.register_forward_pre_hook(self._make_pre_forward(block_ids)))
             self._hooks.append(module.register_forward_hook(self._make_post_forward(block_ids)))
+        self._hooks.append(model.register_forward_pre_hook(self._enter_model, prepend=True))
+        self._hooks.append(model.register_forward_hook(self._leave_model, always_call=True))
         for module in model.modules():
             module.__dict__["_tierzero_engine"] = engine_ref  # register_external_parameter() after initialize()
             for p in module.__dict__.pop("_tierzero_external", []):
                 self.register_external_parameter(module, p)
         if self._dtype != torch.float32:
             model.to(self._dtype)  # Note [Model dtype]: frozen parameters and floating buffers
+
+    # Note [Evaluation fetches]
+    # A forward of the model under torch.no_grad() (a validation pass, or
+    # generate()) has no backward, and its fetches are not training's: marked
+    # as evaluation, they go beside the order the engine prefetches by, which
+    # they would otherwise break (switching prefetching off for the run).
+    # Decided when the model itself is called, engine(x) or model(x), not per
+    # module: a no_grad region inside a training forward (reentrant activation
+    # checkpointing) stays traced, and so do backward's fetches, which run with
+    # grad mode off. The same hooks note a forward whose output needs a
+    # backward (Note [Editing weights]).
+    def _enter_model(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self._evaluating = not torch.is_grad_enabled()
+        self._depth += 1
+
+    def _leave_model(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._evaluating = False
+        if output is not None and torch.is_grad_enabled():
+            tensors: list = []
+            _flatten(output, tensors)
+            if any(t.requires_grad for t in tensors):
+                self._backward_pending = True
 
     def _check_dtypes(self, blocks: list) -> None:
         """Note [Model dtype]: an fp32 config trains fp32 parameters; any other trainable dtype is refused."""
@@ -462,19 +490,12 @@ class TorchEngine:
     # ------------------------------------------------------------ the training loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model (with the saved-tensor hooks of Note [Saved tensors])."""
-        # Note [Evaluation fetches]: a forward called under torch.no_grad() has no backward, and its fetches
-        # are not training's: they go beside the prefetch trace. Decided here, at the top, not per module, so a
-        # no_grad region inside a training forward (reentrant activation checkpointing) stays traced.
-        self._evaluating = not torch.is_grad_enabled()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
         except BaseException:
             self._release_all()  # a forward that raised never ran the forward hooks of the modules it was in
-            self._backward_pending = False  # its graph is gone with the exception
             raise
-        finally:
-            self._evaluating = False
 
     def _release_all(self) -> None:
         """Drops every gathered view, so the next fetch gets current parameters."""
@@ -676,12 +697,18 @@ class TorchEngine:
         return [flat.as_strided(*b.views[i]).to(device=self._torch_device, dtype=self._dtype, copy=True)
                 for i in slots]
 
+    def _settle(self, p: torch.Tensor) -> None:
+        """Points a parameter no context holds any more at what it is now: its block's view while the block is
+        gathered, else the placeholder."""
+        b, i = self._slot[p]
+        p.data = b.flat.as_strided(*b.views[i]) if b.users and b.flat is not None else self._placeholder
+
     def _write_refusal(self) -> Optional[str]:
         """Why weights cannot be written now, or None (Note [Editing weights])."""
         if self._backward_pending:
             return ("a forward ran with gradients enabled and its backward has not: the backward would gather "
-                    "other weights than the forward computed with; edit after backward (or step()), or run the "
-                    "forward under torch.no_grad()")
+                    "other weights than the forward computed with; edit after backward, or run the forward under "
+                    "torch.no_grad()")
         return None
 
     def detach_module(self) -> torch.nn.Module:
@@ -915,9 +942,13 @@ def _write_blocks(writes: list, root: int, refusal: Optional[str]) -> None:
     weights. `refusal` goes into the first set_master, which then fails on every rank with nothing written."""
     for k, (engine, b, fill) in enumerate(writes):
         flat = torch.from_numpy(engine._core.gather_master(b.index))
+        mine = refusal if k == 0 else None
         if refusal is None:
-            fill(flat)
-        engine._core.set_master(b.index, flat, root=root, refusal=refusal if k == 0 else None)
+            try:
+                fill(flat)
+            except Exception as e:  # noqa: BLE001 - into the collective: no rank is left waiting
+                mine = f"writing {b.name} failed on this rank ({e!r})"
+        engine._core.set_master(b.index, flat, root=root, refusal=mine)
 
 
 class GatheredParameters:
@@ -1005,7 +1036,9 @@ class GatheredParameters:
                 count = engine._held_params.pop(p, 1) - 1
                 if count:
                     engine._held_params[p] = count
-                p.data = before  # the placeholder, or the forward's view of the gathered block
+                    p.data = before  # an enclosing context's copy
+                else:
+                    engine._settle(p)  # the block's view if it is gathered now, else the placeholder
         self._held = []
 
 

@@ -356,6 +356,11 @@ void Prefetcher::reset() {
   issued_until_ = 0;
 }
 
+void Prefetcher::drop_in_flight() {
+  drain();
+  issued_until_ = position_;
+}
+
 StageWaits Prefetcher::take_waits() {
   std::lock_guard<std::mutex> lock(waits_mu_);
   return std::exchange(waits_, StageWaits{});

@@ -69,6 +69,11 @@ class Prefetcher {
   // Drops everything in flight (e.g. before a checkpoint load replaces the
   // parameters) and starts the micro-batch over; the trace is kept.
   void reset();
+  // Drops everything in flight (their parameters are about to be replaced,
+  // set_master) and issues it again from this micro-batch's position after
+  // reissue(): the fetches so far still count against the trace.
+  void drop_in_flight();
+  Status reissue() { return prefetching() ? prefetch_next() : ok_status(); }
   // Starts the next micro-batch's first window (when prefetching is on).
   Status prefetch_next();
   bool prefetching() const { return active_ && !disabled_; }

@@ -689,9 +689,9 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   TZ_TRY(comm_thread_->run([&] {
     return detail::broadcast_host(*comm_, *device_, *device_pool_, whole, count * sizeof(float), root);
   }));
-  // Prefetched blocks hold the old parameters (as in load_checkpoint); the
-  // trace's next pass starts afresh.
-  prefetcher_->reset();
+  // Prefetched blocks hold the old parameters, and their reads would race
+  // the writes: dropped now, issued again after.
+  prefetcher_->drop_in_flight();
   // Each step is agreed before the next collective, so a rank that failed
   // one does not meet the others' collectives with its own.
   const float* shard = whole + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
@@ -706,7 +706,7 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   if (persistent_[block].valid()) {
     TZ_TRY(agree(prefetcher_->gather_into(block, persistent_[block].data()), fmt::format("set_master({})", b.name)));
   }
-  return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
+  return prefetcher_->reissue();
 }
 
 std::string ZeroEngineImpl::describe() const {

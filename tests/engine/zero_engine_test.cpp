@@ -404,6 +404,42 @@ TEST(ZeroEngine, SetMasterReplacesTheWeightsAndKeepsTheOptimizerState) {
   }
 }
 
+// set_master between a micro-batch's backward and its step (a DeepSpeed
+// user's edit before optimizer.step()): the prefetched blocks are dropped and
+// issued again, so training goes on as without it and prefetching stays on.
+TEST(ZeroEngine, SetMasterAfterBackwardKeepsPrefetchingOn) {
+  TempDir nvme_a, nvme_b;
+  auto make = [&](const TempDir& dir) {
+    return tz::ZeroEngine::create({.config = test_config(dir.path(), 3, 1), .placement = kPlacements[3]},
+                                  tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  };
+  auto a = make(nvme_a), b = make(nvme_b);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::uint64_t fetches = 0, prefetched = 0;
+  for (int step = 0; step < 5; ++step) {
+    for (tz::ZeroEngine* e : {a->get(), b->get()}) {
+      auto loss = tz::mlp::train_micro_batch(*e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step));
+      ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+      if (e == a->get() && (step == 0 || step == 2)) {  // in the recording micro-batch, and in a prefetched one
+        for (std::size_t blk = 0; blk < e->layout().blocks.size(); ++blk) {
+          std::vector<float> w = e->gather_master(blk).value();
+          ASSERT_TRUE(e->set_master(blk, w.data(), w.size(), 0).ok());
+        }
+      }
+      auto r = e->step();
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      if (e == a->get() && step >= 1) {
+        fetches += r->fetches;
+        prefetched += r->prefetched;
+      }
+    }
+  }
+  EXPECT_EQ(prefetched, fetches) << "set_master mid-micro-batch switched prefetching off";
+  for (std::size_t blk = 0; blk < (*a)->layout().blocks.size(); ++blk) {
+    EXPECT_EQ((*a)->gather_master(blk).value(), (*b)->gather_master(blk).value()) << "block " << blk;
+  }
+}
+
 TEST(ZeroEngine, SetMasterIsRefusedWhileBlocksAreOutAndForBadArguments) {
   TempDir nvme;
   auto created = tz::ZeroEngine::create({.config = test_config(nvme.path())}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));

@@ -228,3 +228,47 @@ def test_a_refused_edit_of_two_blocks_writes_neither_and_parameters_still_pickle
     after = engine.master_state_dict()
     assert all(torch.equal(after[n], before[n]) for n in before), "a refused edit wrote a block"
     torch.save(model.state_dict(keep_vars=True), tmp_path / "params.pt")  # nothing unpicklable on the parameters
+
+
+def test_a_pending_backward_is_seen_through_reentrant_checkpointing(nvme_dir):
+    # The trained modules all run inside torch.utils.checkpoint(use_reentrant=True), whose first forward runs
+    # under no_grad: the model's own forward hook still sees an output that needs a backward.
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+    torch.manual_seed(0)
+    model = Checkpointed()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    out = engine(torch.ones(2, 4, requires_grad=True))
+    with pytest.raises(ValueError, match="a forward ran with gradients enabled and its backward has not"):
+        tzt.safe_set_full_fp32_param(model.lin.weight, torch.zeros(4, 4))
+    engine.backward(out.sum())
+    tzt.safe_set_full_fp32_param(model.lin.weight, torch.zeros(4, 4))  # after backward: fine
+    assert not bool(engine.master_state_dict()["lin.weight"].any())
+
+
+def test_a_context_that_outlives_its_blocks_gathering_leaves_nothing_gathered(nvme_dir):
+    # Entered in a module's forward pre-hook (the block gathered) and left in its forward hook (the block
+    # released): on leaving, the parameter goes to what it is now, the placeholder, not back to the view it
+    # had on entering, which would hold the gathered buffer.
+    torch.manual_seed(0)
+    model = mlp()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    contexts = []
+
+    def enter(module, args):
+        contexts.append(tzt.GatheredParameters(module.weight))
+        contexts[-1].__enter__()
+
+    def leave(module, args, output):
+        contexts.pop().__exit__(None, None, None)
+    model[0].register_forward_pre_hook(enter)
+    model[0].register_forward_hook(leave)
+    with torch.no_grad():
+        engine(torch.ones(2, 16))
+    assert model[0].weight.numel() == 0
+    assert tzt._live_gathered(engine) == 0, "the context put back a view that keeps the block gathered"
