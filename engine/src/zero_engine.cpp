@@ -695,14 +695,13 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   // Each step is agreed before the next collective, so a rank that failed
   // one does not meet the others' collectives with its own.
   const float* shard = whole + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
-  TZ_TRY(agree(
-      [&]() -> Status {
-        TZ_TRY(put(*master_, block, shard));
-        TZ_TRY(put(*param16_, block, to_param_type(shard, b.shard_numel, param_type_).data()));
-        // Note [Stream-ordered release]: a persistent block's readers are done before it is rewritten.
-        return persistent_[block].valid() ? device_->synchronize_event(*persistent_read_) : ok_status();
-      }(),
-      fmt::format("set_master({})", b.name)));
+  const Status written = [&]() -> Status {
+    TZ_TRY(put(*master_, block, shard));
+    TZ_TRY(put(*param16_, block, to_param_type(shard, b.shard_numel, param_type_).data()));
+    // Note [Stream-ordered release]: a persistent block's readers are done before it is rewritten.
+    return persistent_[block].valid() ? device_->synchronize_event(*persistent_read_) : ok_status();
+  }();
+  TZ_TRY(agree(written, fmt::format("set_master({})", b.name)));
   if (persistent_[block].valid()) {
     TZ_TRY(agree(prefetcher_->gather_into(block, persistent_[block].data()), fmt::format("set_master({})", b.name)));
   }
