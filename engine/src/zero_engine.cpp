@@ -194,7 +194,10 @@ Status ZeroEngineImpl::make_stores() {
   for (std::size_t s = 0; s < kNumStateClasses; ++s) {
     if (plan_.tier[s] != Tier::kNvme) continue;
     const auto cls = static_cast<StateClass>(s);
-    const std::uint64_t per_elem = cls == StateClass::kParam16 ? 2 : cls == StateClass::kMoments ? 8 : 4;
+    // The parameters are 16-bit, or fp32 when neither bf16 nor fp16 is on.
+    const std::uint64_t per_elem = cls == StateClass::kParam16   ? elem_type_bytes(param_type_)
+                                   : cls == StateClass::kMoments ? 8
+                                                                 : 4;
     nvme_bytes += per_elem * layout_.shard_numel;
   }
   if (nvme_bytes > 0) {

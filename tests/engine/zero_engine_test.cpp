@@ -105,6 +105,32 @@ TEST(ZeroEngine, Fp32TrainingWithoutBf16OrFp16MatchesTheReference) {
   }
 }
 
+// fp32 training (neither bf16 nor fp16) keeps 4-byte parameters: on NVMe
+// they need twice the room of 16-bit ones. The swap store was sized for 2
+// bytes, so a model past a few MiB failed at creation with "swap store full".
+TEST(ZeroEngine, Fp32ParametersOnNvmeFitTheSwapStore) {
+  TempDir nvme;
+  const std::vector<tz::BlockSpec> model = {{"a", {{"w", {1024, 1024}}}}, {"b", {{"w", {1024, 1024}}}},
+                                            {"c", {{"w", {1024, 1024}}}}, {"d", {{"w", {1024, 1024}}}}};
+  const tz::ParamInit init = [](std::size_t b, std::size_t, float* out, std::uint64_t n) {
+    std::fill(out, out + n, 0.25F * static_cast<float>(b + 1));
+  };
+  auto engine = tz::ZeroEngine::create(
+      {.config = test_config(nvme.path(), 3, 1, "fp32"), .placement = kPlacements[4]}, model, init);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  EXPECT_EQ((*engine)->param_type(), tz::ElemType::kFp32);
+  for (std::size_t b = 0; b < 4; ++b) {
+    auto g = (*engine)->grad_buffer(b);
+    ASSERT_TRUE(g.ok());
+    ASSERT_TRUE((*engine)->reduce_grads(std::move(*g)).ok());
+  }
+  auto r = (*engine)->step();
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  auto p = (*engine)->fetch(3);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_NEAR(static_cast<const float*>(p->data())[0], 1.0F, 1e-3F) << "block d read back from NVMe";
+}
+
 TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
   TempDir nvme;
   const tz::Config config = test_config(nvme.path(), 3, 1);

@@ -272,3 +272,70 @@ def test_a_context_that_outlives_its_blocks_gathering_leaves_nothing_gathered(nv
         engine(torch.ones(2, 16))
     assert model[0].weight.numel() == 0
     assert tzt._live_gathered(engine) == 0, "the context put back a view that keeps the block gathered"
+
+
+# ---------------------------------------------------------------- models on the meta device
+
+def test_a_model_built_on_the_meta_device_gets_the_weights_it_would_have_had(nvme_dir):
+    # Note [Models on the meta device]: made one module at a time, in the constructor's order, so with the same
+    # seed the masters are bit for bit the weights of the model built normally; then it trains like it.
+    torch.manual_seed(0)
+    normal = mlp()
+    with torch.device("meta"):
+        model = mlp()
+    config = host_config(nvme_dir)
+    torch.manual_seed(0)
+    engine, _ = tzt.initialize(model, config)
+    masters = engine.master_state_dict()
+    assert all(torch.equal(masters[n], p.detach()) for n, p in normal.named_parameters())
+    assert all(not p.is_meta for p in model.parameters()) and all(not b.is_meta for b in model.buffers())
+    opt = torch.optim.AdamW(normal.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for x, y in _mlp_batches(10, 4):
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+        F.mse_loss(normal(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert largest_error(engine, normal) <= TOL
+
+
+class _WithRootParameter(torch.nn.Module):
+    """A tied embedding and head, a parameter on the root (no reset_parameters), and a BatchNorm's buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.pos = torch.nn.Parameter(torch.randn(4, 8))
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        return self.head(self.norm(x.transpose(1, 2)).transpose(1, 2))
+
+
+def test_a_meta_module_without_reset_parameters_needs_init_fn(nvme_dir):
+    with torch.device("meta"):
+        model = _WithRootParameter()
+    with pytest.raises(ValueError, match=r"module 'model' \(_WithRootParameter\) has tensors on the meta device "
+                                         r"and no reset_parameters\(\) to make them; pass init_fn="):
+        tzt.initialize(model, host_config(nvme_dir))
+
+    def init_fn(module):
+        if isinstance(module, _WithRootParameter):
+            torch.nn.init.constant_(module.pos, 0.5)
+        else:
+            module.reset_parameters()
+    with torch.device("meta"):
+        model = _WithRootParameter()
+    engine, _ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    masters = engine.master_state_dict()
+    assert bool((masters["pos"] == 0.5).all())
+    assert "head.weight" not in masters and masters["emb.weight"].std().item() > 0.5  # tied; N(0, 1)
+    assert model.head.weight is model.emb.weight
+    assert torch.equal(model.norm.running_var, torch.ones(8)) and model.norm.running_var.device.type == "cpu"
+    idx = torch.randint(0, 10, (3, 4))
+    engine.backward(engine(idx).logsumexp(-1).mean())
+    assert engine.step()["stepped"]
+    assert not torch.equal(model.norm.running_mean, torch.zeros(8)), "the BatchNorm buffers train with torch"
