@@ -252,9 +252,8 @@ class EngineOptimizer(torch.optim.Optimizer):
 class TorchEngine:
     """A torch module trained through tierzero's ZeRO engine. Made by initialize()."""
 
-    def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None):
+    def __init__(self, model: torch.nn.Module, config: Any):
         self.module = model
-        unmade = _stand_in_for_meta(model)  # Note [Models on the meta device]
         blocks, self._module_blocks = _collect_blocks(model)
         if not blocks:
             raise ValueError("tierzero.torch.initialize: the model has no parameters that require grad")
@@ -262,14 +261,10 @@ class TorchEngine:
         # messages and describe() show them; export_safetensors writes the qualified names.
         specs = [(name, [(n.rpartition(".")[2], tuple(p.shape)) for n, p in zip(names, params)])
                  for name, params, names in blocks]
-        # The masters start from the model's own values, before any cast (Note [Model dtype]); a parameter
-        # on the meta device starts as zeros and is filled by _materialize (Note [Models on the meta device]).
-        init = [[None if id(p) in unmade else p.detach().to("cpu", torch.float32).contiguous() for p in params]
-                for _, params, _ in blocks]
+        # The masters start from the model's own values, before any cast (Note [Model dtype]).
+        init = [[p.detach().to("cpu", torch.float32).contiguous() for p in params] for _, params, _ in blocks]
         self._core = _core.Engine(blocks=specs, init=init, **config_args(config))
         layout = self._core.layout()
-        if unmade:
-            self._materialize(model, blocks, layout, unmade, init_fn)
         self._blocks = [_Block(i, name, params, names, layout[i]) for i, (name, params, names) in enumerate(blocks)]
         self._dtype = _DTYPES[self._core.param_dtype]
         self._cuda = self._core.device.startswith("cuda")
@@ -317,56 +312,6 @@ class TorchEngine:
                 self.register_external_parameter(module, p)
         if self._dtype != torch.float32:
             model.to(self._dtype)  # Note [Model dtype]: frozen parameters and floating buffers
-
-    # Note [Models on the meta device]
-    # A model too large for host memory can be built without memory, on the
-    # meta device (`with torch.device("meta"): model = Model()`), as
-    # DeepSpeed's zero.Init builds it partitioned. initialize() then makes
-    # its weights one module at a time: the module's own tensors are
-    # allocated on the CPU (to_empty, recurse=False), initialised by init_fn
-    # (default: the module's reset_parameters(), what its constructor would
-    # have called), its trainable parameters go into the engine
-    # (set_master, rank 0's values), and they are let go before the next
-    # module. So at most one module's fp32 weights exist in host memory at a
-    # time. Frozen parameters and buffers stay with torch, on the engine's
-    # device. Modules are made in the model's module order, which is the
-    # order a model's constructor makes them in, so with the same seed the
-    # weights are the ones the model built normally would have.
-    def _materialize(self, model: torch.nn.Module, blocks: list, layout: list, unmade: dict, init_fn: Any) -> None:
-        owner = {p: b for b, (_, params, _) in enumerate(blocks) for p in params}
-        device = torch.device(self._core.device)
-        for name, module in model.named_modules():
-            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-            todo = [t for t in own if id(t) in unmade]
-            if not todo:
-                continue
-            where = f"tierzero.torch.initialize: module '{name or 'model'}' ({type(module).__name__})"
-            # Its other tensors may only be trained parameters already made (tied ones): initialising the
-            # module would overwrite any real value it holds.
-            if any(id(t) not in unmade and (t not in owner or t.numel()) for t in own):
-                raise ValueError(f"{where} has some tensors on the meta device and some not; build it all on one")
-            for t in todo:
-                t.data = torch.empty(t.shape, dtype=t.dtype)
-                del unmade[id(t)]
-            if init_fn is not None:
-                init_fn(module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            else:
-                raise ValueError(f"{where} has tensors on the meta device and no reset_parameters() to make them; "
-                                 "pass init_fn=, called with each such module (a Hugging Face model's "
-                                 "_init_weights, say)")
-            for b in sorted({owner[t] for t in todo if t in owner}):
-                _, params, _ = blocks[b]
-                flat = torch.zeros(layout[b]["whole_numel"], dtype=torch.float32)
-                for p, spec in zip(params, layout[b]["params"]):
-                    flat[spec["offset"]:spec["offset"] + spec["numel"]] = p.detach().reshape(-1).float()
-                self._core.set_master(b, flat, root=0)
-                for p in params:  # let go now: one module's weights in memory at a time
-                    p.data = torch.empty(0, dtype=p.dtype)
-            for t in todo:  # frozen parameters and buffers stay with torch, on the engine's device
-                if t not in owner and t.device != device:
-                    t.data = t.data.to(device)
 
     # Note [Evaluation fetches]
     # A forward of the model under torch.no_grad() (a validation pass, or
@@ -805,23 +750,6 @@ class TorchEngine:
         return self._core.describe()
 
 
-def _stand_in_for_meta(model: torch.nn.Module) -> dict:
-    """Note [Models on the meta device]: replaces each tensor on the meta device by a CPU stand-in of its shape
-    that owns no memory (one zero, expanded), the same stand-in wherever the tensor is shared (tied weights), so
-    that later only its .data changes (a meta tensor's .data cannot be set to a CPU one). {id: stand-in}."""
-    made: dict = {}  # id of the meta tensor -> its stand-in
-    for module in model.modules():
-        for table, wrap in ((module._parameters, True), (module._buffers, False)):
-            for key, t in list(table.items()):
-                if t is None or not t.is_meta:
-                    continue
-                if id(t) not in made:
-                    stand_in = torch.zeros((), dtype=t.dtype).expand(t.shape)
-                    made[id(t)] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad) if wrap else stand_in
-                table[key] = made[id(t)]
-    return {id(t): t for t in made.values()}
-
-
 def _collect_blocks(model: torch.nn.Module) -> tuple[list, dict]:
     """[(block name, params, qualified names)] and {module: [block ids it uses]}.
 
@@ -913,8 +841,7 @@ def _hyper_from_config(config: Any) -> dict:
 
 
 def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = None,
-               model_parameters: Any = None, lr_scheduler: Any = None,
-               init_fn: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
+               model_parameters: Any = None, lr_scheduler: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
     """(engine, optimizer) for `model`, as deepspeed.initialize returns them.
 
     config: a path to a DeepSpeed-style JSON file, or a dict. The engine's
@@ -924,9 +851,6 @@ def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = N
     compatibility and must be None or the model's parameters. Learning-rate
     schedules: the config's "scheduler" block, or a torch scheduler built on
     the returned optimizer (Note [Learning rate]); lr_scheduler= is refused.
-    A model built on the meta device is made one module at a time, straight
-    into the engine (Note [Models on the meta device]); init_fn(module)
-    initialises each module's tensors there, in place of its reset_parameters().
     """
     if config is None:
         raise ValueError("tierzero.torch.initialize: config= is required (a path or a dict)")
@@ -943,7 +867,7 @@ def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = N
             raise ValueError("tierzero.torch.initialize: model_parameters must be the model's trainable parameters")
     if isinstance(config, (str, os.PathLike)):
         config = os.fspath(config)
-    engine = TorchEngine(model, config, init_fn)
+    engine = TorchEngine(model, config)
     engine.optimizer = EngineOptimizer(engine, _hyper_from_config(config))
     return engine, engine.optimizer
 

@@ -319,6 +319,16 @@ def test_an_evaluation_between_steps_leaves_prefetching_on_and_training_unchange
     assert largest_error(engine, ref) <= TOL
 
 
+def test_an_fp32_model_of_some_size_trains_with_everything_on_nvme(nvme_dir):
+    # 4.2M fp32 parameters: the swap store was sized for 2-byte parameters, and creation failed ("swap store full").
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine.backward(engine(torch.randn(2, 1024)).square().mean())
+    report = engine.step()
+    assert report["stepped"] and report["nvme_write_bytes"] > 0
+
+
 def test_gathered_blocks_are_released_between_forward_and_backward(nvme_dir):
     torch.manual_seed(0)
     model = TinyGPT()
