@@ -8,6 +8,7 @@ prefetch window (tz::FetchFor::kEvaluation) and every training fetch stays prefe
     python3 bench/python/eval_prefetch.py
 """
 
+import gc
 import os
 import sys
 import tempfile
@@ -32,4 +33,5 @@ with tempfile.TemporaryDirectory() as nvme:
         engine.backward(F.mse_loss(engine(x), y))
         r = engine.step()
         print(f"{i:4}  {r['fetches']:7}  {r['prefetched']:10}")
-    del engine  # its swap file goes before its directory
+    del engine, _
+    gc.collect()  # the engine (held in a cycle through the model's hooks) and its swap file go before the directory
