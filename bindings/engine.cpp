@@ -541,7 +541,8 @@ void bind_engine(nb::module_& m) {
            nb::arg("root") = 0, nb::arg("refusal") = nb::none(),
            "Replaces the block's fp32 master weights and 16-bit parameters with rank `root`'s `whole` (float32, "
            "cpu, C-contiguous, whole_numel values as gather_master gives). A collective: every rank calls it with "
-           "the same block and root. Moments, step and accumulated gradients stay. Between micro-batches only. refusal: "
+           "the same block and root. Moments, step and accumulated gradients stay. Refused while a gathered block is "
+           "alive; not for use between a forward and its backward. refusal: "
            "this rank's reason not to go on (every rank then fails, this one with the reason as a ValueError).")
       .def("record_timeline", [](PyEngine& e, bool on) { e.engine().record_timeline(on); }, nb::arg("on"))
       .def("write_timeline",

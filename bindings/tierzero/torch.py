@@ -1013,8 +1013,9 @@ class GatheredParameters:
                 if refusal is None and tuple(p.data.shape) != tuple(given.shape):
                     refusal = (f"GatheredParameters: {b.names[i]} was handed out with shape {tuple(given.shape)} "
                                f"and now has shape {tuple(p.data.shape)}; a weight's shape cannot change")
-            if refusal is None and engine._write_refusal() is not None:
-                refusal = f"GatheredParameters(modifier_rank={self._root}): {engine._write_refusal()}"
+            why = engine._write_refusal() if refusal is None else None
+            if why is not None:
+                refusal = f"GatheredParameters(modifier_rank={self._root}): {why}"
 
         def fill(b: _Block, entries: list):
             def write(flat: torch.Tensor) -> None:

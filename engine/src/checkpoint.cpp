@@ -555,13 +555,9 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   Status loaded = [&]() -> Status {
     if (!options.weights_only) restore_progress(step, scaler, saved_lr);
     for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-      const std::vector<float>& master = states[b * 3];
-      TZ_TRY(put(*master_, b, master.data()));
+      TZ_TRY(put_weights(b, states[b * 3].data()));
       if (exp_avg_ && !options.weights_only) TZ_TRY(put(*exp_avg_, b, states[b * 3 + 1].data()));
       if (exp_avg_sq_ && !options.weights_only) TZ_TRY(put(*exp_avg_sq_, b, states[b * 3 + 2].data()));
-      // The 16-bit parameters are the master weights rounded, as the
-      // optimizer's copy-out wrote them.
-      TZ_TRY(put(*param16_, b, to_param_type(master.data(), master.size(), param_type_).data()));
     }
     std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
     micro_ = 0;

@@ -75,17 +75,14 @@ void GatheredBlock::reset() {
   data_ = nullptr;
 }
 
-Status GatheredBlock::release_after(Stream& stream) {
-  Releaser* owner = std::exchange(owner_, nullptr);
-  void* data = std::exchange(data_, nullptr);
-  return owner != nullptr && data != nullptr ? owner->release_after(block_, data, &stream, nullptr) : ok_status();
-}
+Status GatheredBlock::release_after(Stream& stream) { return give_back_after(&stream, nullptr); }
 
-Status GatheredBlock::release_after_native(void* native_stream) {
+Status GatheredBlock::release_after_native(void* native_stream) { return give_back_after(nullptr, native_stream); }
+
+Status GatheredBlock::give_back_after(Stream* stream, void* native) {
   Releaser* owner = std::exchange(owner_, nullptr);
   void* data = std::exchange(data_, nullptr);
-  return owner != nullptr && data != nullptr ? owner->release_after(block_, data, nullptr, native_stream)
-                                             : ok_status();
+  return owner != nullptr && data != nullptr ? owner->release_after(block_, data, stream, native) : ok_status();
 }
 
 void* GatheredBlock::param(std::size_t i) const {
@@ -300,10 +297,8 @@ Status ZeroEngineImpl::init_states(const ParamInit& init) {
       init(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
     }
     const float* shard = whole.data() + static_cast<std::uint64_t>(rank) * block.shard_numel;
-    const std::vector<std::uint8_t> params = to_param_type(shard, block.shard_numel, param_type_);
     const std::vector<float> zeros(block.shard_numel, 0.0F);
-    TZ_TRY_CTX(put(*master_, b, shard), "initialising {}", block.name);
-    TZ_TRY_CTX(put(*param16_, b, params.data()), "initialising {}", block.name);
+    TZ_TRY_CTX(put_weights(b, shard), "initialising {}", block.name);
     if (exp_avg_) TZ_TRY_CTX(put(*exp_avg_, b, zeros.data()), "initialising {}", block.name);
     if (exp_avg_sq_) TZ_TRY_CTX(put(*exp_avg_sq_, b, zeros.data()), "initialising {}", block.name);
     if (block.persistent) {
@@ -377,6 +372,11 @@ Status ZeroEngineImpl::get(const detail::ShardStore& store, std::size_t block, v
     }
   }
   return ok_status();
+}
+
+Status ZeroEngineImpl::put_weights(std::size_t block, const float* shard) {
+  TZ_TRY(put(*master_, block, shard));
+  return put(*param16_, block, to_param_type(shard, layout_.blocks[block].shard_numel, param_type_).data());
 }
 
 Status ZeroEngineImpl::gather_persistent() {
@@ -699,8 +699,7 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   // one does not meet the others' collectives with its own.
   const float* shard = whole + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
   const Status written = [&]() -> Status {
-    TZ_TRY(put(*master_, block, shard));
-    TZ_TRY(put(*param16_, block, to_param_type(shard, b.shard_numel, param_type_).data()));
+    TZ_TRY(put_weights(block, shard));
     // Note [Stream-ordered release]: a persistent block's readers are done before it is rewritten.
     return persistent_[block].valid() ? device_->synchronize_event(*persistent_read_) : ok_status();
   }();

@@ -94,6 +94,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // whatever its tier. `host` is ordinary host memory.
   Status put(detail::ShardStore& store, std::size_t block, const void* host);
   Status get(const detail::ShardStore& store, std::size_t block, void* host);
+  // This rank's shard of `block`'s fp32 master weights, and the 16-bit
+  // parameters as the optimizer's copy-out writes them: the masters rounded.
+  Status put_weights(std::size_t block, const float* shard);
   Status gather_persistent();
   // The gradient path of one block after its reduce-scatter: device to host,
   // accumulate in fp32 on the grad tier (the grad thread).

@@ -142,6 +142,7 @@ class GatheredBlock {
                 bool persistent)
       : owner_(owner), block_(block), data_(data), type_(type), layout_(layout), persistent_(persistent) {}
   void reset();
+  Status give_back_after(Stream* stream, void* native);  // the release_after* calls
   Releaser* owner_ = nullptr;
   std::size_t block_ = 0;
   void* data_ = nullptr;
