@@ -29,6 +29,7 @@ struct EstimateArgs {
   std::optional<std::string> gpu, cpu, nvme;
   std::vector<std::string> nvme_paths;
   std::optional<std::string> offload_param, offload_optimizer, placement;
+  std::optional<std::string> precision;
   tz::LinkSpeeds links;
 };
 
@@ -49,9 +50,11 @@ tz::ByteBudget budget_of(const std::string& text, const char* arg) {
 tz::Config effective_config(const EstimateArgs& a) {
   tz::Config config;
   config.zero.stage = 3;
+  config.precision.bf16 = true;  // an estimate without a config is for mixed precision
   const bool has_config = a.config_path || a.config_json;
   if (a.config_path) config = value_or_raise(tz::load_config(*a.config_path));
   if (a.config_json) config = value_or_raise(tz::parse_config(*a.config_json, "<config dict>"));
+  if (a.precision) check(tz::set_training_precision(config, *a.precision));
   if (a.stage) config.zero.stage = *a.stage;
   if (a.grad_accum) tz::override_gradient_accumulation_steps(config, *a.grad_accum);
   if (a.gpu || !has_config) config.tiers.gpu = budget_of(a.gpu.value_or("auto"), "gpu");
@@ -96,7 +99,7 @@ nb::dict plan_dict(const tz::Plan& plan, const tz::PlanInput& in, const tz::Reso
     const auto state = static_cast<tz::StateClass>(s);
     nb::dict sd;
     sd["tier"] = std::string(tz::tier_name(plan.tier_of(state)));
-    sd["bytes_per_elem"] = tz::state_elem_bytes(state, plan.tier_of(state));
+    sd["bytes_per_elem"] = plan.elem_bytes_of(state);
     sd["bytes_per_rank"] = plan.bytes_of(state);
     states[std::string(tz::state_class_name(state)).c_str()] = sd;
   }
@@ -129,6 +132,7 @@ nb::dict plan_dict(const tz::Plan& plan, const tz::PlanInput& in, const tz::Reso
   d["layout"] = layout;
   d["ranks"] = in.ranks;
   d["stage"] = in.stage;
+  d["param_bytes"] = in.param_bytes;  // 2: bf16 or fp16 training; 4: fp32
   d["placement"] = plan.mode == tz::PlacementMode::kAuto ? "auto" : "deepspeed";
   d["candidates"] = plan.candidates;
   d["feasible_candidates"] = plan.feasible_candidates;
@@ -168,11 +172,13 @@ void bind_planner(nb::module_& m) {
          std::optional<std::string> config_json, std::optional<int> stage, std::optional<int> grad_accum,
          std::optional<std::string> gpu, std::optional<std::string> cpu, std::optional<std::string> nvme,
          std::vector<std::string> nvme_paths, std::optional<std::string> offload_param,
-         std::optional<std::string> offload_optimizer, std::optional<std::string> placement, double nvme_read_gbps,
+         std::optional<std::string> offload_optimizer, std::optional<std::string> placement,
+         std::optional<std::string> precision, double nvme_read_gbps,
          double nvme_write_gbps, double pcie_gbps, double cpu_mem_gbps) {
         EstimateArgs a{std::move(block_numel), ranks, ranks_per_node, std::move(config_path), std::move(config_json),
                        stage, grad_accum, std::move(gpu), std::move(cpu), std::move(nvme), std::move(nvme_paths),
-                       std::move(offload_param), std::move(offload_optimizer), std::move(placement), {}};
+                       std::move(offload_param), std::move(offload_optimizer), std::move(placement),
+                       std::move(precision), {}};
         if (nvme_read_gbps > 0) a.links.nvme_read_Bps = nvme_read_gbps * 1e9;
         if (nvme_write_gbps > 0) a.links.nvme_write_Bps = nvme_write_gbps * 1e9;
         if (pcie_gbps > 0) a.links.pcie_Bps = pcie_gbps * 1e9;
@@ -184,7 +190,7 @@ void bind_planner(nb::module_& m) {
       nb::arg("grad_accum") = nb::none(), nb::arg("gpu") = nb::none(), nb::arg("cpu") = nb::none(),
       nb::arg("nvme") = nb::none(), nb::arg("nvme_paths") = std::vector<std::string>{},
       nb::arg("offload_param") = nb::none(), nb::arg("offload_optimizer") = nb::none(),
-      nb::arg("placement") = nb::none(), nb::arg("nvme_read_gbps") = 0.0, nb::arg("nvme_write_gbps") = 0.0,
+      nb::arg("placement") = nb::none(), nb::arg("precision") = nb::none(), nb::arg("nvme_read_gbps") = 0.0, nb::arg("nvme_write_gbps") = 0.0,
       nb::arg("pcie_gbps") = 0.0, nb::arg("cpu_mem_gbps") = 0.0,
       "Plans where each state class lives for blocks of `block_numel` elements; returns (plan dict, report text). "
       "MemoryError (naming the tier, need, budget and keys) when nothing fits; ValueError for bad input.");

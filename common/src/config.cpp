@@ -1036,4 +1036,13 @@ void override_gradient_accumulation_steps(Config& config, std::int64_t steps) {
   config.batch_given.train_batch_size.reset();
 }
 
+Status set_training_precision(Config& config, std::string_view precision) {
+  if (precision != "bf16" && precision != "fp16" && precision != "fp32") {
+    return invalid_argument("precision '{}': expected bf16, fp16 or fp32", precision);
+  }
+  config.precision.bf16 = precision == "bf16";
+  config.precision.fp16 = precision == "fp16";
+  return ok_status();
+}
+
 }  // namespace tz

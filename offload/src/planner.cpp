@@ -29,9 +29,10 @@ namespace {
 constexpr std::uint64_t kShardAlignNumel = 2048;
 // 2^50 elements (a quadrillion) keeps every byte count below 2^64 even at 16 B/elem.
 constexpr std::uint64_t kMaxModelNumel = std::uint64_t{1} << 50;
-// CPU Adam touches 30 B per element of its shard: reads fp32 p, g, m, v (16),
-// writes p, m, v (12) and the new 16-bit parameter (2).
-constexpr std::uint64_t kCpuAdamBytesPerElem = 30;
+// CPU Adam touches 28 B per element of its shard, reading fp32 p, g, m, v (16)
+// and writing p, m, v (12), plus the training parameter it writes (2 B for a
+// 16-bit one, 4 B in fp32 training).
+constexpr std::uint64_t kCpuAdamFp32BytesPerElem = 28;
 
 std::uint64_t sat_mul(std::uint64_t a, std::uint64_t b) {
   if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) {
@@ -104,6 +105,9 @@ Status validate(const PlanInput& in) {
     return invalid_argument("gradient_accumulation_steps is {}; it must be at least 1",
                             in.gradient_accumulation_steps);
   }
+  if (in.param_bytes != 2 && in.param_bytes != 4) {
+    return invalid_argument("param_bytes is {}; it must be 2 (bf16 or fp16) or 4 (fp32)", in.param_bytes);
+  }
   TZ_TRY(validate_blocks(in.block_numel));
   return validate_sizes(in);
 }
@@ -137,12 +141,15 @@ PlanLayout compute_layout(const PlanInput& in) {
 std::size_t idx(StateClass s) { return static_cast<std::size_t>(s); }
 std::size_t idx(Tier t) { return static_cast<std::size_t>(t); }
 
-std::string class_label(StateClass s, Tier t, std::uint64_t numel) {
-  static constexpr std::string_view kWhat[] = {"16-bit params", "grads", "fp32 master weights",
+// "16-bit params" or "fp32 params": what the training parameters are.
+std::string_view params_name(std::uint64_t param_bytes) { return param_bytes == 2 ? "16-bit params" : "fp32 params"; }
+
+std::string class_label(StateClass s, std::uint64_t param_bytes, std::uint64_t numel) {
+  static constexpr std::string_view kWhat[] = {"", "fp32 grads", "fp32 master weights",
                                                "Adam moments exp_avg + exp_avg_sq"};
-  std::string what(kWhat[idx(s)]);
-  if (s == StateClass::kGrad) what = "fp32 grads";
-  return fmt::format("{} ({} B x {} elem)", what, state_elem_bytes(s, t), format_count(static_cast<double>(numel)));
+  const std::string_view what = s == StateClass::kParam16 ? params_name(param_bytes) : kWhat[idx(s)];
+  return fmt::format("{} ({} B x {} elem)", what, state_elem_bytes(s, param_bytes),
+                     format_count(static_cast<double>(numel)));
 }
 
 void add_item(TierUsage& usage, std::string what, std::uint64_t bytes) {
@@ -154,11 +161,12 @@ void add_item(TierUsage& usage, std::string what, std::uint64_t bytes) {
 
 void add_gpu_extras(const PlanInput& in, Plan& plan) {
   const PlanLayout& l = plan.layout;
+  const std::uint64_t b = in.param_bytes;  // a parameter, and its gradient in backward
   TierUsage& gpu = plan.usage[idx(Tier::kGpu)];
   add_item(gpu,
-           fmt::format("{} persistent blocks, whole: 16-bit params + grads (4 B x {} elem)", l.persistent_blocks,
+           fmt::format("{} persistent blocks, whole: params + grads ({} B x {} elem)", l.persistent_blocks, 2 * b,
                        format_count(static_cast<double>(l.persistent_numel))),
-           4 * l.persistent_numel);
+           2 * b * l.persistent_numel);
   if (in.stage != 3 || l.gathered_block_numel == 0) return;
   // Note [Gather window]: the current block plus what is prefetched behind it,
   // capped by max_live_parameters but never below one whole block, which must
@@ -167,32 +175,34 @@ void add_gpu_extras(const PlanInput& in, Plan& plan) {
   const std::uint64_t window = largest + std::max(largest, as_u64(in.prefetch_bucket_size));
   const std::uint64_t live = std::max(largest, std::min(as_u64(in.max_live_parameters), window));
   add_item(gpu,
-           fmt::format("gathered 16-bit params, current + prefetch (2 B x {} elem)",
+           fmt::format("gathered {}, current + prefetch ({} B x {} elem)", params_name(b), b,
                        format_count(static_cast<double>(live))),
-           2 * live);
+           b * live);
   add_item(gpu,
-           fmt::format("16-bit gradient of the block in backward (2 B x {} elem)",
+           fmt::format("gradient of the block in backward ({} B x {} elem)", b,
                        format_count(static_cast<double>(largest))),
-           2 * largest);
+           b * largest);
 }
 
 void add_cpu_extras(const PlanInput& in, Plan& plan) {
   const PlanLayout& l = plan.layout;
   TierUsage& cpu = plan.usage[idx(Tier::kCpu)];
+  const std::uint64_t b = in.param_bytes;
   if (plan.tier_of(StateClass::kParam16) == Tier::kNvme) {
     add_item(cpu,
-             fmt::format("param NVMe staging buffers ({} x {} elem x 2 B)", in.param_buffer_count,
-                         format_count(static_cast<double>(in.param_buffer_size))),
-             sat_mul(2, sat_mul(as_u64(in.param_buffer_count), as_u64(in.param_buffer_size))));
+             fmt::format("param NVMe staging buffers ({} x {} elem x {} B)", in.param_buffer_count,
+                         format_count(static_cast<double>(in.param_buffer_size)), b),
+             sat_mul(b, sat_mul(as_u64(in.param_buffer_count), as_u64(in.param_buffer_size))));
     const std::uint64_t cached = std::min(as_u64(in.max_in_cpu), l.param_numel);
-    add_item(cpu, fmt::format("param cache, max_in_cpu (2 B x {} elem)", format_count(static_cast<double>(cached))),
-             2 * cached);
+    add_item(cpu,
+             fmt::format("param cache, max_in_cpu ({} B x {} elem)", b, format_count(static_cast<double>(cached))),
+             b * cached);
   }
   std::uint64_t nvme_elem_bytes = 0;
   std::string names;
   for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) {
     if (plan.tier_of(s) != Tier::kNvme) continue;
-    nvme_elem_bytes += state_elem_bytes(s, Tier::kNvme);
+    nvme_elem_bytes += state_elem_bytes(s, in.param_bytes);
     names += names.empty() ? "" : " + ";
     names += state_class_name(s);
   }
@@ -210,7 +220,7 @@ void fill_usage(const PlanInput& in, Plan& plan) {
   const std::uint64_t numel[] = {l.param_numel, l.grad_numel, l.optimizer_numel, l.optimizer_numel};
   for (std::size_t c = 0; c < kNumStateClasses; ++c) {
     const auto s = static_cast<StateClass>(c);
-    add_item(plan.usage[idx(plan.tier[c])], class_label(s, plan.tier[c], numel[c]), plan.class_bytes[c]);
+    add_item(plan.usage[idx(plan.tier[c])], class_label(s, in.param_bytes, numel[c]), plan.class_bytes[c]);
   }
   add_gpu_extras(in, plan);
   add_cpu_extras(in, plan);
@@ -234,21 +244,22 @@ void add_bytes(std::uint64_t& counter, std::initializer_list<std::uint64_t> fact
 void add_param_traffic(const PlanInput& in, const Plan& plan, StepTraffic& t) {
   const std::uint64_t g = static_cast<std::uint64_t>(in.gradient_accumulation_steps);
   const std::uint64_t p = plan.layout.param_numel;
+  const std::uint64_t b = in.param_bytes;
   const Tier where = plan.tier_of(StateClass::kParam16);
   const bool gpu_optimizer = plan.tier_of(StateClass::kMaster) == Tier::kGpu;
   // Off-GPU shards come up once for forward and once for backward per micro-batch.
-  if (where != Tier::kGpu) add_bytes(t.h2d_bytes, {2, p, 2, g});
+  if (where != Tier::kGpu) add_bytes(t.h2d_bytes, {b, p, 2, g});
   if (where == Tier::kNvme) {
     const std::uint64_t cached = std::min(as_u64(in.max_in_cpu), p);
-    add_bytes(t.nvme_read_bytes, {2, p - cached, 2, g});
-    add_bytes(t.nvme_write_bytes, {2, p});  // the new 16-bit shard after the step
+    add_bytes(t.nvme_read_bytes, {b, p - cached, 2, g});
+    add_bytes(t.nvme_write_bytes, {b, p});  // the new parameter shard after the step
   }
   if (gpu_optimizer) {
-    if (where != Tier::kGpu) add_bytes(t.d2h_bytes, {2, p});  // GPU Adam's new params go down to their tier
+    if (where != Tier::kGpu) add_bytes(t.d2h_bytes, {b, p});  // GPU Adam's new params go down to their tier
   } else {
-    if (where == Tier::kGpu) add_bytes(t.h2d_bytes, {2, p});  // CPU Adam's new params come up
-    add_bytes(t.h2d_bytes, {2, plan.layout.persistent_shard_numel});
-    add_bytes(t.cpu_optimizer_bytes, {kCpuAdamBytesPerElem, plan.layout.optimizer_numel});
+    if (where == Tier::kGpu) add_bytes(t.h2d_bytes, {b, p});  // CPU Adam's new params come up
+    add_bytes(t.h2d_bytes, {b, plan.layout.persistent_shard_numel});
+    add_bytes(t.cpu_optimizer_bytes, {kCpuAdamFp32BytesPerElem + b, plan.layout.optimizer_numel});
   }
 }
 
@@ -258,7 +269,8 @@ StepTraffic step_traffic(const PlanInput& in, const Plan& plan) {
   const std::uint64_t g = static_cast<std::uint64_t>(in.gradient_accumulation_steps);
   const std::uint64_t grad = plan.layout.grad_numel;
   const std::uint64_t opt = plan.layout.optimizer_numel;
-  if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) add_bytes(t.d2h_bytes, {2, grad, g});
+  // The gradient leaves the GPU in the parameters' type; the host accumulates it in fp32.
+  if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) add_bytes(t.d2h_bytes, {in.param_bytes, grad, g});
   if (plan.tier_of(StateClass::kGrad) == Tier::kNvme) {
     // Each micro-batch writes its accumulated fp32 grads; every one but the
     // first reads them back to accumulate, and the step reads them once.
@@ -375,9 +387,9 @@ Expected<Plan> plan_deepspeed(const PlanInput& in, const PlanLayout& layout) {
 
 }  // namespace
 
-std::uint64_t state_elem_bytes(StateClass state, Tier /*tier*/) {
+std::uint64_t state_elem_bytes(StateClass state, std::uint64_t param_bytes) {
   switch (state) {
-    case StateClass::kParam16: return 2;
+    case StateClass::kParam16: return param_bytes;
     // fp32 accumulators on every tier: the engine's GPU optimizer keeps its
     // gradient partition in fp32 too (Note [GPU optimizer], zero_engine.cpp).
     case StateClass::kGrad: return 4;
@@ -402,11 +414,12 @@ Plan planner_internal::evaluate_placement(const PlanInput& in, const PlanLayout&
   Plan plan;
   plan.tier = placement;
   plan.layout = layout;
+  plan.param_bytes = in.param_bytes;
   plan.mode = in.mode;
   const std::uint64_t numel[] = {layout.param_numel, layout.grad_numel, layout.optimizer_numel,
                                  layout.optimizer_numel};
   for (std::size_t c = 0; c < kNumStateClasses; ++c) {
-    plan.class_bytes[c] = state_elem_bytes(static_cast<StateClass>(c), placement[c]) * numel[c];
+    plan.class_bytes[c] = state_elem_bytes(static_cast<StateClass>(c), in.param_bytes) * numel[c];
   }
   fill_usage(in, plan);
   plan.traffic = step_traffic(in, plan);

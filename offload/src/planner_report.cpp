@@ -90,6 +90,7 @@ std::vector<std::string> remedies(const PlanInput& in, Tier t) {
   std::vector<std::string> more = t == Tier::kGpu ? gpu_remedies(in) : t == Tier::kCpu ? cpu_remedies(in)
                                                                                        : nvme_remedies(in);
   out.insert(out.end(), more.begin(), more.end());
+  if (in.param_bytes == 4) out.push_back("enable the config's \"bf16\" block (2-byte params instead of fp32)");
   return out;
 }
 
@@ -100,6 +101,8 @@ void format_inputs(std::string& out, const Plan& plan, const PlanInput& in) {
                      l.model_numel, l.blocks, format_count(double(l.largest_block_numel)));
   out += fmt::format("partition  ZeRO stage {} over {} rank{} ({} per node), {} micro-batch{} per step\n", in.stage,
                      in.ranks, in.ranks == 1 ? "" : "s", in.effective_ranks_per_node(), g, g == 1 ? "" : "es");
+  out += in.param_bytes == 2 ? "precision  16-bit params (bf16 or fp16, 2 B), fp32 master weights\n"
+                              : "precision  fp32 params (4 B: neither bf16 nor fp16 is enabled)\n";
   out += fmt::format("per rank   param16 {} elem, grad {} elem, master/moments {} elem (shards padded to 2048)\n",
                      l.param_numel, l.grad_numel, l.optimizer_numel);
   if (l.persistent_blocks > 0) {
@@ -118,7 +121,7 @@ void format_inputs(std::string& out, const Plan& plan, const PlanInput& in) {
 void format_tables(std::string& out, const Plan& plan) {
   out += fmt::format("\n{:<12} {:>10}  {:<5} {:>14}\n", "state class", "bytes/elem", "tier", "per-rank bytes");
   for (StateClass s : kClasses) {
-    out += fmt::format("{:<12} {:>10}  {:<5} {:>14}\n", state_class_name(s), state_elem_bytes(s, plan.tier_of(s)),
+    out += fmt::format("{:<12} {:>10}  {:<5} {:>14}\n", state_class_name(s), plan.elem_bytes_of(s),
                        tier_name(plan.tier_of(s)), format_bytes(plan.bytes_of(s)));
   }
   out += fmt::format("\n{:<5} {:>14} {:>14} {:>14}\n", "tier", "needed", "budget", "headroom");

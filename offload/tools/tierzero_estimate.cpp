@@ -36,6 +36,7 @@ struct Options {
   int stage = 3;
   int grad_accum = 1;
   std::string offload_param, offload_optimizer, placement;
+  std::string precision;  // bf16 | fp16 | fp32; empty: the config's, or bf16 without one
   std::string config_path;
   std::string gpu = "auto", cpu = "auto", nvme = "auto";
   std::vector<std::string> nvme_paths;
@@ -85,6 +86,10 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--offload-optimizer", o.offload_optimizer,
                  "DeepSpeed offload_optimizer.device (implies DeepSpeed placement)")
       ->check(devices);
+  app.add_option("--precision", o.precision,
+                 "training precision: bf16 or fp16 (2 B params) or fp32 (4 B params); default the config's, "
+                 "or bf16 without a config")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
   app.add_option("--placement", o.placement, "auto (fastest plan that fits) or deepspeed (follow the offload devices)")
       ->check(CLI::IsMember({"auto", "deepspeed"}));
   app.add_option("--config", o.config_path, "tierzero/DeepSpeed JSON config (flags override it)")
@@ -139,13 +144,15 @@ tz::ByteBudget budget_of(const std::string& text) {
   return tz::ByteBudget::of(tz::parse_bytes(text).value());
 }
 
-// The config (or defaults: stage 3, every budget auto) with the flags applied.
+// The config (or defaults: stage 3, bf16, every budget auto) with the flags applied.
 tz::Expected<tz::Config> effective_config(const Options& o) {
   tz::Config config;
   config.zero.stage = 3;
+  config.precision.bf16 = true;  // an estimate without a config is for mixed precision
   if (!o.config_path.empty()) {
     TZ_ASSIGN_OR_RETURN(config, tz::load_config(o.config_path));
   }
+  if (!o.precision.empty()) TZ_TRY(tz::set_training_precision(config, o.precision));
   if (o.has_stage) config.zero.stage = o.stage;
   if (o.has_grad_accum) tz::override_gradient_accumulation_steps(config, o.grad_accum);
   if (o.has_gpu || o.config_path.empty()) config.tiers.gpu = budget_of(o.gpu);
@@ -206,15 +213,14 @@ nlohmann::json plan_json(const tz::Plan& plan, const tz::PlanInput& in, const tz
   nlohmann::json states = nlohmann::json::array();
   for (auto s : {tz::StateClass::kParam16, tz::StateClass::kGrad, tz::StateClass::kMaster, tz::StateClass::kMoments}) {
     states.push_back({{"class", tz::state_class_name(s)}, {"tier", tz::tier_name(plan.tier_of(s))},
-                      {"bytes_per_elem", tz::state_elem_bytes(s, plan.tier_of(s))},
-                      {"bytes_per_rank", plan.bytes_of(s)}});
+                      {"bytes_per_elem", plan.elem_bytes_of(s)}, {"bytes_per_rank", plan.bytes_of(s)}});
   }
   const tz::StepTraffic& t = plan.traffic;
   return {
       {"inputs",
        {{"params", l.model_numel}, {"blocks", l.blocks}, {"largest_block", l.largest_block_numel},
         {"ranks", in.ranks}, {"ranks_per_node", in.effective_ranks_per_node()}, {"stage", in.stage},
-        {"gradient_accumulation_steps", in.gradient_accumulation_steps},
+        {"gradient_accumulation_steps", in.gradient_accumulation_steps}, {"param_bytes", in.param_bytes},
         {"placement", plan.mode == tz::PlacementMode::kAuto ? "auto" : "deepspeed"},
         {"links_Bps", {{"nvme_read", in.links.nvme_read_Bps}, {"nvme_write", in.links.nvme_write_Bps},
                        {"pcie", in.links.pcie_Bps}, {"cpu_mem", in.links.cpu_mem_Bps}}}}},

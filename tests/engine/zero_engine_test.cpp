@@ -131,6 +131,39 @@ TEST(ZeroEngine, Fp32ParametersOnNvmeFitTheSwapStore) {
   EXPECT_NEAR(static_cast<const float*>(p->data())[0], 1.0F, 1e-3F) << "block d read back from NVMe";
 }
 
+// The plan counts fp32 parameters at 4 B: a CPU budget that holds a bf16
+// model's states (18 B an element) but not an fp32 one's (20 B) starts the
+// first and refuses the second at planning, naming the budget.
+TEST(ZeroEngine, Fp32ParametersArePlannedAtFourBytes) {
+  const std::vector<tz::BlockSpec> model = {{"a", {{"w", {1024, 1024}}}}, {"b", {{"w", {1024, 1024}}}},
+                                            {"c", {{"w", {1024, 1024}}}}, {"d", {{"w", {1024, 1024}}}}};
+  const tz::ParamInit init = [](std::size_t, std::size_t, float* out, std::uint64_t n) { std::fill(out, out + n, 0.5F); };
+  const auto config = [](const char* precision) {
+    // 4 Mi elements: bf16 needs 72 MiB of CPU memory, fp32 80 MiB.
+    auto c = tz::parse_config(fmt::format(R"({{"train_micro_batch_size_per_gpu": 1, {}
+      "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001}}}},
+      "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+                            "offload_param": {{"device": "cpu"}}, "offload_optimizer": {{"device": "cpu"}}}},
+      "tierzero": {{"backend": "host", "placement": "deepspeed",
+                    "tiers": {{"gpu_bytes": "512MiB", "cpu_bytes": "76MiB", "nvme_bytes": 0}}}}}})",
+                                          precision),
+                              "fp32 plan test");
+    EXPECT_TRUE(c.ok()) << c.status().to_string();
+    return c.ok() ? *c : tz::Config{};
+  };
+  auto bf16 = tz::ZeroEngine::create({.config = config(R"("bf16": {"enabled": true},)")}, model, init);
+  ASSERT_TRUE(bf16.ok()) << bf16.status().to_string();
+  EXPECT_EQ((*bf16)->plan().tier_of(tz::StateClass::kParam16), Tier::kCpu);
+  bf16->reset();
+  auto fp32 = tz::ZeroEngine::create({.config = config("")}, model, init);
+  ASSERT_FALSE(fp32.ok());
+  EXPECT_EQ(fp32.status().code(), tz::ErrorCode::kOutOfMemory);
+  const std::string msg = fp32.status().message();
+  EXPECT_NE(msg.find("cpu needs 80.00 MiB per node but tierzero.tiers.cpu_bytes is 76.00 MiB"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("enable the config's \"bf16\" block"), std::string::npos) << msg;
+}
+
 TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
   TempDir nvme;
   const tz::Config config = test_config(nvme.path(), 3, 1);

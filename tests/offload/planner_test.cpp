@@ -157,6 +157,55 @@ TEST(PlanTraffic, GradsOnNvmeAreReadBackEachAccumulation) {
   EXPECT_EQ(plan.traffic.nvme_read_bytes, 5'600'045'056u + 12 * kP1B + 8 * kP1B);
 }
 
+// fp32 training (neither bf16 nor fp16): the parameters, their gradient in
+// backward and everything that moves them are 4 B an element, not 2.
+TEST(PlanTraffic, Fp32ParamsZeroInfinityHandComputed) {
+  PlanInput in = zero_infinity();
+  in.param_bytes = 4;
+  const Plan plan = must_plan(in);
+  EXPECT_EQ(plan.tier, (Tiers{N, C, N, N}));
+  EXPECT_EQ(plan.elem_bytes_of(StateClass::kParam16), 4u);
+  EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 4 * kP1B);
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 2 * kWs1B);  // gather and backward gradient both 4 B
+  // CPU: fp32 grads 4P, param staging 5 x 1e8 x 4 = 2e9, cache 3e8 x 4 = 1.2e9, optimizer staging 3.6e9.
+  const TierUsage& cpu = plan.usage_of(Tier::kCpu);
+  ASSERT_EQ(cpu.breakdown.size(), 4u);
+  EXPECT_EQ(cpu.breakdown[1].bytes, 2'000'000'000u);
+  EXPECT_EQ(cpu.breakdown[2].bytes, 1'200'000'000u);
+  EXPECT_EQ(cpu.need_bytes, 10'800'022'528u);
+  EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 16 * kP1B);  // params 4P + master 4P + moments 8P
+  const StepTraffic& t = plan.traffic;
+  // params: H2D 4P x 2 passes x 2 = 16P; NVMe read 4 x (P - 3e8) x 2 x 2 = 16 x 700'005'632;
+  // NVMe write 4P. Grads: D2H 4P x 2 = 8P. CPU Adam: 28 + 4 = 32 B x P.
+  EXPECT_EQ(t.h2d_bytes, 16 * kP1B);
+  EXPECT_EQ(t.d2h_bytes, 8 * kP1B);
+  EXPECT_EQ(t.nvme_read_bytes, 11'200'090'112u + 12 * kP1B);
+  EXPECT_EQ(t.nvme_write_bytes, 4 * kP1B + 12 * kP1B);
+  EXPECT_EQ(t.cpu_optimizer_bytes, 32 * kP1B);
+  const std::string text = format_plan(plan, in);
+  for (const char* part : {"precision  fp32 params (4 B", "fp32 params (4 B x 1.0B elem)",
+                           "gathered fp32 params, current + prefetch (4 B x"}) {
+    EXPECT_NE(text.find(part), std::string::npos) << part << "\n" << text;
+  }
+}
+
+// A GPU budget that holds a bf16 model's params but not an fp32 one's: the
+// fp32 plan does not fit, and the message says the params are what to shrink.
+TEST(PlanDeepSpeed, Fp32ParamsNeedTwiceTheRoom) {
+  PlanInput in = one_billion(5'000'000'000, kHuge, kHuge);
+  in.mode = PlacementMode::kDeepSpeed;
+  in.offload_optimizer = OffloadDevice::kCpu;
+  // bf16: 2P + ws = 2'000'011'264 + 1'500'008'448 = 3'500'019'712 fits 5e9.
+  EXPECT_EQ(must_plan(in).usage_of(Tier::kGpu).need_bytes, 3'500'019'712u);
+  in.param_bytes = 4;  // 4P + 2 ws = 7'000'039'424
+  const Expected<Plan> plan = plan_placement(in);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), ErrorCode::kOutOfMemory);
+  const std::string msg = plan.status().message();
+  EXPECT_NE(msg.find("gpu needs 6.52 GiB per rank"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("enable the config's \"bf16\" block"), std::string::npos) << msg;
+}
+
 TEST(PlanDeepSpeed, OverBudgetNamesTierBudgetKeyAndAlternative) {
   PlanInput in = one_billion(4'000'000'000, 10'000'000'000, kHuge);
   in.sub_group_size = 100'000'000;
@@ -347,6 +396,9 @@ TEST(PlanInvalid, InputsAreRefusedWithTheValue) {
   in = good;
   in.links.pcie_Bps = 0;
   expect_invalid(in, "pcie_Bps");
+  in = good;
+  in.param_bytes = 3;
+  expect_invalid(in, "param_bytes is 3");
 }
 
 TEST(PlanFormat, ReportHasTablesAndSummary) {
@@ -387,6 +439,22 @@ TEST(PlanInput, FromConfigCopiesZeroSettings) {
   EXPECT_EQ(in.max_in_cpu, 123);
   EXPECT_EQ(in.sub_group_size, 456);
   EXPECT_EQ(in.gpu_bytes + in.cpu_bytes + in.nvme_bytes, 6u);
+}
+
+TEST(PlanInput, FromConfigTakesTheTrainingPrecision) {
+  Config config;
+  const auto param_bytes = [&config] { return PlanInput::from_config(config, {10}, 1, 0, {}).param_bytes; };
+  EXPECT_EQ(param_bytes(), 4u);  // neither bf16 nor fp16: fp32 training
+  config.precision.bf16 = true;
+  EXPECT_EQ(param_bytes(), 2u);
+  ASSERT_TRUE(set_training_precision(config, "fp16").ok());
+  EXPECT_FALSE(config.precision.bf16);
+  EXPECT_EQ(param_bytes(), 2u);
+  ASSERT_TRUE(set_training_precision(config, "fp32").ok());
+  EXPECT_EQ(param_bytes(), 4u);
+  const Status bad = set_training_precision(config, "fp8");
+  EXPECT_EQ(bad.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("precision 'fp8'"), std::string::npos) << bad.message();
 }
 
 TEST(ResolveBudgets, ExplicitBudgetsPassThrough) {

@@ -92,3 +92,25 @@ def test_the_batch_keys_resolve_for_the_ranks_as_deepspeeds_do():
                                          r"ranks = 24"):
         tierzero.estimate("1B", ranks=3, config={"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8},
                           **budgets)
+
+
+def test_the_training_precision_sets_the_bytes_of_a_parameter():
+    # Without a config an estimate is for 16-bit params; a config with neither bf16 nor fp16 trains fp32 params,
+    # which the engine stores at 4 B (and moves at 4 B); precision= overrides either.
+    budgets = dict(gpu="80GB", cpu="120GB", nvme="2TB")
+    fp32_config = {"zero_optimization": {"stage": 3}}
+    default, report16 = tierzero.estimate("1B", **budgets)
+    from_config, report32 = tierzero.estimate("1B", config=fp32_config, **budgets)
+    flagged, _ = tierzero.estimate("1B", precision="fp32", **budgets)
+    back, _ = tierzero.estimate("1B", config=fp32_config, precision="bf16", **budgets)
+    bf16_config, _ = tierzero.estimate("1B", config={"bf16": {"enabled": True}}, **budgets)
+    assert [p["param_bytes"] for p in (default, from_config, flagged, back, bf16_config)] == [2, 4, 4, 2, 2]
+    assert from_config["states"]["param16"]["bytes_per_elem"] == 4
+    assert from_config["states"]["param16"]["bytes_per_rank"] == 2 * default["states"]["param16"]["bytes_per_rank"]
+    assert "precision  16-bit params" in report16 and "precision  fp32 params (4 B" in report32
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        tierzero.estimate("1B", precision="fp8", **budgets)
+    # The optimizer offloaded: 16-bit params of 1B fit 4 GB of GPU, fp32 ones do not, and the error says bf16.
+    tierzero.estimate("1B", gpu="4GB", cpu="120GB", nvme="2TB", offload_optimizer="cpu")
+    with pytest.raises(MemoryError, match="enable the config's \"bf16\" block"):
+        tierzero.estimate("1B", gpu="4GB", cpu="120GB", nvme="2TB", offload_optimizer="cpu", precision="fp32")

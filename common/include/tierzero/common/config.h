@@ -229,5 +229,8 @@ Status resolve_batch(Config& config, int ranks);
 // An override of the accumulation steps (a tool's flag): it replaces the
 // config's, and a train_batch_size given with them no longer binds.
 void override_gradient_accumulation_steps(Config& config, std::int64_t steps);
+// A tool's precision flag: "bf16" or "fp16" enables that block (and disables
+// the other), "fp32" disables both. Anything else is kInvalidArgument naming it.
+Status set_training_precision(Config& config, std::string_view precision);
 
 }  // namespace tz

@@ -4,7 +4,7 @@
 // Mixed-precision Adam keeps four state classes per parameter:
 //
 //   class     bytes/elem                         where the optimizer allows it
-//   param16   2 (bf16/fp16)                      gpu | cpu | nvme (off-GPU needs stage 3)
+//   param16   2 (bf16/fp16); 4 in fp32 training  gpu | cpu | nvme (off-GPU needs stage 3)
 //   grad      2 on gpu (16-bit), 4 off it (fp32) with the optimizer, see below
 //   master    4 (fp32)                           gpu | cpu | nvme
 //   moments   8 (fp32 exp_avg + exp_avg_sq)      with the optimizer, see below
@@ -65,8 +65,9 @@ inline constexpr std::size_t kNumStateClasses = 4;
 
 std::string_view tier_name(Tier tier);                  // "gpu" | "cpu" | "nvme"
 std::string_view state_class_name(StateClass state);    // "param16" | "grad" | "master" | "moments"
-// Bytes per element of a state class on a tier (grad: 2 on gpu, 4 elsewhere).
-std::uint64_t state_elem_bytes(StateClass state, Tier tier);
+// Bytes per element of a state class: param16 is `param_bytes` (2 for bf16 or
+// fp16, 4 when training in fp32), grad and master 4, moments 8.
+std::uint64_t state_elem_bytes(StateClass state, std::uint64_t param_bytes);
 
 // Sustained link speeds, bytes/second, for the movement-time estimate.
 struct LinkSpeeds {
@@ -103,6 +104,9 @@ struct PlanInput {
   int ranks_per_node = 0;                  // 0 = ranks (one node); must divide ranks
   int stage = 3;                           // ZeRO stage 0..3
   int gradient_accumulation_steps = 1;     // micro-batches per optimizer step
+  // Bytes of a training parameter, and of its gradient in backward: 2 (bf16 or
+  // fp16), or 4 when neither bf16 nor fp16 is enabled (fp32 training).
+  std::uint64_t param_bytes = 2;
   std::uint64_t gpu_bytes = 0;             // budget per GPU
   std::uint64_t cpu_bytes = 0;             // budget per node
   std::uint64_t nvme_bytes = 0;            // budget per node
@@ -118,8 +122,8 @@ struct PlanInput {
   std::int64_t max_in_cpu = 1'000'000'000;        // elements (offload_param.max_in_cpu)
   LinkSpeeds links;
 
-  // Stage, accumulation, mode, offload devices, thresholds and buffer sizes
-  // from `config`; budgets from `budgets`.
+  // Stage, accumulation, precision, mode, offload devices, thresholds and
+  // buffer sizes from `config`; budgets from `budgets`.
   static PlanInput from_config(const Config& config, std::vector<std::uint64_t> block_numel, int ranks,
                                int ranks_per_node, ResolvedBudgets budgets);
   int effective_ranks_per_node() const { return ranks_per_node == 0 ? ranks : ranks_per_node; }
@@ -161,7 +165,7 @@ struct StepTraffic {
   std::uint64_t nvme_write_bytes = 0;
   std::uint64_t h2d_bytes = 0;
   std::uint64_t d2h_bytes = 0;
-  std::uint64_t cpu_optimizer_bytes = 0;  // memory traffic of CPU Adam: 30 B x optimizer shard
+  std::uint64_t cpu_optimizer_bytes = 0;  // memory traffic of CPU Adam: (28 B + param_bytes) x optimizer shard
   double estimated_seconds = 0;           // the four above over their link speeds, summed (no overlap)
 };
 
@@ -171,6 +175,7 @@ struct Plan {
   std::array<TierUsage, kNumTiers> usage{};                // indexed by Tier
   StepTraffic traffic;
   PlanLayout layout;
+  std::uint64_t param_bytes = 2;        // PlanInput::param_bytes
   PlacementMode mode = PlacementMode::kAuto;
   std::size_t candidates = 0;           // placements considered (1 in kDeepSpeed mode)
   std::size_t feasible_candidates = 0;  // of those, how many fit
@@ -178,6 +183,7 @@ struct Plan {
 
   Tier tier_of(StateClass state) const { return tier[static_cast<std::size_t>(state)]; }
   std::uint64_t bytes_of(StateClass state) const { return class_bytes[static_cast<std::size_t>(state)]; }
+  std::uint64_t elem_bytes_of(StateClass state) const { return state_elem_bytes(state, param_bytes); }
   const TierUsage& usage_of(Tier t) const { return usage[static_cast<std::size_t>(t)]; }
   bool fits() const;
 };
