@@ -413,6 +413,11 @@ class PyEngine {
     locked(*core_, [&] { return core_->engine->set_master(block, values.data(), values.size(), root, refused); });
   }
 
+  void agree(const std::string& value, const std::optional<std::string>& refusal, const std::string& what) {
+    const tz::Status refused = refusal ? tz::invalid_argument("{}", *refusal) : tz::Status();
+    locked(*core_, [&] { return core_->engine->agree(value, refused, what); });
+  }
+
   nb::ndarray<nb::numpy, float> gather_master(std::size_t block) {
     std::vector<float> v = locked(*core_, [&] { return core_->engine->gather_master(block); });
     auto* owned = new std::vector<float>(std::move(v));
@@ -544,6 +549,11 @@ void bind_engine(nb::module_& m) {
            "the same block and root. Moments, step and accumulated gradients stay. Refused while a gathered block is "
            "alive; not for use between a forward and its backward. refusal: "
            "this rank's reason not to go on (every rank then fails, this one with the reason as a ValueError).")
+      .def("agree", &PyEngine::agree, nb::arg("value"), nb::kw_only(), nb::arg("refusal") = nb::none(),
+           nb::arg("what") = "agree",
+           "A collective check before work every rank must do alike: raises on every rank when the ranks' `value` "
+           "strings differ (ValueError quoting this rank's) or any rank passes a `refusal` (that rank: ValueError "
+           "with it; the others: OSError saying how many refused). `what` names the work in the messages.")
       .def("record_timeline", [](PyEngine& e, bool on) { e.engine().record_timeline(on); }, nb::arg("on"))
       .def("write_timeline",
            [](PyEngine& e, const std::string& p) { e.call([&] { return e.engine().write_timeline(p); }); },

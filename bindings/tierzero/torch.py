@@ -109,10 +109,11 @@ own state is saved by its owner (scheduler.state_dict()), as in plain torch.
 from __future__ import annotations
 
 import io
+import math
 import os
 import warnings
 import weakref
-from collections import namedtuple
+from collections import defaultdict, namedtuple
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -252,8 +253,9 @@ class EngineOptimizer(torch.optim.Optimizer):
 class TorchEngine:
     """A torch module trained through tierzero's ZeRO engine. Made by initialize()."""
 
-    def __init__(self, model: torch.nn.Module, config: Any):
+    def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None):
         self.module = model
+        on_meta = _check_meta(model, init_fn)  # Note [Models on the meta device]
         blocks, self._module_blocks = _collect_blocks(model)
         if not blocks:
             raise ValueError("tierzero.torch.initialize: the model has no parameters that require grad")
@@ -261,10 +263,17 @@ class TorchEngine:
         # messages and describe() show them; export_safetensors writes the qualified names.
         specs = [(name, [(n.rpartition(".")[2], tuple(p.shape)) for n, p in zip(names, params)])
                  for name, params, names in blocks]
-        # The masters start from the model's own values, before any cast (Note [Model dtype]).
-        init = [[p.detach().to("cpu", torch.float32).contiguous() for p in params] for _, params, _ in blocks]
+        # The masters start from the model's own values, before any cast (Note [Model dtype]); a model on
+        # the meta device starts from zeros, each block replaced as _MetaMaker makes it.
+        init = [[None if on_meta else p.detach().to("cpu", torch.float32).contiguous() for p in params]
+                for _, params, _ in blocks]
         self._core = _core.Engine(blocks=specs, init=init, **config_args(config))
+        # Every rank makes its model the same way, or none waits in a collective the others never start.
+        self._core.agree("a model on the meta device" if on_meta else "a model in memory",
+                         what="tierzero.torch.initialize (is the model on the meta device?)")
         layout = self._core.layout()
+        if on_meta:
+            _MetaMaker(self._core, model, blocks, layout, init_fn).run()
         self._blocks = [_Block(i, name, params, names, layout[i]) for i, (name, params, names) in enumerate(blocks)]
         self._dtype = _DTYPES[self._core.param_dtype]
         self._cuda = self._core.device.startswith("cuda")
@@ -750,6 +759,202 @@ class TorchEngine:
         return self._core.describe()
 
 
+# Note [Models on the meta device]
+# A model too large for host memory is built without memory, on the meta
+# device (`with torch.device("meta"): model = Model()`), the need DeepSpeed's
+# zero.Init meets. initialize() then makes its tensors one module at a time:
+#
+# - Modules are visited children first (post-order), the order their
+#   constructors ran their own initialisation in: with reset_parameters()
+#   and a model whose weights live in its leaves, the same seed gives the
+#   same weights as the model built in memory.
+# - A module's own meta tensors are swapped (torch.utils.swap_tensors: the
+#   same Python objects, so tied weights, optimizers' and users' references
+#   hold) for NaN-filled CPU tensors. Its initialisation runs, then that of
+#   each of its parents, nearest first: a parent may set its children's
+#   tensors (Hugging Face GPT-2 scales its residual projections; torch's
+#   MultiheadAttention zeroes out_proj.bias; nn.Transformer re-draws every
+#   matrix). The other tensors those calls touch are meta, and calls on meta
+#   tensors do nothing, so each module's tensors get exactly the
+#   initialisation `model.apply(init_fn)` would give them. An initialisation
+#   is init_fn(module) when given (a Hugging Face model's _init_weights),
+#   else the module's reset_parameters() (or _reset_parameters(), as
+#   MultiheadAttention has it).
+# - A tensor still NaN afterwards was set by nothing, and is refused naming it.
+# - Once a block's parameters are all made, rank 0's values go into the
+#   engine (set_master) and the tensors become meta again (so later parents'
+#   initialisations skip them), their memory freed: the next module's
+#   allocations reuse it, so host memory peaks near the largest module plus
+#   the engine's own (bench/python/meta_init_bench.py). Frozen parameters and
+#   buffers stay with torch, on the engine's device.
+# - Any failure (init_fn raising, a NaN, an engine error) on any rank goes
+#   into the next collective as that rank's refusal, so every rank fails
+#   together; each then swaps every tensor back to meta, leaving the model
+#   as it was, for a retry.
+# A model with tensors both on the meta device and off it is refused: an
+# initialisation would overwrite the real ones.
+def _check_meta(model: torch.nn.Module, init_fn: Any) -> bool:
+    """Note [Models on the meta device]: whether `model` is on the meta device, refusing what cannot be made."""
+    where = "tierzero.torch.initialize"
+    meta, real = [], []
+    for name, module, _ in _post_order(model):
+        for key, t in _own_tensors(module):
+            (meta if t.is_meta else real).append(f"{name}.{key}" if name else key)
+    if not meta:
+        if init_fn is not None:
+            raise ValueError(f"{where}: init_fn= makes a model built on the meta device, and this model has no "
+                             "tensor there")
+        return False
+    if real:
+        raise ValueError(f"{where}: the model has tensors both on the meta device ('{meta[0]}', {len(meta)} in all) "
+                         f"and off it ('{real[0]}', {len(real)} in all); initialising it would overwrite the real ones: "
+                         "build all of it on the meta device (with torch.device('meta')), or none")
+    if init_fn is not None:
+        if not callable(init_fn):
+            raise TypeError(f"{where}: init_fn must be callable with a module, not {type(init_fn).__name__}")
+        return True
+    for name, module, _ in _post_order(model):
+        if any(True for _ in _own_tensors(module)) and _reset_of(module) is None:
+            raise ValueError(f"{where}: module '{name or 'model'}' ({type(module).__name__}) has tensors on the meta "
+                             "device and no reset_parameters() to make them; pass init_fn=, called with each module "
+                             "(a Hugging Face model's _init_weights, say)")
+    return True
+
+
+def _post_order(model: torch.nn.Module) -> list:
+    """[(qualified name, module, its parents nearest first)], children before their parent; a module reached
+    twice (shared) once, where named_modules() has it."""
+    out: list = []
+    seen: set = set()
+
+    def visit(name: str, module: torch.nn.Module, parents: list) -> None:
+        seen.add(id(module))
+        for child_name, child in module.named_children():
+            if id(child) not in seen:
+                visit(f"{name}.{child_name}" if name else child_name, child, [module, *parents])
+        out.append((name, module, parents))
+
+    visit("", model, [])
+    return out
+
+
+def _own_tensors(module: torch.nn.Module) -> Iterator:
+    """(key, tensor) for the module's own parameters and buffers."""
+    for table in (module._parameters, module._buffers):
+        for key, t in table.items():
+            if t is not None:
+                yield key, t
+
+
+def _reset_of(module: torch.nn.Module) -> Any:
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+class _MetaMaker:
+    """Makes a model built on the meta device, one module at a time, into the engine (Note [Models on the
+    meta device])."""
+
+    def __init__(self, core: Any, model: torch.nn.Module, blocks: list, layout: list, init_fn: Any):
+        self.core, self.blocks, self.layout, self.init_fn = core, blocks, layout, init_fn
+        self.order = _post_order(model)
+        self.device = torch.device(core.device)
+        self.trained = {id(p) for _, params, _ in blocks for p in params}
+        self.swapped: list = []   # (tensor, holder): the tensor holds real data, the holder its meta original
+        self.made: set = set()    # ids of the tensors made (real now, or handed to the engine and meta again)
+        # A block goes to the engine at the visit that makes the last of its parameters.
+        first: dict = {}  # tensor id -> the visit that makes it
+        for i, (_, module, _) in enumerate(self.order):
+            for _, t in _own_tensors(module):
+                first.setdefault(id(t), i)
+        self.done_at: dict = defaultdict(list)
+        for b, (_, params, _) in enumerate(blocks):
+            self.done_at[max(first[id(p)] for p in params)].append(b)
+
+    def run(self) -> None:
+        failure: Optional[BaseException] = None  # this rank's first; every rank learns of it at the next collective
+        try:
+            for i, (name, module, parents) in enumerate(self.order):
+                if failure is None:
+                    try:
+                        self._make(name, module, parents)
+                    except Exception as e:  # noqa: BLE001 - init_fn's own exceptions, re-raised below
+                        failure = e
+                for b in self.done_at[i]:
+                    failure = self._hand_over(b, failure)
+            self.core.agree("made", refusal=_refusal_text(failure),
+                            what="tierzero.torch.initialize (making the model on the meta device)")
+        except BaseException as e:
+            for t, holder in reversed(self.swapped):  # the model as it was: every tensor on the meta device
+                torch.utils.swap_tensors(t, holder)
+            self.swapped.clear()
+            if failure is not None and failure is not e:
+                raise failure from None  # this rank's own error, not the refusal the engine echoed
+            raise
+        for _, params, _ in self.blocks:  # empty CPU tensors, for TorchEngine to point at its placeholder
+            for p in params:
+                torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(0, dtype=p.dtype), p.requires_grad))
+
+    def _make(self, name: str, module: torch.nn.Module, parents: list) -> None:
+        made = []
+        for key, t in _own_tensors(module):
+            if not t.is_meta or id(t) in self.made:
+                continue
+            floating = t.dtype.is_floating_point or t.dtype.is_complex
+            real = torch.full(t.shape, math.nan, dtype=t.dtype) if floating else torch.zeros(t.shape, dtype=t.dtype)
+            holder = torch.nn.Parameter(real, t.requires_grad) if isinstance(t, torch.nn.Parameter) else real
+            torch.utils.swap_tensors(t, holder)
+            self.swapped.append((t, holder))
+            self.made.add(id(t))
+            made.append((f"{name}.{key}" if name else key, t, floating))
+        if not made:
+            return
+        with torch.no_grad():
+            for m in (module, *parents):
+                if self.init_fn is not None:
+                    self.init_fn(m)
+                elif (reset := _reset_of(m)) is not None:
+                    reset()
+        for qualified, t, floating in made:
+            if floating and bool(torch.isnan(t).any()):
+                how = "init_fn" if self.init_fn is not None else "reset_parameters() of its module and their parents"
+                raise ValueError(f"tierzero.torch.initialize: '{qualified}' (on the meta device) was not set by {how}; "
+                                 "pass init_fn= that sets it")
+        for _, t, _ in made:
+            if id(t) not in self.trained and t.device != self.device:
+                t.data = t.data.to(self.device)  # frozen parameters and buffers stay with torch
+
+    def _hand_over(self, b: int, failure: Optional[BaseException]) -> Optional[BaseException]:
+        """Block b's values (rank 0's) into the engine, and its parameters back to meta; the failure, if any."""
+        _, params, _ = self.blocks[b]
+        whole = torch.zeros(0)  # with a refusal set_master reads nothing
+        if failure is None:
+            try:
+                whole = torch.zeros(self.layout[b]["whole_numel"], dtype=torch.float32)
+                for p, spec in zip(params, self.layout[b]["params"]):
+                    whole[spec["offset"]:spec["offset"] + spec["numel"]] = p.detach().reshape(-1)
+            except Exception as e:  # noqa: BLE001 - into the collective, then re-raised by run()
+                failure, whole = e, torch.zeros(0)
+        self.core.set_master(b, whole, root=0, refusal=_refusal_text(failure))
+        del whole
+        mine = {id(p) for p in params}
+        keep = []
+        for t, holder in self.swapped:
+            if id(t) in mine:
+                torch.utils.swap_tensors(t, holder)  # meta again; the real data goes with the holder
+            else:
+                keep.append((t, holder))
+        self.swapped = keep
+        return failure
+
+
+def _refusal_text(failure: Optional[BaseException]) -> Optional[str]:
+    return None if failure is None else f"{type(failure).__name__}: {failure}"
+
+
 def _collect_blocks(model: torch.nn.Module) -> tuple[list, dict]:
     """[(block name, params, qualified names)] and {module: [block ids it uses]}.
 
@@ -841,7 +1046,8 @@ def _hyper_from_config(config: Any) -> dict:
 
 
 def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = None,
-               model_parameters: Any = None, lr_scheduler: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
+               model_parameters: Any = None, lr_scheduler: Any = None,
+               init_fn: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
     """(engine, optimizer) for `model`, as deepspeed.initialize returns them.
 
     config: a path to a DeepSpeed-style JSON file, or a dict. The engine's
@@ -851,6 +1057,10 @@ def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = N
     compatibility and must be None or the model's parameters. Learning-rate
     schedules: the config's "scheduler" block, or a torch scheduler built on
     the returned optimizer (Note [Learning rate]); lr_scheduler= is refused.
+    A model built on the meta device (with torch.device("meta")) is made one
+    module at a time, straight into the engine, never whole in memory (Note
+    [Models on the meta device]); init_fn(module) initialises each module's
+    tensors, in place of its reset_parameters().
     """
     if config is None:
         raise ValueError("tierzero.torch.initialize: config= is required (a path or a dict)")
@@ -867,7 +1077,7 @@ def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = N
             raise ValueError("tierzero.torch.initialize: model_parameters must be the model's trainable parameters")
     if isinstance(config, (str, os.PathLike)):
         config = os.fspath(config)
-    engine = TorchEngine(model, config)
+    engine = TorchEngine(model, config, init_fn)
     engine.optimizer = EngineOptimizer(engine, _hyper_from_config(config))
     return engine, engine.optimizer
 

@@ -60,6 +60,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Expected<std::vector<float>> gather_master(std::size_t block) override;
   using ZeroEngine::set_master;
   Status set_master(std::size_t block, float* whole, std::size_t count, int root, const Status& refusal) override;
+  Status agree(const std::string& value, const Status& refusal, std::string_view what) override {
+    TZ_TRY(agree_on_name(value, what, "values", "do the same"));
+    return agree(refusal, what);
+  }
   std::string describe() const override;
   using ZeroEngine::load_checkpoint;
   using ZeroEngine::save_checkpoint;

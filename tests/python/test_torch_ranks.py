@@ -87,6 +87,38 @@ WORKER = textwrap.dedent("""
     tzt.safe_set_full_fp32_param(w, torch.full_like(edited, 0.5) if {rank} == 0 else None)
     assert bool((engine.master_state_dict()["0.weight"] == 0.5).all())
     print("rank {rank}: a raise on one rank refused the write-back on both")
+
+    # A model on the meta device (Note [Models on the meta device]). An init_fn raising on rank 1 fails both
+    # ranks at the same collective, rank 1 with its own error, and leaves the model on the meta device.
+    def init_fn(module):
+        if {rank} == 1 and isinstance(module, torch.nn.LayerNorm):
+            raise KeyError("rank 1 cannot make a LayerNorm")
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    with torch.device("meta"):
+        meta = mlp()
+    try:
+        tzt.initialize(meta, config, init_fn=init_fn)
+        raise SystemExit("made though rank 1's init_fn raised")
+    except (KeyError, OSError) as e:
+        assert isinstance(e, KeyError if {rank} == 1 else OSError), (type(e), str(e))
+    assert all(p.is_meta for p in meta.parameters())
+    # Each rank draws other values; rank 0's are the ones kept, on both.
+    torch.manual_seed(100 + {rank})
+    made, _ = tzt.initialize(meta, config)
+    torch.manual_seed(100)
+    want = dict(mlp().named_parameters())
+    got = made.master_state_dict()
+    assert all(torch.equal(got[n], want[n].detach()) for n in got), "rank 0's weights on both ranks"
+    # On the meta device on one rank only: refused on both, neither left waiting for the other.
+    with torch.device("meta"):
+        half = mlp()
+    try:
+        tzt.initialize(half if {rank} == 1 else mlp(), config)
+        raise SystemExit("made though only rank 1 is on the meta device")
+    except ValueError as e:
+        assert "the ranks name different values" in str(e), str(e)
+    print("rank {rank}: models on the meta device made alike on both ranks, or refused on both")
 """)
 
 

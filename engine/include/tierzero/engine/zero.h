@@ -314,6 +314,11 @@ class ZeroEngine {
   Status set_master(std::size_t block, float* whole, std::size_t count, int root) {
     return set_master(block, whole, count, root, Status());
   }
+  // A collective check before work every rank must do alike: fails on every
+  // rank when the ranks' `value`s differ (kInvalidArgument quoting this
+  // rank's) or any rank passes a `refusal` (that rank fails with it, the
+  // others saying how many refused). `what` names the work in the messages.
+  virtual Status agree(const std::string& value, const Status& refusal, std::string_view what) = 0;
   // Human-readable: where each state class lives, the budgets and use.
   virtual std::string describe() const = 0;
 

@@ -1,0 +1,203 @@
+"""tierzero.torch.initialize on a model built on the meta device (Note [Models on the meta device]).
+
+Each test builds the model under torch.device("meta"), where no tensor has memory, and checks what initialize()
+makes of it against the same model built in memory, or that a model it cannot make is refused, named, and left on
+the meta device for a retry.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tierzero.torch as tzt
+from conftest import host_config
+from test_torch import TOL, _adamw_like, _mlp_batches, largest_error, mlp
+
+
+def on_meta(build):
+    with torch.device("meta"):
+        return build()
+
+
+def all_meta(model):
+    return all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def test_the_same_seed_makes_the_same_weights_and_the_same_training(nvme_dir):
+    # Modules are made children first, as their constructors initialise them: with reset_parameters() and the
+    # same seed, the weights are those of the model built in memory, bit for bit, and so is the training.
+    torch.manual_seed(0)
+    ref = mlp()
+    torch.manual_seed(0)
+    model = on_meta(mlp)
+    ids = [id(p) for p in model.parameters()]
+    config = host_config(nvme_dir, clip=1.0)
+    engine, _ = tzt.initialize(model, config)
+    assert [id(p) for p in model.parameters()] == ids, "the parameters are the model's own objects still"
+    master = engine.master_state_dict()
+    assert all(torch.equal(master[n], p.detach()) for n, p in ref.named_parameters())
+    opt = _adamw_like(config, ref.parameters())
+    for x, y in _mlp_batches(1, 5):
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+        F.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    err = largest_error(engine, ref)
+    print(f"meta-built MLP, 5 steps against the one built in memory: largest |tierzero - torch| = {err:.3g}")
+    assert err <= TOL
+
+
+def test_a_parents_initialisation_of_its_children_holds(nvme_dir):
+    # torch's MultiheadAttention zeroes its child out_proj's bias after the child drew it; without that
+    # parent's step the bias would be Linear's uniform draw.
+    layer = on_meta(lambda: torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True))
+    for p in layer.self_attn.out_proj.parameters():  # MultiheadAttention reads them without calling out_proj
+        tzt.register_external_parameter(layer.self_attn, p)
+    engine, _ = tzt.initialize(layer, host_config(nvme_dir))
+    master = engine.master_state_dict()
+    assert torch.equal(master["self_attn.out_proj.bias"], torch.zeros(64))
+    assert torch.equal(master["self_attn.in_proj_bias"], torch.zeros(192))
+    bound = math.sqrt(6 / (64 + 192))  # xavier_uniform_ of in_proj_weight (192, 64)
+    w = master["self_attn.in_proj_weight"]
+    assert 0.9 * bound < float(w.abs().max()) <= bound
+    assert torch.equal(master["norm1.weight"], torch.ones(64))
+    x = torch.randn(2, 5, 64)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    assert engine.global_steps == 1
+
+
+def test_gpt2_gets_its_scaled_residual_initialisation(nvme_dir):
+    # Hugging Face GPT-2's _init_weights, called on an attention or MLP module, re-draws its child c_proj's
+    # weight with std 0.02 / sqrt(2 n_layer): init_fn runs on each module's parents too, so it lands.
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4)
+    model = on_meta(lambda: transformers.GPT2LMHeadModel(cfg))
+    engine, _ = tzt.initialize(model, host_config(nvme_dir, lr=1e-3), init_fn=model._init_weights)
+    master = engine.master_state_dict()
+    scaled = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for name, std in (("transformer.h.1.attn.c_proj.weight", scaled), ("transformer.h.1.mlp.c_proj.weight", scaled),
+                      ("transformer.h.1.mlp.c_fc.weight", 0.02), ("transformer.wte.weight", 0.02)):
+        got = float(master[name].std())
+        assert abs(got - std) < 0.05 * std, (name, got, std)  # 65K+ draws: the std within 5%
+    assert torch.equal(master["transformer.h.1.ln_1.weight"], torch.ones(128))
+    assert model.lm_head.weight is model.transformer.wte.weight, "the tie holds"
+    ids = torch.randint(0, 512, (2, 16))
+    out = engine(ids, labels=ids)
+    assert math.isfinite(out.loss.item())
+    engine.backward(out.loss)
+    engine.step()
+
+
+class TiedHead(torch.nn.Module):
+    def __init__(self, vocab=40, d=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.norm = torch.nn.BatchNorm1d(d)
+        self.head = torch.nn.Linear(d, vocab)  # with a bias of its own
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.norm(self.emb(ids)))
+
+
+def test_tied_weights_with_a_bias_and_buffers(nvme_dir):
+    torch.manual_seed(3)
+    ref = TiedHead()
+    torch.manual_seed(3)
+    model = on_meta(TiedHead)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    assert model.head.weight is model.emb.weight
+    master = engine.master_state_dict()
+    assert set(master) == {"emb.weight", "norm.weight", "norm.bias", "head.bias"}
+    # The embedding is drawn first in both; the model built in memory then drew a head weight the tie
+    # discarded, so the bias comes from a later point of the random stream: Linear's bound, not its values.
+    assert torch.equal(master["emb.weight"], ref.emb.weight.detach())
+    assert 0 < float(master["head.bias"].abs().max()) <= 1 / math.sqrt(16)
+    # Buffers stay with torch, made, on the engine's device.
+    assert torch.equal(model.norm.running_var, torch.ones(16)) and model.norm.running_var.device.type == "cpu"
+    assert int(model.norm.num_batches_tracked) == 0
+    engine.backward(F.cross_entropy(engine(torch.randint(0, 40, (8,))), torch.randint(0, 40, (8,))))
+    engine.step()
+    assert int(model.norm.num_batches_tracked) == 1
+
+
+def test_a_failed_initialize_leaves_the_model_on_meta_for_a_retry(nvme_dir):
+    model = on_meta(mlp)
+    params = list(model.parameters())
+    seen = []
+
+    def init_fn(module):
+        seen.append(type(module).__name__)
+        if isinstance(module, torch.nn.LayerNorm):
+            raise KeyError("no LayerNorm today")
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    with pytest.raises(KeyError, match="no LayerNorm today"):
+        tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    assert "Linear" in seen and all_meta(model), "every tensor is back on the meta device"
+    assert list(model.parameters()) == params or all(a is b for a, b in zip(model.parameters(), params))
+    torch.manual_seed(0)
+    ref = mlp()
+    torch.manual_seed(0)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))  # the retry makes it from scratch
+    master = engine.master_state_dict()
+    assert all(torch.equal(master[n], p.detach()) for n, p in ref.named_parameters())
+
+
+class Leaky(torch.nn.Module):
+    """reset_parameters() sets the weight but forgets the scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(8, 8))
+        self.scale = torch.nn.Parameter(torch.empty(8))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        torch.nn.init.normal_(self.weight)
+
+    def forward(self, x):
+        return (x @ self.weight) * self.scale
+
+
+class NoReset(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_what_cannot_be_made_is_refused_naming_it(nvme_dir):
+    config = host_config(nvme_dir)
+    # A tensor no initialisation set (it would train from uninitialised memory): refused, named, undone.
+    model = on_meta(lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), Leaky()))
+    with pytest.raises(ValueError, match=r"'1\.scale' \(on the meta device\) was not set by reset_parameters\(\)"):
+        tzt.initialize(model, config)
+    assert all_meta(model)
+    # A module with meta tensors and no reset_parameters(): refused before anything is made.
+    model = on_meta(lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), NoReset()))
+    with pytest.raises(ValueError, match=r"module '1' \(NoReset\) has tensors on the meta device and no "
+                                         r"reset_parameters\(\).*pass init_fn="):
+        tzt.initialize(model, config)
+    # With init_fn it is made.
+    engine, _ = tzt.initialize(model, config, init_fn=lambda m: [torch.nn.init.ones_(p) for p in
+                                                               m.parameters(recurse=False)])
+    assert torch.equal(engine.master_state_dict()["1.weight"], torch.ones(8, 8))
+    # Meta and real tensors in one model: refused, naming one of each.
+    mixed = torch.nn.Sequential(on_meta(lambda: torch.nn.Linear(8, 8)), torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"both on the meta device \('0\.weight', 2 in all\) and off it "
+                                         r"\('1\.weight', 2 in all\)"):
+        tzt.initialize(mixed, config)
+    # init_fn for a model with nothing on the meta device would be ignored: refused instead.
+    with pytest.raises(ValueError, match="init_fn= makes a model built on the meta device"):
+        tzt.initialize(mlp(), config, init_fn=lambda m: None)
+    with pytest.raises(TypeError, match="init_fn must be callable"):
+        tzt.initialize(on_meta(mlp), config, init_fn="normal")
