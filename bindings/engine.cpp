@@ -418,6 +418,11 @@ class PyEngine {
     locked(*core_, [&] { return core_->engine->agree(value, refused, what); });
   }
 
+  void broadcast(const WritableArg& data, int root) {
+    const ArrayInfo info = check(data, ArraySpec{{DType::kAny}}, "Engine.broadcast()", "data");
+    locked(*core_, [&] { return core_->engine->broadcast(info.data, info.nbytes, root); });
+  }
+
   nb::ndarray<nb::numpy, float> gather_master(std::size_t block) {
     std::vector<float> v = locked(*core_, [&] { return core_->engine->gather_master(block); });
     auto* owned = new std::vector<float>(std::move(v));
@@ -554,6 +559,9 @@ void bind_engine(nb::module_& m) {
            "A collective check before work every rank must do alike: raises on every rank when the ranks' `value` "
            "strings differ (ValueError quoting this rank's) or any rank passes a `refusal` (that rank: ValueError "
            "with it; the others: OSError saying how many refused). `what` names the work in the messages.")
+      .def("broadcast", &PyEngine::broadcast, nb::arg("data"), nb::kw_only(), nb::arg("root") = 0,
+           "Rank `root`'s `data` (a writable, C-contiguous CPU array of any dtype) into every rank's, in place. A "
+           "collective: every rank passes an array of the same size and the same root.")
       .def("record_timeline", [](PyEngine& e, bool on) { e.engine().record_timeline(on); }, nb::arg("on"))
       .def("write_timeline",
            [](PyEngine& e, const std::string& p) { e.call([&] { return e.engine().write_timeline(p); }); },

@@ -108,6 +108,8 @@ own state is saved by its owner (scheduler.state_dict()), as in plain torch.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import io
 import math
 import os
@@ -255,7 +257,6 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None):
         self.module = model
-        on_meta = _check_meta(model, init_fn)  # Note [Models on the meta device]
         blocks, self._module_blocks = _collect_blocks(model)
         if not blocks:
             raise ValueError("tierzero.torch.initialize: the model has no parameters that require grad")
@@ -265,21 +266,34 @@ class TorchEngine:
                  for name, params, names in blocks]
         # The masters start from the model's own values, before any cast (Note [Model dtype]); a model on
         # the meta device starts from zeros, each block replaced as _MetaMaker makes it.
-        init = [[None if on_meta else p.detach().to("cpu", torch.float32).contiguous() for p in params]
+        init = [[None if p.is_meta else p.detach().to("cpu", torch.float32).contiguous() for p in params]
                 for _, params, _ in blocks]
         self._core = _core.Engine(blocks=specs, init=init, **config_args(config))
-        # Every rank makes its model the same way, or none waits in a collective the others never start.
-        self._core.agree("a model on the meta device" if on_meta else "a model in memory",
-                         what="tierzero.torch.initialize (is the model on the meta device?)")
+        self._dtype = _DTYPES[self._core.param_dtype]
+        # Everything that can be refused before the model changes is, on every rank alike: a refusal on one
+        # rank (or ranks that differ on whether the model is on the meta device) must not leave the others
+        # waiting in a collective it never starts.
+        on_meta, refusal = False, None
+        try:
+            on_meta = _check_meta(model, init_fn)  # Note [Models on the meta device]
+            if self._dtype == torch.float32:
+                self._check_dtypes(blocks)
+            _check_external(model, {id(p) for _, params, _ in blocks for p in params})
+        except (ValueError, TypeError) as e:
+            refusal = e
+        try:
+            self._core.agree("a model on the meta device" if on_meta else "a model in memory",
+                             refusal=_refusal_text(refusal), what="tierzero.torch.initialize")
+        except ValueError:
+            if refusal is not None:
+                raise refusal from None
+            raise
         layout = self._core.layout()
         if on_meta:
-            _MetaMaker(self._core, model, blocks, layout, init_fn).run()
+            _MetaMaker(self._core, model, blocks, layout, init_fn, self._dtype).run()
         self._blocks = [_Block(i, name, params, names, layout[i]) for i, (name, params, names) in enumerate(blocks)]
-        self._dtype = _DTYPES[self._core.param_dtype]
         self._cuda = self._core.device.startswith("cuda")
         self._torch_device = torch.device(self._core.device)
-        if self._dtype == torch.float32:
-            self._check_dtypes(blocks)
         self._slot = {p: (b, i) for b in self._blocks for i, p in enumerate(b.params)}
         self._live: dict[int, _Block] = {}        # gathered buffer address -> block (Note [Saved tensors])
         self._held_for_unpack: list[_Block] = []  # fetched by the unpack hook, released when backward ends
@@ -362,8 +376,7 @@ class TorchEngine:
         deepspeed.zero.register_external_parameter says. Without it the parameter is an empty placeholder
         there (Note [Parameters live in the engine]), and torch reports a shape mismatch."""
         if parameter not in self._slot:
-            raise ValueError("register_external_parameter: the parameter is not one the engine trains (frozen, or "
-                             "not in the model)")
+            raise ValueError(_NOT_TRAINED)
         block, _ = self._slot[parameter]
         if block.index in self._module_blocks.get(module, []):
             return  # gathered with it already
@@ -770,36 +783,52 @@ class TorchEngine:
 #   same weights as the model built in memory.
 # - A module's own meta tensors are swapped (torch.utils.swap_tensors: the
 #   same Python objects, so tied weights, optimizers' and users' references
-#   hold) for NaN-filled CPU tensors. Its initialisation runs, then that of
-#   each of its parents, nearest first: a parent may set its children's
-#   tensors (Hugging Face GPT-2 scales its residual projections; torch's
-#   MultiheadAttention zeroes out_proj.bias; nn.Transformer re-draws every
-#   matrix). The other tensors those calls touch are meta, and calls on meta
-#   tensors do nothing, so each module's tensors get exactly the
-#   initialisation `model.apply(init_fn)` would give them. An initialisation
-#   is init_fn(module) when given (a Hugging Face model's _init_weights),
-#   else the module's reset_parameters() (or _reset_parameters(), as
-#   MultiheadAttention has it).
-# - A tensor still NaN afterwards was set by nothing, and is refused naming it.
-# - Once a block's parameters are all made, rank 0's values go into the
-#   engine (set_master) and the tensors become meta again (so later parents'
-#   initialisations skip them), their memory freed: the next module's
-#   allocations reuse it, so host memory peaks near the largest module plus
-#   the engine's own (bench/python/meta_init_bench.py). Frozen parameters and
-#   buffers stay with torch, on the engine's device.
-# - Any failure (init_fn raising, a NaN, an engine error) on any rank goes
-#   into the next collective as that rank's refusal, so every rank fails
-#   together; each then swaps every tensor back to meta, leaving the model
-#   as it was, for a retry.
-# A model with tensors both on the meta device and off it is refused: an
-# initialisation would overwrite the real ones.
+#   hold) for CPU tensors filled with NaN (floating point) or zeros. Its
+#   initialisation runs, then that of each module it sits in, in the order
+#   model.apply would reach them (parents, theirs, ..., every parent of a
+#   module shared by several): a parent may set its children's tensors
+#   (Hugging Face GPT-2 scales its residual projections; MultiheadAttention
+#   zeroes out_proj.bias; nn.Transformer re-draws every matrix). The other
+#   tensors those calls touch are meta, and writes to meta tensors do
+#   nothing. An initialisation is init_fn(module) when given (a Hugging Face
+#   model's _init_weights), else the module's reset_parameters() (or
+#   _reset_parameters(), as MultiheadAttention has it). An initialisation
+#   that reads another module's tensor (a copy from it) or assigns .data
+#   across the meta boundary raises, and is refused as below.
+# - A floating-point tensor still NaN afterwards, or any other tensor no
+#   call wrote, was set by nothing, and is refused naming it.
+# - A block goes to the engine (set_master, rank 0's values) once its
+#   parameters are made. A tied weight is made by its first holder and,
+#   with init_fn, given to the engine after its last holder's visit, so it
+#   keeps the last holder's initialisation, as model.apply(init_fn) leaves
+#   it; with reset_parameters(), at once, as construction keeps the
+#   creator's (the other holders reset tensors the tie then dropped). The
+#   block's tensors then become meta again (so later initialisations skip them),
+#   their memory freed and handed back to the system (malloc_trim: glibc
+#   keeps freed blocks under its adaptive mmap threshold of up to 32 MiB;
+#   40 modules of 16 MiB peaked at 864 MiB without it, 720 with it). So host
+#   memory peaks near the largest module plus the engine's own
+#   (bench/python/meta_init_bench.py).
+# - Frozen parameters and buffers stay with torch, on the engine's device
+#   and, like the model's after initialize(), in its 16-bit type; they are
+#   made in host memory, and once the whole model is made every rank takes
+#   rank 0's (broadcast), as it does for the trained parameters.
+# - Any failure on any rank (init_fn raising, an interrupt, a refusal, an
+#   engine error) goes into the next collective as that rank's refusal, so
+#   every rank fails together and none waits; each then swaps every tensor
+#   back to meta, leaving the model as it was, for a retry. The checks that
+#   need no making (a module with meta tensors and no reset_parameters()
+#   without init_fn, a model with tensors both on the meta device and off
+#   it, the parameters' dtype, register_external_parameter's) run first, and
+#   go to every rank the same way.
 def _check_meta(model: torch.nn.Module, init_fn: Any) -> bool:
     """Note [Models on the meta device]: whether `model` is on the meta device, refusing what cannot be made."""
     where = "tierzero.torch.initialize"
+    order = _post_order(model)
     meta, real = [], []
-    for name, module, _ in _post_order(model):
+    for name, module in order:
         for key, t in _own_tensors(module):
-            (meta if t.is_meta else real).append(f"{name}.{key}" if name else key)
+            (meta if t.is_meta else real).append(_qualified(name, key))
     if not meta:
         if init_fn is not None:
             raise ValueError(f"{where}: init_fn= makes a model built on the meta device, and this model has no "
@@ -813,7 +842,7 @@ def _check_meta(model: torch.nn.Module, init_fn: Any) -> bool:
         if not callable(init_fn):
             raise TypeError(f"{where}: init_fn must be callable with a module, not {type(init_fn).__name__}")
         return True
-    for name, module, _ in _post_order(model):
+    for name, module in order:
         if any(True for _ in _own_tensors(module)) and _reset_of(module) is None:
             raise ValueError(f"{where}: module '{name or 'model'}' ({type(module).__name__}) has tensors on the meta "
                              "device and no reset_parameters() to make them; pass init_fn=, called with each module "
@@ -822,20 +851,24 @@ def _check_meta(model: torch.nn.Module, init_fn: Any) -> bool:
 
 
 def _post_order(model: torch.nn.Module) -> list:
-    """[(qualified name, module, its parents nearest first)], children before their parent; a module reached
-    twice (shared) once, where named_modules() has it."""
+    """[(qualified name, module)], children before their parent; a module reached twice (shared) once, at its
+    first place."""
     out: list = []
     seen: set = set()
 
-    def visit(name: str, module: torch.nn.Module, parents: list) -> None:
+    def visit(name: str, module: torch.nn.Module) -> None:
         seen.add(id(module))
         for child_name, child in module.named_children():
             if id(child) not in seen:
-                visit(f"{name}.{child_name}" if name else child_name, child, [module, *parents])
-        out.append((name, module, parents))
+                visit(_qualified(name, child_name), child)
+        out.append((name, module))
 
-    visit("", model, [])
+    visit("", model)
     return out
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _own_tensors(module: torch.nn.Module) -> Iterator:
@@ -858,47 +891,82 @@ class _MetaMaker:
     """Makes a model built on the meta device, one module at a time, into the engine (Note [Models on the
     meta device])."""
 
-    def __init__(self, core: Any, model: torch.nn.Module, blocks: list, layout: list, init_fn: Any):
+    def __init__(self, core: Any, model: torch.nn.Module, blocks: list, layout: list, init_fn: Any,
+                 dtype: torch.dtype):
         self.core, self.blocks, self.layout, self.init_fn = core, blocks, layout, init_fn
         self.order = _post_order(model)
         self.device = torch.device(core.device)
+        self.dtype = dtype  # what frozen floating-point tensors are kept in (Note [Model dtype])
         self.trained = {id(p) for _, params, _ in blocks for p in params}
-        self.swapped: list = []   # (tensor, holder): the tensor holds real data, the holder its meta original
+        self.swapped: list = []   # [tensor, holder, qualified name]: the tensor real, the holder its meta original
         self.made: set = set()    # ids of the tensors made (real now, or handed to the engine and meta again)
-        # A block goes to the engine at the visit that makes the last of its parameters.
-        first: dict = {}  # tensor id -> the visit that makes it
-        for i, (_, module, _) in enumerate(self.order):
-            for _, t in _own_tensors(module):
-                first.setdefault(id(t), i)
+        self.kept: list = []      # (tensor, name): frozen parameters and buffers, made and kept
+        visit = {id(m): i for i, (_, m) in enumerate(self.order)}
+        # Every module a module sits in, in the order model.apply reaches them.
+        parents: dict = defaultdict(list)
+        for _, m in self.order:
+            for child in m.children():
+                if m not in parents[id(child)]:
+                    parents[id(child)].append(m)
+        self.chain = []
+        for _, m in self.order:
+            above, todo = {}, list(parents[id(m)])
+            while todo:
+                p = todo.pop()
+                if id(p) not in above:
+                    above[id(p)] = p
+                    todo.extend(parents[id(p)])
+            self.chain.append([m, *sorted(above.values(), key=lambda p: visit[id(p)])])
+        # A tied parameter goes to the engine after the last visit of a module holding it with init_fn (as
+        # model.apply(init_fn) leaves it), after the first with reset_parameters() (as construction does:
+        # the other holders reset tensors of their own, which the tie then replaced).
+        holder_visit: dict = {}  # tensor id -> that visit
+        for i, (_, m) in enumerate(self.order):
+            for _, t in _own_tensors(m):
+                if init_fn is not None or id(t) not in holder_visit:
+                    holder_visit[id(t)] = i
         self.done_at: dict = defaultdict(list)
         for b, (_, params, _) in enumerate(blocks):
-            self.done_at[max(first[id(p)] for p in params)].append(b)
+            self.done_at[max(holder_visit[id(p)] for p in params)].append(b)
 
     def run(self) -> None:
         failure: Optional[BaseException] = None  # this rank's first; every rank learns of it at the next collective
+        what = "tierzero.torch.initialize (making the model on the meta device)"
         try:
-            for i, (name, module, parents) in enumerate(self.order):
+            for i, (name, module) in enumerate(self.order):
                 if failure is None:
                     try:
-                        self._make(name, module, parents)
-                    except Exception as e:  # noqa: BLE001 - init_fn's own exceptions, re-raised below
+                        self._make(i, name, module)
+                    except BaseException as e:  # noqa: BLE001 - init_fn's, an interrupt: re-raised below
                         failure = e
                 for b in self.done_at[i]:
                     failure = self._hand_over(b, failure)
-            self.core.agree("made", refusal=_refusal_text(failure),
-                            what="tierzero.torch.initialize (making the model on the meta device)")
+            self.core.agree("made", refusal=_refusal_text(failure), what=what)
+            self._broadcast_kept()
         except BaseException as e:
-            for t, holder in reversed(self.swapped):  # the model as it was: every tensor on the meta device
-                torch.utils.swap_tensors(t, holder)
-            self.swapped.clear()
-            if failure is not None and failure is not e:
-                raise failure from None  # this rank's own error, not the refusal the engine echoed
-            raise
+            undone = self.undo()
+            if failure is not None and isinstance(e, ValueError) and _refusal_text(failure) in str(e):
+                e = failure  # this rank's own error, not the refusal the engine echoed
+            if undone:
+                e.add_note(undone)
+            raise e from None
         for _, params, _ in self.blocks:  # empty CPU tensors, for TorchEngine to point at its placeholder
             for p in params:
                 torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(0, dtype=p.dtype), p.requires_grad))
 
-    def _make(self, name: str, module: torch.nn.Module, parents: list) -> None:
+    def undo(self) -> str:
+        """Every tensor made back on the meta device; what could not be, in words ("" when all were)."""
+        stuck = []
+        for entry in reversed(self.swapped):
+            try:
+                _swap_back(*entry)
+            except ValueError as e:
+                stuck.append(str(e))
+        self.swapped.clear()
+        _malloc_trim()
+        return "; ".join(stuck)
+
+    def _make(self, i: int, name: str, module: torch.nn.Module) -> None:
         made = []
         for key, t in _own_tensors(module):
             if not t.is_meta or id(t) in self.made:
@@ -907,25 +975,27 @@ class _MetaMaker:
             real = torch.full(t.shape, math.nan, dtype=t.dtype) if floating else torch.zeros(t.shape, dtype=t.dtype)
             holder = torch.nn.Parameter(real, t.requires_grad) if isinstance(t, torch.nn.Parameter) else real
             torch.utils.swap_tensors(t, holder)
-            self.swapped.append((t, holder))
+            self.swapped.append([t, holder, _qualified(name, key)])
             self.made.add(id(t))
-            made.append((f"{name}.{key}" if name else key, t, floating))
-        if not made:
-            return
+            made.append((_qualified(name, key), t, floating, t._version, t.data_ptr()))
+        if not any(not t.is_meta for _, t in _own_tensors(module)):
+            return  # nothing of its own to initialise: all handed over already
         with torch.no_grad():
-            for m in (module, *parents):
+            for m in self.chain[i]:
                 if self.init_fn is not None:
                     self.init_fn(m)
                 elif (reset := _reset_of(m)) is not None:
                     reset()
-        for qualified, t, floating in made:
-            if floating and bool(torch.isnan(t).any()):
-                how = "init_fn" if self.init_fn is not None else "reset_parameters() of its module and their parents"
-                raise ValueError(f"tierzero.torch.initialize: '{qualified}' (on the meta device) was not set by {how}; "
-                                 "pass init_fn= that sets it")
-        for _, t, _ in made:
-            if id(t) not in self.trained and t.device != self.device:
-                t.data = t.data.to(self.device)  # frozen parameters and buffers stay with torch
+        how = "init_fn" if self.init_fn is not None else "reset_parameters() of its module and the modules it is in"
+        for qualified, t, floating, version, address in made:
+            unset = bool(torch.isnan(t).any()) if floating else (t._version == version and t.data_ptr() == address)
+            if unset:
+                raise ValueError(f"tierzero.torch.initialize: '{qualified}' (on the meta device) was not set by "
+                                 f"{how}; pass init_fn= that sets it")
+        for qualified, t, floating, _, _ in made:
+            if id(t) not in self.trained:  # frozen parameters and buffers stay with torch (Note [Model dtype])
+                t.data = t.data.to(self.device, dtype=self.dtype if floating and not t.dtype.is_complex else t.dtype)
+                self.kept.append((t, qualified))
 
     def _hand_over(self, b: int, failure: Optional[BaseException]) -> Optional[BaseException]:
         """Block b's values (rank 0's) into the engine, and its parameters back to meta; the failure, if any."""
@@ -936,23 +1006,67 @@ class _MetaMaker:
                 whole = torch.zeros(self.layout[b]["whole_numel"], dtype=torch.float32)
                 for p, spec in zip(params, self.layout[b]["params"]):
                     whole[spec["offset"]:spec["offset"] + spec["numel"]] = p.detach().reshape(-1)
-            except Exception as e:  # noqa: BLE001 - into the collective, then re-raised by run()
+            except BaseException as e:  # noqa: BLE001 - into the collective, then re-raised by run()
                 failure, whole = e, torch.zeros(0)
         self.core.set_master(b, whole, root=0, refusal=_refusal_text(failure))
         del whole
         mine = {id(p) for p in params}
         keep = []
-        for t, holder in self.swapped:
-            if id(t) in mine:
-                torch.utils.swap_tensors(t, holder)  # meta again; the real data goes with the holder
-            else:
-                keep.append((t, holder))
+        for entry in self.swapped:
+            if id(entry[0]) in mine:
+                try:
+                    _swap_back(*entry)  # meta again; the real data goes with the holder
+                    continue
+                except BaseException as e:  # noqa: BLE001 - into the next collective
+                    failure = failure or e
+            keep.append(entry)
         self.swapped = keep
+        _malloc_trim()
         return failure
+
+    def _broadcast_kept(self) -> None:
+        """Rank 0's frozen parameters and buffers on every rank, as its trained parameters are."""
+        for t, _ in self.kept:
+            host = t.detach().to("cpu", copy=True).contiguous()
+            self.core.broadcast(host.reshape(-1).view(torch.uint8), root=0)
+            with torch.no_grad():
+                t.copy_(host)
+
+
+def _swap_back(t: torch.Tensor, holder: torch.Tensor, qualified: str) -> None:
+    try:
+        torch.utils.swap_tensors(t, holder)
+    except RuntimeError as e:
+        raise ValueError(f"tierzero.torch.initialize: '{qualified}' cannot go back on the meta device: something "
+                         f"else holds it or a view of it (an init_fn that kept one?): {e}") from None
+
+
+def _malloc_trim() -> None:
+    """Hands the heap's free memory back to the system (glibc's malloc_trim); nothing on other C libraries."""
+    global _TRIM
+    if _TRIM is None:
+        name = ctypes.util.find_library("c")
+        _TRIM = getattr(ctypes.CDLL(name), "malloc_trim", False) if name else False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None
 
 
 def _refusal_text(failure: Optional[BaseException]) -> Optional[str]:
     return None if failure is None else f"{type(failure).__name__}: {failure}"
+
+
+_NOT_TRAINED = "register_external_parameter: the parameter is not one the engine trains (frozen, or not in the model)"
+
+
+def _check_external(model: torch.nn.Module, trained: set) -> None:
+    """The parameters register_external_parameter() queued before initialize() (ids in `trained`), or
+    ValueError."""
+    for module in model.modules():
+        if any(id(p) not in trained for p in module.__dict__.get("_tierzero_external", [])):
+            raise ValueError(_NOT_TRAINED)
 
 
 def _collect_blocks(model: torch.nn.Module) -> tuple[list, dict]:

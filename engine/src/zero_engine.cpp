@@ -710,6 +710,15 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   return prefetcher_->reissue();
 }
 
+Status ZeroEngineImpl::broadcast(void* data, std::size_t bytes, int root) {
+  TZ_TRY(agree_on_name(fmt::format("{} bytes from rank {}", bytes, root), "broadcast", "sizes or roots",
+                       "pass the same size and root"));
+  if (root < 0 || root >= comm_->size()) {
+    return invalid_argument("broadcast: root rank {} is not one of the {} rank(s)", root, comm_->size());
+  }
+  return comm_thread_->run([&] { return detail::broadcast_host(*comm_, *device_, *device_pool_, data, bytes, root); });
+}
+
 std::string ZeroEngineImpl::describe() const {
   // Shards are padded (Note [Chunk layout]), so on a model of small blocks the count per rank can exceed
   // the model's: say why rather than print a count that looks wrong.

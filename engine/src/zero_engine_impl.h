@@ -61,9 +61,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   using ZeroEngine::set_master;
   Status set_master(std::size_t block, float* whole, std::size_t count, int root, const Status& refusal) override;
   Status agree(const std::string& value, const Status& refusal, std::string_view what) override {
-    TZ_TRY(agree_on_name(value, what, "values", "do the same"));
-    return agree(refusal, what);
+    TZ_TRY(agree(refusal, what));  // first, so a refusing rank reports its reason even when the values differ
+    return agree_on_name(value, what, "values", "do the same");
   }
+  Status broadcast(void* data, std::size_t bytes, int root) override;
   std::string describe() const override;
   using ZeroEngine::load_checkpoint;
   using ZeroEngine::save_checkpoint;

@@ -201,3 +201,125 @@ def test_what_cannot_be_made_is_refused_naming_it(nvme_dir):
         tzt.initialize(mlp(), config, init_fn=lambda m: None)
     with pytest.raises(TypeError, match="init_fn must be callable"):
         tzt.initialize(on_meta(mlp), config, init_fn="normal")
+
+
+class Positions(torch.nn.Module):
+    """Integer and bool buffers computed in __init__: on the meta device no reset_parameters() makes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("idx", torch.arange(4))
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+    def reset_parameters(self):
+        pass
+
+    def forward(self, x):
+        return self.lin(x)[:, self.idx]
+
+
+def test_integer_and_bool_buffers_nothing_set_are_refused(nvme_dir):
+    config = host_config(nvme_dir)
+    model = on_meta(Positions)
+    with pytest.raises(ValueError, match=r"'idx' \(on the meta device\) was not set by reset_parameters\(\)"):
+        tzt.initialize(model, config)
+    assert all_meta(model)
+
+    def init_fn(module):
+        if isinstance(module, Positions):
+            module.idx.copy_(torch.arange(4))
+            module.mask.copy_(torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+        elif isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+
+    tzt.initialize(model, config, init_fn=init_fn)
+    assert torch.equal(model.idx, torch.arange(4)) and int(model.mask.sum()) == 10
+
+
+def test_refusals_that_need_no_making_leave_the_model_on_meta(nvme_dir):
+    # A bf16 parameter under an fp32 config, and a queued register_external_parameter of a frozen one:
+    # refused before anything is made, so the retry with a right config finds the model as it was.
+    model = on_meta(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=torch.bfloat16), torch.nn.Linear(4, 4)))
+    model[1].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="parameter '0.weight' is torch.bfloat16"):
+        tzt.initialize(model, host_config(nvme_dir))
+    assert all_meta(model)
+    tzt.register_external_parameter(model[0], model[1].weight)
+    bf16 = dict(host_config(nvme_dir), bf16={"enabled": True})
+    with pytest.raises(ValueError, match="not one the engine trains"):
+        tzt.initialize(model, bf16)
+    assert all_meta(model)
+    model[0].__dict__.pop("_tierzero_external")
+    engine, _ = tzt.initialize(model, bf16)
+    assert model[1].weight.dtype == torch.bfloat16 and not model[1].weight.is_meta  # frozen: kept, 16-bit
+    assert sorted(engine.master_state_dict()) == ["0.bias", "0.weight", "1.bias"]
+
+
+def test_with_init_fn_tied_and_shared_modules_end_as_model_apply_leaves_them(nvme_dir):
+    # model.apply(init_fn) runs init_fn on every holder of a tied weight, and on every parent of a shared
+    # module; the last one's word stands.
+    def init_fn(module):
+        if isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight)
+        elif isinstance(module, torch.nn.Linear):
+            torch.nn.init.zeros_(module.weight)
+            torch.nn.init.ones_(module.bias)
+        elif isinstance(module, Zeroing):
+            torch.nn.init.zeros_(module.inner.bias)
+        elif isinstance(module, torch.nn.BatchNorm1d):
+            module.reset_parameters()
+
+    tied = on_meta(TiedHead)
+    engine, _ = tzt.initialize(tied, host_config(nvme_dir), init_fn=init_fn)
+    reference = TiedHead()
+    reference.apply(init_fn)
+    master = engine.master_state_dict()
+    assert float(reference.emb.weight.detach().abs().sum()) == 0.0 and torch.equal(master["emb.weight"], torch.zeros(40, 16))
+    assert torch.equal(master["head.bias"], torch.ones(40))
+
+    def shared_model():
+        inner = torch.nn.Linear(4, 4)
+        return torch.nn.Sequential(torch.nn.Sequential(inner), Zeroing(inner))
+
+    shared = on_meta(shared_model)
+    engine, _ = tzt.initialize(shared, host_config(nvme_dir), init_fn=init_fn)
+    assert torch.equal(engine.master_state_dict()["0.0.bias"], torch.zeros(4)), "the second parent's init holds"
+
+
+class Zeroing(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_an_init_fn_that_keeps_a_view_is_named_when_its_tensor_cannot_go_back(nvme_dir):
+    kept = []
+
+    def init_fn(module):
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+            kept.append(module.bias[:2])  # holds the bias: it cannot be swapped back to the meta device
+
+    model = on_meta(mlp)
+    with pytest.raises(ValueError, match=r"'0\.bias' cannot go back on the meta device: something else holds it"):
+        tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+
+
+def test_an_interrupt_inside_initialize_is_raised_and_the_model_restored(nvme_dir):
+    class Stop(BaseException):
+        pass
+
+    def init_fn(module):
+        if isinstance(module, torch.nn.LayerNorm):
+            raise Stop()
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    model = on_meta(mlp)
+    with pytest.raises(Stop):
+        tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    assert all_meta(model)

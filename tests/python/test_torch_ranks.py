@@ -89,20 +89,24 @@ WORKER = textwrap.dedent("""
     print("rank {rank}: a raise on one rank refused the write-back on both")
 
     # A model on the meta device (Note [Models on the meta device]). An init_fn raising on rank 1 fails both
-    # ranks at the same collective, rank 1 with its own error, and leaves the model on the meta device.
-    def init_fn(module):
-        if {rank} == 1 and isinstance(module, torch.nn.LayerNorm):
-            raise KeyError("rank 1 cannot make a LayerNorm")
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-    with torch.device("meta"):
-        meta = mlp()
-    try:
-        tzt.initialize(meta, config, init_fn=init_fn)
-        raise SystemExit("made though rank 1's init_fn raised")
-    except (KeyError, OSError) as e:
-        assert isinstance(e, KeyError if {rank} == 1 else OSError), (type(e), str(e))
-    assert all(p.is_meta for p in meta.parameters())
+    # ranks at the same collective, rank 1 with its own error, and leaves the model on the meta device; so
+    # does an interrupt (a BaseException).
+    class Stop(BaseException):
+        pass
+    for error in (KeyError("rank 1 cannot make a LayerNorm"), Stop()):
+        def init_fn(module):
+            if {rank} == 1 and isinstance(module, torch.nn.LayerNorm):
+                raise error
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        with torch.device("meta"):
+            meta = mlp()
+        try:
+            tzt.initialize(meta, config, init_fn=init_fn)
+            raise SystemExit(f"made though rank 1's init_fn raised {{error!r}}")
+        except (type(error), OSError) as e:
+            assert isinstance(e, type(error) if {rank} == 1 else OSError), (type(e), str(e))
+        assert all(p.is_meta for p in meta.parameters())
     # Each rank draws other values; rank 0's are the ones kept, on both.
     torch.manual_seed(100 + {rank})
     made, _ = tzt.initialize(meta, config)
@@ -119,6 +123,30 @@ WORKER = textwrap.dedent("""
     except ValueError as e:
         assert "the ranks name different values" in str(e), str(e)
     print("rank {rank}: models on the meta device made alike on both ranks, or refused on both")
+
+    # Ranks that differ on whether the model is on the meta device, with init_fn (refused on the rank in
+    # memory before any collective of the making): both refused, neither left waiting.
+    with torch.device("meta") if {rank} == 0 else torch.device("cpu"):
+        either = mlp()
+    try:
+        tzt.initialize(either, config, init_fn=lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+        raise SystemExit("made though one rank is not on the meta device")
+    except (ValueError, OSError) as e:
+        assert isinstance(e, OSError if {rank} == 0 else ValueError), (type(e), str(e))
+    # Frozen parameters and buffers: rank 0's on both ranks, as the trained ones.
+    def frozen_model():
+        m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+        m[0].requires_grad_(False)
+        return m
+    with torch.device("meta"):
+        meta = frozen_model()
+    torch.manual_seed(200 + {rank})
+    made, _ = tzt.initialize(meta, config)
+    torch.manual_seed(200)
+    want = frozen_model()
+    assert torch.equal(meta[0].weight, want[0].weight.detach()), "rank 0's frozen weight on both ranks"
+    assert torch.equal(made.master_state_dict()["2.weight"], want[2].weight.detach())
+    print("rank {rank}: refusals, interrupts and frozen tensors over two ranks")
 """)
 
 

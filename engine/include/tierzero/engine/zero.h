@@ -319,6 +319,9 @@ class ZeroEngine {
   // rank's) or any rank passes a `refusal` (that rank fails with it, the
   // others saying how many refused). `what` names the work in the messages.
   virtual Status agree(const std::string& value, const Status& refusal, std::string_view what) = 0;
+  // Rank `root`'s `bytes` bytes at `data` (host memory) into every rank's
+  // `data`. A collective: every rank passes the same size and root.
+  virtual Status broadcast(void* data, std::size_t bytes, int root) = 0;
   // Human-readable: where each state class lives, the budgets and use.
   virtual std::string describe() const = 0;
 
