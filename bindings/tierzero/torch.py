@@ -110,6 +110,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import io
 import math
 import os
@@ -264,22 +265,25 @@ class TorchEngine:
         # messages and describe() show them; export_safetensors writes the qualified names.
         specs = [(name, [(n.rpartition(".")[2], tuple(p.shape)) for n, p in zip(names, params)])
                  for name, params, names in blocks]
-        # The masters start from the model's own values, before any cast (Note [Model dtype]); a model on
-        # the meta device starts from zeros, each block replaced as _MetaMaker makes it.
-        init = [[None if p.is_meta else p.detach().to("cpu", torch.float32).contiguous() for p in params]
-                for _, params, _ in blocks]
-        self._core = _core.Engine(blocks=specs, init=init, **config_args(config))
-        self._dtype = _DTYPES[self._core.param_dtype]
-        # Everything that can be refused before the model changes is, on every rank alike: a refusal on one
-        # rank (or ranks that differ on whether the model is on the meta device) must not leave the others
-        # waiting in a collective it never starts.
+        # Everything that can be refused before the model changes is, on every rank alike (after the engine
+        # exists, through it): a refusal on one rank, or ranks that differ on whether the model is on the
+        # meta device, must not leave the others waiting in a collective it never starts.
         on_meta, refusal = False, None
         try:
             on_meta = _check_meta(model, init_fn)  # Note [Models on the meta device]
-            if self._dtype == torch.float32:
-                self._check_dtypes(blocks)
             _check_external(model, {id(p) for _, params, _ in blocks for p in params})
-        except (ValueError, TypeError) as e:
+        except BaseException as e:  # noqa: BLE001 - an interrupt too; re-raised after the agreement
+            refusal = e
+        # The masters start from the model's own values, before any cast (Note [Model dtype]); a model on
+        # the meta device (or one refused) starts from zeros, each block replaced as _MetaMaker makes it.
+        init = [[None if refusal is not None or p.is_meta else p.detach().to("cpu", torch.float32).contiguous()
+                 for p in params] for _, params, _ in blocks]
+        self._core = _core.Engine(blocks=specs, init=init, **config_args(config))
+        self._dtype = _DTYPES[self._core.param_dtype]
+        try:
+            if refusal is None and self._dtype == torch.float32:
+                self._check_dtypes(blocks)
+        except ValueError as e:
             refusal = e
         try:
             self._core.agree("a model on the meta device" if on_meta else "a model in memory",
@@ -288,6 +292,8 @@ class TorchEngine:
             if refusal is not None:
                 raise refusal from None
             raise
+        if refusal is not None:  # the agreement fails whenever a rank refuses; never reached
+            raise refusal
         layout = self._core.layout()
         if on_meta:
             _MetaMaker(self._core, model, blocks, layout, init_fn, self._dtype).run()
@@ -781,46 +787,53 @@ class TorchEngine:
 #   constructors ran their own initialisation in: with reset_parameters()
 #   and a model whose weights live in its leaves, the same seed gives the
 #   same weights as the model built in memory.
-# - A module's own meta tensors are swapped (torch.utils.swap_tensors: the
-#   same Python objects, so tied weights, optimizers' and users' references
-#   hold) for CPU tensors filled with NaN (floating point) or zeros. Its
-#   initialisation runs, then that of each module it sits in, in the order
-#   model.apply would reach them (parents, theirs, ..., every parent of a
-#   module shared by several): a parent may set its children's tensors
-#   (Hugging Face GPT-2 scales its residual projections; MultiheadAttention
-#   zeroes out_proj.bias; nn.Transformer re-draws every matrix). The other
-#   tensors those calls touch are meta, and writes to meta tensors do
-#   nothing. An initialisation is init_fn(module) when given (a Hugging Face
-#   model's _init_weights), else the module's reset_parameters() (or
-#   _reset_parameters(), as MultiheadAttention has it). An initialisation
-#   that reads another module's tensor (a copy from it) or assigns .data
-#   across the meta boundary raises, and is refused as below.
-# - A floating-point tensor still NaN afterwards, or any other tensor no
-#   call wrote, was set by nothing, and is refused naming it.
+# - At a module's visit its own meta tensors are swapped
+#   (torch.utils.swap_tensors: the same Python objects, so tied weights and
+#   references to them hold) for CPU tensors holding what no initialisation
+#   writes (NaN; the most negative integer; for bool the byte 0xFF). Its
+#   initialisation runs, then that of the modules it sits in: with
+#   reset_parameters() (or _reset_parameters(), as MultiheadAttention has
+#   it), each such module once, nearest first; with init_fn, every call
+#   model.apply(init_fn) makes that reaches it (a module shared by two
+#   parents is called at both places). A parent may set its children's
+#   tensors (Hugging Face GPT-2 scales its residual projections;
+#   MultiheadAttention zeroes out_proj.bias; nn.Transformer re-draws every
+#   matrix). A tensor still holding the fill anywhere was set by nothing,
+#   and is refused, named.
+# - Then the module's tensors are parked: meta again in the model, their
+#   made values aside. So between visits every tensor of the model is on
+#   the meta device, and later visits' initialisations (which also call the
+#   parents) write nothing of an earlier module's; writes to meta tensors
+#   do nothing. An initialisation that reads another module's tensor (a
+#   copy from it) or assigns .data across the meta boundary raises, and is
+#   refused as below.
 # - A block goes to the engine (set_master, rank 0's values) once its
-#   parameters are made. A tied weight is made by its first holder and,
-#   with init_fn, given to the engine after its last holder's visit, so it
-#   keeps the last holder's initialisation, as model.apply(init_fn) leaves
-#   it; with reset_parameters(), at once, as construction keeps the
-#   creator's (the other holders reset tensors the tie then dropped). The
-#   block's tensors then become meta again (so later initialisations skip them),
-#   their memory freed and handed back to the system (malloc_trim: glibc
-#   keeps freed blocks under its adaptive mmap threshold of up to 32 MiB;
-#   40 modules of 16 MiB peaked at 864 MiB without it, 720 with it). So host
-#   memory peaks near the largest module plus the engine's own
-#   (bench/python/meta_init_bench.py).
-# - Frozen parameters and buffers stay with torch, on the engine's device
-#   and, like the model's after initialize(), in its 16-bit type; they are
-#   made in host memory, and once the whole model is made every rank takes
-#   rank 0's (broadcast), as it does for the trained parameters.
+#   parameters are made, and their values are dropped and the heap trimmed
+#   (malloc_trim: glibc keeps freed blocks under its adaptive mmap
+#   threshold of up to 32 MiB; 40 modules of 16 MiB peaked at 864 MiB
+#   without it, 720 with it). So host memory peaks near the largest module
+#   plus the engine's own (bench/python/meta_init_bench.py). A tied weight
+#   is made by its first holder; with init_fn it is taken out again for
+#   each later holder's visit and goes to the engine after the last, so it
+#   keeps the last holder's initialisation, as model.apply leaves it; with
+#   reset_parameters() it goes at once, keeping its creator's, as
+#   construction does (the other holders reset tensors the tie dropped).
+# - Frozen parameters and buffers stay parked until the whole model is
+#   made; then every rank checks it holds the same ones (names, dtypes,
+#   shapes), puts them back, on the engine's device (16-bit under a 16-bit
+#   config, as Note [Model dtype] casts them), and takes rank 0's values
+#   (broadcast), as for the trained parameters.
 # - Any failure on any rank (init_fn raising, an interrupt, a refusal, an
 #   engine error) goes into the next collective as that rank's refusal, so
-#   every rank fails together and none waits; each then swaps every tensor
-#   back to meta, leaving the model as it was, for a retry. The checks that
-#   need no making (a module with meta tensors and no reset_parameters()
-#   without init_fn, a model with tensors both on the meta device and off
-#   it, the parameters' dtype, register_external_parameter's) run first, and
-#   go to every rank the same way.
+#   every rank fails together; each then puts every tensor back on the meta
+#   device, leaving the model as it was, for a retry. The checks that need
+#   no making (a module with meta tensors and no reset_parameters() without
+#   init_fn, tensors both on the meta device and off it, the parameters'
+#   dtype, register_external_parameter's) go through the engine's first
+#   agreement the same way. Not covered: an interrupt that lands between a
+#   collective's return and the next statement, or during the final
+#   broadcasts, leaves the other ranks waiting for the communicator's
+#   timeout, as an interrupted training step does.
 def _check_meta(model: torch.nn.Module, init_fn: Any) -> bool:
     """Note [Models on the meta device]: whether `model` is on the meta device, refusing what cannot be made."""
     where = "tierzero.torch.initialize"
@@ -896,27 +909,13 @@ class _MetaMaker:
         self.core, self.blocks, self.layout, self.init_fn = core, blocks, layout, init_fn
         self.order = _post_order(model)
         self.device = torch.device(core.device)
-        self.dtype = dtype  # what frozen floating-point tensors are kept in (Note [Model dtype])
+        self.dtype = dtype  # a 16-bit dtype: what frozen floating-point tensors are kept in (Note [Model dtype])
         self.trained = {id(p) for _, params, _ in blocks for p in params}
-        self.swapped: list = []   # [tensor, holder, qualified name]: the tensor real, the holder its meta original
-        self.made: set = set()    # ids of the tensors made (real now, or handed to the engine and meta again)
-        self.kept: list = []      # (tensor, name): frozen parameters and buffers, made and kept
-        visit = {id(m): i for i, (_, m) in enumerate(self.order)}
-        # Every module a module sits in, in the order model.apply reaches them.
-        parents: dict = defaultdict(list)
-        for _, m in self.order:
-            for child in m.children():
-                if m not in parents[id(child)]:
-                    parents[id(child)].append(m)
-        self.chain = []
-        for _, m in self.order:
-            above, todo = {}, list(parents[id(m)])
-            while todo:
-                p = todo.pop()
-                if id(p) not in above:
-                    above[id(p)] = p
-                    todo.extend(parents[id(p)])
-            self.chain.append([m, *sorted(above.values(), key=lambda p: visit[id(p)])])
+        self.live: list = []      # [tensor, holder, name]: made and real in the model, the holder its meta original
+        self.parked: dict = {}    # id -> [tensor, holder, name]: meta in the model, the holder its made data
+        self.made: set = set()    # ids of the tensors made
+        self.kept: list = []      # ids of frozen parameters and buffers, in the order made
+        self.chain = self._chains(model)
         # A tied parameter goes to the engine after the last visit of a module holding it with init_fn (as
         # model.apply(init_fn) leaves it), after the first with reset_parameters() (as construction does:
         # the other holders reset tensors of their own, which the tie then replaced).
@@ -929,22 +928,64 @@ class _MetaMaker:
         for b, (_, params, _) in enumerate(blocks):
             self.done_at[max(holder_visit[id(p)] for p in params)].append(b)
 
+    def _chains(self, model: torch.nn.Module) -> list:
+        """For each visit, the initialisations that reach its module's tensors, in order: with init_fn every
+        call model.apply(init_fn) makes on the module or a module it sits in (a shared module at each of its
+        places); with reset_parameters() the module, then each module it sits in once."""
+        calls: list = []  # model.apply's calls, in order, a shared module at each place
+
+        def walk(module: torch.nn.Module) -> None:
+            for child in module.children():
+                walk(child)
+            calls.append(module)
+
+        walk(model)
+        at: dict = defaultdict(list)  # module id -> its positions in calls
+        for pos, m in enumerate(calls):
+            at[id(m)].append(pos)
+        parents: dict = defaultdict(dict)
+        for m in calls:
+            for child in m.children():
+                parents[id(child)][id(m)] = m
+        chains = []
+        for _, m in self.order:
+            above, todo = {}, list(parents[id(m)].values())
+            while todo:
+                p = todo.pop()
+                if id(p) not in above:
+                    above[id(p)] = p
+                    todo.extend(parents[id(p)].values())
+            if self.init_fn is not None:
+                chains.append([calls[pos] for pos in sorted(pos for x in (m, *above.values()) for pos in at[id(x)])])
+            else:
+                chains.append([m, *sorted(above.values(), key=lambda x: at[id(x)][0])])
+        return chains
+
     def run(self) -> None:
         failure: Optional[BaseException] = None  # this rank's first; every rank learns of it at the next collective
         what = "tierzero.torch.initialize (making the model on the meta device)"
         try:
             for i, (name, module) in enumerate(self.order):
-                if failure is None:
-                    try:
-                        self._make(i, name, module)
-                    except BaseException as e:  # noqa: BLE001 - init_fn's, an interrupt: re-raised below
-                        failure = e
+                try:
+                    if failure is None:
+                        self._visit(i, name, module)
+                except BaseException as e:  # noqa: BLE001 - init_fn's, an interrupt: re-raised below
+                    failure = failure or e
                 for b in self.done_at[i]:
                     failure = self._hand_over(b, failure)
-            self.core.agree("made", refusal=_refusal_text(failure), what=what)
-            self._broadcast_kept()
+            kept, value = [], "failed"
+            try:
+                if failure is None:
+                    kept = [self.parked[k] for k in self.kept]
+                    listed = repr([(n, t.dtype, tuple(t.shape)) for t, _, n in kept]).encode()
+                    value = f"{len(kept)} frozen parameters and buffers, digest {hashlib.sha256(listed).hexdigest()[:16]}"
+            except BaseException as e:  # noqa: BLE001 - into the collective
+                failure = failure or e
+            # Every rank keeps the same frozen tensors before any takes rank 0's.
+            self.core.agree(value, refusal=_refusal_text(failure), what=what)
+            self._keep(kept)
         except BaseException as e:
-            undone = self.undo()
+            undone = self.undo(failure)
             if failure is not None and isinstance(e, ValueError) and _refusal_text(failure) in str(e):
                 e = failure  # this rank's own error, not the refusal the engine echoed
             if undone:
@@ -954,32 +995,43 @@ class _MetaMaker:
             for p in params:
                 torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(0, dtype=p.dtype), p.requires_grad))
 
-    def undo(self) -> str:
-        """Every tensor made back on the meta device; what could not be, in words ("" when all were)."""
+    def undo(self, failure: Optional[BaseException]) -> str:
+        """Every tensor made back on the meta device (the parked ones are); what could not be, in words ("" when
+        all were, or when `failure` names those already)."""
         stuck = []
-        for entry in reversed(self.swapped):
+        for entry in reversed(self.live):
             try:
-                _swap_back(*entry)
+                _swap(*entry)
             except ValueError as e:
-                stuck.append(str(e))
-        self.swapped.clear()
+                if f"'{entry[2]}' cannot be swapped" not in str(failure):  # said already
+                    stuck.append(str(e))
+        self.live.clear()
+        self.parked.clear()
         _malloc_trim()
         return "; ".join(stuck)
 
-    def _make(self, i: int, name: str, module: torch.nn.Module) -> None:
+    def _visit(self, i: int, name: str, module: torch.nn.Module) -> None:
+        """Makes the module's meta tensors and initialises them (with init_fn, its tied ones made before too);
+        between visits every tensor of the model is on the meta device, so no initialisation reaches a
+        tensor twice."""
         made = []
         for key, t in _own_tensors(module):
-            if not t.is_meta or id(t) in self.made:
-                continue
-            floating = t.dtype.is_floating_point or t.dtype.is_complex
-            real = torch.full(t.shape, math.nan, dtype=t.dtype) if floating else torch.zeros(t.shape, dtype=t.dtype)
-            holder = torch.nn.Parameter(real, t.requires_grad) if isinstance(t, torch.nn.Parameter) else real
-            torch.utils.swap_tensors(t, holder)
-            self.swapped.append([t, holder, _qualified(name, key)])
-            self.made.add(id(t))
-            made.append((_qualified(name, key), t, floating, t._version, t.data_ptr()))
-        if not any(not t.is_meta for _, t in _own_tensors(module)):
-            return  # nothing of its own to initialise: all handed over already
+            if id(t) not in self.made:
+                real = torch.empty(t.shape, dtype=t.dtype)
+                _fill_unset(real)
+                holder = torch.nn.Parameter(real, t.requires_grad) if isinstance(t, torch.nn.Parameter) else real
+                torch.utils.swap_tensors(t, holder)
+                self.live.append([t, holder, _qualified(name, key)])
+                self.made.add(id(t))
+                made.append((_qualified(name, key), t))
+                if id(t) not in self.trained:
+                    self.kept.append(id(t))
+            elif self.init_fn is not None and id(t) in self.parked:  # a tied weight: this holder's init too
+                entry = self.parked.pop(id(t))
+                _swap(*entry)
+                self.live.append(entry)
+        if not self.live:
+            return
         with torch.no_grad():
             for m in self.chain[i]:
                 if self.init_fn is not None:
@@ -987,58 +1039,84 @@ class _MetaMaker:
                 elif (reset := _reset_of(m)) is not None:
                     reset()
         how = "init_fn" if self.init_fn is not None else "reset_parameters() of its module and the modules it is in"
-        for qualified, t, floating, version, address in made:
-            unset = bool(torch.isnan(t).any()) if floating else (t._version == version and t.data_ptr() == address)
-            if unset:
-                raise ValueError(f"tierzero.torch.initialize: '{qualified}' (on the meta device) was not set by "
-                                 f"{how}; pass init_fn= that sets it")
-        for qualified, t, floating, _, _ in made:
-            if id(t) not in self.trained:  # frozen parameters and buffers stay with torch (Note [Model dtype])
-                t.data = t.data.to(self.device, dtype=self.dtype if floating and not t.dtype.is_complex else t.dtype)
-                self.kept.append((t, qualified))
+        for qualified, t in made:
+            if _still_unset(t):
+                raise ValueError(f"tierzero.torch.initialize: '{qualified}' (on the meta device) was not set "
+                                 f"everywhere by {how}; pass init_fn= that sets it")
+        while self.live:  # parked: meta in the model, the made values in the holder
+            entry = self.live[-1]
+            _swap(*entry)
+            self.live.pop()
+            self.parked[id(entry[0])] = entry
 
     def _hand_over(self, b: int, failure: Optional[BaseException]) -> Optional[BaseException]:
-        """Block b's values (rank 0's) into the engine, and its parameters back to meta; the failure, if any."""
+        """Block b's values (rank 0's) into the engine, their memory freed; the failure, if any."""
         _, params, _ = self.blocks[b]
         whole = torch.zeros(0)  # with a refusal set_master reads nothing
-        if failure is None:
-            try:
+        try:
+            if failure is None:
                 whole = torch.zeros(self.layout[b]["whole_numel"], dtype=torch.float32)
                 for p, spec in zip(params, self.layout[b]["params"]):
-                    whole[spec["offset"]:spec["offset"] + spec["numel"]] = p.detach().reshape(-1)
-            except BaseException as e:  # noqa: BLE001 - into the collective, then re-raised by run()
-                failure, whole = e, torch.zeros(0)
+                    whole[spec["offset"]:spec["offset"] + spec["numel"]] = self.parked[id(p)][1].detach().reshape(-1)
+        except BaseException as e:  # noqa: BLE001 - into the collective, then re-raised by run()
+            failure, whole = failure or e, torch.zeros(0)
         self.core.set_master(b, whole, root=0, refusal=_refusal_text(failure))
-        del whole
-        mine = {id(p) for p in params}
-        keep = []
-        for entry in self.swapped:
-            if id(entry[0]) in mine:
-                try:
-                    _swap_back(*entry)  # meta again; the real data goes with the holder
-                    continue
-                except BaseException as e:  # noqa: BLE001 - into the next collective
-                    failure = failure or e
-            keep.append(entry)
-        self.swapped = keep
-        _malloc_trim()
+        try:  # an interrupt here still reaches the other ranks, at the next collective
+            del whole
+            for p in params:
+                self.parked.pop(id(p), None)  # the made values go with their holders
+            _malloc_trim()
+        except BaseException as e:  # noqa: BLE001 - into the next collective
+            failure = failure or e
         return failure
 
-    def _broadcast_kept(self) -> None:
-        """Rank 0's frozen parameters and buffers on every rank, as its trained parameters are."""
-        for t, _ in self.kept:
+    def _keep(self, kept: list) -> None:
+        """Frozen parameters and buffers back in the model, on the engine's device (16-bit under a 16-bit
+        config, as Note [Model dtype] casts them), rank 0's on every rank, as its trained parameters are."""
+        for entry in kept:
+            del self.parked[id(entry[0])]
+            _swap(*entry)
+            self.live.append(entry)
+            t = entry[0]
+            cast = self.dtype != torch.float32 and t.dtype.is_floating_point
+            t.data = t.data.to(self.device, dtype=self.dtype if cast else t.dtype)
+        for t, _, _ in kept:
             host = t.detach().to("cpu", copy=True).contiguous()
             self.core.broadcast(host.reshape(-1).view(torch.uint8), root=0)
             with torch.no_grad():
                 t.copy_(host)
+        self.live.clear()
 
 
-def _swap_back(t: torch.Tensor, holder: torch.Tensor, qualified: str) -> None:
+def _fill_unset(t: torch.Tensor) -> None:
+    """Fills `t` with what no initialisation writes: NaN, the most negative integer (the largest unsigned
+    one), or for bool the byte 0xFF (neither False nor True)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(math.nan)
+    elif t.dtype == torch.bool:
+        t.view(torch.uint8).fill_(0xFF)
+    else:
+        info = torch.iinfo(t.dtype)
+        t.fill_(info.min if info.min < 0 else info.max)
+
+
+def _still_unset(t: torch.Tensor) -> bool:
+    """Whether any element of `t` still holds _fill_unset's value."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return bool(torch.isnan(t).any())
+    if t.dtype == torch.bool:
+        return bool((t.view(torch.uint8) == 0xFF).any())
+    info = torch.iinfo(t.dtype)
+    return bool((t == (info.min if info.min < 0 else info.max)).any())
+
+
+def _swap(t: torch.Tensor, holder: torch.Tensor, qualified: str) -> None:
+    """Swaps the model's tensor `t` with its holder (made <-> meta), or ValueError naming it."""
     try:
         torch.utils.swap_tensors(t, holder)
     except RuntimeError as e:
-        raise ValueError(f"tierzero.torch.initialize: '{qualified}' cannot go back on the meta device: something "
-                         f"else holds it or a view of it (an init_fn that kept one?): {e}") from None
+        raise ValueError(f"tierzero.torch.initialize: '{qualified}' cannot be swapped between the meta device and "
+                         f"memory: something else holds it or a view of it (an init_fn that kept one?): {e}") from None
 
 
 def _malloc_trim() -> None:

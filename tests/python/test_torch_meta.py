@@ -179,7 +179,8 @@ def test_what_cannot_be_made_is_refused_naming_it(nvme_dir):
     config = host_config(nvme_dir)
     # A tensor no initialisation set (it would train from uninitialised memory): refused, named, undone.
     model = on_meta(lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), Leaky()))
-    with pytest.raises(ValueError, match=r"'1\.scale' \(on the meta device\) was not set by reset_parameters\(\)"):
+    with pytest.raises(ValueError, match=r"'1\.scale' \(on the meta device\) was not set everywhere by "
+                                         r"reset_parameters\(\)"):
         tzt.initialize(model, config)
     assert all_meta(model)
     # A module with meta tensors and no reset_parameters(): refused before anything is made.
@@ -222,7 +223,8 @@ class Positions(torch.nn.Module):
 def test_integer_and_bool_buffers_nothing_set_are_refused(nvme_dir):
     config = host_config(nvme_dir)
     model = on_meta(Positions)
-    with pytest.raises(ValueError, match=r"'idx' \(on the meta device\) was not set by reset_parameters\(\)"):
+    with pytest.raises(ValueError, match=r"'idx' \(on the meta device\) was not set everywhere by "
+                                         r"reset_parameters\(\)"):
         tzt.initialize(model, config)
     assert all_meta(model)
 
@@ -305,7 +307,8 @@ def test_an_init_fn_that_keeps_a_view_is_named_when_its_tensor_cannot_go_back(nv
             kept.append(module.bias[:2])  # holds the bias: it cannot be swapped back to the meta device
 
     model = on_meta(mlp)
-    with pytest.raises(ValueError, match=r"'0\.bias' cannot go back on the meta device: something else holds it"):
+    with pytest.raises(ValueError, match=r"'0\.bias' cannot be swapped between the meta device and memory: "
+                                         r"something else holds it"):
         tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
 
 
@@ -323,3 +326,117 @@ def test_an_interrupt_inside_initialize_is_raised_and_the_model_restored(nvme_di
     with pytest.raises(Stop):
         tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
     assert all_meta(model)
+
+
+class Halving(torch.nn.Module):
+    """A parent whose initialisation scales its children's weights: applied twice, they would be quartered."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.a.requires_grad_(False)  # frozen: kept by torch, not the engine
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            for lin in (self.a, self.b):
+                lin.weight.mul_(0.5)
+
+    def forward(self, x):
+        return self.norm(self.b(self.a(x)))
+
+
+def test_each_initialisation_reaches_a_tensor_once(nvme_dir):
+    # Later visits call the parents' initialisations again; the tensors made before are parked on the meta
+    # device by then, so a parent's scaling lands once, as in the model built in memory (and model.apply).
+    torch.manual_seed(4)
+    ref = torch.nn.Sequential(Halving())
+    torch.manual_seed(4)
+    model = on_meta(lambda: torch.nn.Sequential(Halving()))
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    assert torch.equal(model[0].a.weight, ref[0].a.weight.detach()), "the frozen weight, halved once"
+    assert torch.equal(engine.master_state_dict()["0.b.weight"], ref[0].b.weight.detach())
+
+    def init_fn(module):
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.ones_(module.weight)
+            torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, Halving):
+            module.reset_parameters()
+        elif isinstance(module, torch.nn.BatchNorm1d):
+            module.reset_parameters()
+
+    model = on_meta(lambda: torch.nn.Sequential(Halving()))
+    engine, _ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    ref = torch.nn.Sequential(Halving())
+    with torch.no_grad():
+        ref.apply(init_fn)
+    assert torch.equal(model[0].a.weight, ref[0].a.weight) and torch.equal(model[0].a.weight, torch.full((4, 4), 0.5))
+    assert torch.equal(engine.master_state_dict()["0.b.weight"], torch.full((4, 4), 0.5))
+
+
+class Buffers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("f64", torch.zeros(3, dtype=torch.float64))
+        self.register_buffer("idx", torch.zeros(4, dtype=torch.int64))
+        self.register_buffer("none", torch.zeros(0, dtype=torch.int64))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_buffers_keep_their_dtype_under_fp32_and_writes_through_data_count(nvme_dir):
+    def init_fn(module):
+        if isinstance(module, Buffers):
+            module.f64.fill_(1 / 3)
+            module.idx.data.copy_(torch.arange(4))  # through .data: no version bump, still a write
+        elif isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+
+    model = on_meta(Buffers)
+    tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    assert model.f64.dtype == torch.float64 and float(model.f64[0]) == 1 / 3, "fp32 config: no cast"
+    assert torch.equal(model.idx, torch.arange(4)) and model.none.numel() == 0
+
+    def partial(module):
+        init_fn(module)
+        if isinstance(module, Buffers):
+            module.idx.fill_(torch.iinfo(torch.int64).min)
+            module.idx[0] = 7  # the rest never set
+
+    with pytest.raises(ValueError, match=r"'idx' \(on the meta device\) was not set everywhere by init_fn"):
+        tzt.initialize(on_meta(Buffers), host_config(nvme_dir), init_fn=partial)
+
+
+def test_a_shared_module_gets_every_call_model_apply_makes(nvme_dir):
+    # model.apply calls init_fn on a shared module at each of its places: the second call (ones) comes after
+    # the first parent set the weight to 3, and stands.
+    class Parent(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    def build():
+        shared = torch.nn.Linear(4, 4)
+        return torch.nn.Sequential(Parent(shared), Parent(shared))
+
+    def init_fn(module):
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.ones_(module.weight)
+            torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, Parent) and module is first:
+            torch.nn.init.constant_(module.inner.weight, 3.0)
+
+    model = on_meta(build)
+    first = model[0]
+    engine, _ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    ref = build()
+    first = ref[0]
+    with torch.no_grad():
+        ref.apply(init_fn)
+    assert torch.equal(engine.master_state_dict()["0.inner.weight"], ref[0].inner.weight)
+    assert torch.equal(ref[0].inner.weight, torch.ones(4, 4))

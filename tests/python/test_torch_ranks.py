@@ -146,6 +146,18 @@ WORKER = textwrap.dedent("""
     want = frozen_model()
     assert torch.equal(meta[0].weight, want[0].weight.detach()), "rank 0's frozen weight on both ranks"
     assert torch.equal(made.master_state_dict()["2.weight"], want[2].weight.detach())
+    # Ranks whose frozen tensors differ (here a buffer more on rank 1): refused on both before any broadcast.
+    with torch.device("meta"):
+        odd = frozen_model()
+        if {rank} == 1:
+            odd[1].register_buffer("extra", torch.zeros(3))
+    try:
+        tzt.initialize(odd, config, init_fn=lambda m: (m.reset_parameters() if hasattr(m, "reset_parameters") else None,
+                                                      m.extra.zero_() if hasattr(m, "extra") else None))
+        raise SystemExit("made though the ranks keep different buffers")
+    except ValueError as e:
+        assert "the ranks name different values" in str(e), str(e)
+    assert all(t.is_meta for t in [*odd.parameters(), *odd.buffers()])
     print("rank {rank}: refusals, interrupts and frozen tensors over two ranks")
 """)
 
