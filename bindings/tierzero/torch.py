@@ -789,8 +789,11 @@ class TorchEngine:
 #   same weights as the model built in memory.
 # - At a module's visit its own meta tensors are swapped
 #   (torch.utils.swap_tensors: the same Python objects, so tied weights and
-#   references to them hold) for CPU tensors holding what no initialisation
-#   writes (NaN; the most negative integer; for bool the byte 0xFF). Its
+#   references to them hold; the holder takes the tensor's class and shares
+#   its attribute dict, which swap_tensors exchanges too) for CPU tensors
+#   holding what no initialisation writes (NaN; the most negative integer;
+#   for bool the byte 0xFF). nn.LSTM, GRU and RNN keep weak references to
+#   their parameters, which swap_tensors refuses: refused, named. Its
 #   initialisation runs, then that of the modules it sits in: with
 #   reset_parameters() (or _reset_parameters(), as MultiheadAttention has
 #   it), each such module once, nearest first; with init_fn, every call
@@ -798,15 +801,21 @@ class TorchEngine:
 #   parents is called at both places). A parent may set its children's
 #   tensors (Hugging Face GPT-2 scales its residual projections;
 #   MultiheadAttention zeroes out_proj.bias; nn.Transformer re-draws every
-#   matrix). A tensor still holding the fill anywhere was set by nothing,
-#   and is refused, named.
+#   matrix). A call a tensor has had already (a tied weight's or a shared
+#   module's common parent, met again at a later holder's visit) is not
+#   repeated on it. A floating-point tensor still NaN anywhere, or another
+#   still holding the fill that no operation wrote to, was set by nothing,
+#   and is refused, named (an integer value equal to the fill, written on
+#   purpose, stands).
 # - Then the module's tensors are parked: meta again in the model, their
 #   made values aside. So between visits every tensor of the model is on
 #   the meta device, and later visits' initialisations (which also call the
 #   parents) write nothing of an earlier module's; writes to meta tensors
 #   do nothing. An initialisation that reads another module's tensor (a
-#   copy from it) or assigns .data across the meta boundary raises, and is
-#   refused as below.
+#   copy from it) or assigns .data across the meta boundary raises, with a
+#   note saying where, and is refused as below; one that reads a 0-dim
+#   tensor of another module as a scalar (w.mul_(gate.g)) is not caught:
+#   torch reads a meta scalar without complaint, and the result is wrong.
 # - A block goes to the engine (set_master, rank 0's values) once its
 #   parameters are made, and their values are dropped and the heap trimmed
 #   (malloc_trim: glibc keeps freed blocks under its adaptive mmap
@@ -819,10 +828,11 @@ class TorchEngine:
 #   reset_parameters() it goes at once, keeping its creator's, as
 #   construction does (the other holders reset tensors the tie dropped).
 # - Frozen parameters and buffers stay parked until the whole model is
-#   made; then every rank checks it holds the same ones (names, dtypes,
-#   shapes), puts them back, on the engine's device (16-bit under a 16-bit
-#   config, as Note [Model dtype] casts them), and takes rank 0's values
-#   (broadcast), as for the trained parameters.
+#   made (so a model that is mostly frozen saves little host memory); then
+#   each rank puts them back, on the engine's device (16-bit under a 16-bit
+#   config, as Note [Model dtype] casts them), all ranks check they hold the
+#   same ones (names, dtypes, shapes), and take rank 0's values (broadcast),
+#   as for the trained parameters.
 # - Any failure on any rank (init_fn raising, an interrupt, a refusal, an
 #   engine error) goes into the next collective as that rank's refusal, so
 #   every rank fails together; each then puts every tensor back on the meta
@@ -914,6 +924,7 @@ class _MetaMaker:
         self.live: list = []      # [tensor, holder, name]: made and real in the model, the holder its meta original
         self.parked: dict = {}    # id -> [tensor, holder, name]: meta in the model, the holder its made data
         self.made: set = set()    # ids of the tensors made
+        self.applied: dict = defaultdict(set)  # tensor id -> the calls (positions) its made value has had
         self.kept: list = []      # ids of frozen parameters and buffers, in the order made
         self.chain = self._chains(model)
         # A tied parameter goes to the engine after the last visit of a module holding it with init_fn (as
@@ -956,9 +967,9 @@ class _MetaMaker:
                     above[id(p)] = p
                     todo.extend(parents[id(p)].values())
             if self.init_fn is not None:
-                chains.append([calls[pos] for pos in sorted(pos for x in (m, *above.values()) for pos in at[id(x)])])
+                chains.append([(pos, calls[pos]) for pos in sorted(pos for x in (m, *above.values()) for pos in at[id(x)])])
             else:
-                chains.append([m, *sorted(above.values(), key=lambda x: at[id(x)][0])])
+                chains.append([(at[id(x)][0], x) for x in (m, *sorted(above.values(), key=lambda x: at[id(x)][0]))])
         return chains
 
     def run(self) -> None:
@@ -979,11 +990,17 @@ class _MetaMaker:
                     kept = [self.parked[k] for k in self.kept]
                     listed = repr([(n, t.dtype, tuple(t.shape)) for t, _, n in kept]).encode()
                     value = f"{len(kept)} frozen parameters and buffers, digest {hashlib.sha256(listed).hexdigest()[:16]}"
+                    self._keep(kept)
             except BaseException as e:  # noqa: BLE001 - into the collective
                 failure = failure or e
-            # Every rank keeps the same frozen tensors before any takes rank 0's.
+            # Every rank keeps the same frozen tensors, in place, before any takes rank 0's.
             self.core.agree(value, refusal=_refusal_text(failure), what=what)
-            self._keep(kept)
+            for t, _, _ in kept:
+                host = t.detach().to("cpu", copy=True).contiguous()
+                self.core.broadcast(host.reshape(-1).view(torch.uint8), root=0)
+                with torch.no_grad():
+                    t.copy_(host)
+            self.live.clear()
         except BaseException as e:
             undone = self.undo(failure)
             if failure is not None and isinstance(e, ValueError) and _refusal_text(failure) in str(e):
@@ -993,7 +1010,7 @@ class _MetaMaker:
             raise e from None
         for _, params, _ in self.blocks:  # empty CPU tensors, for TorchEngine to point at its placeholder
             for p in params:
-                torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(0, dtype=p.dtype), p.requires_grad))
+                torch.utils.swap_tensors(p, _like(p, torch.empty(0, dtype=p.dtype)))
 
     def undo(self, failure: Optional[BaseException]) -> str:
         """Every tensor made back on the meta device (the parked ones are); what could not be, in words ("" when
@@ -1019,11 +1036,11 @@ class _MetaMaker:
             if id(t) not in self.made:
                 real = torch.empty(t.shape, dtype=t.dtype)
                 _fill_unset(real)
-                holder = torch.nn.Parameter(real, t.requires_grad) if isinstance(t, torch.nn.Parameter) else real
-                torch.utils.swap_tensors(t, holder)
-                self.live.append([t, holder, _qualified(name, key)])
+                entry = [t, _like(t, real), _qualified(name, key)]
+                _swap(*entry)
+                self.live.append(entry)
                 self.made.add(id(t))
-                made.append((_qualified(name, key), t))
+                made.append((entry[2], t, t._version))
                 if id(t) not in self.trained:
                     self.kept.append(id(t))
             elif self.init_fn is not None and id(t) in self.parked:  # a tied weight: this holder's init too
@@ -1033,16 +1050,32 @@ class _MetaMaker:
         if not self.live:
             return
         with torch.no_grad():
-            for m in self.chain[i]:
-                if self.init_fn is not None:
-                    self.init_fn(m)
-                elif (reset := _reset_of(m)) is not None:
-                    reset()
+            for pos, m in self.chain[i]:
+                # A call a tensor has had already (a tied weight's common parent) does not reach it twice.
+                had = [e for e in self.live if pos in self.applied[id(e[0])]]
+                for entry in had:
+                    _swap(*entry)
+                try:
+                    if self.init_fn is not None:
+                        self.init_fn(m)
+                    elif (reset := _reset_of(m)) is not None:
+                        reset()
+                except BaseException as e:
+                    e.add_note(f"tierzero.torch.initialize: raised by the initialisation of a {type(m).__name__} "
+                               f"while making '{name or 'model'}' on the meta device (an initialisation that reads "
+                               "another module's tensor cannot run there: that tensor is on the meta device)")
+                    raise
+                finally:
+                    for entry in had:
+                        _swap(*entry)
+                for entry in self.live:
+                    self.applied[id(entry[0])].add(pos)
         how = "init_fn" if self.init_fn is not None else "reset_parameters() of its module and the modules it is in"
-        for qualified, t in made:
-            if _still_unset(t):
+        for qualified, t, version in made:
+            if _still_unset(t, written=t._version != version):
                 raise ValueError(f"tierzero.torch.initialize: '{qualified}' (on the meta device) was not set "
-                                 f"everywhere by {how}; pass init_fn= that sets it")
+                                 f"everywhere by {how} (a floating-point tensor still holds NaN, or another was "
+                                 "never written); pass init_fn= that sets it")
         while self.live:  # parked: meta in the model, the made values in the holder
             entry = self.live[-1]
             _swap(*entry)
@@ -1072,20 +1105,14 @@ class _MetaMaker:
 
     def _keep(self, kept: list) -> None:
         """Frozen parameters and buffers back in the model, on the engine's device (16-bit under a 16-bit
-        config, as Note [Model dtype] casts them), rank 0's on every rank, as its trained parameters are."""
+        config, as Note [Model dtype] casts them); run() then gives every rank rank 0's."""
         for entry in kept:
             del self.parked[id(entry[0])]
-            _swap(*entry)
             self.live.append(entry)
+            _swap(*entry)
             t = entry[0]
             cast = self.dtype != torch.float32 and t.dtype.is_floating_point
             t.data = t.data.to(self.device, dtype=self.dtype if cast else t.dtype)
-        for t, _, _ in kept:
-            host = t.detach().to("cpu", copy=True).contiguous()
-            self.core.broadcast(host.reshape(-1).view(torch.uint8), root=0)
-            with torch.no_grad():
-                t.copy_(host)
-        self.live.clear()
 
 
 def _fill_unset(t: torch.Tensor) -> None:
@@ -1100,10 +1127,14 @@ def _fill_unset(t: torch.Tensor) -> None:
         t.fill_(info.min if info.min < 0 else info.max)
 
 
-def _still_unset(t: torch.Tensor) -> bool:
-    """Whether any element of `t` still holds _fill_unset's value."""
+def _still_unset(t: torch.Tensor, written: bool) -> bool:
+    """Whether some element of `t` was never set: a floating-point one still NaN; another still holding
+    _fill_unset's value when no operation wrote to `t` (`written`: its version counter moved; a write through
+    .data does not move it, but leaves no fill behind), since that value may be meant (uint8 255, int8 -128)."""
     if t.dtype.is_floating_point or t.dtype.is_complex:
         return bool(torch.isnan(t).any())
+    if written:
+        return False
     if t.dtype == torch.bool:
         return bool((t.view(torch.uint8) == 0xFF).any())
     info = torch.iinfo(t.dtype)
@@ -1116,7 +1147,22 @@ def _swap(t: torch.Tensor, holder: torch.Tensor, qualified: str) -> None:
         torch.utils.swap_tensors(t, holder)
     except RuntimeError as e:
         raise ValueError(f"tierzero.torch.initialize: '{qualified}' cannot be swapped between the meta device and "
-                         f"memory: something else holds it or a view of it (an init_fn that kept one?): {e}") from None
+                         "memory: something else holds it, a view of it (an init_fn that kept one?) or a weak "
+                         f"reference to it (nn.LSTM, GRU and RNN keep those: build them in memory): {e}") from None
+
+
+def _like(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """`data` as a tensor of `t`'s class sharing its attribute dict: swap_tensors exchanges both, and a
+    parameter's class (a Parameter subclass) and attributes (tags its optimizer or init reads, or that an
+    initialisation adds) must stay with it."""
+    out = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+    if type(out) is not type(t):
+        try:
+            out.__class__ = type(t)
+        except TypeError:
+            pass  # a class with its own layout: swap_tensors then refuses, naming the tensor
+    out.__dict__ = t.__dict__
+    return out
 
 
 def _malloc_trim() -> None:

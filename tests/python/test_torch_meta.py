@@ -402,14 +402,16 @@ def test_buffers_keep_their_dtype_under_fp32_and_writes_through_data_count(nvme_
     assert model.f64.dtype == torch.float64 and float(model.f64[0]) == 1 / 3, "fp32 config: no cast"
     assert torch.equal(model.idx, torch.arange(4)) and model.none.numel() == 0
 
-    def partial(module):
+    # An integer tensor written by an operation holds what it was given, whatever the value (the fill that
+    # marks unset elements, the most negative integer, is also a value someone may mean).
+    def lowest(module):
         init_fn(module)
         if isinstance(module, Buffers):
             module.idx.fill_(torch.iinfo(torch.int64).min)
-            module.idx[0] = 7  # the rest never set
 
-    with pytest.raises(ValueError, match=r"'idx' \(on the meta device\) was not set everywhere by init_fn"):
-        tzt.initialize(on_meta(Buffers), host_config(nvme_dir), init_fn=partial)
+    model = on_meta(Buffers)
+    tzt.initialize(model, host_config(nvme_dir), init_fn=lowest)
+    assert torch.equal(model.idx, torch.full((4,), torch.iinfo(torch.int64).min))
 
 
 def test_a_shared_module_gets_every_call_model_apply_makes(nvme_dir):
@@ -440,3 +442,79 @@ def test_a_shared_module_gets_every_call_model_apply_makes(nvme_dir):
         ref.apply(init_fn)
     assert torch.equal(engine.master_state_dict()["0.inner.weight"], ref[0].inner.weight)
     assert torch.equal(ref[0].inner.weight, torch.ones(4, 4))
+
+
+class TaggedParam(torch.nn.Parameter):
+    pass
+
+
+class Tagged(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = TaggedParam(torch.empty(4, 4))
+        self.w.init_std = 0.5  # read by the initialisation, as some models tag their parameters
+        self.b = torch.nn.Parameter(torch.empty(4))
+
+    def reset_parameters(self):
+        torch.nn.init.normal_(self.w, std=self.w.init_std)
+        torch.nn.init.zeros_(self.b)
+        self.b.no_decay = True  # a tag the initialisation adds
+
+    def forward(self, x):
+        return x @ self.w + self.b
+
+
+def test_parameters_keep_their_class_and_attributes(nvme_dir):
+    model = on_meta(Tagged)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    assert type(model.w) is TaggedParam and model.w.init_std == 0.5 and model.b.no_decay is True
+    std = float(engine.master_state_dict()["w"].std())
+    assert 0.2 < std < 0.8, std  # drawn with the tagged std, not a default
+
+
+def test_a_tied_weight_gets_a_common_parents_initialisation_once(nvme_dir):
+    class Head(torch.nn.Module):  # holds the embedding's weight; its own init leaves it alone
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 4)
+            self.head = Head(self.emb.weight)
+
+    def init_fn(module):
+        if isinstance(module, torch.nn.Embedding):
+            torch.nn.init.ones_(module.weight)
+        elif isinstance(module, Model):
+            module.emb.weight.mul_(0.5)
+
+    model = on_meta(Model)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    ref = Model()
+    with torch.no_grad():
+        ref.apply(init_fn)
+    assert torch.equal(engine.master_state_dict()["emb.weight"], ref.emb.weight) and float(ref.emb.weight[0, 0].detach()) == 0.5
+
+
+def test_what_swapping_cannot_make_is_refused_naming_it(nvme_dir):
+    # nn.LSTM keeps weak references to its parameters, which swap_tensors refuses to swap.
+    model = on_meta(lambda: torch.nn.LSTM(4, 4))
+    with pytest.raises(ValueError, match=r"'weight_ih_l0' cannot be swapped .* weak reference"):
+        tzt.initialize(model, host_config(nvme_dir))
+    assert all_meta(model)
+    # An initialisation that reads another module's tensor finds it on the meta device: torch's error, with
+    # a note saying where and why.
+    copying = on_meta(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+
+    def init_fn(module):
+        if isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+        if module is copying:
+            module[1].weight.copy_(module[0].weight)
+
+    with pytest.raises(NotImplementedError) as info:
+        tzt.initialize(copying, host_config(nvme_dir), init_fn=init_fn)
+    assert any("cannot run there: that tensor is on the meta device" in n for n in info.value.__notes__)
+    assert all_meta(copying)
