@@ -801,12 +801,12 @@ class TorchEngine:
 #   parents is called at both places). A parent may set its children's
 #   tensors (Hugging Face GPT-2 scales its residual projections;
 #   MultiheadAttention zeroes out_proj.bias; nn.Transformer re-draws every
-#   matrix). A call a tensor has had already (a tied weight's or a shared
-#   module's common parent, met again at a later holder's visit) is not
-#   repeated on it. A floating-point tensor still NaN anywhere, or another
-#   still holding the fill that no operation wrote to, was set by nothing,
-#   and is refused, named (an integer value equal to the fill, written on
-#   purpose, stands).
+#   matrix). Each call reaches a tensor once, in apply's order; the tensors
+#   of the visit a call does not reach sit it out on the meta device. A
+#   floating-point tensor still NaN anywhere, a bool one still 0xFF, or an
+#   integer one still holding the fill that no operation wrote to, was set
+#   by nothing, and is refused, named (an integer value equal to the fill,
+#   written on purpose, stands; so does a partial integer write).
 # - Then the module's tensors are parked: meta again in the model, their
 #   made values aside. So between visits every tensor of the model is on
 #   the meta device, and later visits' initialisations (which also call the
@@ -822,11 +822,12 @@ class TorchEngine:
 #   threshold of up to 32 MiB; 40 modules of 16 MiB peaked at 864 MiB
 #   without it, 720 with it). So host memory peaks near the largest module
 #   plus the engine's own (bench/python/meta_init_bench.py). A tied weight
-#   is made by its first holder; with init_fn it is taken out again for
-#   each later holder's visit and goes to the engine after the last, so it
-#   keeps the last holder's initialisation, as model.apply leaves it; with
-#   reset_parameters() it goes at once, keeping its creator's, as
-#   construction does (the other holders reset tensors the tie dropped).
+#   (or a shared module's tensor) is made, with init_fn, at its last
+#   holder's visit, with every call that reaches it from any holder, in
+#   apply's order, so it ends as model.apply leaves it; with
+#   reset_parameters(), at its first holder's, keeping its creator's
+#   initialisation, as construction does (the other holders reset tensors
+#   the tie dropped).
 # - Frozen parameters and buffers stay parked until the whole model is
 #   made (so a model that is mostly frozen saves little host memory); then
 #   each rank puts them back, on the engine's device (16-bit under a 16-bit
@@ -924,25 +925,20 @@ class _MetaMaker:
         self.live: list = []      # [tensor, holder, name]: made and real in the model, the holder its meta original
         self.parked: dict = {}    # id -> [tensor, holder, name]: meta in the model, the holder its made data
         self.made: set = set()    # ids of the tensors made
-        self.applied: dict = defaultdict(set)  # tensor id -> the calls (positions) its made value has had
         self.kept: list = []      # ids of frozen parameters and buffers, in the order made
-        self.chain = self._chains(model)
-        # A tied parameter goes to the engine after the last visit of a module holding it with init_fn (as
-        # model.apply(init_fn) leaves it), after the first with reset_parameters() (as construction does:
-        # the other holders reset tensors of their own, which the tie then replaced).
-        holder_visit: dict = {}  # tensor id -> that visit
-        for i, (_, m) in enumerate(self.order):
-            for _, t in _own_tensors(m):
-                if init_fn is not None or id(t) not in holder_visit:
-                    holder_visit[id(t)] = i
-        self.done_at: dict = defaultdict(list)
+        self._plan(model)
+        self.done_at: dict = defaultdict(list)  # visit -> the blocks whose parameters are all made by its end
         for b, (_, params, _) in enumerate(blocks):
-            self.done_at[max(holder_visit[id(p)] for p in params)].append(b)
+            self.done_at[max(self.make_at[id(p)] for p in params)].append(b)
 
-    def _chains(self, model: torch.nn.Module) -> list:
-        """For each visit, the initialisations that reach its module's tensors, in order: with init_fn every
-        call model.apply(init_fn) makes on the module or a module it sits in (a shared module at each of its
-        places); with reset_parameters() the module, then each module it sits in once."""
+    def _plan(self, model: torch.nn.Module) -> None:
+        """When each tensor is made (make_at: tensor id -> visit) and which initialisation calls reach it
+        (reach: tensor id -> [(position, module)] in order). With init_fn, every call model.apply(init_fn)
+        makes on a module holding the tensor or one those sit in (a shared module at each of its places), and
+        a tensor several modules hold (tied) is made at the last one's visit, so it has them all, in apply's
+        order. With reset_parameters(), the first holder's and then each module it sits in once, nearest
+        first, as construction runs them; a tied tensor is made by its first holder (the others reset tensors
+        of their own, which the tie then replaced)."""
         calls: list = []  # model.apply's calls, in order, a shared module at each place
 
         def walk(module: torch.nn.Module) -> None:
@@ -958,19 +954,31 @@ class _MetaMaker:
         for m in calls:
             for child in m.children():
                 parents[id(child)][id(m)] = m
-        chains = []
-        for _, m in self.order:
-            above, todo = {}, list(parents[id(m)].values())
+
+        def above(m: torch.nn.Module) -> list:
+            found, todo = {}, list(parents[id(m)].values())
             while todo:
                 p = todo.pop()
-                if id(p) not in above:
-                    above[id(p)] = p
+                if id(p) not in found:
+                    found[id(p)] = p
                     todo.extend(parents[id(p)].values())
+            return list(found.values())
+
+        self.make_at, self.reach = {}, {}
+        for i, (_, m) in enumerate(self.order):
             if self.init_fn is not None:
-                chains.append([(pos, calls[pos]) for pos in sorted(pos for x in (m, *above.values()) for pos in at[id(x)])])
+                positions = {pos for x in (m, *above(m)) for pos in at[id(x)]}
             else:
-                chains.append([(at[id(x)][0], x) for x in (m, *sorted(above.values(), key=lambda x: at[id(x)][0]))])
-        return chains
+                positions = {at[id(x)][0] for x in (m, *above(m))}
+            for _, t in _own_tensors(m):
+                if self.init_fn is not None:
+                    self.make_at[id(t)] = i  # the last holder
+                    self.reach[id(t)] = self.reach.get(id(t), set()) | positions
+                elif id(t) not in self.make_at:
+                    self.make_at[id(t)] = i  # the first holder
+                    self.reach[id(t)] = positions
+        self.calls = calls
+        self.reach = {k: sorted(v) for k, v in self.reach.items()}
 
     def run(self) -> None:
         failure: Optional[BaseException] = None  # this rank's first; every rank learns of it at the next collective
@@ -1028,48 +1036,44 @@ class _MetaMaker:
         return "; ".join(stuck)
 
     def _visit(self, i: int, name: str, module: torch.nn.Module) -> None:
-        """Makes the module's meta tensors and initialises them (with init_fn, its tied ones made before too);
-        between visits every tensor of the model is on the meta device, so no initialisation reaches a
-        tensor twice."""
+        """Makes the module's meta tensors due at this visit and initialises them; between visits every tensor
+        of the model is on the meta device, so no initialisation reaches a tensor but those in its reach."""
         made = []
         for key, t in _own_tensors(module):
-            if id(t) not in self.made:
-                real = torch.empty(t.shape, dtype=t.dtype)
-                _fill_unset(real)
-                entry = [t, _like(t, real), _qualified(name, key)]
-                _swap(*entry)
-                self.live.append(entry)
-                self.made.add(id(t))
-                made.append((entry[2], t, t._version))
-                if id(t) not in self.trained:
-                    self.kept.append(id(t))
-            elif self.init_fn is not None and id(t) in self.parked:  # a tied weight: this holder's init too
-                entry = self.parked.pop(id(t))
-                _swap(*entry)
-                self.live.append(entry)
-        if not self.live:
+            if self.make_at[id(t)] != i or id(t) in self.made:
+                continue
+            real = torch.empty(t.shape, dtype=t.dtype)
+            _fill_unset(real)
+            entry = [t, _like(t, real), _qualified(name, key)]
+            _swap(*entry)
+            self.live.append(entry)
+            self.made.add(id(t))
+            made.append((entry[2], t, t._version))
+            if id(t) not in self.trained:
+                self.kept.append(id(t))
+        if not made:
             return
         with torch.no_grad():
-            for pos, m in self.chain[i]:
-                # A call a tensor has had already (a tied weight's common parent) does not reach it twice.
-                had = [e for e in self.live if pos in self.applied[id(e[0])]]
-                for entry in had:
+            for pos in sorted({pos for _, t, _ in made for pos in self.reach[id(t)]}):
+                # Tensors this call does not reach (a tied one's other holders' parents) sit it out on meta.
+                out = [e for e in self.live if pos not in self.reach[id(e[0])]]
+                for entry in out:
                     _swap(*entry)
+                m = self.calls[pos]
                 try:
                     if self.init_fn is not None:
                         self.init_fn(m)
                     elif (reset := _reset_of(m)) is not None:
                         reset()
                 except BaseException as e:
+                    hint = (" (an initialisation that reads another module's tensor cannot run there: that tensor "
+                            "is on the meta device)") if "meta" in str(e) else ""
                     e.add_note(f"tierzero.torch.initialize: raised by the initialisation of a {type(m).__name__} "
-                               f"while making '{name or 'model'}' on the meta device (an initialisation that reads "
-                               "another module's tensor cannot run there: that tensor is on the meta device)")
+                               f"while making '{name or 'model'}' on the meta device{hint}")
                     raise
                 finally:
-                    for entry in had:
+                    for entry in out:
                         _swap(*entry)
-                for entry in self.live:
-                    self.applied[id(entry[0])].add(pos)
         how = "init_fn" if self.init_fn is not None else "reset_parameters() of its module and the modules it is in"
         for qualified, t, version in made:
             if _still_unset(t, written=t._version != version):
@@ -1128,15 +1132,16 @@ def _fill_unset(t: torch.Tensor) -> None:
 
 
 def _still_unset(t: torch.Tensor, written: bool) -> bool:
-    """Whether some element of `t` was never set: a floating-point one still NaN; another still holding
-    _fill_unset's value when no operation wrote to `t` (`written`: its version counter moved; a write through
-    .data does not move it, but leaves no fill behind), since that value may be meant (uint8 255, int8 -128)."""
+    """Whether some element of `t` was never set: a floating-point one still NaN, a bool one still 0xFF; an
+    integer one still holding _fill_unset's value when no operation wrote to `t` (`written`: its version counter
+    moved; a write through .data does not move it, but leaves no fill behind), since that value may be meant
+    (uint8 255, int8 -128): so a partial write of an integer tensor passes."""
     if t.dtype.is_floating_point or t.dtype.is_complex:
         return bool(torch.isnan(t).any())
+    if t.dtype == torch.bool:  # 0xFF is no bool value: left over wherever nothing wrote, written or not
+        return bool((t.view(torch.uint8) == 0xFF).any())
     if written:
         return False
-    if t.dtype == torch.bool:
-        return bool((t.view(torch.uint8) == 0xFF).any())
     info = torch.iinfo(t.dtype)
     return bool((t == (info.min if info.min < 0 else info.max)).any())
 

@@ -227,6 +227,14 @@ def test_integer_and_bool_buffers_nothing_set_are_refused(nvme_dir):
                                          r"reset_parameters\(\)"):
         tzt.initialize(model, config)
     assert all_meta(model)
+    # A bool tensor half written: the rest still holds the byte 0xFF, which no bool write leaves.
+    half = on_meta(Positions)
+    with pytest.raises(ValueError, match=r"'mask' \(on the meta device\) was not set everywhere by init_fn"):
+        tzt.initialize(half, config, init_fn=lambda m: (m.reset_parameters() if isinstance(m, torch.nn.Linear)
+                                                       else None, m.idx.copy_(torch.arange(4))
+                                                       if isinstance(m, Positions) else None,
+                                                       m.mask[:2].fill_(True) if isinstance(m, Positions) else None))
+    assert all_meta(half)
 
     def init_fn(module):
         if isinstance(module, Positions):
@@ -518,3 +526,40 @@ def test_what_swapping_cannot_make_is_refused_naming_it(nvme_dir):
         tzt.initialize(copying, host_config(nvme_dir), init_fn=init_fn)
     assert any("cannot run there: that tensor is on the meta device" in n for n in info.value.__notes__)
     assert all_meta(copying)
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, k, w=None):
+        super().__init__()
+        self.k = k
+        self.w = w if w is not None else torch.nn.Parameter(torch.empty(4))
+        self.bias = torch.nn.Parameter(torch.empty(4))
+
+
+class TwoHolders(torch.nn.Module):
+    """a and b hold one weight; the parent scales every parameter, and sets b's bias from the tied weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Holder(1.0)
+        self.b = Holder(2.0, self.a.w)
+
+
+def test_a_tied_weight_has_every_holders_call_in_apply_order(nvme_dir):
+    def init_fn(module):
+        if isinstance(module, Holder):
+            module.w.fill_(module.k)
+            module.bias.zero_()
+        elif isinstance(module, TwoHolders):
+            for p in module.parameters():
+                p.mul_(0.5)
+            module.b.bias.copy_(module.b.w)  # reads the tied weight, made at b's visit
+
+    model = on_meta(TwoHolders)
+    engine, _ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    ref = TwoHolders()
+    with torch.no_grad():
+        ref.apply(init_fn)
+    master = engine.master_state_dict()
+    assert float(ref.a.w[0].detach()) == 1.0 and torch.equal(master["a.w"], ref.a.w.detach())  # b's 2, halved
+    assert torch.equal(master["b.bias"], ref.b.bias.detach())
