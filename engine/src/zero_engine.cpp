@@ -282,6 +282,17 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       window);
   TZ_TRY(init_states(init));
   TZ_TRY(prewarm_grad_pools());
+  // Every rank must train the same model: one with other blocks would meet the
+  // others' collectives with other sizes, and wait or read garbage.
+  std::string described;
+  for (const BlockLayout& b : layout_.blocks) {
+    described += fmt::format("{}[", b.name);
+    for (const ParamLayout& p : b.params) described += fmt::format("{}({}),", p.name, fmt::join(p.shape, "x"));
+    described += "]";
+  }
+  TZ_TRY(agree_on_name(fmt::format("{} blocks, {} parameters, layout digest {:016x}", layout_.blocks.size(),
+                                   layout_.param_numel, nvme::checksum(described.data(), described.size())),
+                       "creating the engine", "models", "build the same model (block names, parameters, shapes)"));
   nvme_read_bytes_ = nvme_write_bytes_ = 0;  // step reports count steps, not set-up
   TZ_LOG_INFO("engine", "{}", describe());
   return ok_status();

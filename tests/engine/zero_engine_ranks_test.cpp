@@ -184,14 +184,20 @@ TEST(ZeroEngineRanks, SetMasterTakesTheRootsValuesOnEveryRank) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
+// A one-step test config whose NVMe files go to dir/rank<rank>.
+tz::Config rank_config(const std::string& dir, int rank) {
+  const std::string mine = dir + "/rank" + std::to_string(rank);
+  std::filesystem::create_directories(mine);
+  return test_config(mine, 3, 1);
+}
+
 // agree(): equal values pass; different values fail on every rank; one
 // rank's refusal fails it with its reason and the other with a count.
 // broadcast(): the root's bytes on every rank; different sizes refused.
 TEST(ZeroEngineRanks, AgreeAndBroadcastAreCollectives) {
   TempDir dir;
   const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
-    tz::Config config = test_config(dir.path() + "/rank" + std::to_string(info.rank), 3, 1);
-    std::filesystem::create_directories(dir.path() + "/rank" + std::to_string(info.rank));
+    const tz::Config config = rank_config(dir.path(), info.rank);
     auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
     if (!comm.ok()) return 1;
     auto created = tz::ZeroEngine::create({.config = config, .comm = comm->get()}, tz::mlp::model(kMlp),
@@ -219,6 +225,31 @@ TEST(ZeroEngineRanks, AgreeAndBroadcastAreCollectives) {
       return report("sizes", sizes), 7;
     }
     return bytes == std::vector<std::uint8_t>(1000, 11) ? 0 : 8;
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+// Ranks that pass different models (a shape differs) fail at creation,
+// every one of them, naming what differs, instead of meeting each other's
+// collectives with other sizes.
+TEST(ZeroEngineRanks, DifferentModelsOnTheRanksAreRefusedAtCreation) {
+  TempDir dir;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+    const tz::Config config = rank_config(dir.path(), info.rank);
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    const std::int64_t width = info.rank == 0 ? 64 : 65;
+    const std::vector<tz::BlockSpec> model = {{"a", {{"w", {width, 64}}}}, {"b", {{"w", {64, 64}}}}};
+    const tz::ParamInit init = [](std::size_t, std::size_t, float* out, std::uint64_t n) { std::fill(out, out + n, 0.5F); };
+    auto created = tz::ZeroEngine::create({.config = config, .comm = comm->get()}, model, init);
+    if (created.ok()) return 2;
+    const std::string msg = created.status().message();
+    if (msg.find("creating the engine: the ranks name different models") == std::string::npos ||
+        msg.find(info.rank == 0 ? "8192 parameters" : "8256 parameters") == std::string::npos) {
+      std::fprintf(stderr, "rank %d: %s\n", info.rank, created.status().to_string().c_str());
+      return 3;
+    }
+    return 0;
   });
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }

@@ -261,6 +261,9 @@ Expected<std::optional<std::string>> read_checkpoint_client_state(const std::str
 
 class ZeroEngine {
  public:
+  // A collective: every rank passes the same model (block names, parameter
+  // names and shapes), or every rank fails, kInvalidArgument naming this
+  // rank's block and parameter counts.
   static Expected<std::unique_ptr<ZeroEngine>> create(const ZeroOptions& options, const std::vector<BlockSpec>& model,
                                                       const ParamInit& init);
   virtual ~ZeroEngine() = default;
