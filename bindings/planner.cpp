@@ -190,8 +190,8 @@ void bind_planner(nb::module_& m) {
       nb::arg("grad_accum") = nb::none(), nb::arg("gpu") = nb::none(), nb::arg("cpu") = nb::none(),
       nb::arg("nvme") = nb::none(), nb::arg("nvme_paths") = std::vector<std::string>{},
       nb::arg("offload_param") = nb::none(), nb::arg("offload_optimizer") = nb::none(),
-      nb::arg("placement") = nb::none(), nb::arg("precision") = nb::none(), nb::arg("nvme_read_gbps") = 0.0, nb::arg("nvme_write_gbps") = 0.0,
-      nb::arg("pcie_gbps") = 0.0, nb::arg("cpu_mem_gbps") = 0.0,
+      nb::arg("placement") = nb::none(), nb::arg("precision") = nb::none(), nb::arg("nvme_read_gbps") = 0.0,
+      nb::arg("nvme_write_gbps") = 0.0, nb::arg("pcie_gbps") = 0.0, nb::arg("cpu_mem_gbps") = 0.0,
       "Plans where each state class lives for blocks of `block_numel` elements; returns (plan dict, report text). "
       "MemoryError (naming the tier, need, budget and keys) when nothing fits; ValueError for bad input.");
 }

@@ -292,8 +292,6 @@ class TorchEngine:
             if refusal is not None:
                 raise refusal from None
             raise
-        if refusal is not None:  # the agreement fails whenever a rank refuses; never reached
-            raise refusal
         layout = self._core.layout()
         if on_meta:
             _MetaMaker(self._core, model, blocks, layout, init_fn, self._dtype).run()
@@ -1127,8 +1125,7 @@ def _fill_unset(t: torch.Tensor) -> None:
     elif t.dtype == torch.bool:
         t.view(torch.uint8).fill_(0xFF)
     else:
-        info = torch.iinfo(t.dtype)
-        t.fill_(info.min if info.min < 0 else info.max)
+        t.fill_(_int_fill(t.dtype))
 
 
 def _still_unset(t: torch.Tensor, written: bool) -> bool:
@@ -1140,10 +1137,13 @@ def _still_unset(t: torch.Tensor, written: bool) -> bool:
         return bool(torch.isnan(t).any())
     if t.dtype == torch.bool:  # 0xFF is no bool value: left over wherever nothing wrote, written or not
         return bool((t.view(torch.uint8) == 0xFF).any())
-    if written:
-        return False
-    info = torch.iinfo(t.dtype)
-    return bool((t == (info.min if info.min < 0 else info.max)).any())
+    return not written and bool((t == _int_fill(t.dtype)).any())
+
+
+def _int_fill(dtype: torch.dtype) -> int:
+    """_fill_unset's value for an integer dtype: the most negative integer, or the largest unsigned one."""
+    info = torch.iinfo(dtype)
+    return info.min if info.min < 0 else info.max
 
 
 def _swap(t: torch.Tensor, holder: torch.Tensor, qualified: str) -> None:

@@ -190,12 +190,8 @@ Status ZeroEngineImpl::make_stores() {
   std::uint64_t nvme_bytes = 0;
   for (std::size_t s = 0; s < kNumStateClasses; ++s) {
     if (plan_.tier[s] != Tier::kNvme) continue;
-    const auto cls = static_cast<StateClass>(s);
     // The parameters are 16-bit, or fp32 when neither bf16 nor fp16 is on.
-    const std::uint64_t per_elem = cls == StateClass::kParam16   ? elem_type_bytes(param_type_)
-                                   : cls == StateClass::kMoments ? 8
-                                                                 : 4;
-    nvme_bytes += per_elem * layout_.shard_numel;
+    nvme_bytes += state_elem_bytes(static_cast<StateClass>(s), elem_type_bytes(param_type_)) * layout_.shard_numel;
   }
   if (nvme_bytes > 0) {
     const std::vector<std::string> paths = c.all_nvme_paths();
@@ -270,6 +266,18 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());
   comm_thread_ = std::make_unique<detail::TaskThread>("comm");
   grad_thread_ = std::make_unique<detail::TaskThread>("grad");
+  // Every rank must train the same model: one with other blocks would meet the
+  // others' collectives with other sizes, and wait or read garbage. Checked
+  // before any state is written.
+  std::string described;
+  for (const BlockLayout& b : layout_.blocks) {
+    described += fmt::format("{}[", b.name);
+    for (const ParamLayout& p : b.params) described += fmt::format("{}({}),", p.name, fmt::join(p.shape, "x"));
+    described += "]";
+  }
+  TZ_TRY(agree_on_name(fmt::format("{} blocks, {} parameters, layout digest {:016x}", layout_.blocks.size(),
+                                   layout_.param_numel, nvme::checksum(described.data(), described.size())),
+                       "creating the engine", "models", "build the same model (block names, parameters, shapes)"));
   const std::uint64_t window =
       static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_prefetch_bucket_size, 0)) *
       elem_type_bytes(param_type_);
@@ -282,17 +290,6 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       window);
   TZ_TRY(init_states(init));
   TZ_TRY(prewarm_grad_pools());
-  // Every rank must train the same model: one with other blocks would meet the
-  // others' collectives with other sizes, and wait or read garbage.
-  std::string described;
-  for (const BlockLayout& b : layout_.blocks) {
-    described += fmt::format("{}[", b.name);
-    for (const ParamLayout& p : b.params) described += fmt::format("{}({}),", p.name, fmt::join(p.shape, "x"));
-    described += "]";
-  }
-  TZ_TRY(agree_on_name(fmt::format("{} blocks, {} parameters, layout digest {:016x}", layout_.blocks.size(),
-                                   layout_.param_numel, nvme::checksum(described.data(), described.size())),
-                       "creating the engine", "models", "build the same model (block names, parameters, shapes)"));
   nvme_read_bytes_ = nvme_write_bytes_ = 0;  // step reports count steps, not set-up
   TZ_LOG_INFO("engine", "{}", describe());
   return ok_status();
