@@ -817,9 +817,10 @@ class TorchEngine:
 # - A block goes to the engine (set_master, rank 0's values) once its
 #   parameters are made, and their values are dropped and the heap trimmed
 #   (malloc_trim: glibc keeps freed blocks under its adaptive mmap
-#   threshold of up to 32 MiB; 40 modules of 16 MiB peaked at 864 MiB
-#   without it, 720 with it). So host memory peaks near the largest module
-#   plus the engine's own (bench/python/meta_init_bench.py). A tied weight
+#   threshold of up to 32 MiB; 40 modules of 16 MiB peaked at 786-850 MiB
+#   without it, 734-736 with it: bench/python/meta_trim_check.py). So host
+#   memory peaks near the largest module plus the engine's own
+#   (bench/python/meta_init_bench.py). A tied weight
 #   (or a shared module's tensor) is made, with init_fn, at its last
 #   holder's visit, with every call that reaches it from any holder, in
 #   apply's order, so it ends as model.apply leaves it; with
