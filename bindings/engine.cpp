@@ -243,8 +243,24 @@ tz::Config load(const std::optional<std::string>& path, const std::optional<std:
   return path ? value_or_raise(tz::load_config(*path)) : value_or_raise(tz::parse_config(*json, "<config dict>"));
 }
 
+// Note [Initial values] (tierzero/engine/zero.h), by the names Python passes.
+tz::InitialValues initial_values(const std::string& name, const InitArrays& init) {
+  if (name == "rank0") return tz::InitialValues::kRankZero;
+  if (name == "same") return tz::InitialValues::kSameOnEveryRank;
+  if (name == "later") {
+    if (!init.empty()) {
+      raise_status(tz::invalid_argument("Engine(): initial_values='later' writes no initial values, and 'init' gives "
+                                        "some: set each block with set_master(), or pass initial_values='rank0'"));
+    }
+    return tz::InitialValues::kSetLater;
+  }
+  raise_status(tz::invalid_argument("Engine(): initial_values='{}' is not one of 'rank0' (rank 0's init on every "
+                                    "rank), 'same' (every rank's init is the same) or 'later' (none: set_master "
+                                    "sets each block)", name));
+}
+
 tz::Status make_core(EngineCore& core, const tz::Config& config, const BlockList& blocks,
-                     const std::vector<std::vector<const float*>>& init) {
+                     const std::vector<std::vector<const float*>>& init, tz::InitialValues from) {
   TZ_ASSIGN_OR_RETURN(tz::RankInfo ranks, tz::rank_info_from_env());
   TZ_ASSIGN_OR_RETURN(core.device, tz::create_device({.backend = config.backend, .ordinal = ranks.local_rank}));
   TZ_ASSIGN_OR_RETURN(core.comm, tz::create_communicator({.ranks = ranks, .device = core.device.get()}));
@@ -262,8 +278,9 @@ tz::Status make_core(EngineCore& core, const tz::Config& config, const BlockList
     }
   };
   TZ_ASSIGN_OR_RETURN(core.engine,
-                      tz::ZeroEngine::create({.config = config, .comm = core.comm.get(), .device = core.device.get()},
-                                             model, fill));
+                      tz::ZeroEngine::create({.config = config, .comm = core.comm.get(), .device = core.device.get(),
+                                              .initial_values = from},
+                                             model, from == tz::InitialValues::kSetLater ? tz::ParamInit() : fill));
   TZ_ASSIGN_OR_RETURN(core.copy_stream, core.device->create_stream());
   if (core.device->kind() == tz::BackendKind::kCuda) {
     core.dl_device_type = kDLCUDA;
@@ -340,11 +357,12 @@ tz::Status reduce_from(EngineCore& core, std::size_t block, const std::vector<st
 class PyEngine {
  public:
   PyEngine(std::optional<std::string> config_path, std::optional<std::string> config_json, const BlockList& blocks,
-           const InitArrays& init)
+           const InitArrays& init, const std::string& initial)
       : core_(std::make_shared<EngineCore>()) {
+    const tz::InitialValues from = initial_values(initial, init);
     const tz::Config config = load(config_path, config_json);
     const std::vector<std::vector<const float*>> ptrs = init_pointers(blocks, init);
-    locked(*core_, [&] { return make_core(*core_, config, blocks, ptrs); });
+    locked(*core_, [&] { return make_core(*core_, config, blocks, ptrs, from); });
   }
 
   std::unique_ptr<PyGathered> fetch(std::size_t block, std::optional<std::int64_t> stream, bool evaluation) {
@@ -465,11 +483,14 @@ void bind_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "Engine",
                        "ZeRO-partitioned, tiered model states and the training step (tierzero/engine/zero.h). Ranks "
                        "come from the environment as torchrun sets it (one rank without it).")
-      .def(nb::init<std::optional<std::string>, std::optional<std::string>, const BlockList&, const InitArrays&>(),
+      .def(nb::init<std::optional<std::string>, std::optional<std::string>, const BlockList&, const InitArrays&,
+                    const std::string&>(),
            nb::arg("config_path") = nb::none(), nb::arg("config_json") = nb::none(),
-           nb::arg("blocks") = BlockList{}, nb::arg("init") = InitArrays{},
+           nb::arg("blocks") = BlockList{}, nb::arg("init") = InitArrays{}, nb::arg("initial_values") = "rank0",
            "blocks: [(block name, [(param name, shape)])]; init: per block, per parameter, a float32 cpu array of its "
-           "numel or None (zeros); empty: all zeros.")
+           "numel or None (zeros); empty: all zeros. initial_values: 'rank0' (every rank starts from rank 0's init), "
+           "'same' (every rank's init is the same: no broadcast) or 'later' (no init: each block gets its values "
+           "from set_master() or load_checkpoint() before use; tz::InitialValues).")
       .def("fetch", &PyEngine::fetch, nb::arg("block"), nb::kw_only(), nb::arg("stream") = nb::none(),
            nb::arg("evaluation") = false,
            "The whole block, gathered (waits for NVMe and collectives). On CUDA the buffer goes back to the engine "
@@ -554,6 +575,10 @@ void bind_engine(nb::module_& m) {
            "the same block and root. Moments, step and accumulated gradients stay. Refused while a gathered block is "
            "alive; not for use between a forward and its backward. refusal: "
            "this rank's reason not to go on (every rank then fails, this one with the reason as a ValueError).")
+      .def("has_values", [](PyEngine& e, std::size_t block) { return e.engine().has_values(block); },
+           nb::arg("block"),
+           "Whether the block has values: False only on an engine made with initial_values='later' until "
+           "set_master() or load_checkpoint() sets it (and for a block that does not exist).")
       .def("agree", &PyEngine::agree, nb::arg("value"), nb::kw_only(), nb::arg("refusal") = nb::none(),
            nb::arg("what") = "agree",
            "A collective check before work every rank must do alike: raises on every rank when the ranks' `value` "

@@ -83,14 +83,22 @@ class Engine:
     {name: {param name: shape}}. init: per block, per parameter, a float32 CPU
     array (numpy or torch) of the parameter's size, or None for zeros. Ranks
     come from the environment as torchrun sets it (one rank without it).
+    initial_values: whose init the engine keeps. "rank0" (the default, as
+    DeepSpeed broadcasts rank 0's model): every rank starts from rank 0's,
+    so ranks seeded apart agree; "same": the caller's word that every rank
+    passes the same values (no broadcast); "later": no init at all, each
+    block's values come from set_master() or load_checkpoint(), and until
+    then fetch, step, gather_master and saves are refused, naming the block.
     Errors: ValueError (bad config or input), OSError (NVMe), MemoryError (a
     tier budget), each with the engine's message.
     """
 
-    def __init__(self, config: Any, blocks: Any, init: Optional[Sequence[Sequence[Any]]] = None):
+    def __init__(self, config: Any, blocks: Any, init: Optional[Sequence[Sequence[Any]]] = None, *,
+                 initial_values: str = "rank0"):
         self._blocks = _normalise_blocks(blocks)
         arrays = [] if init is None else [[_as_cpu_array(a) for a in block] for block in init]
-        self._core = _core.Engine(blocks=self._blocks, init=arrays, **_config_kwargs(config))
+        self._core = _core.Engine(blocks=self._blocks, init=arrays, initial_values=initial_values,
+                                  **_config_kwargs(config))
         self._layout = self._core.layout()
 
     # --- the step
@@ -167,6 +175,11 @@ class Engine:
         """The block's fp32 master weights as a numpy array (whole_numel,), a copy."""
         return self._core.gather_master(block)
 
+    def has_values(self, block: int) -> bool:
+        """Whether the block has values: False only with initial_values="later", until set_master_params()
+        or load_checkpoint() sets it."""
+        return self._core.has_values(block)
+
     def master_params(self, block: int) -> list:
         """The block's fp32 master weights, one numpy array per parameter, shaped."""
         flat = self.gather_master(block)
@@ -177,9 +190,21 @@ class Engine:
         `root`'s `values`: one array per parameter, of its shape (any float dtype, on any device: copied), or
         None to keep that parameter. A collective: every rank calls it with the same block and root (the
         other ranks' values are not used). Adam's moments, the step count and accumulated gradients stay.
-        Refused while a gathered block is alive; not for use between a forward and its backward."""
-        flat = self.gather_master(block)  # a collective: every rank, before anything can fail here
+        Refused while a gathered block is alive; not for use between a forward and its backward. On a block
+        with no values yet (initial_values="later") every parameter needs one."""
+        import numpy as np
+
+        if self._core.has_values(block):
+            flat = self.gather_master(block)  # a collective: every rank, before anything can fail here
+        else:  # the same on every rank; set_master refuses a block that does not exist
+            flat = np.zeros(self._layout[block]["whole_numel"] if 0 <= block < len(self._layout) else 0, np.float32)
         try:
+            if not self._core.has_values(block):
+                for p, v in zip(self._layout[block]["params"], values):
+                    if v is None:
+                        raise ValueError(f"block '{self._layout[block]['name']}' has no values yet "
+                                         f"(initial_values='later'), so every parameter needs one; "
+                                         f"'{p['name']}' is None")
             _fill_params(flat, self._layout[block], values)
         except Exception as e:  # noqa: BLE001 - whatever it is, every rank must hear of it
             # Through the collective, so the other ranks fail with this one instead of waiting for it.

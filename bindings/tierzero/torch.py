@@ -117,7 +117,7 @@ import os
 import warnings
 import weakref
 from collections import defaultdict, namedtuple
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch.utils.dlpack import to_dlpack
@@ -268,17 +268,18 @@ class TorchEngine:
         # Everything that can be refused before the model changes is, on every rank alike (after the engine
         # exists, through it): a refusal on one rank, or ranks that differ on whether the model is on the
         # meta device, must not leave the others waiting in a collective it never starts.
-        on_meta, refusal = False, None
+        on_meta, refusal, kept = False, None, []
         try:
             on_meta = _check_meta(model, init_fn)  # Note [Models on the meta device]
-            _check_external(model, {id(p) for _, params, _ in blocks for p in params})
+            trained = {id(p) for _, params, _ in blocks for p in params}
+            _check_external(model, trained)
+            if not on_meta:
+                kept = _frozen(model, trained)
         except BaseException as e:  # noqa: BLE001 - an interrupt too; re-raised after the agreement
             refusal = e
-        # The masters start from the model's own values, before any cast (Note [Model dtype]); a model on
-        # the meta device (or one refused) starts from zeros, each block replaced as _MetaMaker makes it.
-        init = [[None if refusal is not None or p.is_meta else p.detach().to("cpu", torch.float32).contiguous()
-                 for p in params] for _, params, _ in blocks]
-        self._core = _core.Engine(blocks=specs, init=init, **config_args(config))
+        # No values at creation: every rank learns first whether the others are on the meta device or
+        # refuse, then each block is set (rank 0's values) from the model, or as _MetaMaker makes it.
+        self._core = _core.Engine(blocks=specs, initial_values="later", **config_args(config))
         self._dtype = _DTYPES[self._core.param_dtype]
         try:
             if refusal is None and self._dtype == torch.float32:
@@ -286,7 +287,7 @@ class TorchEngine:
         except ValueError as e:
             refusal = e
         try:
-            self._core.agree("a model on the meta device" if on_meta else "a model in memory",
+            self._core.agree("a model on the meta device" if on_meta else f"a model in memory, {_kept_digest(kept)}",
                              refusal=_refusal_text(refusal), what="tierzero.torch.initialize")
         except ValueError:
             if refusal is not None:
@@ -295,6 +296,8 @@ class TorchEngine:
         layout = self._core.layout()
         if on_meta:
             _MetaMaker(self._core, model, blocks, layout, init_fn, self._dtype).run()
+        else:
+            _take_rank0s_model(self._core, blocks, layout, kept)
         self._blocks = [_Block(i, name, params, names, layout[i]) for i, (name, params, names) in enumerate(blocks)]
         self._cuda = self._core.device.startswith("cuda")
         self._torch_device = torch.device(self._core.device)
@@ -815,11 +818,13 @@ class TorchEngine:
 #   tensor of another module as a scalar (w.mul_(gate.g)) is not caught:
 #   torch reads a meta scalar without complaint, and the result is wrong.
 # - A block goes to the engine (set_master, rank 0's values) once its
-#   parameters are made, and their values are dropped and the heap trimmed
-#   (malloc_trim: glibc keeps freed blocks under its adaptive mmap
-#   threshold of up to 32 MiB; 40 modules of 16 MiB peaked at 786-850 MiB
-#   without it, 734-736 with it: bench/python/meta_trim_check.py). So host
-#   memory peaks near the largest module plus the engine's own
+#   parameters are made (the engine was created with no weights,
+#   initial_values="later", so each block is written once), and their
+#   values are dropped and the heap trimmed (malloc_trim: glibc keeps
+#   freed blocks under its adaptive mmap threshold of up to 32 MiB; 40
+#   modules of 16 MiB peaked at 786-850 MiB without it, 734-736 with it:
+#   bench/python/meta_trim_check.py). So host memory peaks near the
+#   largest module plus the engine's own
 #   (bench/python/meta_init_bench.py). A tied weight
 #   (or a shared module's tensor) is made, with init_fn, at its last
 #   holder's visit, with every call that reaches it from any holder, in
@@ -995,18 +1000,13 @@ class _MetaMaker:
             try:
                 if failure is None:
                     kept = [self.parked[k] for k in self.kept]
-                    listed = repr([(n, t.dtype, tuple(t.shape)) for t, _, n in kept]).encode()
-                    value = f"{len(kept)} frozen parameters and buffers, digest {hashlib.sha256(listed).hexdigest()[:16]}"
+                    value = _kept_digest([(n, t) for t, _, n in kept])
                     self._keep(kept)
             except BaseException as e:  # noqa: BLE001 - into the collective
                 failure = failure or e
             # Every rank keeps the same frozen tensors, in place, before any takes rank 0's.
             self.core.agree(value, refusal=_refusal_text(failure), what=what)
-            for t, _, _ in kept:
-                host = t.detach().to("cpu", copy=True).contiguous()
-                self.core.broadcast(host.reshape(-1).view(torch.uint8), root=0)
-                with torch.no_grad():
-                    t.copy_(host)
+            _take_rank0s(self.core, [t for t, _, _ in kept])
             self.live.clear()
         except BaseException as e:
             undone = self.undo(failure)
@@ -1088,17 +1088,8 @@ class _MetaMaker:
     def _hand_over(self, b: int, failure: Optional[BaseException]) -> Optional[BaseException]:
         """Block b's values (rank 0's) into the engine, their memory freed; the failure, if any."""
         _, params, _ = self.blocks[b]
-        whole = torch.zeros(0)  # with a refusal set_master reads nothing
-        try:
-            if failure is None:
-                whole = torch.zeros(self.layout[b]["whole_numel"], dtype=torch.float32)
-                for p, spec in zip(params, self.layout[b]["params"]):
-                    whole[spec["offset"]:spec["offset"] + spec["numel"]] = self.parked[id(p)][1].detach().reshape(-1)
-        except BaseException as e:  # noqa: BLE001 - into the collective, then re-raised by run()
-            failure, whole = failure or e, torch.zeros(0)
-        self.core.set_master(b, whole, root=0, refusal=_refusal_text(failure))
+        failure = _set_block(self.core, b, self.layout[b], lambda: [self.parked[id(p)][1] for p in params], failure)
         try:  # an interrupt here still reaches the other ranks, at the next collective
-            del whole
             for p in params:
                 self.parked.pop(id(p), None)  # the made values go with their holders
             _malloc_trim()
@@ -1116,6 +1107,78 @@ class _MetaMaker:
             t = entry[0]
             cast = self.dtype != torch.float32 and t.dtype.is_floating_point
             t.data = t.data.to(self.device, dtype=self.dtype if cast else t.dtype)
+
+
+# Note [Rank 0's model]
+# Ranks seeded apart (torch.manual_seed(seed + rank), for dropout or data
+# order) build different initial models. DeepSpeed broadcasts rank 0's
+# model at start, and so does initialize(): the trained parameters through
+# the engine (its initial_values="rank0", Note [Initial values] in
+# tierzero/engine/zero.h), and the frozen parameters and buffers here,
+# once every rank has agreed it holds the same ones (names, dtypes, shapes:
+# _kept_digest). Without it each rank would train a patchwork of the ranks'
+# initial weights, and run its forward with its own frozen weights and
+# buffers, so the ranks' gradients would come from different models.
+# One copy of each tensor through host memory; nothing on a single rank.
+def _frozen(model: torch.nn.Module, trained: set) -> list:
+    """[(qualified name, tensor)]: the model's parameters not trained and its buffers, each once, children
+    first."""
+    out, seen = [], set()
+    for name, module in _post_order(model):
+        for key, t in _own_tensors(module):
+            if id(t) not in trained and id(t) not in seen:
+                seen.add(id(t))
+                out.append((_qualified(name, key), t))
+    return out
+
+
+def _kept_digest(named: list) -> str:
+    """What the ranks agree on before taking rank 0's frozen tensors: their names, dtypes and shapes."""
+    listed = repr([(n, t.dtype, tuple(t.shape)) for n, t in named]).encode()
+    return f"{len(named)} frozen parameters and buffers, digest {hashlib.sha256(listed).hexdigest()[:16]}"
+
+
+def _set_block(core: Any, b: int, layout: dict, values: Callable[[], list],
+               failure: Optional[BaseException]) -> Optional[BaseException]:
+    """Block b's values (values(): one tensor per parameter, any device and float dtype) into the engine
+    through set_master, rank 0's kept; a failure on this rank (earlier, or making them) goes in as its
+    refusal, so every rank fails there. The failure, if any."""
+    whole = torch.zeros(0)  # with a refusal set_master reads nothing
+    try:
+        if failure is None:
+            whole = torch.zeros(layout["whole_numel"], dtype=torch.float32)
+            for v, spec in zip(values(), layout["params"]):
+                whole[spec["offset"]:spec["offset"] + spec["numel"]] = v.detach().reshape(-1)
+    except BaseException as e:  # noqa: BLE001 - into the collective, then re-raised by the caller
+        failure, whole = failure or e, torch.zeros(0)
+    core.set_master(b, whole, root=0, refusal=_refusal_text(failure))
+    return failure
+
+
+def _take_rank0s_model(core: Any, blocks: list, layout: list, kept: list) -> None:
+    """Note [Rank 0's model] for a model in memory: each block's values, and the frozen tensors `kept`."""
+    failure: Optional[BaseException] = None
+    try:
+        for b, (_, params, _) in enumerate(blocks):
+            failure = _set_block(core, b, layout[b], lambda params=params: params, failure)
+    except ValueError as e:
+        if failure is not None and _refusal_text(failure) in str(e):
+            raise failure from None  # this rank's own error, not the refusal the engine echoed
+        raise
+    _take_rank0s(core, [t for _, t in kept])
+
+
+def _take_rank0s(core: Any, tensors: list) -> None:
+    """Rank 0's values into every rank's `tensors` (the same on every rank: agreed by _kept_digest)."""
+    if core.world_size == 1:
+        return
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        host = t.detach().to("cpu", copy=True).contiguous()
+        core.broadcast(host.reshape(-1).view(torch.uint8), root=0)
+        with torch.no_grad():
+            t.copy_(host)
 
 
 def _fill_unset(t: torch.Tensor) -> None:

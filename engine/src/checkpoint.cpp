@@ -312,6 +312,7 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
                                "save after a step",
                                micro_, gas_);
   }
+  TZ_TRY(check_all_values_set("save_checkpoint"));
   TZ_TRY(check_path(dir, "save_checkpoint"));
   // Without a tag, a fresh name even when this step was saved before (an
   // fp16-skipped step does not advance it), so no complete checkpoint is
@@ -559,6 +560,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
       if (exp_avg_ && !options.weights_only) TZ_TRY(put(*exp_avg_, b, states[b * 3 + 1].data()));
       if (exp_avg_sq_ && !options.weights_only) TZ_TRY(put(*exp_avg_sq_, b, states[b * 3 + 2].data()));
     }
+    for (std::size_t b = 0; b < layout_.blocks.size(); ++b) mark_set(b);  // Note [Initial values]
     std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
     micro_ = 0;
     TZ_TRY(gather_persistent());
@@ -628,6 +630,7 @@ Expected<std::vector<std::vector<std::string>>> export_names(const ModelLayout& 
 
 Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::vector<std::vector<std::string>>& names) {
   // Every rank takes part in the gathers below, or none does.
+  TZ_TRY(check_all_values_set("export_safetensors"));  // the same on every rank
   Expected<std::vector<std::vector<std::string>>> tensor_names = export_names(layout_, names);
   const Status checked = tensor_names.ok() ? check_path(path, "export_safetensors") : tensor_names.status();
   TZ_TRY(agree(checked, "exporting " + path));

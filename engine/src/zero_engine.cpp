@@ -278,6 +278,10 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   TZ_TRY(agree_on_name(fmt::format("{} blocks, {} parameters, layout digest {:016x}", layout_.blocks.size(),
                                    layout_.param_numel, nvme::checksum(described.data(), described.size())),
                        "creating the engine", "models", "build the same model (block names, parameters, shapes)"));
+  // Note [Initial values]: with kRankZero every rank takes part in the broadcasts.
+  static constexpr std::string_view kInitialNames[] = {"kRankZero", "kSameOnEveryRank", "kSetLater"};
+  TZ_TRY(agree_on_name(fmt::format("initial_values = {}", kInitialNames[static_cast<int>(options_.initial_values)]),
+                       "creating the engine", "initial values", "pass the same ZeroOptions::initial_values"));
   const std::uint64_t window =
       static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_prefetch_bucket_size, 0)) *
       elem_type_bytes(param_type_);
@@ -295,18 +299,29 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   return ok_status();
 }
 
+// Note [Initial values] (tierzero/engine/zero.h).
 Status ZeroEngineImpl::init_states(const ParamInit& init) {
   const int rank = comm_->rank();
+  const InitialValues from = options_.initial_values;
   persistent_.resize(layout_.blocks.size());
+  unset_.assign(layout_.blocks.size(), from == InitialValues::kSetLater);
+  unset_count_ = from == InitialValues::kSetLater ? layout_.blocks.size() : 0;
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     const BlockLayout& block = layout_.blocks[b];
-    std::vector<float> whole(block.whole_numel, 0.0F);
-    for (std::size_t p = 0; p < block.params.size(); ++p) {
-      init(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
-    }
-    const float* shard = whole.data() + static_cast<std::uint64_t>(rank) * block.shard_numel;
     const std::vector<float> zeros(block.shard_numel, 0.0F);
-    TZ_TRY_CTX(put_weights(b, shard), "initialising {}", block.name);
+    if (from != InitialValues::kSetLater) {
+      std::vector<float> whole(block.whole_numel, 0.0F);
+      for (std::size_t p = 0; p < block.params.size(); ++p) {
+        init(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
+      }
+      if (from == InitialValues::kRankZero && comm_->size() > 1) {
+        TZ_TRY_CTX(comm_thread_->run([&] {
+          return detail::broadcast_host(*comm_, *device_, *device_pool_, whole.data(), whole.size() * sizeof(float), 0);
+        }), "initialising {} (rank 0's values to every rank)", block.name);
+      }
+      const float* shard = whole.data() + static_cast<std::uint64_t>(rank) * block.shard_numel;
+      TZ_TRY_CTX(put_weights(b, shard), "initialising {}", block.name);
+    }
     if (exp_avg_) TZ_TRY_CTX(put(*exp_avg_, b, zeros.data()), "initialising {}", block.name);
     if (exp_avg_sq_) TZ_TRY_CTX(put(*exp_avg_sq_, b, zeros.data()), "initialising {}", block.name);
     if (block.persistent) {
@@ -382,6 +397,26 @@ Status ZeroEngineImpl::get(const detail::ShardStore& store, std::size_t block, v
   return ok_status();
 }
 
+Status ZeroEngineImpl::check_values_set(std::size_t block, std::string_view what) const {
+  if (!unset_[block]) return ok_status();
+  return failed_precondition("{}: block '{}' has no values yet (the engine was made with initial_values = kSetLater, "
+                             "and {} of its {} blocks are still unset): set_master() it, or load a checkpoint",
+                             what, layout_.blocks[block].name, unset_count_, layout_.blocks.size());
+}
+
+Status ZeroEngineImpl::check_all_values_set(std::string_view what) const {
+  if (unset_count_ == 0) return ok_status();
+  const auto first = static_cast<std::size_t>(std::find(unset_.begin(), unset_.end(), true) - unset_.begin());
+  return check_values_set(first, what);
+}
+
+void ZeroEngineImpl::mark_set(std::size_t block) {
+  if (unset_[block]) {
+    unset_[block] = false;
+    --unset_count_;
+  }
+}
+
 Status ZeroEngineImpl::put_weights(std::size_t block, const float* shard) {
   TZ_TRY(put(*master_, block, shard));
   return put(*param16_, block, to_param_type(shard, layout_.blocks[block].shard_numel, param_type_).data());
@@ -392,7 +427,7 @@ Status ZeroEngineImpl::gather_persistent() {
   TZ_TRY(release_failure());
   TZ_TRY(device_->synchronize_event(*persistent_read_));
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-    if (persistent_[b].valid()) {
+    if (persistent_[b].valid() && !unset_[b]) {  // an unset block is gathered when set_master sets it
       TZ_TRY_CTX(prefetcher_->gather_into(b, persistent_[b].data()), "gathering {}", layout_.blocks[b].name);
     }
   }
@@ -404,6 +439,7 @@ Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block, FetchFor purpos
     return invalid_argument("fetch: block {} does not exist (the model has {})", block, layout_.blocks.size());
   }
   TZ_TRY(release_failure());
+  TZ_TRY(check_values_set(block, "fetch"));
   const BlockLayout& b = layout_.blocks[block];
   if (persistent_[block].valid()) {
     return GatheredBlock(this, block, persistent_[block].data(), param_type_, &b, /*persistent=*/true);
@@ -643,6 +679,7 @@ Status ZeroEngineImpl::accumulate_on_device(std::size_t block, const void* d_sha
 
 Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {
   if (block >= layout_.blocks.size()) return invalid_argument("gather_master: block {} does not exist", block);
+  TZ_TRY(check_values_set(block, "gather_master"));
   const BlockLayout& b = layout_.blocks[block];
   std::vector<float> whole(b.whole_numel);
   float* mine = whole.data() + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
@@ -715,6 +752,7 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   if (persistent_[block].valid()) {
     TZ_TRY(agree(prefetcher_->gather_into(block, persistent_[block].data()), fmt::format("set_master({})", b.name)));
   }
+  mark_set(block);
   return prefetcher_->reissue();
 }
 
@@ -752,7 +790,10 @@ std::string ZeroEngineImpl::describe() const {
 
 Expected<std::unique_ptr<ZeroEngine>> ZeroEngine::create(const ZeroOptions& options, const std::vector<BlockSpec>& model,
                                                          const ParamInit& init) {
-  if (!init) return invalid_argument("ZeroEngine::create: no parameter initialiser given");
+  if (!init && options.initial_values != InitialValues::kSetLater) {
+    return invalid_argument("ZeroEngine::create: no parameter initialiser given (only initial_values = kSetLater "
+                            "takes none)");
+  }
   const std::string& type = options.config.optimizer.type;
   if (type != "Adam" && type != "AdamW" && type != "Adagrad" && type != "Lion") {
     return invalid_argument("optimizer.type = \"{}\": the engine steps Adam, AdamW, Adagrad or Lion", type);

@@ -60,6 +60,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Expected<std::vector<float>> gather_master(std::size_t block) override;
   using ZeroEngine::set_master;
   Status set_master(std::size_t block, float* whole, std::size_t count, int root, const Status& refusal) override;
+  bool has_values(std::size_t block) const override { return block < unset_.size() && !unset_[block]; }
   Status agree(const std::string& value, const Status& refusal, std::string_view what) override {
     TZ_TRY(agree(refusal, what));  // first, so a refusing rank reports its reason even when the values differ
     return agree_on_name(value, what, "values", "do the same");
@@ -102,6 +103,11 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // This rank's shard of `block`'s fp32 master weights, and the 16-bit
   // parameters as the optimizer's copy-out writes them: the masters rounded.
   Status put_weights(std::size_t block, const float* shard);
+  // Note [Initial values]: refused while the block (or any block) has no
+  // values yet, naming it and `what`.
+  Status check_values_set(std::size_t block, std::string_view what) const;
+  Status check_all_values_set(std::string_view what) const;
+  void mark_set(std::size_t block);
   Status gather_persistent();
   // The gradient path of one block after its reduce-scatter: device to host,
   // accumulate in fp32 on the grad tier (the grad thread).
@@ -170,6 +176,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::unique_ptr<nvme::SwapStore> swap_;
   std::unique_ptr<detail::ShardStore> param16_, grad_, master_, exp_avg_, exp_avg_sq_;
   std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
+  std::vector<bool> unset_;                    // blocks with no values yet (Note [Initial values])
+  std::size_t unset_count_ = 0;
   std::map<void*, PoolBlock> live_;            // gathered buffers handed out
   std::map<void*, std::chrono::steady_clock::time_point> live_since_;
   // Note [Stream-ordered release]: the stream that waits for readers, the

@@ -86,6 +86,34 @@ TEST(Checkpoint, ResumeUnderAnotherPlacementIsBitIdenticalToAnUninterruptedRun) 
   EXPECT_EQ(masters(*b), uninterrupted) << "resume must continue bit for bit";
 }
 
+// An engine made with initial_values = kSetLater (no values written) takes
+// every block's from a checkpoint, and goes on bit for bit; before the load
+// it refuses to save.
+TEST(Checkpoint, AnEngineMadeWithoutValuesTakesThemFromACheckpoint) {
+  TempDir nvme, later_nvme, ckpt;
+  auto a = make(nvme.path(), kNvme);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(train(*a, 0, 2).ok());
+  ASSERT_TRUE(a->save_checkpoint(ckpt.path()).ok());
+  const auto at_save = masters(*a);
+  ASSERT_TRUE(train(*a, 2, 4).ok());
+  const auto uninterrupted = masters(*a);
+
+  auto b = tz::ZeroEngine::create({.config = test_config(later_nvme.path(), 3, 1), .placement = kNvme,
+                                   .initial_values = tz::InitialValues::kSetLater},
+                                  tz::mlp::model(kMlp), tz::ParamInit());
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  const auto refused = (*b)->save_checkpoint(ckpt.path(), {.tag = "unset"});
+  EXPECT_NE(refused.status().message().find("save_checkpoint: block 'layer0' has no values yet"), std::string::npos)
+      << refused.status().to_string();
+  EXPECT_FALSE(std::filesystem::exists(ckpt.path() + "/unset"));
+  const auto loaded = (*b)->load_checkpoint(ckpt.path());
+  ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+  EXPECT_EQ(masters(**b), at_save);
+  ASSERT_TRUE(train(**b, 2, 4).ok());
+  EXPECT_EQ(masters(**b), uninterrupted);
+}
+
 // A rate set by the caller (a schedule of its own) comes back with the
 // checkpoint; a manifest whose rate is not a rate is refused as corrupt.
 TEST(Checkpoint, TheCallersLearningRateIsSavedAndAnImpossibleOneIsRefused) {

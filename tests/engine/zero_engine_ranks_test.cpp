@@ -254,6 +254,127 @@ TEST(ZeroEngineRanks, DifferentModelsOnTheRanksAreRefusedAtCreation) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
+// Note [Initial values]: ranks whose initialisers differ (seeded apart)
+// all start from rank 0's values, a persistent block (whole on every rank)
+// too; with kSameOnEveryRank the engine takes the caller's word and each
+// rank keeps its own shard.
+TEST(ZeroEngineRanks, EveryRankStartsFromRankZerosValues) {
+  TempDir dir;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    const std::vector<tz::BlockSpec> model = {{"small", {{"w", {4, 16}}}}, {"big", {{"w", {96, 64}}, {"b", {64}}}}};
+    const auto value = [](int rank, std::size_t b, std::size_t p, std::uint64_t i) {
+      return static_cast<float>((b * 31 + p * 7 + i) % 17) / 16.0F - 0.5F + static_cast<float>(rank);
+    };
+    const tz::ParamInit init = [&](std::size_t b, std::size_t p, float* out, std::uint64_t n) {
+      for (std::uint64_t i = 0; i < n; ++i) out[i] = value(info.rank, b, p, i);
+    };
+    for (const tz::InitialValues from : {tz::InitialValues::kRankZero, tz::InitialValues::kSameOnEveryRank}) {
+      const bool rank_zeros = from == tz::InitialValues::kRankZero;
+      tz::Config config = rank_config(dir.path() + (rank_zeros ? "/zero" : "/same"), info.rank);
+      config.zero.stage3_param_persistence_threshold = 100;  // "small" stays whole on every rank
+      auto created = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .initial_values = from}, model, init);
+      if (!created.ok()) {
+        std::fprintf(stderr, "rank %d: %s\n", info.rank, created.status().to_string().c_str());
+        return 2;
+      }
+      tz::ZeroEngine& engine = **created;
+      if (!engine.layout().blocks[0].persistent || engine.layout().blocks[1].persistent) return 3;
+      std::vector<tz::GatheredBlock> fetches;  // held to the end: a step would move the weights
+      for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+        const tz::BlockLayout& block = engine.layout().blocks[b];
+        const std::vector<float> master = engine.gather_master(b).value();
+        auto fetched = engine.fetch(b);  // the 16-bit copy, gathered from the ranks' shards
+        if (!fetched.ok()) return 4;
+        const auto* p16 = static_cast<const std::uint16_t*>(fetched->data());
+        fetches.push_back(std::move(*fetched));
+        for (std::size_t p = 0; p < block.params.size(); ++p) {
+          for (std::uint64_t i = 0; i < block.params[p].numel; ++i) {
+            const std::uint64_t at = block.params[p].offset + i;
+            const int owner = rank_zeros ? 0 : static_cast<int>(at / block.shard_numel);
+            const float want = value(owner, b, p, i);
+            if (master[at] != want || p16[at] != tz::kernels::fp32_to_bf16(want)) {
+              std::fprintf(stderr, "rank %d, %s, %s.%s[%llu]: master %g, want rank %d's %g\n", info.rank,
+                           rank_zeros ? "kRankZero" : "kSameOnEveryRank", block.name.c_str(),
+                           block.params[p].name.c_str(), static_cast<unsigned long long>(i), master[at], owner, want);
+              return 5;
+            }
+          }
+        }
+      }
+      fetches.clear();
+      if (!engine.step().ok()) return 6;  // ends the micro-batch the fetches began
+    }
+    return 0;
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+// kSetLater: no weights are written at creation, and until set_master()
+// gives a block its values every call that would read it is refused, naming
+// it. Set to the initialiser's values (rank 0's, rank 1 passing garbage),
+// the engine then trains as the reference does, so the moments started at
+// zero; partitioned and persistent blocks, masters and moments on NVMe.
+TEST(ZeroEngineRanks, BlocksSetLaterAreRefusedUntilSetAndThenTrainAsTheReference) {
+  TempDir dir;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    const auto report = [&](const char* what, const tz::Status& s) {
+      std::fprintf(stderr, "rank %d, %s: %s\n", info.rank, what, s.to_string().c_str());
+    };
+    const tz::ParamInit init = tz::mlp::init(kMlp);
+    for (const std::int64_t persist_below : {0, 5000}) {  // none persistent, then all
+      const std::string mine = dir.path() + "/p" + std::to_string(persist_below) + "/rank" + std::to_string(info.rank);
+      std::filesystem::create_directories(mine);
+      tz::Config config = test_config(mine, 3, 2);
+      config.zero.stage3_param_persistence_threshold = persist_below;
+      auto created = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .grad_type = tz::ElemType::kFp32,
+                                             .placement = Placement{Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme},
+                                             .initial_values = tz::InitialValues::kSetLater},
+                                            tz::mlp::model(kMlp), tz::ParamInit());
+      if (!created.ok()) return report("create", created.status()), 2;
+      tz::ZeroEngine& engine = **created;
+      const auto refused = [&](const char* what, const tz::Status& s, const std::string& want) {
+        if (s.code() == tz::ErrorCode::kFailedPrecondition && s.message().find(want) != std::string::npos) return false;
+        report(what, s);
+        return true;
+      };
+      const std::string none = "block 'layer0' has no values yet (the engine was made with initial_values = "
+                               "kSetLater, and 3 of its 3 blocks are still unset)";
+      if (refused("fetch", engine.fetch(0).status(), "fetch: " + none)) return 3;
+      if (refused("gather_master", engine.gather_master(0).status(), "gather_master: " + none)) return 3;
+      if (refused("step", engine.step().status(), "step: " + none)) return 3;
+      if (refused("save", engine.save_checkpoint(mine + "/ckpt"), "save_checkpoint: " + none)) return 3;
+      if (refused("export", engine.export_safetensors(mine + "/w.safetensors"), "export_safetensors: " + none)) return 3;
+      if (std::filesystem::exists(mine + "/ckpt") || std::filesystem::exists(mine + "/w.safetensors")) return 4;
+      for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+        const tz::BlockLayout& block = engine.layout().blocks[b];
+        std::vector<float> whole(block.whole_numel, -7.0F);
+        if (info.rank == 0) {
+          std::fill(whole.begin(), whole.end(), 0.0F);
+          for (std::size_t p = 0; p < block.params.size(); ++p) {
+            init(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
+          }
+        }
+        if (tz::Status s = engine.set_master(b, whole.data(), whole.size(), 0); !s.ok()) return report("set", s), 5;
+        if (b == 0 && refused("fetch", engine.fetch(1).status(), "block 'layer1' has no values yet")) return 6;
+        if (b == 0 && refused("fetch", engine.fetch(1).status(), "2 of its 3 blocks are still unset")) return 6;
+      }
+      tz::mlp::Reference ref(kMlp, config, info.world_size, tz::ElemType::kFp32);
+      const double worst = train_and_compare(engine, ref, kMlp, 3, 2);
+      if (info.rank == 0) {
+        std::printf("[ engine ] set later, persistence threshold %lld: largest |master - reference| %.3g\n",
+                    static_cast<long long>(persist_below), worst);
+      }
+      if (!(worst <= kTolerance)) return 7;
+    }
+    return 0;
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
 TEST(ZeroEngineRanks, ARankKilledMidStepMakesTheOthersFailWithinTheTimeout) {
   TempDir dir;
   constexpr auto kTimeout = std::chrono::seconds(3);

@@ -183,6 +183,46 @@ def test_set_master_params_replaces_weights_between_steps(nvme_dir):
     np.testing.assert_array_equal(eng.master_params(0)[0], w)
 
 
+def test_initial_values_later_refuses_unset_blocks_until_set(nvme_dir, tmp_path):
+    # Note [Initial values]: "later" writes no weights; every read of an unset block is refused, naming it.
+    eng = tierzero.Engine(host_config(nvme_dir), BLOCKS, initial_values="later")
+    assert not eng.has_values(0) and not eng.has_values(1) and not eng.has_values(7)
+    unset = r"block 'layer0' has no values yet \(the engine was made with initial_values = kSetLater, and 2 of its 2"
+    with pytest.raises(RuntimeError, match=r"fetch: " + unset):
+        eng.fetch(0)
+    with pytest.raises(RuntimeError, match=r"gather_master: " + unset):
+        eng.master_params(0)
+    with pytest.raises(RuntimeError, match=r"step: " + unset):
+        eng.step()
+    with pytest.raises(RuntimeError, match=r"save_checkpoint: " + unset):
+        eng.save_checkpoint(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(ValueError, match=r"block 'layer0' has no values yet \(initial_values='later'\), so every "
+                                         r"parameter needs one; 'b' is None"):
+        eng.set_master_params(0, [np.ones((8, 16), np.float32), None])
+    assert not eng.has_values(0)
+    w, b = np.arange(128, dtype=np.float32).reshape(8, 16), np.full(8, 0.5, np.float32)
+    eng.set_master_params(0, [w, b])
+    assert eng.has_values(0) and not eng.has_values(1)
+    np.testing.assert_array_equal(np.from_dlpack(eng.fetch(0).param(1)), b)
+    with pytest.raises(RuntimeError, match=r"fetch: block 'layer1' has no values yet .* 1 of its 2 blocks"):
+        eng.fetch(1)
+    eng.set_master_params(1, [torch.full((4, 8), 2.0)])
+    np.testing.assert_array_equal(eng.master_params(0)[0], w)
+    np.testing.assert_array_equal(np.from_dlpack(eng.fetch(1).param(0)), np.full((4, 8), 2.0, np.float32))
+    eng.step()  # a whole engine now: it steps (the fetches' micro-batch)
+
+
+def test_initial_values_are_checked(nvme_dir):
+    with pytest.raises(ValueError, match=r"initial_values='first' is not one of 'rank0' .*, 'same' .* or 'later'"):
+        tierzero.Engine(host_config(nvme_dir), BLOCKS, initial_values="first")
+    with pytest.raises(ValueError, match=r"initial_values='later' writes no initial values, and 'init' gives some"):
+        tierzero.Engine(host_config(nvme_dir), BLOCKS, init=[[None, None], [None]], initial_values="later")
+    w = np.ones((8, 16), np.float32)
+    same = tierzero.Engine(host_config(nvme_dir), BLOCKS, init=[[w, None], [None]], initial_values="same")
+    np.testing.assert_array_equal(same.master_params(0)[0], w)
+
+
 def test_learning_rate_set_by_hand_or_by_the_configs_scheduler(nvme_dir):
     eng, _ = make(nvme_dir, lr=0.1, weight_decay=0.0)
     assert eng.learning_rate == 0.1

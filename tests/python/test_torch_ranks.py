@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -159,6 +160,35 @@ WORKER = textwrap.dedent("""
         assert "the ranks name different values" in str(e), str(e)
     assert all(t.is_meta for t in [*odd.parameters(), *odd.buffers()])
     print("rank {rank}: refusals, interrupts and frozen tensors over two ranks")
+
+    # A model in memory, the ranks seeded apart (Note [Rank 0's model]): every rank starts from rank 0's
+    # trained and frozen parameters and buffers, as DeepSpeed broadcasts them.
+    def drawn(seed):
+        torch.manual_seed(seed)
+        m = frozen_model()
+        m[1].running_mean.uniform_()
+        m[1].num_batches_tracked.fill_(seed)
+        return m
+    mem = drawn(300 + {rank})
+    made, _ = tzt.initialize(mem, config)
+    want = drawn(300)
+    got = made.master_state_dict()
+    assert all(torch.equal(got[n], p.detach()) for n, p in want.named_parameters() if p.requires_grad), \
+        "rank 0's trained weights on both ranks"
+    assert torch.equal(mem[0].weight, want[0].weight.detach()), "rank 0's frozen weight on both ranks"
+    assert all(torch.equal(a, b) for a, b in zip(mem.buffers(), want.buffers())), "rank 0's buffers on both ranks"
+    # Ranks whose frozen tensors differ: refused on both, before anything is taken from rank 0.
+    odd = drawn(400 + {rank})
+    if {rank} == 1:
+        odd[1].register_buffer("extra", torch.zeros(3))
+    before = odd[0].weight.clone()
+    try:
+        tzt.initialize(odd, config)
+        raise SystemExit("made though the ranks keep different buffers")
+    except ValueError as e:
+        assert "the ranks name different values" in str(e), str(e)
+    assert torch.equal(odd[0].weight, before)
+    print("rank {rank}: a model in memory starts from rank 0's on both ranks")
 """)
 
 
@@ -182,12 +212,22 @@ def test_two_ranks_match_one_plain_pytorch_process(tmp_path, nvme_dir):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    TIERZERO_RENDEZVOUS_DIR=str(tmp_path / "rendezvous"))
         code = WORKER.format(tests=os.path.dirname(__file__), rank=rank)
-        procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(config), str(tmp_path / "batches.pt"),
-                                       str(tmp_path / "master.pt")], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    for rank, p in enumerate(procs):
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+        with open(tmp_path / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(config),
+                                           str(tmp_path / "batches.pt"), str(tmp_path / "master.pt")],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+    # A rank that fails ends the run at once (the other would wait in its next collective until the timeout).
+    deadline = time.monotonic() + 240
+    while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
+           and all(p.returncode in (None, 0) for p in procs)):
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    failed = [f"rank {rank} {'killed' if p.returncode < 0 else f'failed ({p.returncode})'}:\n"
+              f"{(tmp_path / f'rank{rank}.log').read_text()}" for rank, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(failed)
 
     # One process, the whole batch: the mean of the two halves' losses is the engine's mean over ranks.
     torch.manual_seed(0)

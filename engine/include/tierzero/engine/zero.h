@@ -73,8 +73,27 @@ std::string_view elem_type_name(ElemType type);
 std::size_t elem_type_bytes(ElemType type);
 DataType data_type_of(ElemType type);        // for collectives
 
-// Fills one parameter's initial fp32 values; every rank must produce the same.
+// Fills one parameter's initial fp32 values (which rank's the engine keeps:
+// ZeroOptions::initial_values).
 using ParamInit = std::function<void(std::size_t block, std::size_t param, float* out, std::uint64_t numel)>;
+
+// Note [Initial values]
+// Ranks seeded apart (a rank-dependent seed, for dropout or data order) draw
+// different initial weights. Each rank keeping its own shard would train a
+// patchwork of them, and a block kept whole on every rank (persistent) would
+// start from its owner's shards; DeepSpeed broadcasts rank 0's model at
+// start, and so does the engine by default: each block's values, as rank 0's
+// init gives them, go to every rank before any is written (one broadcast of
+// the model, fp32, at creation). kSameOnEveryRank is the caller's promise
+// that every rank's init gives the same values (a fixed seed, a file): the
+// broadcast is skipped, and each rank keeps its own. kSetLater writes no
+// weights at all: init is not called (it may be empty), the optimizer's
+// moments start at zero as always, and every block must get its values from
+// set_master() or load_checkpoint() before it is fetched, gathered, stepped
+// or saved (refused until then, naming the block). A model made block by
+// block elsewhere (tierzero.torch on the meta device) writes each block
+// once instead of twice.
+enum class InitialValues : std::uint8_t { kRankZero, kSameOnEveryRank, kSetLater };
 
 struct ZeroOptions {
   Config config;                        // zero_optimization, optimizer, fp16/bf16, clipping, aio, tiers
@@ -85,6 +104,8 @@ struct ZeroOptions {
   std::optional<ElemType> grad_type;    // default: the parameter type
   // Overrides the planner (tests, and users who know better): tier per class.
   std::optional<std::array<Tier, kNumStateClasses>> placement;
+  // Whose initial values the engine keeps (Note [Initial values]).
+  InitialValues initial_values = InitialValues::kRankZero;
   // Tests only: injects NVMe faults (see tz::nvme::EngineOptions).
   nvme::FaultInjector nvme_fault_injector;
 };
@@ -263,7 +284,8 @@ class ZeroEngine {
  public:
   // A collective: every rank passes the same model (block names, parameter
   // names and shapes), or every rank fails, kInvalidArgument naming this
-  // rank's block and parameter counts.
+  // rank's block and parameter counts. Every rank starts from rank 0's
+  // values unless options.initial_values says otherwise.
   static Expected<std::unique_ptr<ZeroEngine>> create(const ZeroOptions& options, const std::vector<BlockSpec>& model,
                                                       const ParamInit& init);
   virtual ~ZeroEngine() = default;
@@ -314,6 +336,11 @@ class ZeroEngine {
   // `refusal`: this rank's reason not to go on (every rank then fails, this
   // one with the reason), as CheckpointSave::refusal.
   virtual Status set_master(std::size_t block, float* whole, std::size_t count, int root, const Status& refusal) = 0;
+  // Whether the block has values: always, unless the engine was made with
+  // InitialValues::kSetLater and neither set_master() nor load_checkpoint()
+  // has set it yet (Note [Initial values]). False for a block that does not
+  // exist.
+  virtual bool has_values(std::size_t block) const = 0;
   Status set_master(std::size_t block, float* whole, std::size_t count, int root) {
     return set_master(block, whole, count, root, Status());
   }
