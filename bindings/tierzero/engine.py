@@ -199,7 +199,7 @@ class Engine:
         else:  # the same on every rank; set_master refuses a block that does not exist
             flat = np.zeros(self._layout[block]["whole_numel"] if 0 <= block < len(self._layout) else 0, np.float32)
         try:
-            if not self._core.has_values(block):
+            if not self._core.has_values(block) and self._core.rank == root:  # the others' values go unused
                 for p, v in zip(self._layout[block]["params"], values):
                     if v is None:
                         raise ValueError(f"block '{self._layout[block]['name']}' has no values yet "

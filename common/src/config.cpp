@@ -619,14 +619,37 @@ const Block& zero_block() {
   return block;
 }
 
+// Note [Inert keys]
+// DeepSpeed keys whose values are checked as DeepSpeed checks them (a bad one
+// is an error naming it) but which change nothing in tierzero: the engine
+// stages parameters read from NVMe through its CPU pool, one shard per block
+// in flight, with no cache (offload_param's buffer_count, buffer_size,
+// max_in_cpu); its optimizer pass always reads, steps and writes sub-groups
+// in a pipeline through its own staging (offload_optimizer's buffer_count,
+// pipeline_read, pipeline_write); and it offloads all of the optimizer
+// states or none (offload_optimizer.ratio, DeepSpeed's partial offload). The
+// planner plans what the engine does. They are listed with the ignored keys,
+// so the warning names them: before, tierzero's estimate counted 5 x 1e8
+// elements of staging and a 1e9-element cache by default that the engine
+// never allocated (3 GB at bf16), and a budget check could refuse a model
+// for it.
+Key inert(Key key) {
+  key.set = [set = std::move(key.set)](ParseState& st, const Json& v, const std::string& path) -> Status {
+    TZ_TRY(set(st, v, path));
+    st.config.ignored_keys.push_back(path);
+    return ok_status();
+  };
+  return key;
+}
+
 const Block& offload_param_block() {
   static const Block block{{
       device_key(TZ_FIELD(zero.offload_param.device)),
       path_key("nvme_path", TZ_FIELD(zero.offload_param.nvme_path)),
       bool_key("pin_memory", TZ_FIELD(zero.offload_param.pin_memory)),
-      int_key("buffer_count", TZ_FIELD(zero.offload_param.buffer_count), 1),
-      int_key("buffer_size", TZ_FIELD(zero.offload_param.buffer_size), 1),
-      int_key("max_in_cpu", TZ_FIELD(zero.offload_param.max_in_cpu), 0),
+      inert(int_key("buffer_count", TZ_FIELD(zero.offload_param.buffer_count), 1)),
+      inert(int_key("buffer_size", TZ_FIELD(zero.offload_param.buffer_size), 1)),
+      inert(int_key("max_in_cpu", TZ_FIELD(zero.offload_param.max_in_cpu), 0)),
   }};
   return block;
 }
@@ -637,10 +660,10 @@ const Block& offload_optimizer_block() {
         device_key(TZ_FIELD(zero.offload_optimizer.device)),
         path_key("nvme_path", TZ_FIELD(zero.offload_optimizer.nvme_path)),
         bool_key("pin_memory", TZ_FIELD(zero.offload_optimizer.pin_memory)),
-        int_key("buffer_count", TZ_FIELD(zero.offload_optimizer.buffer_count), 1),
-        bool_key("pipeline_read", TZ_FIELD(zero.offload_optimizer.pipeline_read)),
-        bool_key("pipeline_write", TZ_FIELD(zero.offload_optimizer.pipeline_write)),
-        real_key("ratio", TZ_FIELD(zero.offload_optimizer.ratio), kFraction),
+        inert(int_key("buffer_count", TZ_FIELD(zero.offload_optimizer.buffer_count), 1)),
+        inert(bool_key("pipeline_read", TZ_FIELD(zero.offload_optimizer.pipeline_read))),
+        inert(bool_key("pipeline_write", TZ_FIELD(zero.offload_optimizer.pipeline_write))),
+        inert(real_key("ratio", TZ_FIELD(zero.offload_optimizer.ratio), kFraction)),
     }};
     ignore(b, {"fast_init", "super_offload", "cpuadam_cores_perc"});
     return b;

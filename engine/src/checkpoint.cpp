@@ -560,13 +560,15 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
       if (exp_avg_ && !options.weights_only) TZ_TRY(put(*exp_avg_, b, states[b * 3 + 1].data()));
       if (exp_avg_sq_ && !options.weights_only) TZ_TRY(put(*exp_avg_sq_, b, states[b * 3 + 2].data()));
     }
-    for (std::size_t b = 0; b < layout_.blocks.size(); ++b) mark_set(b);  // Note [Initial values]
     std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
     micro_ = 0;
-    TZ_TRY(gather_persistent());
+    TZ_TRY(gather_persistent(/*unset_too=*/true));
     return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
   }();
   TZ_TRY(agree(loaded, "loading checkpoint " + dir));
+  // Note [Initial values]: set only once every rank has loaded every block, so
+  // a load that failed anywhere leaves every rank with the same unset blocks.
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) mark_set(b);
   nvme_read_bytes_ = 0;
   nvme_write_bytes_ = 0;
   TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {}{})", dir, step_, options.weights_only ? ", weights only" : "");

@@ -308,9 +308,9 @@ Status ZeroEngineImpl::init_states(const ParamInit& init) {
   unset_count_ = from == InitialValues::kSetLater ? layout_.blocks.size() : 0;
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     const BlockLayout& block = layout_.blocks[b];
-    const std::vector<float> zeros(block.shard_numel, 0.0F);
+    std::vector<float> whole;
     if (from != InitialValues::kSetLater) {
-      std::vector<float> whole(block.whole_numel, 0.0F);
+      whole.assign(block.whole_numel, 0.0F);
       for (std::size_t p = 0; p < block.params.size(); ++p) {
         init(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
       }
@@ -319,14 +319,23 @@ Status ZeroEngineImpl::init_states(const ParamInit& init) {
           return detail::broadcast_host(*comm_, *device_, *device_pool_, whole.data(), whole.size() * sizeof(float), 0);
         }), "initialising {} (rank 0's values to every rank)", block.name);
       }
-      const float* shard = whole.data() + static_cast<std::uint64_t>(rank) * block.shard_numel;
-      TZ_TRY_CTX(put_weights(b, shard), "initialising {}", block.name);
     }
-    if (exp_avg_) TZ_TRY_CTX(put(*exp_avg_, b, zeros.data()), "initialising {}", block.name);
-    if (exp_avg_sq_) TZ_TRY_CTX(put(*exp_avg_sq_, b, zeros.data()), "initialising {}", block.name);
-    if (block.persistent) {
-      TZ_ASSIGN_OR_RETURN(persistent_[b], device_pool_->allocate(block.whole_numel * elem_type_bytes(param_type_)));
-    }
+    // This rank's writes, agreed on before the next block's broadcast (or the
+    // persistent gathers): a rank whose write failed must not leave the
+    // others waiting in a collective it never joins.
+    Status written = [&]() -> Status {
+      const std::vector<float> zeros(block.shard_numel, 0.0F);
+      if (!whole.empty()) TZ_TRY(put_weights(b, whole.data() + static_cast<std::uint64_t>(rank) * block.shard_numel));
+      if (exp_avg_) TZ_TRY(put(*exp_avg_, b, zeros.data()));
+      if (exp_avg_sq_) TZ_TRY(put(*exp_avg_sq_, b, zeros.data()));
+      if (block.persistent) {
+        TZ_ASSIGN_OR_RETURN(persistent_[b], device_pool_->allocate(block.whole_numel * elem_type_bytes(param_type_)));
+      }
+      return ok_status();
+    }();
+    const std::string what = fmt::format("initialising {}", block.name);
+    if (!written.ok()) written.with_context(what);
+    TZ_TRY(agree(written, what));
   }
   return gather_persistent();
 }
@@ -422,12 +431,12 @@ Status ZeroEngineImpl::put_weights(std::size_t block, const float* shard) {
   return put(*param16_, block, to_param_type(shard, layout_.blocks[block].shard_numel, param_type_).data());
 }
 
-Status ZeroEngineImpl::gather_persistent() {
+Status ZeroEngineImpl::gather_persistent(bool unset_too) {
   // Note [Stream-ordered release]: a failed wait leaves the readers' end unknown.
   TZ_TRY(release_failure());
   TZ_TRY(device_->synchronize_event(*persistent_read_));
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-    if (persistent_[b].valid() && !unset_[b]) {  // an unset block is gathered when set_master sets it
+    if (persistent_[b].valid() && (unset_too || !unset_[b])) {  // else gathered when set_master sets it
       TZ_TRY_CTX(prefetcher_->gather_into(b, persistent_[b].data()), "gathering {}", layout_.blocks[b].name);
     }
   }

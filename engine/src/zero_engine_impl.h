@@ -108,7 +108,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status check_values_set(std::size_t block, std::string_view what) const;
   Status check_all_values_set(std::string_view what) const;
   void mark_set(std::size_t block);
-  Status gather_persistent();
+  // Gathers every persistent block's 16-bit parameters; with unset_too, also
+  // those of blocks still marked unset (a load that has just written them).
+  Status gather_persistent(bool unset_too = false);
   // The gradient path of one block after its reduce-scatter: device to host,
   // accumulate in fp32 on the grad tier (the grad thread).
   Status accumulate(std::size_t block, const void* d_shard, bool first);

@@ -59,9 +59,6 @@ Status validate_sizes(const PlanInput& in) {
       {"zero_optimization.stage3_prefetch_bucket_size", in.prefetch_bucket_size, 0},
       {"zero_optimization.stage3_max_live_parameters", in.max_live_parameters, 0},
       {"zero_optimization.sub_group_size", in.sub_group_size, 1},
-      {"zero_optimization.offload_param.buffer_count", in.param_buffer_count, 0},
-      {"zero_optimization.offload_param.buffer_size", in.param_buffer_size, 0},
-      {"zero_optimization.offload_param.max_in_cpu", in.max_in_cpu, 0},
   };
   for (const SizeField& f : fields) {
     if (f.value < f.min) return invalid_argument("{} is {}; it must be at least {}", f.key, f.value, f.min);
@@ -159,6 +156,17 @@ void add_item(TierUsage& usage, std::string what, std::uint64_t bytes) {
   usage.per_rank_bytes = sat_add(usage.per_rank_bytes, bytes);
 }
 
+// Note [Gather window]: the gathered blocks a rank holds at once, in
+// elements: the current block plus what is prefetched behind it, capped by
+// max_live_parameters but never below one whole block, which must be
+// gathered to compute at all. 0 below stage 3 (no block is gathered).
+std::uint64_t gather_window(const PlanInput& in, const PlanLayout& l) {
+  if (in.stage != 3 || l.gathered_block_numel == 0) return 0;
+  const std::uint64_t largest = l.gathered_block_numel;
+  const std::uint64_t window = largest + std::max(largest, as_u64(in.prefetch_bucket_size));
+  return std::max(largest, std::min(as_u64(in.max_live_parameters), window));
+}
+
 void add_gpu_extras(const PlanInput& in, Plan& plan) {
   const PlanLayout& l = plan.layout;
   const std::uint64_t b = in.param_bytes;  // a parameter, and its gradient in backward
@@ -167,13 +175,9 @@ void add_gpu_extras(const PlanInput& in, Plan& plan) {
            fmt::format("{} persistent blocks, whole: params + grads ({} B x {} elem)", l.persistent_blocks, 2 * b,
                        format_count(static_cast<double>(l.persistent_numel))),
            2 * b * l.persistent_numel);
-  if (in.stage != 3 || l.gathered_block_numel == 0) return;
-  // Note [Gather window]: the current block plus what is prefetched behind it,
-  // capped by max_live_parameters but never below one whole block, which must
-  // be gathered to compute at all.
+  const std::uint64_t live = gather_window(in, l);
+  if (live == 0) return;
   const std::uint64_t largest = l.gathered_block_numel;
-  const std::uint64_t window = largest + std::max(largest, as_u64(in.prefetch_bucket_size));
-  const std::uint64_t live = std::max(largest, std::min(as_u64(in.max_live_parameters), window));
   add_item(gpu,
            fmt::format("gathered {}, current + prefetch ({} B x {} elem)", params_name(b), b,
                        format_count(static_cast<double>(live))),
@@ -189,14 +193,14 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
   TierUsage& cpu = plan.usage[idx(Tier::kCpu)];
   const std::uint64_t b = in.param_bytes;
   if (plan.tier_of(StateClass::kParam16) == Tier::kNvme) {
+    // Each block in the gather window is read into CPU staging (its shard)
+    // on its way to the device.
+    const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
+    const std::uint64_t staged = (gather_window(in, l) + ranks - 1) / ranks;
     add_item(cpu,
-             fmt::format("param NVMe staging buffers ({} x {} elem x {} B)", in.param_buffer_count,
-                         format_count(static_cast<double>(in.param_buffer_size)), b),
-             sat_mul(b, sat_mul(as_u64(in.param_buffer_count), as_u64(in.param_buffer_size))));
-    const std::uint64_t cached = std::min(as_u64(in.max_in_cpu), l.param_numel);
-    add_item(cpu,
-             fmt::format("param cache, max_in_cpu ({} B x {} elem)", b, format_count(static_cast<double>(cached))),
-             b * cached);
+             fmt::format("param NVMe staging, the gather window's shards ({} B x {} elem)", b,
+                         format_count(static_cast<double>(staged))),
+             b * staged);
   }
   std::uint64_t nvme_elem_bytes = 0;
   std::string names;
@@ -250,8 +254,7 @@ void add_param_traffic(const PlanInput& in, const Plan& plan, StepTraffic& t) {
   // Off-GPU shards come up once for forward and once for backward per micro-batch.
   if (where != Tier::kGpu) add_bytes(t.h2d_bytes, {b, p, 2, g});
   if (where == Tier::kNvme) {
-    const std::uint64_t cached = std::min(as_u64(in.max_in_cpu), p);
-    add_bytes(t.nvme_read_bytes, {b, p - cached, 2, g});
+    add_bytes(t.nvme_read_bytes, {b, p, 2, g});  // no CPU cache: every fetch reads its shard
     add_bytes(t.nvme_write_bytes, {b, p});  // the new parameter shard after the step
   }
   if (gpu_optimizer) {

@@ -107,9 +107,6 @@ PlanInput PlanInput::from_config(const Config& config, std::vector<std::uint64_t
   in.prefetch_bucket_size = config.zero.stage3_prefetch_bucket_size;
   in.max_live_parameters = config.zero.stage3_max_live_parameters;
   in.sub_group_size = config.zero.sub_group_size;
-  in.param_buffer_count = config.zero.offload_param.buffer_count;
-  in.param_buffer_size = config.zero.offload_param.buffer_size;
-  in.max_in_cpu = config.zero.offload_param.max_in_cpu;
   return in;
 }
 

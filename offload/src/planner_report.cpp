@@ -25,8 +25,8 @@ constexpr std::string_view kGpuWindowKeys =
     "lower zero_optimization.stage3_max_live_parameters or stage3_prefetch_bucket_size";
 constexpr std::string_view kSubGroupKey = "lower zero_optimization.sub_group_size (NVMe optimizer staging)";
 constexpr std::string_view kCpuStagingKeys =
-    "lower zero_optimization.sub_group_size (NVMe optimizer staging) or offload_param.max_in_cpu, buffer_count, "
-    "buffer_size";
+    "lower zero_optimization.sub_group_size (NVMe optimizer staging) or stage3_prefetch_bucket_size (NVMe "
+    "parameter staging)";
 
 std::string_view per_what(Tier t) { return t == Tier::kGpu ? "per rank" : "per node"; }
 
@@ -70,7 +70,7 @@ std::vector<std::string> cpu_remedies(const PlanInput& in) {
     out.push_back("set zero_optimization.offload_optimizer.device to \"nvme\"");
   }
   if (in.offload_param == OffloadDevice::kNvme) {
-    out.push_back("lower zero_optimization.offload_param.max_in_cpu, buffer_count or buffer_size");
+    out.push_back("lower zero_optimization.stage3_prefetch_bucket_size (parameters staged from NVMe)");
   }
   if (in.offload_optimizer == OffloadDevice::kNvme) out.push_back("lower zero_optimization.sub_group_size");
   return out;

@@ -129,7 +129,9 @@ TEST(Config, SharedZeroInfinityFixtureLoadsUnchanged) {
   EXPECT_EQ(c.all_nvme_paths(), std::vector<std::string>{"/local_nvme"});
   for (std::string_view key : {"zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
                                "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_max_reuse_distance",
-                               "zero_optimization.offload_optimizer.fast_init"}) {
+                               "zero_optimization.offload_optimizer.fast_init",
+                               "zero_optimization.offload_param.max_in_cpu",
+                               "zero_optimization.offload_optimizer.pipeline_read"}) {
     EXPECT_TRUE(contains(c.ignored_keys, key)) << key;
   }
   EXPECT_EQ(c.ignored_keys.front(), "zero_optimization.contiguous_gradients") << "file order";
@@ -410,7 +412,15 @@ TEST(Config, TierzeroBlockWithStripedNvmePathsAndByteStrings) {
   EXPECT_TRUE(c.aio.sqpoll);
   EXPECT_TRUE(c.aio.fixed_buffers);
   EXPECT_FALSE(c.aio.allow_buffered_io);
-  EXPECT_TRUE(c.ignored_keys.empty());
+  // Note [Inert keys]: read and checked, but nothing in tierzero uses them, and the warning says so.
+  EXPECT_EQ(c.ignored_keys,
+            (std::vector<std::string>{"zero_optimization.offload_param.buffer_count",
+                                      "zero_optimization.offload_param.buffer_size",
+                                      "zero_optimization.offload_param.max_in_cpu",
+                                      "zero_optimization.offload_optimizer.buffer_count",
+                                      "zero_optimization.offload_optimizer.pipeline_read",
+                                      "zero_optimization.offload_optimizer.pipeline_write",
+                                      "zero_optimization.offload_optimizer.ratio"}));
 }
 
 TEST(Config, EmptyConfigGivesDefaultsAndAutoPlacement) {

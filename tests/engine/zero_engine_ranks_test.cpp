@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <atomic>
 #include <chrono>
 
 #include "../nvme/nvme_test_util.h"
@@ -371,6 +372,65 @@ TEST(ZeroEngineRanks, BlocksSetLaterAreRefusedUntilSetAndThenTrainAsTheReference
       if (!(worst <= kTolerance)) return 7;
     }
     return 0;
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+// A write that fails on one rank while the engine is created, or while a
+// checkpoint loads into an engine made with kSetLater, fails every rank at
+// once, each saying why (not the others after the communicator's timeout,
+// waiting in a broadcast or gather the failed rank never joins); after the
+// failed load every rank still has the same blocks unset, so the next calls
+// are refused alike on all of them.
+TEST(ZeroEngineRanks, AWriteFailingOnOneRankFailsCreationAndLoadsOnEveryRankAtOnce) {
+  TempDir dir, ckpt;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(30)});
+    if (!comm.ok()) return 1;
+    const auto report = [&](const char* what, const tz::Status& s) {
+      std::fprintf(stderr, "rank %d, %s: %s\n", info.rank, what, s.to_string().c_str());
+    };
+    const auto quick = [](auto since) { return std::chrono::steady_clock::now() - since < std::chrono::seconds(10); };
+    std::atomic<bool> armed{true};
+    const Placement nvme{Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme};
+    const auto options = [&](const std::string& sub, tz::InitialValues from) {
+      tz::ZeroOptions o{.config = rank_config(dir.path() + sub, info.rank), .comm = comm->get(), .placement = nvme,
+                        .initial_values = from};
+      o.nvme_fault_injector = [&armed, rank = info.rank](const tz::nvme::PieceInfo& p) {
+        return armed.load() && rank == 1 && p.op == tz::nvme::IoOp::kWrite ? tz::nvme::Fault{.error = EIO}
+                                                                           : tz::nvme::Fault{};
+      };
+      return o;
+    };
+    // Creation: rank 1's first write fails; rank 0 must not go on to the next block's broadcast.
+    auto since = std::chrono::steady_clock::now();
+    auto failed = tz::ZeroEngine::create(options("/a", tz::InitialValues::kRankZero), tz::mlp::model(kMlp),
+                                         tz::mlp::init(kMlp));
+    const std::string want_create = info.rank == 1 ? "initialising layer0" : "initialising layer0: 1 other rank(s)";
+    if (failed.ok() || failed.status().message().find(want_create) == std::string::npos || !quick(since)) {
+      return report("create", failed.status()), 2;
+    }
+    // A checkpoint of a healthy engine, then a load into a kSetLater engine that fails on rank 1.
+    armed = false;
+    auto healthy = tz::ZeroEngine::create(options("/b", tz::InitialValues::kRankZero), tz::mlp::model(kMlp),
+                                          tz::mlp::init(kMlp));
+    if (!healthy.ok()) return report("healthy", healthy.status()), 3;
+    if (tz::Status s = (*healthy)->save_checkpoint(ckpt.path()); !s.ok()) return report("save", s), 3;
+    auto later = tz::ZeroEngine::create(options("/c", tz::InitialValues::kSetLater), tz::mlp::model(kMlp),
+                                        tz::ParamInit());
+    if (!later.ok()) return report("later", later.status()), 4;
+    armed = true;
+    since = std::chrono::steady_clock::now();
+    const tz::Status load = (*later)->load_checkpoint(ckpt.path());
+    if (load.ok() || !quick(since)) return report("load", load), 5;
+    for (std::size_t b = 0; b < (*later)->layout().blocks.size(); ++b) {
+      if ((*later)->has_values(b)) return report("has_values after the failed load", load), 6;
+    }
+    const tz::Status refused = (*later)->gather_master(0).status();
+    if (refused.code() != tz::ErrorCode::kFailedPrecondition) return report("gather after the failed load", refused), 7;
+    armed = false;  // the same load, now whole, sets every block on both ranks
+    if (tz::Status s = (*later)->load_checkpoint(ckpt.path()); !s.ok()) return report("second load", s), 8;
+    return (*later)->gather_master(2).value() == (*healthy)->gather_master(2).value() ? 0 : 9;
   });
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }

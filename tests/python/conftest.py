@@ -46,8 +46,7 @@ def host_config(nvme: str | None = None, *, stage: int = 3, gas: int = 1, offloa
     """A DeepSpeed-style config on the Host backend (or `backend`); with `nvme`, params and optimizer offloaded there."""
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": 50_000}
     if nvme is not None and offload == "nvme":
-        # Staging sized for test models (the defaults, 5 x 1e8 elements, are for billions of parameters).
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 2, "buffer_size": 1_000_000}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
     cfg = {
         "train_micro_batch_size_per_gpu": 8,

@@ -163,11 +163,13 @@ WORKER = textwrap.dedent("""
 
     # A model in memory, the ranks seeded apart (Note [Rank 0's model]): every rank starts from rank 0's
     # trained and frozen parameters and buffers, as DeepSpeed broadcasts them.
-    def drawn(seed):
+    def drawn(seed, positions=4):
         torch.manual_seed(seed)
         m = frozen_model()
         m[1].running_mean.uniform_()
         m[1].num_batches_tracked.fill_(seed)
+        # Expanded: its elements share memory, so it is not copied into but its values are agreed on.
+        m[1].register_buffer("positions", torch.arange(positions).expand(3, positions))
         return m
     mem = drawn(300 + {rank})
     made, _ = tzt.initialize(mem, config)
@@ -188,7 +190,22 @@ WORKER = textwrap.dedent("""
     except ValueError as e:
         assert "the ranks name different values" in str(e), str(e)
     assert torch.equal(odd[0].weight, before)
+    try:  # an expanded buffer that differs: refused, since it cannot be made rank 0's
+        tzt.initialize(drawn(500, positions=4 + {rank}), config)
+        raise SystemExit("made though the ranks' expanded buffers differ")
+    except ValueError as e:
+        assert "the ranks name different values" in str(e), str(e)
     print("rank {rank}: a model in memory starts from rank 0's on both ranks")
+
+    # tierzero.Engine made with no values: a block set from rank 0, the other rank passing None.
+    import numpy as np
+    import tierzero
+    plain = tierzero.Engine(config, [("layer0", [("w", (4, 8)), ("b", (4,))])], initial_values="later")
+    w, b = np.full((4, 8), 3.0, np.float32), np.arange(4, dtype=np.float32)
+    plain.set_master_params(0, [w, b] if {rank} == 0 else [None, None])
+    got = plain.master_params(0)
+    assert plain.has_values(0) and np.array_equal(got[0], w) and np.array_equal(got[1], b), got
+    print("rank {rank}: tierzero.Engine set from rank 0 alone")
 """)
 
 
@@ -218,8 +235,10 @@ def test_two_ranks_match_one_plain_pytorch_process(tmp_path, nvme_dir):
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
     # A rank that fails ends the run at once (the other would wait in its next collective until the timeout).
     deadline = time.monotonic() + 240
-    while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
-           and all(p.returncode in (None, 0) for p in procs)):
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]  # every process, each pass
+        if None not in codes or any(c not in (None, 0) for c in codes):
+            break
         time.sleep(0.1)
     for p in procs:
         if p.poll() is None:

@@ -64,9 +64,12 @@ struct OffloadParamConfig {
   OffloadDevice device = OffloadDevice::kNone;
   std::string nvme_path;                       // required when device == kNvme
   bool pin_memory = false;
-  std::int64_t buffer_count = 5;               // staging buffers for NVMe reads
-  std::int64_t buffer_size = 100'000'000;      // elements per staging buffer
-  std::int64_t max_in_cpu = 1'000'000'000;     // elements kept in CPU memory when device == kNvme
+  // DeepSpeed's, checked but without effect in tierzero (Note [Inert keys]
+  // in config.cpp): staging buffers for NVMe reads, elements per buffer,
+  // elements cached in CPU memory.
+  std::int64_t buffer_count = 5;
+  std::int64_t buffer_size = 100'000'000;
+  std::int64_t max_in_cpu = 1'000'000'000;
 };
 
 // zero_optimization.offload_optimizer
@@ -74,10 +77,14 @@ struct OffloadOptimizerConfig {
   OffloadDevice device = OffloadDevice::kNone;
   std::string nvme_path;
   bool pin_memory = false;
+  // DeepSpeed's, checked but without effect in tierzero (Note [Inert keys]
+  // in config.cpp): the optimizer pass always pipelines its sub-groups, and
+  // offloads every optimizer state or none. `ratio` < 1 still needs stage 3,
+  // as in DeepSpeed.
   std::int64_t buffer_count = 4;
-  bool pipeline_read = false;                  // overlap reading the next sub-group with the step
-  bool pipeline_write = false;                 // overlap writing the last sub-group with the step
-  double ratio = 1.0;                          // fraction of optimizer states to offload (0, 1]
+  bool pipeline_read = false;
+  bool pipeline_write = false;
+  double ratio = 1.0;
 };
 
 struct ZeroConfig {

@@ -117,13 +117,13 @@ struct PlanInput {
   std::int64_t prefetch_bucket_size = 50'000'000; // elements (stage3_prefetch_bucket_size)
   std::int64_t max_live_parameters = 1'000'000'000;  // elements (stage3_max_live_parameters)
   std::int64_t sub_group_size = 1'000'000'000;    // elements per optimizer sub-group
-  std::int64_t param_buffer_count = 5;            // offload_param.buffer_count
-  std::int64_t param_buffer_size = 100'000'000;   // elements (offload_param.buffer_size)
-  std::int64_t max_in_cpu = 1'000'000'000;        // elements (offload_param.max_in_cpu)
   LinkSpeeds links;
 
   // Stage, accumulation, precision, mode, offload devices, thresholds and
-  // buffer sizes from `config`; budgets from `budgets`.
+  // sizes from `config`; budgets from `budgets`. offload_param's
+  // buffer_count, buffer_size and max_in_cpu are not read: the engine stages
+  // parameters read from NVMe through its CPU pool, one shard per block in
+  // the gather window, and keeps no cache of them (docs/placement.md).
   static PlanInput from_config(const Config& config, std::vector<std::uint64_t> block_numel, int ranks,
                                int ranks_per_node, ResolvedBudgets budgets);
   int effective_ranks_per_node() const { return ranks_per_node == 0 ? ranks : ranks_per_node; }
