@@ -583,6 +583,33 @@ const Block& optimizer_params_block() {
   return block;
 }
 
+// Note [Inert keys]
+// DeepSpeed keys whose values are checked as DeepSpeed checks them (a bad one
+// is an error naming it) but which change nothing in tierzero: the engine
+// stages parameters read from NVMe through its CPU pool, one shard per block
+// in flight, with no cache (offload_param's buffer_count, buffer_size,
+// max_in_cpu); its optimizer pass always reads, steps and writes sub-groups
+// in a pipeline through its own staging (offload_optimizer's buffer_count,
+// pipeline_read, pipeline_write); it offloads all of the optimizer states
+// or none (offload_optimizer.ratio, DeepSpeed's partial offload); and its
+// gather window is the block in use plus the prefetch window
+// (stage3_prefetch_bucket_size, at least one block), with no cap of
+// stage3_max_live_parameters, which the planner used to apply (so with
+// blocks over half of it the engine held more than planned). The planner
+// plans what the engine does. They are listed with the ignored keys,
+// so the warning names them: before, tierzero's estimate counted 5 x 1e8
+// elements of staging and a 1e9-element cache by default that the engine
+// never allocated (3 GB at bf16), and a budget check could refuse a model
+// for it.
+Key inert(Key key) {
+  key.set = [set = std::move(key.set)](ParseState& st, const Json& v, const std::string& path) -> Status {
+    TZ_TRY(set(st, v, path));
+    st.config.ignored_keys.push_back(path);
+    return ok_status();
+  };
+  return key;
+}
+
 const Block& zero_block() {
   static const Block block = [] {
     Block b{{
@@ -592,11 +619,11 @@ const Block& zero_block() {
                   [](Config& c) { c.zero.has_offload_optimizer = true; }),
         int_key("sub_group_size", TZ_FIELD(zero.sub_group_size), 1),
         int_key("stage3_prefetch_bucket_size", TZ_FIELD(zero.stage3_prefetch_bucket_size), 0),
-        int_key("stage3_max_live_parameters", TZ_FIELD(zero.stage3_max_live_parameters), 0),
+        inert(int_key("stage3_max_live_parameters", TZ_FIELD(zero.stage3_max_live_parameters), 0)),
         int_key("stage3_param_persistence_threshold", TZ_FIELD(zero.stage3_param_persistence_threshold), 0),
         // DeepSpeed also takes its pydantic field names for the stage3_ keys.
         int_key("prefetch_bucket_size", TZ_FIELD(zero.stage3_prefetch_bucket_size), 0),
-        int_key("max_live_parameters", TZ_FIELD(zero.stage3_max_live_parameters), 0),
+        inert(int_key("max_live_parameters", TZ_FIELD(zero.stage3_max_live_parameters), 0)),
         int_key("param_persistence_threshold", TZ_FIELD(zero.stage3_param_persistence_threshold), 0),
         legacy_offload_key("cpu_offload", &ParseState::legacy_optimizer_offload),
         legacy_offload_key("cpu_offload_param", &ParseState::legacy_param_offload),
@@ -617,29 +644,6 @@ const Block& zero_block() {
     return b;
   }();
   return block;
-}
-
-// Note [Inert keys]
-// DeepSpeed keys whose values are checked as DeepSpeed checks them (a bad one
-// is an error naming it) but which change nothing in tierzero: the engine
-// stages parameters read from NVMe through its CPU pool, one shard per block
-// in flight, with no cache (offload_param's buffer_count, buffer_size,
-// max_in_cpu); its optimizer pass always reads, steps and writes sub-groups
-// in a pipeline through its own staging (offload_optimizer's buffer_count,
-// pipeline_read, pipeline_write); and it offloads all of the optimizer
-// states or none (offload_optimizer.ratio, DeepSpeed's partial offload). The
-// planner plans what the engine does. They are listed with the ignored keys,
-// so the warning names them: before, tierzero's estimate counted 5 x 1e8
-// elements of staging and a 1e9-element cache by default that the engine
-// never allocated (3 GB at bf16), and a budget check could refuse a model
-// for it.
-Key inert(Key key) {
-  key.set = [set = std::move(key.set)](ParseState& st, const Json& v, const std::string& path) -> Status {
-    TZ_TRY(set(st, v, path));
-    st.config.ignored_keys.push_back(path);
-    return ok_status();
-  };
-  return key;
 }
 
 const Block& offload_param_block() {

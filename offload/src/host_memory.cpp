@@ -125,7 +125,7 @@ Expected<std::unique_ptr<MemoryPool>> make_device_pool(Device& device, std::uint
   PoolOptions pool_options;
   pool_options.tier = device.kind() == BackendKind::kCuda ? "gpu" : "device (host backend)";
   pool_options.budget_key = "tierzero.tiers.gpu_bytes";
-  pool_options.hint = "lower stage3_prefetch_bucket_size / stage3_max_live_parameters, or offload more";
+  pool_options.hint = "lower stage3_prefetch_bucket_size, or offload more";
   pool_options.budget_bytes = budget_bytes;
   return std::make_unique<MemoryPool>(std::move(pool_options), std::make_unique<DeviceAllocator>(device), &device);
 }

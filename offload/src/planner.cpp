@@ -57,7 +57,6 @@ Status validate_sizes(const PlanInput& in) {
   const SizeField fields[] = {
       {"zero_optimization.stage3_param_persistence_threshold", in.persistence_threshold, 0},
       {"zero_optimization.stage3_prefetch_bucket_size", in.prefetch_bucket_size, 0},
-      {"zero_optimization.stage3_max_live_parameters", in.max_live_parameters, 0},
       {"zero_optimization.sub_group_size", in.sub_group_size, 1},
   };
   for (const SizeField& f : fields) {
@@ -114,6 +113,8 @@ PlanLayout compute_layout(const PlanInput& in) {
   const auto ranks = static_cast<std::uint64_t>(in.ranks);
   const bool stage3 = in.stage == 3;
   l.blocks = in.block_numel.size();
+  const std::uint64_t group_limit = std::max<std::uint64_t>(as_u64(in.sub_group_size), 1);
+  std::uint64_t in_group = 0;
   for (std::uint64_t n : in.block_numel) {
     const std::uint64_t shard = align_up((n + ranks - 1) / ranks, kShardAlignNumel);
     const std::uint64_t whole = align_up(n, kShardAlignNumel);
@@ -130,7 +131,11 @@ PlanLayout compute_layout(const PlanInput& in) {
       l.param_numel += whole;
     }
     l.grad_numel += in.stage >= 2 ? shard : whole;
-    l.optimizer_numel += in.stage >= 1 ? shard : whole;
+    const std::uint64_t stepped = in.stage >= 1 ? shard : whole;
+    l.optimizer_numel += stepped;
+    if (in_group > 0 && in_group + stepped > group_limit) in_group = 0;
+    in_group += stepped;
+    l.largest_sub_group_numel = std::max(l.largest_sub_group_numel, in_group);
   }
   return l;
 }
@@ -157,14 +162,17 @@ void add_item(TierUsage& usage, std::string what, std::uint64_t bytes) {
 }
 
 // Note [Gather window]: the gathered blocks a rank holds at once, in
-// elements: the current block plus what is prefetched behind it, capped by
-// max_live_parameters but never below one whole block, which must be
-// gathered to compute at all. 0 below stage 3 (no block is gathered).
+// elements: the block in use plus the prefetch window behind it, which is
+// stage3_prefetch_bucket_size but at least one block (engine/src/prefetch.h,
+// Note [Prefetch window]). stage3_max_live_parameters does not cap it: the
+// engine does not honour that key (Note [Inert keys]), and planning with it
+// under-counted blocks over half of it. Never more than the gathered blocks
+// there are. 0 below stage 3 (no block is gathered).
 std::uint64_t gather_window(const PlanInput& in, const PlanLayout& l) {
   if (in.stage != 3 || l.gathered_block_numel == 0) return 0;
   const std::uint64_t largest = l.gathered_block_numel;
-  const std::uint64_t window = largest + std::max(largest, as_u64(in.prefetch_bucket_size));
-  return std::max(largest, std::min(as_u64(in.max_live_parameters), window));
+  const std::uint64_t all = l.param_numel * static_cast<std::uint64_t>(std::max(in.ranks, 1));
+  return std::min(largest + std::max(largest, as_u64(in.prefetch_bucket_size)), std::max(all, largest));
 }
 
 void add_gpu_extras(const PlanInput& in, Plan& plan) {
@@ -202,6 +210,14 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
                          format_count(static_cast<double>(staged))),
              b * staged);
   }
+  if (plan.tier_of(StateClass::kMaster) == Tier::kGpu) return;  // the GPU optimizer stages nothing here
+  // The CPU optimizer's host buffers (engine/src/optimizer_pass.cpp,
+  // zero_engine.cpp): three sub-groups in flight (reading the next, updating
+  // this, writing the last), each with the states that live on NVMe and,
+  // unless the parameters live in CPU memory, their new 16-bit copy on its way
+  // out; and each arriving gradient shard, copied down in the parameters' type
+  // (and accumulated in fp32 staging when the accumulators live on NVMe).
+  const std::uint64_t group = l.largest_sub_group_numel;
   std::uint64_t nvme_elem_bytes = 0;
   std::string names;
   for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) {
@@ -210,13 +226,33 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
     names += names.empty() ? "" : " + ";
     names += state_class_name(s);
   }
-  if (nvme_elem_bytes == 0) return;
-  // Three sub-groups in flight: reading the next, updating this, writing the last.
-  const std::uint64_t group = std::min(as_u64(in.sub_group_size), l.optimizer_numel);
+  if (nvme_elem_bytes > 0) {
+    add_item(cpu,
+             fmt::format("optimizer sub-group staging (3 x {} elem x {} B: {})",
+                         format_count(static_cast<double>(group)), nvme_elem_bytes, names),
+             3 * group * nvme_elem_bytes);
+  }
+  if (plan.tier_of(StateClass::kParam16) != Tier::kCpu && b != 4) {
+    add_item(cpu,
+             fmt::format("optimizer 16-bit copy-out staging (3 x {} elem x {} B)",
+                         format_count(static_cast<double>(group)), b),
+             3 * group * b);
+  }
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
+  const std::uint64_t shard = align_up((l.largest_block_numel + ranks - 1) / ranks, kShardAlignNumel);
+  // Accumulations into accumulators on NVMe run one at a time on the
+  // engine's grad thread; cheap ones into CPU memory also run inline on the
+  // thread that reduced the gradient (Note [Cheap accumulations run inline]),
+  // so up to three at once: the training thread's, the comm thread's and the
+  // grad thread's (ZeroEngine.TheCpuPoolStaysWithinThePlan measures it).
+  const bool on_nvme = plan.tier_of(StateClass::kGrad) == Tier::kNvme;
+  const std::uint64_t arrival = on_nvme ? b + 4 : b;
+  const std::uint64_t at_once = on_nvme ? 1 : 3;
   add_item(cpu,
-           fmt::format("optimizer sub-group staging (3 x {} elem x {} B: {})", format_count(static_cast<double>(group)),
-                       nvme_elem_bytes, names),
-           3 * group * nvme_elem_bytes);
+           fmt::format("gradient shards arriving ({} x {} B x {} elem{})", at_once, arrival,
+                       format_count(static_cast<double>(shard)),
+                       on_nvme ? ": copied down, its fp32 accumulation staged" : ", copied down"),
+           at_once * arrival * shard);
 }
 
 void fill_usage(const PlanInput& in, Plan& plan) {

@@ -105,7 +105,6 @@ PlanInput PlanInput::from_config(const Config& config, std::vector<std::uint64_t
   in.offload_optimizer = config.zero.offload_optimizer.device;
   in.persistence_threshold = config.zero.stage3_param_persistence_threshold;
   in.prefetch_bucket_size = config.zero.stage3_prefetch_bucket_size;
-  in.max_live_parameters = config.zero.stage3_max_live_parameters;
   in.sub_group_size = config.zero.sub_group_size;
   return in;
 }

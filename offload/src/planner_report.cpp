@@ -22,7 +22,7 @@ std::string_view budget_key(Tier t) {
 }
 
 constexpr std::string_view kGpuWindowKeys =
-    "lower zero_optimization.stage3_max_live_parameters or stage3_prefetch_bucket_size";
+    "lower zero_optimization.stage3_prefetch_bucket_size (one block is prefetched whatever it says)";
 constexpr std::string_view kSubGroupKey = "lower zero_optimization.sub_group_size (NVMe optimizer staging)";
 constexpr std::string_view kCpuStagingKeys =
     "lower zero_optimization.sub_group_size (NVMe optimizer staging) or stage3_prefetch_bucket_size (NVMe "

@@ -139,13 +139,14 @@ TEST(ZeroEngine, Fp32ParametersArePlannedAtFourBytes) {
                                             {"c", {{"w", {1024, 1024}}}}, {"d", {{"w", {1024, 1024}}}}};
   const tz::ParamInit init = [](std::size_t, std::size_t, float* out, std::uint64_t n) { std::fill(out, out + n, 0.5F); };
   const auto config = [](const char* precision) {
-    // 4 Mi elements: bf16 needs 72 MiB of CPU memory, fp32 80 MiB.
+    // 4 Mi elements: bf16 needs 72 MiB of CPU memory for the states and 3 x 2 MiB for arriving
+    // gradient shards, 78 MiB; fp32 80 + 3 x 4 = 92 MiB.
     auto c = tz::parse_config(fmt::format(R"({{"train_micro_batch_size_per_gpu": 1, {}
       "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001}}}},
       "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
                             "offload_param": {{"device": "cpu"}}, "offload_optimizer": {{"device": "cpu"}}}},
       "tierzero": {{"backend": "host", "placement": "deepspeed",
-                    "tiers": {{"gpu_bytes": "512MiB", "cpu_bytes": "76MiB", "nvme_bytes": 0}}}}}})",
+                    "tiers": {{"gpu_bytes": "512MiB", "cpu_bytes": "82MiB", "nvme_bytes": 0}}}}}})",
                                           precision),
                               "fp32 plan test");
     EXPECT_TRUE(c.ok()) << c.status().to_string();
@@ -159,9 +160,39 @@ TEST(ZeroEngine, Fp32ParametersArePlannedAtFourBytes) {
   ASSERT_FALSE(fp32.ok());
   EXPECT_EQ(fp32.status().code(), tz::ErrorCode::kOutOfMemory);
   const std::string msg = fp32.status().message();
-  EXPECT_NE(msg.find("cpu needs 80.00 MiB per node but tierzero.tiers.cpu_bytes is 76.00 MiB"), std::string::npos)
+  EXPECT_NE(msg.find("cpu needs 92.00 MiB per node but tierzero.tiers.cpu_bytes is 82.00 MiB"), std::string::npos)
       << msg;
   EXPECT_NE(msg.find("enable the config's \"bf16\" block"), std::string::npos) << msg;
+}
+
+// The plan counts what the engine allocates in CPU memory: with the
+// parameters and the optimizer on NVMe, or both in CPU memory, the CPU
+// pool's peak over the steps stays within the planner's CPU need per rank.
+TEST(ZeroEngine, TheCpuPoolStaysWithinThePlan) {
+  for (const tz::OffloadDevice where : {tz::OffloadDevice::kNvme, tz::OffloadDevice::kCpu}) {
+    TempDir nvme;
+    tz::Config config = test_config(nvme.path(), 3, 1);
+    config.placement = tz::PlacementMode::kDeepSpeed;
+    config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
+    config.zero.offload_param.device = config.zero.offload_optimizer.device = where;
+    config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme.path();
+    auto engine = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    auto& e = **engine;
+    ASSERT_EQ(e.plan().tier_of(tz::StateClass::kParam16), where == tz::OffloadDevice::kNvme ? Tier::kNvme : Tier::kCpu);
+    std::uint64_t peak = 0;
+    for (int step = 0; step < 4; ++step) {
+      ASSERT_TRUE(tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step)).ok());
+      auto report = e.step();
+      ASSERT_TRUE(report.ok()) << report.status().to_string();
+      peak = std::max(peak, report->peak_cpu_bytes);
+    }
+    const std::uint64_t planned = e.plan().usage_of(Tier::kCpu).per_rank_bytes;
+    std::printf("[ engine ] %s: CPU pool peak %llu B, planned %llu B\n", tz::offload_device_name(where).data(),
+                static_cast<unsigned long long>(peak), static_cast<unsigned long long>(planned));
+    EXPECT_GT(peak, 0U);
+    EXPECT_LE(peak, planned) << tz::format_plan(e.plan(), tz::PlanInput{.ranks = 1});
+  }
 }
 
 TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {

@@ -2,10 +2,11 @@
 // the formulas). Shorthands used in the arithmetic below:
 //   A(x)  = align_up(x, 2048)
 //   P     = per-rank 16-bit param shard numel, Gd = grad numel, O = optimizer numel
-//   ws    = stage-3 GPU working set = 2 B x max(L, min(max_live, L + max(L, prefetch))) + 2 B x L,
+//   ws    = stage-3 GPU working set = 2 B x (L + max(L, prefetch)) + 2 B x L,
 //           L = largest gathered block (ranks x shard)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 
 #include <string>
@@ -22,7 +23,7 @@ constexpr std::uint64_t kHuge = 1'000'000'000'000'000;  // 1 PB: never the const
 // so with 1 rank P = Gd = O = 4 x 250'001'408 = 1'000'005'632.
 constexpr std::uint64_t kBlock1B = 250'001'408;
 constexpr std::uint64_t kP1B = 1'000'005'632;
-// ws for it: L = 250'001'408; window = L + max(L, 50e6) = 500'002'816 < max_live 1e9,
+// ws for it: L = 250'001'408; window = L + max(L, 50e6) = 500'002'816,
 // gather 2 x 500'002'816 = 1'000'005'632, backward grad 2 x L = 500'002'816.
 constexpr std::uint64_t kWs1B = 1'000'005'632 + 500'002'816;  // 1'500'008'448
 
@@ -69,7 +70,12 @@ TEST(PlanPlacement, SmallGpuMovesOptimizerToCpu) {
   EXPECT_EQ(plan.tier, (Tiers{G, C, C, C}));
   EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 2 * kP1B + kWs1B);
   EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 4 * kP1B);  // fp32 off the GPU
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 16 * kP1B);  // 4 + 4 + 8 B
+  // 4 + 4 + 8 B, plus the CPU optimizer's 16-bit copy-out staging for 3 sub-groups of three
+  // blocks (sub_group_size 1e9 holds three 250'001'408-element shards, not four), 3 x 750'004'224
+  // x 2 B, and up to three arriving gradient shards 3 x 2 B x 250'001'408:
+  // 16'000'090'112 + 4'500'025'344 + 1'500'008'448.
+  EXPECT_EQ(plan.layout.largest_sub_group_numel, 750'004'224u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 22'000'123'904u);
   // H2D: new params after the step, 2P; D2H: grads, 2P x 1 micro-batch; CPU Adam 30 P.
   EXPECT_EQ(plan.traffic.h2d_bytes, 2 * kP1B);
   EXPECT_EQ(plan.traffic.d2h_bytes, 2 * kP1B);
@@ -79,20 +85,24 @@ TEST(PlanPlacement, SmallGpuMovesOptimizerToCpu) {
 }
 
 TEST(PlanPlacement, SmallCpuMovesOptimizerStatesToNvme) {
-  PlanInput in = one_billion(4'000'000'000, 10'000'000'000, kHuge);
-  in.sub_group_size = 100'000'000;
-  // CPU options with params on GPU (staging = 3 x 1e8 x bytes of the NVMe classes):
-  //   grad cpu, master cpu, moments nvme:  8P + 3e8 x 8  = 10'400'045'056  > 10e9
-  //   grad cpu, master nvme, moments nvme: 4P + 3e8 x 12 =  7'600'022'528  fits  <- chosen
-  //   grad nvme, master cpu, moments nvme: 4P + 3e8 x 12 =  7'600'022'528  fits, same traffic,
-  //     same NVMe bytes (12 P): the tie goes to grads on the faster tier.
+  PlanInput in = one_billion(4'000'000'000, 16'500'000'000, kHuge);
+  in.sub_group_size = 100'000'000;  // under a block's shard: each block is a sub-group of its own, L
+  // CPU options with params on GPU (staging = 3 x L x bytes of the NVMe classes, + the 16-bit
+  // copy-out 3 x L x 2 = 1'500'008'448, + three arriving gradient shards 3 x 2 B x L = 1'500'008'448,
+  // or one of (2 + 4) B x L with grads on NVMe), L = 250'001'408:
+  //   grad cpu, master cpu, moments nvme:  8P + 3L x 8  + 1'500'008'448 x 2 = 17'000'095'744  > 16.5e9
+  //   grad cpu, master nvme, moments nvme: 4P + 3L x 12 + 1'500'008'448 x 2 = 16'000'090'112  fits <- chosen
+  //   grad nvme, master cpu, moments nvme: 4P + 3L x 12 + 1'500'008'448 x 2 = 16'000'090'112  fits, same
+  //     traffic, same NVMe bytes (12 P): the tie goes to grads on the faster tier.
   const Plan plan = must_plan(in);
   EXPECT_EQ(plan.tier, (Tiers{G, C, N, N}));
   EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 12 * kP1B);  // 12'000'067'584
-  ASSERT_EQ(plan.usage_of(Tier::kCpu).breakdown.size(), 2u);
+  ASSERT_EQ(plan.usage_of(Tier::kCpu).breakdown.size(), 4u);
   EXPECT_EQ(plan.usage_of(Tier::kCpu).breakdown[0].bytes, 4 * kP1B);             // fp32 grads
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).breakdown[1].bytes, 3'600'000'000u);        // 3 x 1e8 x 12 B
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 7'600'022'528u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).breakdown[1].bytes, 9'000'050'688u);        // 3 x L x 12 B
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).breakdown[2].bytes, 1'500'008'448u);        // 3 x L x 2 B copy-out
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).breakdown[3].bytes, 1'500'008'448u);        // 3 x 2 B x L, arriving
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 16'000'090'112u);
   EXPECT_EQ(plan.traffic.nvme_read_bytes, 12 * kP1B);
   EXPECT_EQ(plan.traffic.nvme_write_bytes, 12 * kP1B);
   // 2 x 12'000'067'584 / 2e9 + 4'000'022'528 / 25e9 + 30'000'168'960 / 40e9
@@ -115,15 +125,20 @@ TEST(PlanDeepSpeed, ZeroInfinityNeeds) {
   EXPECT_EQ(plan.mode, PlacementMode::kDeepSpeed);
   EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, kWs1B);  // nothing resident, only the working set
   // CPU: fp32 grads 4P = 4'000'022'528, param staging = the gather window's shards (1 rank:
-  // the window, 500'002'816 elements) x 2 B = 1'000'005'632, optimizer staging
-  // 3 x min(1e8, P) x (4 + 8) = 3.6e9. No staging buffers or cache of DeepSpeed's
+  // the window, 500'002'816 elements) x 2 B = 1'000'005'632, optimizer staging for three
+  // sub-groups of one block each (sub_group_size 1e8 is under a block's 250'001'408-element
+  // shard) 3 x 250'001'408 x (4 + 8) = 9'000'050'688, their 16-bit copy-out 3 x 250'001'408 x 2
+  // = 1'500'008'448, up to three arriving gradient shards 3 x 2 B x 250'001'408 = 1'500'008'448.
+  // No staging buffers or cache of DeepSpeed's
   // (offload_param.buffer_count x buffer_size, max_in_cpu): the engine allocates none.
   const TierUsage& cpu = plan.usage_of(Tier::kCpu);
-  ASSERT_EQ(cpu.breakdown.size(), 3u);
+  ASSERT_EQ(cpu.breakdown.size(), 5u);
   EXPECT_EQ(cpu.breakdown[0].bytes, 4 * kP1B);
   EXPECT_EQ(cpu.breakdown[1].bytes, 1'000'005'632u);
-  EXPECT_EQ(cpu.breakdown[2].bytes, 3'600'000'000u);
-  EXPECT_EQ(cpu.need_bytes, 8'600'028'160u);
+  EXPECT_EQ(cpu.breakdown[2].bytes, 9'000'050'688u);
+  EXPECT_EQ(cpu.breakdown[3].bytes, 1'500'008'448u);
+  EXPECT_EQ(cpu.breakdown[4].bytes, 1'500'008'448u);
+  EXPECT_EQ(cpu.need_bytes, 17'000'095'744u);
   // NVMe: params 2P + master 4P + moments 8P = 14P.
   EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 14 * kP1B);  // 14'000'078'848
 }
@@ -145,12 +160,13 @@ TEST(PlanTraffic, ZeroInfinityStepHandComputed) {
 
 TEST(PlanTraffic, GradsOnNvmeAreReadBackEachAccumulation) {
   PlanInput in = zero_infinity();
-  // With grads on CPU the need is 8'600'028'160 > 7e9, so DeepSpeed mode moves them to
-  // NVMe: 1'000'005'632 + 3 x 1e8 x (4 + 4 + 8) = 5'800'005'632.
-  in.cpu_bytes = 7'000'000'000;
+  // With grads on CPU the need is 17'000'095'744 > 16.5e9, so DeepSpeed mode moves them to NVMe:
+  // 1'000'005'632 + 3 x L x (4 + 4 + 8) + 3 x L x 2 + one arriving shard (2 + 4) B x L
+  // (accumulations into NVMe run one at a time), L = 250'001'408: 16'000'090'112.
+  in.cpu_bytes = 16'500'000'000;
   const Plan plan = must_plan(in);
   EXPECT_EQ(plan.tier, (Tiers{N, N, N, N}));
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 5'800'005'632u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 16'000'090'112u);
   EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 18 * kP1B);  // 2 + 4 + 4 + 8 B
   // grads add NVMe write 4P x 2 and read 4P x (2 - 1) + 4P (the step).
   EXPECT_EQ(plan.traffic.nvme_write_bytes, 14 * kP1B + 8 * kP1B);
@@ -167,11 +183,14 @@ TEST(PlanTraffic, Fp32ParamsZeroInfinityHandComputed) {
   EXPECT_EQ(plan.elem_bytes_of(StateClass::kParam16), 4u);
   EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 4 * kP1B);
   EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 2 * kWs1B);  // gather and backward gradient both 4 B
-  // CPU: fp32 grads 4P, param staging 500'002'816 x 4 = 2'000'011'264, optimizer staging 3.6e9.
+  // CPU: fp32 grads 4P, param staging 500'002'816 x 4 = 2'000'011'264, optimizer staging
+  // 9'000'050'688 (as for bf16), three arriving gradient shards 3 x 4 B x 250'001'408 =
+  // 3'000'016'896 (no 16-bit copy-out for fp32).
   const TierUsage& cpu = plan.usage_of(Tier::kCpu);
-  ASSERT_EQ(cpu.breakdown.size(), 3u);
+  ASSERT_EQ(cpu.breakdown.size(), 4u);
   EXPECT_EQ(cpu.breakdown[1].bytes, 2'000'011'264u);
-  EXPECT_EQ(cpu.need_bytes, 9'600'033'792u);
+  EXPECT_EQ(cpu.breakdown[3].bytes, 3'000'016'896u);
+  EXPECT_EQ(cpu.need_bytes, 18'000'101'376u);
   EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 16 * kP1B);  // params 4P + master 4P + moments 8P
   const StepTraffic& t = plan.traffic;
   // params: H2D 4P x 2 passes x 2 = 16P; NVMe read the same 16P;
@@ -206,16 +225,17 @@ TEST(PlanDeepSpeed, Fp32ParamsNeedTwiceTheRoom) {
 }
 
 TEST(PlanDeepSpeed, OverBudgetNamesTierBudgetKeyAndAlternative) {
-  PlanInput in = one_billion(4'000'000'000, 10'000'000'000, kHuge);
+  PlanInput in = one_billion(4'000'000'000, 16'500'000'000, kHuge);
   in.sub_group_size = 100'000'000;
   in.mode = PlacementMode::kDeepSpeed;
-  in.offload_optimizer = OffloadDevice::kCpu;  // CPU needs 16P = 16'000'090'112 = 14.90 GiB
+  // CPU needs 16P + copy-out 3 x L x 2 + three arriving shards 3 x 2 B x L = 19'000'107'008 = 17.70 GiB
+  in.offload_optimizer = OffloadDevice::kCpu;
   const Expected<Plan> plan = plan_placement(in);
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), ErrorCode::kOutOfMemory);
   const std::string msg = plan.status().message();
-  EXPECT_NE(msg.find("cpu needs 14.90 GiB per node"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("tierzero.tiers.cpu_bytes is 9.31 GiB"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cpu needs 17.70 GiB per node"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tierzero.tiers.cpu_bytes is 15.37 GiB"), std::string::npos) << msg;
   EXPECT_NE(msg.find("zero_optimization.offload_optimizer.device to \"nvme\""), std::string::npos) << msg;
   EXPECT_NE(msg.find("placement 'auto' would fit: params gpu, grads cpu, master nvme, moments nvme"),
             std::string::npos)
@@ -302,8 +322,9 @@ TEST(PlanLayout, ShardSizesPerStage) {
 
 TEST(PlanLayout, GpuNeedPerStage) {
   // Stage 3: 18 x 1'003'520 = 18'063'360 of states; L = 3'006'464, window
-  // L + max(L, 50e6) = 53'006'464 -> gather 106'012'928, backward grad 6'012'928.
-  EXPECT_EQ(must_plan(four_ranks(3)).usage_of(Tier::kGpu).need_bytes, 130'089'216u);
+  // L + max(L, 50e6) = 53'006'464, but the model's gathered blocks are 4 x 1'003'520 = 4'014'080 in
+  // all -> gather 8'028'160, backward grad 6'012'928.
+  EXPECT_EQ(must_plan(four_ranks(3)).usage_of(Tier::kGpu).need_bytes, 32'104'448u);
   // Stage 1, no working set: 2 x 4'001'792 (params) + 4 x 4'001'792 (fp32 grads) + 12 x 1'003'520.
   EXPECT_EQ(must_plan(four_ranks(1)).usage_of(Tier::kGpu).need_bytes, 36'052'992u);
 }
@@ -334,9 +355,9 @@ TEST(PlanLayout, PersistenceThresholdKeepsSmallBlocksWholeOnGpu) {
   EXPECT_EQ(plan.layout.param_numel, 251'904u);
   EXPECT_EQ(plan.layout.optimizer_numel, 251'904u + 14'336u);
   EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 2 * 251'904u);  // on CPU
-  // GPU: persistent 4 B x 51'200 = 204'800; L = 4 x 251'904 = 1'007'616,
-  // gather 2 x (L + 50e6) = 102'015'232, backward 2 x L = 2'015'232.
-  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 204'800u + 102'015'232u + 2'015'232u);
+  // GPU: persistent 4 B x 51'200 = 204'800; L = 4 x 251'904 = 1'007'616, the only gathered block,
+  // so the window is L (not L + 50e6): gather 2 x L = 2'015'232, backward 2 x L = 2'015'232.
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 204'800u + 2'015'232u + 2'015'232u);
   // H2D: params 2 x 251'904 x 2 passes + the persistent shard's new values 2 x 14'336.
   EXPECT_EQ(plan.traffic.h2d_bytes, 1'007'616u + 28'672u);
 }
@@ -344,18 +365,20 @@ TEST(PlanLayout, PersistenceThresholdKeepsSmallBlocksWholeOnGpu) {
 TEST(PlanLayout, RanksPerNodeScalesCpuNeed) {
   PlanInput in;
   in.block_numel = {8'000'000};
-  in.ranks = 8;  // shard A(1e6) = 1'001'472; CPU Adam: 16 B x 1'001'472 = 16'023'552 per rank
+  // shard A(1e6) = 1'001'472; CPU Adam: 16 B x 1'001'472 = 16'023'552 per rank, + the 16-bit copy-out
+  // 3 x 1'001'472 x 2 = 6'008'832 + three arriving gradient shards 3 x 2 x 1'001'472 = 6'008'832: 28'041'216.
+  in.ranks = 8;
   in.gpu_bytes = in.cpu_bytes = in.nvme_bytes = kHuge;
   in.mode = PlacementMode::kDeepSpeed;
   in.offload_optimizer = OffloadDevice::kCpu;
   Plan plan = must_plan(in);  // ranks_per_node 0 = all 8
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).per_rank_bytes, 16'023'552u);
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 8 * 16'023'552u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).per_rank_bytes, 28'041'216u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 8 * 28'041'216u);
   const std::uint64_t gpu_need = plan.usage_of(Tier::kGpu).need_bytes;
   in.ranks_per_node = 4;
   plan = must_plan(in);
   EXPECT_EQ(plan.usage_of(Tier::kCpu).ranks_sharing, 4);
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 4 * 16'023'552u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 4 * 28'041'216u);
   EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, gpu_need);  // per rank either way
 }
 
@@ -398,6 +421,22 @@ TEST(PlanInvalid, InputsAreRefusedWithTheValue) {
   in = good;
   in.param_bytes = 3;
   expect_invalid(in, "param_bytes is 3");
+}
+
+// Blocks larger than the prefetch bucket: the engine still prefetches one
+// whole block behind the one in use, so two are gathered at once, whatever
+// stage3_max_live_parameters says (the engine does not honour it; the plan
+// once capped the window at it, 1e9 here, under the 1.2e9 the engine holds).
+TEST(PlanPlacement, TheGatherWindowIsTwoBlocksWhenABlockExceedsTheBucket) {
+  PlanInput in = one_billion(kHuge, kHuge, kHuge);
+  in.block_numel.assign(4, 600'000'000);  // A(600e6) = 292'969 x 2048 = 600'000'512
+  const Plan plan = must_plan(in);
+  ASSERT_EQ(plan.layout.gathered_block_numel, 600'000'512u);
+  const TierUsage& gpu = plan.usage_of(Tier::kGpu);
+  const auto gathered = std::find_if(gpu.breakdown.begin(), gpu.breakdown.end(),
+                                     [](const auto& item) { return item.what.find("gathered") != std::string::npos; });
+  ASSERT_NE(gathered, gpu.breakdown.end());
+  EXPECT_EQ(gathered->bytes, 2u * 2 * 600'000'512);  // 2 B x (L + max(L, 5e7))
 }
 
 TEST(PlanFormat, ReportHasTablesAndSummary) {

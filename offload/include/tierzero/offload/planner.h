@@ -115,7 +115,6 @@ struct PlanInput {
   OffloadDevice offload_optimizer = OffloadDevice::kNone;  // kDeepSpeed mode only
   std::int64_t persistence_threshold = 100'000;   // elements (stage3_param_persistence_threshold)
   std::int64_t prefetch_bucket_size = 50'000'000; // elements (stage3_prefetch_bucket_size)
-  std::int64_t max_live_parameters = 1'000'000'000;  // elements (stage3_max_live_parameters)
   std::int64_t sub_group_size = 1'000'000'000;    // elements per optimizer sub-group
   LinkSpeeds links;
 
@@ -141,6 +140,10 @@ struct PlanLayout {
   std::uint64_t persistent_numel = 0;     // their whole (padded) numel
   std::uint64_t persistent_shard_numel = 0;  // their shard of the optimizer states
   std::uint64_t gathered_block_numel = 0;    // largest all-gathered block, ranks x shard (stage 3)
+  // The largest optimizer sub-group: blocks in model order, each group as
+  // many as fit in sub_group_size but at least one (a block larger than
+  // sub_group_size is a group of its own), as the engine groups them.
+  std::uint64_t largest_sub_group_numel = 0;
 };
 
 struct NeedItem {
