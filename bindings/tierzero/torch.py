@@ -268,15 +268,16 @@ class TorchEngine:
         # Everything that can be refused before the model changes is, on every rank alike (after the engine
         # exists, through it): a refusal on one rank, or ranks that differ on whether the model is on the
         # meta device, must not leave the others waiting in a collective it never starts.
-        on_meta, refusal, kept = False, None, []
+        on_meta, refusal, kept, held = False, None, [], "a model on the meta device"
         try:
             on_meta = _check_meta(model, init_fn)  # Note [Models on the meta device]
             trained = {id(p) for _, params, _ in blocks for p in params}
             _check_external(model, trained)
             if not on_meta:
                 kept = _frozen(model, trained)
+                held = f"a model in memory, {_kept_digest(kept)}"  # Note [Rank 0's model]
         except BaseException as e:  # noqa: BLE001 - an interrupt too; re-raised after the agreement
-            refusal = e
+            refusal, held = e, "refused"
         # No values at creation: every rank learns first whether the others are on the meta device or
         # refuse, then each block is set (rank 0's values) from the model, or as _MetaMaker makes it.
         self._core = _core.Engine(blocks=specs, initial_values="later", **config_args(config))
@@ -287,8 +288,7 @@ class TorchEngine:
         except ValueError as e:
             refusal = e
         try:
-            self._core.agree("a model on the meta device" if on_meta else f"a model in memory, {_kept_digest(kept)}",
-                             refusal=_refusal_text(refusal), what="tierzero.torch.initialize")
+            self._core.agree(held, refusal=_refusal_text(refusal), what="tierzero.torch.initialize")
         except ValueError:
             if refusal is not None:
                 raise refusal from None
