@@ -190,10 +190,19 @@ void add_gpu_extras(const PlanInput& in, Plan& plan) {
            fmt::format("gathered {}, current + prefetch ({} B x {} elem)", params_name(b), b,
                        format_count(static_cast<double>(live))),
            b * live);
+  // The whole gradient of the block in backward, and up to three more waiting
+  // for their reduce-scatter (the engine's backpressure bound, kMaxPendingGrads
+  // in engine/src/zero_engine_impl.h), each with its reduced shard.
+  // ZeroEngine.ThePoolsStayWithinThePlan measures it.
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
+  const std::uint64_t shard = largest / ranks;
   add_item(gpu,
-           fmt::format("gradient of the block in backward ({} B x {} elem)", b,
+           fmt::format("gradients: the block in backward + 3 pending, whole ({} B x 4 x {} elem)", b,
                        format_count(static_cast<double>(largest))),
-           b * largest);
+           4 * b * largest);
+  add_item(gpu,
+           fmt::format("their reduced shards (3 x {} B x {} elem)", b, format_count(static_cast<double>(shard))),
+           3 * b * shard);
 }
 
 void add_cpu_extras(const PlanInput& in, Plan& plan) {
@@ -244,7 +253,7 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
   // engine's grad thread; cheap ones into CPU memory also run inline on the
   // thread that reduced the gradient (Note [Cheap accumulations run inline]),
   // so up to three at once: the training thread's, the comm thread's and the
-  // grad thread's (ZeroEngine.TheCpuPoolStaysWithinThePlan measures it).
+  // grad thread's (ZeroEngine.ThePoolsStayWithinThePlan measures it).
   const bool on_nvme = plan.tier_of(StateClass::kGrad) == Tier::kNvme;
   const std::uint64_t arrival = on_nvme ? b + 4 : b;
   const std::uint64_t at_once = on_nvme ? 1 : 3;

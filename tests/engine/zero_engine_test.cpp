@@ -165,10 +165,10 @@ TEST(ZeroEngine, Fp32ParametersArePlannedAtFourBytes) {
   EXPECT_NE(msg.find("enable the config's \"bf16\" block"), std::string::npos) << msg;
 }
 
-// The plan counts what the engine allocates in CPU memory: with the
-// parameters and the optimizer on NVMe, or both in CPU memory, the CPU
-// pool's peak over the steps stays within the planner's CPU need per rank.
-TEST(ZeroEngine, TheCpuPoolStaysWithinThePlan) {
+// The plan counts what the engine allocates: with the parameters and the
+// optimizer on NVMe, or both in CPU memory, the CPU and device pools' peaks
+// over the steps stay within the planner's CPU and GPU needs per rank.
+TEST(ZeroEngine, ThePoolsStayWithinThePlan) {
   for (const tz::OffloadDevice where : {tz::OffloadDevice::kNvme, tz::OffloadDevice::kCpu}) {
     TempDir nvme;
     tz::Config config = test_config(nvme.path(), 3, 1);
@@ -180,13 +180,18 @@ TEST(ZeroEngine, TheCpuPoolStaysWithinThePlan) {
     ASSERT_TRUE(engine.ok()) << engine.status().to_string();
     auto& e = **engine;
     ASSERT_EQ(e.plan().tier_of(tz::StateClass::kParam16), where == tz::OffloadDevice::kNvme ? Tier::kNvme : Tier::kCpu);
-    std::uint64_t peak = 0;
+    std::uint64_t peak = 0, peak_gpu = 0;
     for (int step = 0; step < 4; ++step) {
       ASSERT_TRUE(tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step)).ok());
       auto report = e.step();
       ASSERT_TRUE(report.ok()) << report.status().to_string();
       peak = std::max(peak, report->peak_cpu_bytes);
+      peak_gpu = std::max(peak_gpu, report->peak_gpu_bytes);
     }
+    const std::uint64_t planned_gpu = e.plan().usage_of(Tier::kGpu).per_rank_bytes;
+    std::printf("[ engine ] %s: device pool peak %llu B, planned %llu B\n", tz::offload_device_name(where).data(),
+                static_cast<unsigned long long>(peak_gpu), static_cast<unsigned long long>(planned_gpu));
+    EXPECT_LE(peak_gpu, planned_gpu) << tz::format_plan(e.plan(), tz::PlanInput{.ranks = 1});
     const std::uint64_t planned = e.plan().usage_of(Tier::kCpu).per_rank_bytes;
     std::printf("[ engine ] %s: CPU pool peak %llu B, planned %llu B\n", tz::offload_device_name(where).data(),
                 static_cast<unsigned long long>(peak), static_cast<unsigned long long>(planned));

@@ -2,7 +2,7 @@
 // the formulas). Shorthands used in the arithmetic below:
 //   A(x)  = align_up(x, 2048)
 //   P     = per-rank 16-bit param shard numel, Gd = grad numel, O = optimizer numel
-//   ws    = stage-3 GPU working set = 2 B x (L + max(L, prefetch)) + 2 B x L,
+//   ws    = stage-3 GPU working set = 2 B x (L + max(L, prefetch)) + 2 B x 4 x L + 2 B x 3 x L / ranks,
 //           L = largest gathered block (ranks x shard)
 #include <gtest/gtest.h>
 
@@ -24,8 +24,9 @@ constexpr std::uint64_t kHuge = 1'000'000'000'000'000;  // 1 PB: never the const
 constexpr std::uint64_t kBlock1B = 250'001'408;
 constexpr std::uint64_t kP1B = 1'000'005'632;
 // ws for it: L = 250'001'408; window = L + max(L, 50e6) = 500'002'816,
-// gather 2 x 500'002'816 = 1'000'005'632, backward grad 2 x L = 500'002'816.
-constexpr std::uint64_t kWs1B = 1'000'005'632 + 500'002'816;  // 1'500'008'448
+// gather 2 x 500'002'816 = 1'000'005'632; gradients: the block in backward and 3 pending,
+// whole, 4 x 2 x L = 2'000'011'264, and their reduced shards (1 rank: L) 3 x 2 x L = 1'500'008'448.
+constexpr std::uint64_t kWs1B = 4'500'025'344;  // 1'000'005'632 + 2'000'011'264 + 1'500'008'448
 
 PlanInput one_billion(std::uint64_t gpu, std::uint64_t cpu, std::uint64_t nvme) {
   PlanInput in;
@@ -54,8 +55,8 @@ TEST(PlanPlacement, HugeBudgetsKeepEverythingOnGpu) {
   EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 4 * kP1B);     // fp32 accumulators (the GPU optimizer's)
   EXPECT_EQ(plan.bytes_of(StateClass::kMaster), 4 * kP1B);
   EXPECT_EQ(plan.bytes_of(StateClass::kMoments), 8 * kP1B);
-  // 18 x P + ws = 18'000'101'376 + 1'500'008'448
-  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 19'500'109'824u);
+  // 18 x P + ws = 18'000'101'376 + 4'500'025'344
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 22'500'126'720u);
   EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 0u);
   EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 0u);
   EXPECT_EQ(plan.traffic.h2d_bytes + plan.traffic.d2h_bytes + plan.traffic.nvme_read_bytes, 0u);
@@ -65,8 +66,8 @@ TEST(PlanPlacement, HugeBudgetsKeepEverythingOnGpu) {
 }
 
 TEST(PlanPlacement, SmallGpuMovesOptimizerToCpu) {
-  // GPU 4e9: params 2P + ws = 3'500'019'712 fit, any GPU optimizer (14 P more) does not.
-  const Plan plan = must_plan(one_billion(4'000'000'000, kHuge, kHuge));
+  // GPU 7e9: params 2P + ws = 6'500'036'608 fit, any GPU optimizer (14 P more) does not.
+  const Plan plan = must_plan(one_billion(7'000'000'000, kHuge, kHuge));
   EXPECT_EQ(plan.tier, (Tiers{G, C, C, C}));
   EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 2 * kP1B + kWs1B);
   EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 4 * kP1B);  // fp32 off the GPU
@@ -85,7 +86,7 @@ TEST(PlanPlacement, SmallGpuMovesOptimizerToCpu) {
 }
 
 TEST(PlanPlacement, SmallCpuMovesOptimizerStatesToNvme) {
-  PlanInput in = one_billion(4'000'000'000, 16'500'000'000, kHuge);
+  PlanInput in = one_billion(7'000'000'000, 16'500'000'000, kHuge);
   in.sub_group_size = 100'000'000;  // under a block's shard: each block is a sub-group of its own, L
   // CPU options with params on GPU (staging = 3 x L x bytes of the NVMe classes, + the 16-bit
   // copy-out 3 x L x 2 = 1'500'008'448, + three arriving gradient shards 3 x 2 B x L = 1'500'008'448,
@@ -110,7 +111,7 @@ TEST(PlanPlacement, SmallCpuMovesOptimizerStatesToNvme) {
 }
 
 PlanInput zero_infinity() {
-  PlanInput in = one_billion(4'000'000'000, 20'000'000'000, kHuge);
+  PlanInput in = one_billion(7'000'000'000, 20'000'000'000, kHuge);
   in.mode = PlacementMode::kDeepSpeed;
   in.offload_param = OffloadDevice::kNvme;
   in.offload_optimizer = OffloadDevice::kNvme;
@@ -178,6 +179,7 @@ TEST(PlanTraffic, GradsOnNvmeAreReadBackEachAccumulation) {
 TEST(PlanTraffic, Fp32ParamsZeroInfinityHandComputed) {
   PlanInput in = zero_infinity();
   in.param_bytes = 4;
+  in.gpu_bytes = 10'000'000'000;  // the working set doubles: 2 x 4'500'025'344
   const Plan plan = must_plan(in);
   EXPECT_EQ(plan.tier, (Tiers{N, C, N, N}));
   EXPECT_EQ(plan.elem_bytes_of(StateClass::kParam16), 4u);
@@ -210,22 +212,22 @@ TEST(PlanTraffic, Fp32ParamsZeroInfinityHandComputed) {
 // A GPU budget that holds a bf16 model's params but not an fp32 one's: the
 // fp32 plan does not fit, and the message says the params are what to shrink.
 TEST(PlanDeepSpeed, Fp32ParamsNeedTwiceTheRoom) {
-  PlanInput in = one_billion(5'000'000'000, kHuge, kHuge);
+  PlanInput in = one_billion(8'000'000'000, kHuge, kHuge);
   in.mode = PlacementMode::kDeepSpeed;
   in.offload_optimizer = OffloadDevice::kCpu;
-  // bf16: 2P + ws = 2'000'011'264 + 1'500'008'448 = 3'500'019'712 fits 5e9.
-  EXPECT_EQ(must_plan(in).usage_of(Tier::kGpu).need_bytes, 3'500'019'712u);
-  in.param_bytes = 4;  // 4P + 2 ws = 7'000'039'424
+  // bf16: 2P + ws = 2'000'011'264 + 4'500'025'344 = 6'500'036'608 fits 8e9.
+  EXPECT_EQ(must_plan(in).usage_of(Tier::kGpu).need_bytes, 6'500'036'608u);
+  in.param_bytes = 4;  // 4P + 2 ws = 13'000'073'216
   const Expected<Plan> plan = plan_placement(in);
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), ErrorCode::kOutOfMemory);
   const std::string msg = plan.status().message();
-  EXPECT_NE(msg.find("gpu needs 6.52 GiB per rank"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("gpu needs 12.11 GiB per rank"), std::string::npos) << msg;
   EXPECT_NE(msg.find("enable the config's \"bf16\" block"), std::string::npos) << msg;
 }
 
 TEST(PlanDeepSpeed, OverBudgetNamesTierBudgetKeyAndAlternative) {
-  PlanInput in = one_billion(4'000'000'000, 16'500'000'000, kHuge);
+  PlanInput in = one_billion(7'000'000'000, 16'500'000'000, kHuge);
   in.sub_group_size = 100'000'000;
   in.mode = PlacementMode::kDeepSpeed;
   // CPU needs 16P + copy-out 3 x L x 2 + three arriving shards 3 x 2 B x L = 19'000'107'008 = 17.70 GiB
@@ -254,16 +256,16 @@ TEST(PlanDeepSpeed, ParamOffloadNeedsStage3) {
 }
 
 TEST(PlanAuto, NothingFitsReportsLeastNeedsAndKeys) {
-  // GPU 1e9 < the working set alone (1'500'008'448 = 1.40 GiB), whatever is offloaded.
+  // GPU 1e9 < the working set alone (4'500'025'344 = 4.19 GiB), whatever is offloaded.
   const Expected<Plan> plan = plan_placement(one_billion(1'000'000'000, kHuge, kHuge));
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), ErrorCode::kOutOfMemory);
   const std::string msg = plan.status().message();
   EXPECT_NE(msg.find("no placement of 1.0B parameters fits"), std::string::npos) << msg;
   EXPECT_NE(msg.find("params nvme, grads nvme, master nvme, moments nvme"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("gpu needs 1.40 GiB per rank but tierzero.tiers.gpu_bytes is 953.67 MiB"), std::string::npos)
+  EXPECT_NE(msg.find("gpu needs 4.19 GiB per rank but tierzero.tiers.gpu_bytes is 953.67 MiB"), std::string::npos)
       << msg;
-  EXPECT_NE(msg.find("gpu 1.40 GiB per rank (budget 953.67 MiB, tierzero.tiers.gpu_bytes)"), std::string::npos)
+  EXPECT_NE(msg.find("gpu 4.19 GiB per rank (budget 953.67 MiB, tierzero.tiers.gpu_bytes)"), std::string::npos)
       << msg;
   EXPECT_NE(msg.find("cpu: no placement where the gpu fits (budget"), std::string::npos) << msg;
   EXPECT_NE(msg.find("tierzero.tiers.cpu_bytes"), std::string::npos) << msg;
@@ -272,10 +274,10 @@ TEST(PlanAuto, NothingFitsReportsLeastNeedsAndKeys) {
 }
 
 TEST(PlanAuto, PicksTheFasterOfTwoFeasiblePlans) {
-  // GPU 18e9: the GPU optimizer with params on CPU needs 16P + ws = 17'500'098'560 (fits);
-  // params on GPU with CPU Adam needs 2P + ws = 3'500'019'712 (fits); all on GPU
-  // (19'500'109'824) does not. No NVMe.
-  PlanInput in = one_billion(18'000'000'000, kHuge, 0);
+  // GPU 21e9: the GPU optimizer with params on CPU needs 16P + ws = 20'500'115'456 (fits);
+  // params on GPU with CPU Adam needs 2P + ws = 6'500'036'608 (fits); all on GPU
+  // (22'500'126'720) does not. No NVMe.
+  PlanInput in = one_billion(21'000'000'000, kHuge, 0);
   // Default links: X = params cpu, rest gpu: H2D 4P + D2H 2P = 6'000'033'792 / 25e9 = 0.24 s;
   // Y = params gpu, CPU Adam: 4P / 25e9 + 30P / 40e9 = 0.91 s.  X wins.
   Plan plan = must_plan(in);
@@ -323,8 +325,8 @@ TEST(PlanLayout, ShardSizesPerStage) {
 TEST(PlanLayout, GpuNeedPerStage) {
   // Stage 3: 18 x 1'003'520 = 18'063'360 of states; L = 3'006'464, window
   // L + max(L, 50e6) = 53'006'464, but the model's gathered blocks are 4 x 1'003'520 = 4'014'080 in
-  // all -> gather 8'028'160, backward grad 6'012'928.
-  EXPECT_EQ(must_plan(four_ranks(3)).usage_of(Tier::kGpu).need_bytes, 32'104'448u);
+  // all -> gather 8'028'160; gradients 4 x 2 x L = 24'051'712, their shards 3 x 2 x 751'616 = 4'509'696.
+  EXPECT_EQ(must_plan(four_ranks(3)).usage_of(Tier::kGpu).need_bytes, 54'652'928u);
   // Stage 1, no working set: 2 x 4'001'792 (params) + 4 x 4'001'792 (fp32 grads) + 12 x 1'003'520.
   EXPECT_EQ(must_plan(four_ranks(1)).usage_of(Tier::kGpu).need_bytes, 36'052'992u);
 }
@@ -356,8 +358,9 @@ TEST(PlanLayout, PersistenceThresholdKeepsSmallBlocksWholeOnGpu) {
   EXPECT_EQ(plan.layout.optimizer_numel, 251'904u + 14'336u);
   EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 2 * 251'904u);  // on CPU
   // GPU: persistent 4 B x 51'200 = 204'800; L = 4 x 251'904 = 1'007'616, the only gathered block,
-  // so the window is L (not L + 50e6): gather 2 x L = 2'015'232, backward 2 x L = 2'015'232.
-  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 204'800u + 2'015'232u + 2'015'232u);
+  // so the window is L (not L + 50e6): gather 2 x L = 2'015'232; gradients 4 x 2 x L = 8'060'928,
+  // their shards 3 x 2 x 251'904 = 1'511'424.
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 204'800u + 2'015'232u + 8'060'928u + 1'511'424u);
   // H2D: params 2 x 251'904 x 2 passes + the persistent shard's new values 2 x 14'336.
   EXPECT_EQ(plan.traffic.h2d_bytes, 1'007'616u + 28'672u);
 }
