@@ -194,12 +194,13 @@ class Engine:
         with no values yet (initial_values="later") every parameter needs one."""
         import numpy as np
 
-        if self._core.has_values(block):
+        has_values = self._core.has_values(block)  # the same on every rank
+        if has_values:
             flat = self.gather_master(block)  # a collective: every rank, before anything can fail here
-        else:  # the same on every rank; set_master refuses a block that does not exist
+        else:  # set_master refuses a block that does not exist
             flat = np.zeros(self._layout[block]["whole_numel"] if 0 <= block < len(self._layout) else 0, np.float32)
         try:
-            if not self._core.has_values(block) and self._core.rank == root:  # the others' values go unused
+            if not has_values and self._core.rank == root:  # the others' values go unused
                 for p, v in zip(self._layout[block]["params"], values):
                     if v is None:
                         raise ValueError(f"block '{self._layout[block]['name']}' has no values yet "

@@ -568,7 +568,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   TZ_TRY(agree(loaded, "loading checkpoint " + dir));
   // Note [Initial values]: set only once every rank has loaded every block, so
   // a load that failed anywhere leaves every rank with the same unset blocks.
-  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) mark_set(b);
+  unset_.assign(layout_.blocks.size(), false);
   nvme_read_bytes_ = 0;
   nvme_write_bytes_ = 0;
   TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {}{})", dir, step_, options.weights_only ? ", weights only" : "");

@@ -305,7 +305,6 @@ Status ZeroEngineImpl::init_states(const ParamInit& init) {
   const InitialValues from = options_.initial_values;
   persistent_.resize(layout_.blocks.size());
   unset_.assign(layout_.blocks.size(), from == InitialValues::kSetLater);
-  unset_count_ = from == InitialValues::kSetLater ? layout_.blocks.size() : 0;
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     const BlockLayout& block = layout_.blocks[b];
     std::vector<float> whole;
@@ -410,20 +409,13 @@ Status ZeroEngineImpl::check_values_set(std::size_t block, std::string_view what
   if (!unset_[block]) return ok_status();
   return failed_precondition("{}: block '{}' has no values yet (the engine was made with initial_values = kSetLater, "
                              "and {} of its {} blocks are still unset): set_master() it, or load a checkpoint",
-                             what, layout_.blocks[block].name, unset_count_, layout_.blocks.size());
+                             what, layout_.blocks[block].name, std::count(unset_.begin(), unset_.end(), true),
+                             layout_.blocks.size());
 }
 
 Status ZeroEngineImpl::check_all_values_set(std::string_view what) const {
-  if (unset_count_ == 0) return ok_status();
-  const auto first = static_cast<std::size_t>(std::find(unset_.begin(), unset_.end(), true) - unset_.begin());
-  return check_values_set(first, what);
-}
-
-void ZeroEngineImpl::mark_set(std::size_t block) {
-  if (unset_[block]) {
-    unset_[block] = false;
-    --unset_count_;
-  }
+  const auto first = std::find(unset_.begin(), unset_.end(), true);
+  return first == unset_.end() ? ok_status() : check_values_set(static_cast<std::size_t>(first - unset_.begin()), what);
 }
 
 Status ZeroEngineImpl::put_weights(std::size_t block, const float* shard) {
@@ -761,7 +753,7 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   if (persistent_[block].valid()) {
     TZ_TRY(agree(prefetcher_->gather_into(block, persistent_[block].data()), fmt::format("set_master({})", b.name)));
   }
-  mark_set(block);
+  unset_[block] = false;
   return prefetcher_->reissue();
 }
 

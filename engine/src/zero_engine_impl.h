@@ -107,7 +107,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // values yet, naming it and `what`.
   Status check_values_set(std::size_t block, std::string_view what) const;
   Status check_all_values_set(std::string_view what) const;
-  void mark_set(std::size_t block);
   // Gathers every persistent block's 16-bit parameters; with unset_too, also
   // those of blocks still marked unset (a load that has just written them).
   Status gather_persistent(bool unset_too = false);
@@ -179,7 +178,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::unique_ptr<detail::ShardStore> param16_, grad_, master_, exp_avg_, exp_avg_sq_;
   std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
   std::vector<bool> unset_;                    // blocks with no values yet (Note [Initial values])
-  std::size_t unset_count_ = 0;
   std::map<void*, PoolBlock> live_;            // gathered buffers handed out
   std::map<void*, std::chrono::steady_clock::time_point> live_since_;
   // Note [Stream-ordered release]: the stream that waits for readers, the

@@ -209,10 +209,10 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
   const PlanLayout& l = plan.layout;
   TierUsage& cpu = plan.usage[idx(Tier::kCpu)];
   const std::uint64_t b = in.param_bytes;
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
   if (plan.tier_of(StateClass::kParam16) == Tier::kNvme) {
     // Each block in the gather window is read into CPU staging (its shard)
     // on its way to the device.
-    const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
     const std::uint64_t staged = (gather_window(in, l) + ranks - 1) / ranks;
     add_item(cpu,
              fmt::format("param NVMe staging, the gather window's shards ({} B x {} elem)", b,
@@ -247,7 +247,6 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
                          format_count(static_cast<double>(group)), b),
              3 * group * b);
   }
-  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
   const std::uint64_t shard = align_up((l.largest_block_numel + ranks - 1) / ranks, kShardAlignNumel);
   // Accumulations into accumulators on NVMe run one at a time on the
   // engine's grad thread; cheap ones into CPU memory also run inline on the
