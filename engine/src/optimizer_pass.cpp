@@ -247,8 +247,11 @@ Status ZeroEngineImpl::gpu_optimizer_pass(double grad_scale) {
 Status ZeroEngineImpl::optimizer_pass(double grad_scale) {
   if (gpu_optimizer_) return gpu_optimizer_pass(grad_scale);
   if (staging_.empty()) {
-    // Sized once for the largest sub-group: steady-state steps allocate nothing.
-    staging_.resize(3);
+    // Sized once for the largest sub-group: steady-state steps allocate
+    // nothing. Three sets keep the pipeline full (reading the next group,
+    // stepping this one, writing the last); a model of fewer groups needs one
+    // set per group.
+    staging_.resize(std::min<std::size_t>(3, sub_groups_.size()));
     for (StagingSet& set : staging_) {
       for (const detail::ShardStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get(), grad_.get()}) {
         if (store == nullptr || store->tier() != Tier::kNvme) continue;
@@ -259,23 +262,23 @@ Status ZeroEngineImpl::optimizer_pass(double grad_scale) {
       }
     }
   }
-  const std::size_t groups = sub_groups_.size();
-  std::vector<std::vector<nvme::IoFuture>> reads(3), writes(3);
+  const std::size_t groups = sub_groups_.size(), sets = staging_.size();
+  std::vector<std::vector<nvme::IoFuture>> reads(sets), writes(sets);
   reads[0] = read_sub_group(0, staging_[0]);
   Status failed;
   for (std::size_t g = 0; g < groups && failed.ok(); ++g) {
-    failed = wait_all(reads[g % 3]);
+    failed = wait_all(reads[g % sets]);
     if (!failed.ok()) break;
     if (g + 1 < groups) {
-      const std::size_t next = (g + 1) % 3;
-      failed = wait_all(writes[next]);  // the writes of g - 2 used this set
+      const std::size_t next = (g + 1) % sets;
+      failed = wait_all(writes[next]);  // the writes of g + 1 - sets used this set
       if (!failed.ok()) break;
       reads[next] = read_sub_group(g + 1, staging_[next]);
     }
     const auto begin = std::chrono::steady_clock::now();
-    failed = step_sub_group(g, staging_[g % 3], grad_scale);
+    failed = step_sub_group(g, staging_[g % sets], grad_scale);
     timeline_.record(detail::Track::kOptimizer, fmt::format("sub-group {}", g), begin, std::chrono::steady_clock::now());
-    if (failed.ok()) failed = write_sub_group(g, staging_[g % 3], writes[g % 3]);
+    if (failed.ok()) failed = write_sub_group(g, staging_[g % sets], writes[g % sets]);
   }
   // Whatever happened, nothing may still be in flight into or out of staging.
   for (auto& r : reads) {

@@ -205,7 +205,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::vector<std::vector<std::size_t>> sub_groups_;
   std::vector<std::uint64_t> offset_in_group_;  // per block: elements before it in its sub-group
   std::uint64_t sub_group_max_numel_ = 0;
-  std::vector<StagingSet> staging_;            // 3 sets when any optimizer state is on NVMe
+  std::vector<StagingSet> staging_;            // min(3, sub-groups) sets (optimizer_pass)
   int micro_ = 0;
   std::int64_t step_ = 0;
   std::atomic<std::uint64_t> nvme_read_bytes_{0}, nvme_write_bytes_{0};  // since the last step report

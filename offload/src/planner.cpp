@@ -134,6 +134,7 @@ PlanLayout compute_layout(const PlanInput& in) {
     const std::uint64_t stepped = in.stage >= 1 ? shard : whole;
     l.optimizer_numel += stepped;
     if (in_group > 0 && in_group + stepped > group_limit) in_group = 0;
+    if (in_group == 0) ++l.sub_groups;
     in_group += stepped;
     l.largest_sub_group_numel = std::max(l.largest_sub_group_numel, in_group);
   }
@@ -222,11 +223,13 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
   if (plan.tier_of(StateClass::kMaster) == Tier::kGpu) return;  // the GPU optimizer stages nothing here
   // The CPU optimizer's host buffers (engine/src/optimizer_pass.cpp,
   // zero_engine.cpp): three sub-groups in flight (reading the next, updating
-  // this, writing the last), each with the states that live on NVMe and,
-  // unless the parameters live in CPU memory, their new 16-bit copy on its way
-  // out; and each arriving gradient shard, copied down in the parameters' type
-  // (and accumulated in fp32 staging when the accumulators live on NVMe).
+  // this, writing the last; one per group when there are fewer), each with
+  // the states that live on NVMe and, unless the parameters live in CPU
+  // memory, their new 16-bit copy on its way out; and each arriving gradient
+  // shard, copied down in the parameters' type (and accumulated in fp32
+  // staging when the accumulators live on NVMe).
   const std::uint64_t group = l.largest_sub_group_numel;
+  const std::uint64_t sets = std::min<std::uint64_t>(3, l.sub_groups);
   std::uint64_t nvme_elem_bytes = 0;
   std::string names;
   for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) {
@@ -237,15 +240,15 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
   }
   if (nvme_elem_bytes > 0) {
     add_item(cpu,
-             fmt::format("optimizer sub-group staging (3 x {} elem x {} B: {})",
+             fmt::format("optimizer sub-group staging ({} x {} elem x {} B: {})", sets,
                          format_count(static_cast<double>(group)), nvme_elem_bytes, names),
-             3 * group * nvme_elem_bytes);
+             sets * group * nvme_elem_bytes);
   }
   if (plan.tier_of(StateClass::kParam16) != Tier::kCpu && b != 4) {
     add_item(cpu,
-             fmt::format("optimizer 16-bit copy-out staging (3 x {} elem x {} B)",
+             fmt::format("optimizer 16-bit copy-out staging ({} x {} elem x {} B)", sets,
                          format_count(static_cast<double>(group)), b),
-             3 * group * b);
+             sets * group * b);
   }
   const std::uint64_t shard = align_up((l.largest_block_numel + ranks - 1) / ranks, kShardAlignNumel);
   // Accumulations into accumulators on NVMe run one at a time on the

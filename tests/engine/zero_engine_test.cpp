@@ -169,9 +169,15 @@ TEST(ZeroEngine, Fp32ParametersArePlannedAtFourBytes) {
 // optimizer on NVMe, or both in CPU memory, the CPU and device pools' peaks
 // over the steps stay within the planner's CPU and GPU needs per rank.
 TEST(ZeroEngine, ThePoolsStayWithinThePlan) {
-  for (const tz::OffloadDevice where : {tz::OffloadDevice::kNvme, tz::OffloadDevice::kCpu}) {
+  // Under sub_group_size 10000 each block (a 10240-element shard) is an
+  // optimizer sub-group of its own and three are staged at once; under 40000
+  // the model is one, staged once (three sets of it before: 1,536,000 B).
+  for (const auto& [where, sub_group_size] : {std::pair{tz::OffloadDevice::kNvme, std::int64_t{10000}},
+                                              std::pair{tz::OffloadDevice::kCpu, std::int64_t{10000}},
+                                              std::pair{tz::OffloadDevice::kNvme, std::int64_t{40000}}}) {
     TempDir nvme;
     tz::Config config = test_config(nvme.path(), 3, 1);
+    config.zero.sub_group_size = sub_group_size;
     config.placement = tz::PlacementMode::kDeepSpeed;
     config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
     config.zero.offload_param.device = config.zero.offload_optimizer.device = where;
@@ -188,12 +194,15 @@ TEST(ZeroEngine, ThePoolsStayWithinThePlan) {
       peak = std::max(peak, report->peak_cpu_bytes);
       peak_gpu = std::max(peak_gpu, report->peak_gpu_bytes);
     }
+    EXPECT_EQ(e.plan().layout.sub_groups, sub_group_size == 10000 ? 3u : 1u);
     const std::uint64_t planned_gpu = e.plan().usage_of(Tier::kGpu).per_rank_bytes;
-    std::printf("[ engine ] %s: device pool peak %llu B, planned %llu B\n", tz::offload_device_name(where).data(),
+    std::printf("[ engine ] %s, %zu sub-group(s): device pool peak %llu B, planned %llu B\n",
+                tz::offload_device_name(where).data(), e.plan().layout.sub_groups,
                 static_cast<unsigned long long>(peak_gpu), static_cast<unsigned long long>(planned_gpu));
     EXPECT_LE(peak_gpu, planned_gpu) << tz::format_plan(e.plan(), tz::PlanInput{.ranks = 1});
     const std::uint64_t planned = e.plan().usage_of(Tier::kCpu).per_rank_bytes;
-    std::printf("[ engine ] %s: CPU pool peak %llu B, planned %llu B\n", tz::offload_device_name(where).data(),
+    std::printf("[ engine ] %s, %zu sub-group(s): CPU pool peak %llu B, planned %llu B\n",
+                tz::offload_device_name(where).data(), e.plan().layout.sub_groups,
                 static_cast<unsigned long long>(peak), static_cast<unsigned long long>(planned));
     EXPECT_GT(peak, 0U);
     EXPECT_LE(peak, planned) << tz::format_plan(e.plan(), tz::PlanInput{.ranks = 1});

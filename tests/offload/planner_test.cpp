@@ -71,12 +71,13 @@ TEST(PlanPlacement, SmallGpuMovesOptimizerToCpu) {
   EXPECT_EQ(plan.tier, (Tiers{G, C, C, C}));
   EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 2 * kP1B + kWs1B);
   EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 4 * kP1B);  // fp32 off the GPU
-  // 4 + 4 + 8 B, plus the CPU optimizer's 16-bit copy-out staging for 3 sub-groups of three
-  // blocks (sub_group_size 1e9 holds three 250'001'408-element shards, not four), 3 x 750'004'224
-  // x 2 B, and up to three arriving gradient shards 3 x 2 B x 250'001'408:
-  // 16'000'090'112 + 4'500'025'344 + 1'500'008'448.
+  // 4 + 4 + 8 B, plus the CPU optimizer's 16-bit copy-out staging for its sub-groups: sub_group_size
+  // 1e9 holds three 250'001'408-element shards, not four, so the model is two groups (three blocks,
+  // then one) and two are staged, each of the largest's size, 2 x 750'004'224 x 2 B; and up to three
+  // arriving gradient shards 3 x 2 B x 250'001'408: 16'000'090'112 + 3'000'016'896 + 1'500'008'448.
   EXPECT_EQ(plan.layout.largest_sub_group_numel, 750'004'224u);
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 22'000'123'904u);
+  EXPECT_EQ(plan.layout.sub_groups, 2u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 20'500'115'456u);
   // H2D: new params after the step, 2P; D2H: grads, 2P x 1 micro-batch; CPU Adam 30 P.
   EXPECT_EQ(plan.traffic.h2d_bytes, 2 * kP1B);
   EXPECT_EQ(plan.traffic.d2h_bytes, 2 * kP1B);
@@ -369,19 +370,20 @@ TEST(PlanLayout, RanksPerNodeScalesCpuNeed) {
   PlanInput in;
   in.block_numel = {8'000'000};
   // shard A(1e6) = 1'001'472; CPU Adam: 16 B x 1'001'472 = 16'023'552 per rank, + the 16-bit copy-out
-  // 3 x 1'001'472 x 2 = 6'008'832 + three arriving gradient shards 3 x 2 x 1'001'472 = 6'008'832: 28'041'216.
+  // of its one sub-group 1'001'472 x 2 = 2'002'944 + three arriving gradient shards 3 x 2 x 1'001'472
+  // = 6'008'832: 24'035'328.
   in.ranks = 8;
   in.gpu_bytes = in.cpu_bytes = in.nvme_bytes = kHuge;
   in.mode = PlacementMode::kDeepSpeed;
   in.offload_optimizer = OffloadDevice::kCpu;
   Plan plan = must_plan(in);  // ranks_per_node 0 = all 8
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).per_rank_bytes, 28'041'216u);
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 8 * 28'041'216u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).per_rank_bytes, 24'035'328u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 8 * 24'035'328u);
   const std::uint64_t gpu_need = plan.usage_of(Tier::kGpu).need_bytes;
   in.ranks_per_node = 4;
   plan = must_plan(in);
   EXPECT_EQ(plan.usage_of(Tier::kCpu).ranks_sharing, 4);
-  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 4 * 28'041'216u);
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 4 * 24'035'328u);
   EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, gpu_need);  // per rank either way
 }
 

@@ -144,6 +144,7 @@ struct PlanLayout {
   // many as fit in sub_group_size but at least one (a block larger than
   // sub_group_size is a group of its own), as the engine groups them.
   std::uint64_t largest_sub_group_numel = 0;
+  std::size_t sub_groups = 0;  // how many; the optimizer stages min(3, sub_groups) at once
 };
 
 struct NeedItem {
