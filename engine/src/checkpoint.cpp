@@ -18,14 +18,15 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <set>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "host_collectives.h"
+#include "tierzero/common/units.h"
 #include "tierzero/kernels.h"
 #include "zero_engine_impl.h"
 
@@ -48,16 +49,100 @@ Status write_all(int fd, const void* data, std::size_t bytes, const std::string&
   return ok_status();
 }
 
-// Writes `chunks` to path (created or truncated), fsyncs and closes it.
-Status write_durably(const std::string& path, const std::vector<std::pair<const void*, std::size_t>>& chunks) {
-  TZ_ASSIGN_OR_RETURN(UniqueFd fd, open_file(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC));
-  for (const auto& [data, bytes] : chunks) TZ_TRY(write_all(fd.get(), data, bytes, path));
-  TZ_SYSCALL_CHECK(::fsync(fd.get()));
-  return fd.close();
+// Note [Checkpoint files bypass the page cache]
+// A checkpoint's states are gigabytes written once and not read back soon.
+// Written through the page cache, the kernel's copy into it set the pace: on
+// the CI machine a 3 GiB save ran at 0.3-0.5 GB/s, two thirds of its CPU time
+// in copy_folio_from_iter_atomic, against 6 GB/s for O_DIRECT writes to the
+// same disk (bench/RESULTS.md). So FileWriter writes with O_DIRECT, whole 4 KiB
+// blocks from aligned memory: the caller's where it is aligned, else through
+// an aligned buffer. The last partial block goes through the page cache (O_DIRECT
+// cleared with fcntl) before the fsync. A file system that refuses O_DIRECT
+// (tmpfs) gets plain buffered writes.
+class FileWriter {
+ public:
+  static constexpr std::size_t kAlign = 4096;
+
+  static Expected<FileWriter> open(const std::string& path) {
+    FileWriter w;
+    w.path_ = path;
+    const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+    if (Expected<UniqueFd> direct = open_file(path, flags | O_DIRECT); direct.ok()) {
+      w.fd_ = std::move(*direct);
+      w.buffer_.reset(static_cast<char*>(std::aligned_alloc(kAlign, kBuffer)));
+      if (w.buffer_ == nullptr) return out_of_memory("checkpoint: no memory for a {} write buffer", kBuffer);
+    } else {
+      TZ_ASSIGN_OR_RETURN(w.fd_, open_file(path, flags));
+    }
+    return w;
+  }
+
+  Status append(const void* data, std::size_t bytes) {
+    if (buffer_ == nullptr) return write_all(fd_.get(), data, bytes, path_);
+    const char* p = static_cast<const char*>(data);
+    if (used_ == 0 && reinterpret_cast<std::uintptr_t>(p) % kAlign == 0) {  // straight from the caller's memory
+      const std::size_t whole = bytes / kAlign * kAlign;
+      TZ_TRY(write_all(fd_.get(), p, whole, path_));
+      p += whole;
+      bytes -= whole;
+    }
+    while (bytes > 0) {
+      const std::size_t n = std::min(bytes, kBuffer - used_);
+      std::memcpy(buffer_.get() + used_, p, n);
+      used_ += n;
+      p += n;
+      bytes -= n;
+      if (used_ == kBuffer) {
+        TZ_TRY(write_all(fd_.get(), buffer_.get(), kBuffer, path_));
+        used_ = 0;
+      }
+    }
+    return ok_status();
+  }
+
+  // Writes what is buffered, fsyncs and closes: the file is then complete.
+  Status finish() {
+    if (buffer_ != nullptr && used_ > 0) {
+      const std::size_t whole = used_ / kAlign * kAlign;
+      TZ_TRY(write_all(fd_.get(), buffer_.get(), whole, path_));
+      if (whole < used_) {
+        const int flags = ::fcntl(fd_.get(), F_GETFL);
+        if (flags < 0 || ::fcntl(fd_.get(), F_SETFL, flags & ~O_DIRECT) != 0) {
+          return errno_status(errno, "writing " + path_);
+        }
+        TZ_TRY(write_all(fd_.get(), buffer_.get() + whole, used_ - whole, path_));
+      }
+      used_ = 0;
+    }
+    if (::fsync(fd_.get()) != 0) return errno_status(errno, "syncing " + path_);
+    return fd_.close();
+  }
+
+ private:
+  static constexpr std::size_t kBuffer = 8 << 20;
+
+  std::string path_;
+  UniqueFd fd_;
+  std::unique_ptr<char, decltype(&std::free)> buffer_{nullptr, &std::free};  // set when writing O_DIRECT
+  std::size_t used_ = 0;
+};
+
+using AlignedFloats = std::unique_ptr<float, decltype(&std::free)>;
+
+// n floats (at least one) at a FileWriter::kAlign boundary, for O_DIRECT.
+Expected<AlignedFloats> aligned_floats(std::uint64_t n) {
+  const std::uint64_t bytes = align_up(std::max<std::uint64_t>(n, 1) * 4, FileWriter::kAlign);
+  AlignedFloats memory(static_cast<float*>(std::aligned_alloc(FileWriter::kAlign, bytes)), &std::free);
+  if (memory == nullptr) return out_of_memory("checkpoint: no memory for a {}-byte state buffer", bytes);
+  return memory;
 }
 
+// Writes `text` to path (created or truncated), fsyncs and closes it.
 Status write_text_durably(const std::string& path, const std::string& text) {
-  return write_durably(path, {{text.data(), text.size()}});
+  TZ_ASSIGN_OR_RETURN(UniqueFd fd, open_file(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC));
+  TZ_TRY(write_all(fd.get(), text.data(), text.size(), path));
+  TZ_SYSCALL_CHECK(::fsync(fd.get()));
+  return fd.close();
 }
 
 Status fsync_dir(const std::string& dir) {
@@ -178,24 +263,37 @@ Status check_saved_params(const std::string& dir, const nlohmann::json& saved, c
 
 }  // namespace
 
+// Note [Streamed checkpoints]
+// A rank's states may be larger than its memory (that is what the NVMe tier
+// is for), so a save, a load and an export hold one state of one block at a
+// time, never the rank's whole: a save reads each state into a buffer of the
+// largest shard, checksums it and appends it to the rank's file; an export
+// writes each block as it is gathered. A load reads and verifies every state
+// it needs once before replacing any (a corrupt checkpoint replaces nothing),
+// then reads each again, verifying it, as it puts it back: the second read
+// costs time, not memory, and the page cache serves it where the file fits.
+// If the second read finds a state changed (the file rewritten under the
+// load) or a put fails, some blocks hold the checkpoint's values and some the
+// old ones: every rank then marks every block unset (Note [Initial values]),
+// so nothing trains on the mixture until a load or set_master succeeds.
 Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   const int rank = comm_->rank();
   const std::string bin = fmt::format("{}/rank-{}.bin", dir, rank);
   nlohmann::json blocks = nlohmann::json::array();
-  std::vector<std::vector<float>> buffers;
-  std::vector<std::pair<const void*, std::size_t>> chunks;
+  // Aligned, so the writer takes the states straight from it (Note [Checkpoint files bypass the page cache]).
+  TZ_ASSIGN_OR_RETURN(AlignedFloats memory, aligned_floats(largest_shard_numel()));
+  float* const buffer = memory.get();
   std::uint64_t offset = 0;
+  TZ_ASSIGN_OR_RETURN(FileWriter out, FileWriter::open(bin));
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     nlohmann::json states = nlohmann::json::object();
     for (const auto& [name, store] : {std::pair{"master", master_.get()}, std::pair{"exp_avg", exp_avg_.get()},
                                       std::pair{"exp_avg_sq", exp_avg_sq_.get()}}) {
       if (store == nullptr) continue;
-      buffers.emplace_back(layout_.blocks[b].shard_numel);
-      TZ_TRY_CTX(get(*store, b, buffers.back().data()), "reading {} of {} for the checkpoint", name,
-                 layout_.blocks[b].name);
-      const std::size_t bytes = buffers.back().size() * 4;
-      states[name] = {{"offset", offset}, {"bytes", bytes}, {"xxh3", hex(nvme::checksum(buffers.back().data(), bytes))}};
-      chunks.emplace_back(buffers.back().data(), bytes);
+      TZ_TRY_CTX(get(*store, b, buffer), "reading {} of {} for the checkpoint", name, layout_.blocks[b].name);
+      const std::size_t bytes = layout_.blocks[b].shard_numel * 4;
+      states[name] = {{"offset", offset}, {"bytes", bytes}, {"xxh3", hex(nvme::checksum(buffer, bytes))}};
+      TZ_TRY(out.append(buffer, bytes));
       offset += bytes;
     }
     nlohmann::json params = nlohmann::json::array();
@@ -203,7 +301,7 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
     blocks.push_back({{"name", layout_.blocks[b].name}, {"shard_numel", layout_.blocks[b].shard_numel},
                       {"params", params}, {"states", states}});
   }
-  TZ_TRY(write_durably(bin, chunks));
+  TZ_TRY(out.finish());
   const detail::LossScaler::State ls = scaler_.state();
   const nlohmann::json manifest = {{"format", "tierzero-checkpoint-rank"}, {"version", kFormatVersion},
                                    {"rank", rank}, {"world_size", comm_->size()}, {"step", step_},
@@ -216,6 +314,12 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
                                    {"file", fs::path(bin).filename().string()}, {"bytes", offset},
                                    {"blocks", blocks}};
   return write_text_durably(fmt::format("{}/rank-{}.json", dir, rank), manifest.dump(1));
+}
+
+std::uint64_t ZeroEngineImpl::largest_shard_numel() const {
+  std::uint64_t n = 0;
+  for (const BlockLayout& b : layout_.blocks) n = std::max(n, b.shard_numel);
+  return n;
 }
 
 namespace {
@@ -359,17 +463,42 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
   return final_dir;
 }
 
-// Reads and verifies this rank's files; states[b * 3 + k] = master, exp_avg,
-// exp_avg_sq of block b (empty where the optimizer has no such state).
-Status ZeroEngineImpl::read_rank_files(const std::string& dir, bool weights_only,
-                                       std::vector<std::vector<float>>& states, std::int64_t& step,
-                                       detail::LossScaler::State& scaler, std::optional<double>& saved_lr) {
-  return malformed_is_corrupt(fmt::format("checkpoint {}: rank-{}.json", dir, comm_->rank()), [&] {
-    return read_rank_files_json(dir, weights_only, states, step, scaler, saved_lr);
-  });
+Status ZeroEngineImpl::read_rank_files(const std::string& dir, bool weights_only, detail::RankFile& file) {
+  return malformed_is_corrupt(fmt::format("checkpoint {}: rank-{}.json", dir, comm_->rank()),
+                              [&] { return read_rank_files_json(dir, weights_only, file); });
 }
 
 namespace {
+
+const char* const kStateNames[3] = {"master", "exp_avg", "exp_avg_sq"};
+
+// Reads state k of block b (named `block`) from the rank's file into `out`
+// and checks it against the checksum its manifest gave.
+Status read_state(const detail::RankFile& file, std::size_t b, int k, const std::string& block, float* out) {
+  const detail::SavedState& s = *file.states[b * 3 + k];
+  auto* p = reinterpret_cast<char*>(out);
+  // Extents the saving engine wrote are whole 4 KiB blocks (shards are 8 KiB
+  // multiples): those are read past the page cache; any other goes through it.
+  const std::uint64_t a = FileWriter::kAlign;
+  const bool direct = file.direct_fd.valid() && s.offset % a == 0 && s.bytes % a == 0 &&
+                      reinterpret_cast<std::uintptr_t>(p) % a == 0;
+  const int fd = direct ? file.direct_fd.get() : file.fd.get();
+  std::uint64_t done = 0;
+  while (done < s.bytes) {
+    const ssize_t n = ::pread(fd, p + done, s.bytes - done, static_cast<off_t>(s.offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno_status(errno, "checkpoint: reading " + file.bin);
+    if (n == 0) {
+      return data_corruption("checkpoint file {} ends inside {} of {} (truncated?)", file.bin, kStateNames[k], block);
+    }
+    done += static_cast<std::uint64_t>(n);
+  }
+  if (hex(nvme::checksum(out, s.bytes)) != s.xxh3) {
+    return data_corruption("checkpoint {}: checksum mismatch in {} of {} (bytes {}..{}): the file is corrupt", file.bin,
+                           kStateNames[k], block, s.offset, s.offset + s.bytes);
+  }
+  return ok_status();
+}
 
 // Adam and AdamW keep the same moments; any other change of optimizer leaves
 // states the new one cannot continue from.
@@ -380,9 +509,7 @@ bool same_optimizer_states(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-Status ZeroEngineImpl::read_rank_files_json(const std::string& dir, bool weights_only,
-                                            std::vector<std::vector<float>>& states, std::int64_t& step,
-                                            detail::LossScaler::State& scaler, std::optional<double>& saved_lr) {
+Status ZeroEngineImpl::read_rank_files_json(const std::string& dir, bool weights_only, detail::RankFile& file) {
   const int rank = comm_->rank();
   TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(fmt::format("{}/rank-{}.json", dir, rank)));
   if (m.value("format", "") != "tierzero-checkpoint-rank" || m.value("version", 0) != kFormatVersion) {
@@ -403,13 +530,26 @@ Status ZeroEngineImpl::read_rank_files_json(const std::string& dir, bool weights
   if (!blocks.is_array() || blocks.size() != layout_.blocks.size()) {
     return invalid_argument("checkpoint {} has {} blocks; the model has {}", dir, blocks.size(), layout_.blocks.size());
   }
-  const std::string bin = dir + "/" + m.value("file", "");
-  TZ_ASSIGN_OR_RETURN(std::string data, read_text(bin));
-  if (data.size() != m.value("bytes", std::uint64_t{0})) {
-    return data_corruption("checkpoint file {} holds {} bytes; its manifest says {} (truncated?)", bin, data.size(),
-                           m.value("bytes", std::uint64_t{0}));
+  file.bin = dir + "/" + m.value("file", "");
+  const std::uint64_t file_bytes = m.value("bytes", std::uint64_t{0});
+  {
+    const int fd = ::open(file.bin.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      return errno == ENOENT ? data_corruption("checkpoint {}: its states file {} does not exist", dir, file.bin)
+                             : errno_status(errno, "checkpoint: opening " + file.bin);
+    }
+    file.fd = UniqueFd(fd);
+    const int direct = ::open(file.bin.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // where the file system allows it
+    if (direct >= 0) file.direct_fd = UniqueFd(direct);
   }
-  states.assign(layout_.blocks.size() * 3, {});
+  struct stat info {};
+  if (::fstat(file.fd.get(), &info) != 0) return errno_status(errno, "checkpoint: reading " + file.bin);
+  if (!S_ISREG(info.st_mode)) return data_corruption("checkpoint: {} is not a regular file", file.bin);
+  if (static_cast<std::uint64_t>(info.st_size) != file_bytes) {
+    return data_corruption("checkpoint file {} holds {} bytes; its manifest says {} (truncated?)", file.bin,
+                           info.st_size, file_bytes);
+  }
+  file.states.assign(layout_.blocks.size() * 3, std::nullopt);
   for (std::size_t b = 0; b < blocks.size(); ++b) {
     const BlockLayout& want = layout_.blocks[b];
     if (blocks[b].value("name", "") != want.name || blocks[b].value("shard_numel", 0ULL) != want.shard_numel) {
@@ -418,48 +558,49 @@ Status ZeroEngineImpl::read_rank_files_json(const std::string& dir, bool weights
                               want.shard_numel);
     }
     TZ_TRY(check_saved_params(dir, blocks[b], want));
-    const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
     const bool needed[3] = {true, !weights_only && exp_avg_ != nullptr, !weights_only && exp_avg_sq_ != nullptr};
     const nlohmann::json& saved_states = blocks[b].at("states");
     for (int k = 0; k < 3; ++k) {
       if (!needed[k]) continue;
-      if (!saved_states.contains(names[k])) {
-        return data_corruption("checkpoint {}: block '{}' has no {} (saved by {})", bin, want.name, names[k],
+      if (!saved_states.contains(kStateNames[k])) {
+        return data_corruption("checkpoint {}: block '{}' has no {} (saved by {})", file.bin, want.name, kStateNames[k],
                                saved_optimizer);
       }
-      const nlohmann::json& s = saved_states.at(names[k]);
-      const std::uint64_t offset = s.value("offset", 0ULL), bytes = s.value("bytes", 0ULL);
-      if (bytes != want.shard_numel * 4 || offset > data.size() || bytes > data.size() - offset) {
-        return data_corruption("checkpoint {}: {} of {} has a bad extent ({} bytes at {})", bin, names[k], want.name,
-                               bytes, offset);
+      const nlohmann::json& saved = saved_states.at(kStateNames[k]);
+      const std::uint64_t offset = saved.value("offset", 0ULL), bytes = saved.value("bytes", 0ULL);
+      if (bytes != want.shard_numel * 4 || offset > file_bytes || bytes > file_bytes - offset) {
+        return data_corruption("checkpoint {}: {} of {} has a bad extent ({} bytes at {})", file.bin, kStateNames[k],
+                               want.name, bytes, offset);
       }
-      if (hex(nvme::checksum(data.data() + offset, bytes)) != s.value("xxh3", "")) {
-        return data_corruption("checkpoint {}: checksum mismatch in {} of {} (bytes {}..{}): the file is corrupt", bin,
-                               names[k], want.name, offset, offset + bytes);
-      }
-      std::vector<float>& out = states[b * 3 + k];
-      out.resize(want.shard_numel);
-      std::memcpy(out.data(), data.data() + offset, bytes);
+      file.states[b * 3 + k] = detail::SavedState{offset, bytes, saved.value("xxh3", "")};
     }
   }
   const nlohmann::json& ls = m.at("loss_scaler");
-  step = m.value("step", std::int64_t{0});
+  file.step = m.value("step", std::int64_t{0});
   if (m.contains("lr") && !m["lr"].is_null()) {
     if (!m["lr"].is_number()) return data_corruption("checkpoint {}: learning rate {} is not a number", dir, m["lr"].dump());
     const double lr = m["lr"].get<double>();
     if (!(lr >= 0) || !std::isfinite(lr)) {
       return data_corruption("checkpoint {}: learning rate {} is not finite and >= 0", dir, lr);
     }
-    saved_lr = lr;
+    file.saved_lr = lr;
   }
-  scaler = {ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})};
+  file.scaler = {ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})};
+  const detail::LossScaler::State& scaler = file.scaler;
   if (!(scaler.scale > 0) || !std::isfinite(scaler.scale) || scaler.hysteresis_left < 1 || scaler.good_steps < 0) {
     return data_corruption("checkpoint {}: loss scaler {} is impossible (a scale must be finite and > 0, hysteresis "
                            ">= 1, good steps >= 0)",
                            dir, ls.dump());
   }
-  if (step < 0 || step > (std::int64_t{1} << 53)) {
-    return data_corruption("checkpoint {}: step {} is impossible", dir, step);
+  if (file.step < 0 || file.step > (std::int64_t{1} << 53)) {
+    return data_corruption("checkpoint {}: step {} is impossible", dir, file.step);
+  }
+  // Every state once, before anything is replaced (Note [Streamed checkpoints]).
+  TZ_ASSIGN_OR_RETURN(AlignedFloats buffer, aligned_floats(largest_shard_numel()));
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    for (int k = 0; k < 3; ++k) {
+      if (file.states[b * 3 + k]) TZ_TRY(read_state(file, b, k, layout_.blocks[b].name, buffer.get()));
+    }
   }
   return ok_status();
 }
@@ -535,17 +676,14 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());
   TZ_ASSIGN_OR_RETURN(const std::string dir, checkpoint_dir(path, options.tag));
-  std::vector<std::vector<float>> states;
-  std::int64_t step = 0;
-  detail::LossScaler::State scaler{};
-  std::optional<double> saved_lr;
+  detail::RankFile file;
   std::optional<std::string> client_state;
   // Everything is read and verified on every rank before any state is replaced.
   TZ_TRY(agree_on_name(dir, "loading checkpoint"));
   TZ_TRY(agree(options.refusal, "loading checkpoint " + dir));
   const Status read = [&]() -> Status {
     TZ_TRY(read_manifest(dir, client_state));
-    TZ_TRY(read_rank_files(dir, options.weights_only, states, step, scaler, saved_lr));
+    TZ_TRY(read_rank_files(dir, options.weights_only, file));
     if (options.check_client_state) TZ_TRY_CTX(options.check_client_state(client_state), "checkpoint {}", dir);
     return ok_status();
   }();
@@ -553,19 +691,25 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   // Prefetched blocks hold the old parameters, and their reads would race
   // the replacement: drop them first.
   prefetcher_->reset();
-  Status loaded = [&]() -> Status {
-    if (!options.weights_only) restore_progress(step, scaler, saved_lr);
-    for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-      TZ_TRY(put_weights(b, states[b * 3].data()));
-      if (exp_avg_ && !options.weights_only) TZ_TRY(put(*exp_avg_, b, states[b * 3 + 1].data()));
-      if (exp_avg_sq_ && !options.weights_only) TZ_TRY(put(*exp_avg_sq_, b, states[b * 3 + 2].data()));
-    }
-    std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
-    micro_ = 0;
-    TZ_TRY(gather_persistent(/*unset_too=*/true));
-    return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
-  }();
-  TZ_TRY(agree(loaded, "loading checkpoint " + dir));
+  if (!options.weights_only) restore_progress(file.step, file.scaler, file.saved_lr);
+  std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
+  micro_ = 0;
+  // The puts are agreed before the persistent blocks' gathers: a rank whose
+  // put failed must not leave the others alone in those collectives.
+  Status loaded = agree(put_rank_file(file), "loading checkpoint " + dir);
+  if (loaded.ok()) {
+    loaded = agree([&]() -> Status {
+      TZ_TRY(gather_persistent(/*unset_too=*/true));
+      return prefetcher_->prefetching() ? prefetcher_->prefetch_next() : ok_status();
+    }(), "loading checkpoint " + dir);
+  }
+  if (!loaded.ok()) {  // Note [Streamed checkpoints]: part old, part new
+    unset_.assign(layout_.blocks.size(), true);
+    return std::move(loaded).with_context(fmt::format(
+        "checkpoint {} was loaded in part, so every block is now without values (fetch, step and saves are refused "
+        "until a load_checkpoint or set_master succeeds)",
+        dir));
+  }
   // Note [Initial values]: set only once every rank has loaded every block, so
   // a load that failed anywhere leaves every rank with the same unset blocks.
   unset_.assign(layout_.blocks.size(), false);
@@ -573,6 +717,21 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   nvme_write_bytes_ = 0;
   TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {}{})", dir, step_, options.weights_only ? ", weights only" : "");
   return LoadedCheckpoint{dir, step_, std::move(client_state)};
+}
+
+Status ZeroEngineImpl::put_rank_file(const detail::RankFile& file) {
+  TZ_ASSIGN_OR_RETURN(AlignedFloats buffer, aligned_floats(largest_shard_numel()));
+  detail::ShardStore* const stores[3] = {master_.get(), exp_avg_.get(), exp_avg_sq_.get()};
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    const std::string& name = layout_.blocks[b].name;
+    for (int k = 0; k < 3; ++k) {
+      if (!file.states[b * 3 + k]) continue;
+      TZ_TRY_CTX(read_state(file, b, k, name, buffer.get()), "reading it again to load it (it was verified a moment ago)");
+      TZ_TRY_CTX(k == 0 ? put_weights(b, buffer.get()) : put(*stores[k], b, buffer.get()), "writing {} of {}",
+                 kStateNames[k], name);
+    }
+  }
+  return ok_status();
 }
 
 // The optimizer's progress from a checkpoint: step count, learning rate, loss scale.
@@ -636,34 +795,51 @@ Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::ve
   Expected<std::vector<std::vector<std::string>>> tensor_names = export_names(layout_, names);
   const Status checked = tensor_names.ok() ? check_path(path, "export_safetensors") : tensor_names.status();
   TZ_TRY(agree(checked, "exporting " + path));
-  // Header: {"<name>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}
+  // Header: {"<name>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}, all
+  // known from the layout, so each block is written as it is gathered (Note [Streamed checkpoints]).
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  std::vector<std::vector<float>> tensors;
   std::uint64_t offset = 0;
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-    TZ_ASSIGN_OR_RETURN(std::vector<float> whole, gather_master(b));  // every rank takes part
     for (std::size_t i = 0; i < layout_.blocks[b].params.size(); ++i) {
       const ParamLayout& p = layout_.blocks[b].params[i];
       const std::uint64_t bytes = p.numel * 4;
       header[(*tensor_names)[b][i]] = {{"dtype", "F32"}, {"shape", p.shape}, {"data_offsets", {offset, offset + bytes}}};
-      tensors.emplace_back(whole.begin() + static_cast<std::ptrdiff_t>(p.offset),
-                           whole.begin() + static_cast<std::ptrdiff_t>(p.offset + p.numel));
       offset += bytes;
     }
   }
+  // Rank 0 writes path.tmp; after a failure of its own it stops writing but
+  // goes on gathering, so the other ranks are not left in a collective alone.
+  const bool writer = comm_->rank() == 0;
+  const std::string tmp = path + ".tmp";
+  Cleanup remove_tmp([&] {
+    if (writer) ::unlink(tmp.c_str());  // nothing partial left behind
+  });
   Status written;
-  if (comm_->rank() == 0) {
-    std::string text = header.dump();
-    text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
-    const std::uint64_t header_len = text.size();  // little-endian u64, as on every machine we run on
-    std::vector<std::pair<const void*, std::size_t>> chunks = {{&header_len, 8}, {text.data(), text.size()}};
-    for (const auto& t : tensors) chunks.emplace_back(t.data(), t.size() * 4);
-    const std::string tmp = path + ".tmp";
-    written = write_durably(tmp, chunks);
-    if (written.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) {
-      written = errno_status(errno, "renaming " + tmp + " to " + path);
+  std::optional<FileWriter> out;
+  if (writer) {
+    written = [&]() -> Status {
+      TZ_ASSIGN_OR_RETURN(out, FileWriter::open(tmp));
+      std::string text = header.dump();
+      text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
+      const std::uint64_t header_len = text.size();  // little-endian u64, as on every machine we run on
+      TZ_TRY(out->append(&header_len, 8));
+      return out->append(text.data(), text.size());
+    }();
+  }
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    TZ_ASSIGN_OR_RETURN(std::vector<float> whole, gather_master(b));  // every rank takes part
+    for (const ParamLayout& p : layout_.blocks[b].params) {
+      if (!writer || !written.ok()) break;
+      written = out->append(whole.data() + p.offset, p.numel * 4);
     }
-    if (!written.ok()) ::unlink(tmp.c_str());  // nothing partial left behind
+  }
+  if (writer && written.ok()) {
+    written = [&]() -> Status {
+      TZ_TRY(out->finish());
+      if (std::rename(tmp.c_str(), path.c_str()) != 0) return errno_status(errno, "renaming " + tmp + " to " + path);
+      remove_tmp.cancel();
+      return ok_status();
+    }();
   }
   return agree(written, "exporting " + path);
 }

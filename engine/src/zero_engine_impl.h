@@ -5,6 +5,8 @@
 
 #include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <atomic>
@@ -15,11 +17,31 @@
 #include "shard_store.h"
 #include "trace.h"
 #include "workers.h"
+#include "tierzero/common/handles.h"
 #include "tierzero/cpu_adam.h"
 #include "tierzero/engine/zero.h"
 #include "tierzero/nvme.h"
 
 namespace tz {
+namespace detail {
+
+// This rank's part of a checkpoint, checked against the model and verified
+// (checkpoint.cpp, Note [Streamed checkpoints]).
+struct SavedState {
+  std::uint64_t offset = 0, bytes = 0;  // in the rank's .bin file
+  std::string xxh3;
+};
+struct RankFile {
+  std::string bin;                                // rank-<r>.bin
+  UniqueFd fd;                                    // open for reading
+  UniqueFd direct_fd;                             // and with O_DIRECT, where the file system allows it
+  std::vector<std::optional<SavedState>> states;  // [b * 3 + k]: master, exp_avg, exp_avg_sq; set where loaded
+  std::int64_t step = 0;
+  LossScaler::State scaler{};
+  std::optional<double> saved_lr;  // set_learning_rate()'s before the save; none when never called
+};
+
+}  // namespace detail
 
 class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser {
  public:
@@ -134,13 +156,14 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // Rank 0 makes `partial` ready for a save to `final_dir` (Note [Replacing a checkpoint]).
   Status prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial);
   Status write_rank_files(const std::string& dir);
-  // `saved_lr`: the rate set_learning_rate() set before the save; none when
-  // it was never called (the config's rate then stands).
+  std::uint64_t largest_shard_numel() const;
+  // Checks this rank's manifest against the model, opens its .bin file and
+  // verifies every state the load needs (Note [Streamed checkpoints]).
   // weights_only: the masters alone are needed (and the optimizer may differ).
-  Status read_rank_files(const std::string& dir, bool weights_only, std::vector<std::vector<float>>& states,
-                         std::int64_t& step, detail::LossScaler::State& scaler, std::optional<double>& saved_lr);
-  Status read_rank_files_json(const std::string& dir, bool weights_only, std::vector<std::vector<float>>& states,
-                              std::int64_t& step, detail::LossScaler::State& scaler, std::optional<double>& saved_lr);
+  Status read_rank_files(const std::string& dir, bool weights_only, detail::RankFile& file);
+  Status read_rank_files_json(const std::string& dir, bool weights_only, detail::RankFile& file);
+  // Puts every state `file` holds into its store, each read and verified again.
+  Status put_rank_file(const detail::RankFile& file);
   void restore_progress(std::int64_t step, const detail::LossScaler::State& scaler,
                         const std::optional<double>& saved_lr);
 

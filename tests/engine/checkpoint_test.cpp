@@ -583,6 +583,79 @@ TEST(Checkpoint, AnNvmeErrorMidStepFailsTheStepAndLeavesTheSavedStateIntact) {
   EXPECT_EQ(masters(*fresh), saved);
 }
 
+// Note [Streamed checkpoints]: a load verifies the file, then reads each
+// state again as it puts it. A state changed between the two reads, or a put
+// that fails, leaves some blocks loaded and some not: every block is then
+// unset, and the engine refuses to train or save until a load succeeds.
+TEST(Checkpoint, AFileChangedDuringALoadOrAFailedPutLeavesEveryBlockUnsetUntilALoadSucceeds) {
+  TempDir nvme, ckpt;
+  enum Mode { kNone, kFailWrites, kCorruptOnFirstWrite };
+  std::atomic<int> mode{kNone};
+  std::string bin;
+  std::uint64_t corrupt_at = 0;
+  const auto flip = [&] {
+    std::fstream f(bin, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(corrupt_at));
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x10;
+    f.seekp(static_cast<std::streamoff>(corrupt_at));
+    f.write(&c, 1);
+  };
+  tz::ZeroOptions options{.config = test_config(nvme.path(), 3, 1), .placement = kNvme};
+  options.nvme_fault_injector = [&](const tz::nvme::PieceInfo& p) {
+    if (p.op != tz::nvme::IoOp::kWrite) return tz::nvme::Fault{};
+    if (mode.load() == kFailWrites) return tz::nvme::Fault{.error = EIO};
+    int armed = kCorruptOnFirstWrite;
+    if (mode.compare_exchange_strong(armed, kNone)) flip();  // the load has verified the file and begun putting
+    return tz::nvme::Fault{};
+  };
+  auto e = tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  tz::ZeroEngine& engine = **e;
+  ASSERT_TRUE(train(engine, 0, 2).ok());
+  ASSERT_TRUE(engine.save_checkpoint(ckpt.path()).ok());
+  ASSERT_TRUE(train(engine, 2, 3).ok());
+  const auto after_step_3 = masters(engine);
+  bin = ckpt.path() + "/step-2/rank-0.bin";
+  const nlohmann::json m = nlohmann::json::parse(std::ifstream(ckpt.path() + "/step-2/rank-0.json"));
+  const nlohmann::json& last = m["blocks"].back()["states"]["exp_avg_sq"];  // the last state the load puts
+  corrupt_at = last["offset"].get<std::uint64_t>() + last["bytes"].get<std::uint64_t>() / 2;
+  const std::string last_block = engine.layout().blocks.back().name;
+
+  const auto expect_all_unset = [&](const char* after) {
+    for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) EXPECT_FALSE(engine.has_values(b)) << after << b;
+    const tz::Status step = train(engine, 3, 4);
+    EXPECT_EQ(step.code(), tz::ErrorCode::kFailedPrecondition) << step.to_string();
+    const tz::Status save = engine.save_checkpoint(ckpt.path(), {.tag = "mixed"}).status();
+    EXPECT_EQ(save.code(), tz::ErrorCode::kFailedPrecondition) << save.to_string();
+    EXPECT_FALSE(std::filesystem::exists(ckpt.path() + "/mixed"));
+  };
+  mode = kCorruptOnFirstWrite;
+  tz::Status s = engine.load_checkpoint(ckpt.path());
+  EXPECT_EQ(mode.load(), kNone) << "the load wrote to NVMe";
+  std::printf("[ load ] %s\n", s.to_string().c_str());
+  EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
+  for (const std::string& part : {std::string("checksum mismatch in exp_avg_sq of ") + last_block, bin,
+                                  std::string("reading it again"), std::string("loaded in part")}) {
+    EXPECT_NE(s.message().find(part), std::string::npos) << part << " in " << s.message();
+  }
+  expect_all_unset("after a changed file, block ");
+
+  flip();  // the file as saved again; now every NVMe write fails
+  mode = kFailWrites;
+  s = engine.load_checkpoint(ckpt.path());
+  EXPECT_EQ(s.code(), tz::ErrorCode::kIoError) << s.to_string();
+  EXPECT_NE(s.message().find("writing master of layer0"), std::string::npos) << s.message();
+  mode = kNone;
+  expect_all_unset("after a failed put, block ");
+
+  ASSERT_TRUE(engine.load_checkpoint(ckpt.path()).ok());
+  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) EXPECT_TRUE(engine.has_values(b)) << b;
+  ASSERT_TRUE(train(engine, 2, 3).ok());
+  EXPECT_EQ(masters(engine), after_step_3) << "resumed from the checkpoint as if nothing had failed";
+}
+
 TEST(Checkpoint, TwoRanksSaveAndResumeBitIdentically) {
   TempDir dir;
   const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {

@@ -435,6 +435,64 @@ TEST(ZeroEngineRanks, AWriteFailingOnOneRankFailsCreationAndLoadsOnEveryRankAtOn
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
+// Note [Streamed checkpoints]: a put failing on one rank while an engine
+// that has trained (prefetching on) loads a checkpoint. The ranks agree on
+// the puts before the gathers that follow them, so both fail at once, not
+// after the timeout, and both mark every block unset; the same load, whole,
+// then resumes both.
+TEST(ZeroEngineRanks, APutFailingOnOneRankDuringALoadUnsetsEveryBlockOnEveryRankAtOnce) {
+  TempDir dir, ckpt;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(30)});
+    if (!comm.ok()) return 1;
+    const auto report = [&](const char* what, const tz::Status& s) {
+      std::fprintf(stderr, "rank %d, %s: %s\n", info.rank, what, s.to_string().c_str());
+    };
+    std::atomic<bool> armed{false};
+    tz::ZeroOptions o{.config = rank_config(dir.path(), info.rank), .comm = comm->get(),
+                      .placement = Placement{Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme}};
+    o.nvme_fault_injector = [&armed, rank = info.rank](const tz::nvme::PieceInfo& p) {
+      return armed.load() && rank == 1 && p.op == tz::nvme::IoOp::kWrite ? tz::nvme::Fault{.error = EIO}
+                                                                         : tz::nvme::Fault{};
+    };
+    auto created = tz::ZeroEngine::create(o, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    if (!created.ok()) return report("create", created.status()), 2;
+    tz::ZeroEngine& e = **created;
+    const auto train = [&](int from, int to) -> tz::Status {
+      for (int step = from; step < to; ++step) {
+        TZ_TRY(tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, info.rank, 0, step)).status());
+        TZ_TRY(e.step().status());
+      }
+      return tz::ok_status();
+    };
+    const auto masters = [&] {
+      std::vector<std::vector<float>> out;
+      for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) out.push_back(e.gather_master(b).value());
+      return out;
+    };
+    if (tz::Status s = train(0, 2); !s.ok()) return report("train", s), 3;
+    if (tz::Status s = e.save_checkpoint(ckpt.path()); !s.ok()) return report("save", s), 3;
+    if (tz::Status s = train(2, 3); !s.ok()) return report("train", s), 3;
+    const auto after_step_3 = masters();
+    armed = true;
+    const auto since = std::chrono::steady_clock::now();
+    const tz::Status load = e.load_checkpoint(ckpt.path());
+    armed = false;
+    if (load.ok() || std::chrono::steady_clock::now() - since > std::chrono::seconds(10)) return report("load", load), 4;
+    const std::string want = info.rank == 1 ? "Input/output error" : "1 other rank(s) failed";
+    if (load.message().find(want) == std::string::npos) return report("load's error", load), 4;
+    for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) {
+      if (e.has_values(b)) return report("has_values after the failed load", load), 5;
+    }
+    const tz::Status refused = train(3, 4);
+    if (refused.code() != tz::ErrorCode::kFailedPrecondition) return report("training after the failed load", refused), 6;
+    if (tz::Status s = e.load_checkpoint(ckpt.path()); !s.ok()) return report("second load", s), 7;
+    if (tz::Status s = train(2, 3); !s.ok()) return report("train after the load", s), 8;
+    return masters() == after_step_3 ? 0 : 9;
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
 TEST(ZeroEngineRanks, ARankKilledMidStepMakesTheOthersFailWithinTheTimeout) {
   TempDir dir;
   constexpr auto kTimeout = std::chrono::seconds(3);
