@@ -37,6 +37,9 @@ namespace fs = std::filesystem;
 
 constexpr int kFormatVersion = 1;
 
+// A block's fp32 states, in the order the rank file holds them.
+const char* const kStateNames[3] = {"master", "exp_avg", "exp_avg_sq"};
+
 Status write_all(int fd, const void* data, std::size_t bytes, const std::string& path) {
   const char* p = static_cast<const char*>(data);
   while (bytes > 0) {
@@ -283,16 +286,17 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   // Aligned, so the writer takes the states straight from it (Note [Checkpoint files bypass the page cache]).
   TZ_ASSIGN_OR_RETURN(AlignedFloats memory, aligned_floats(largest_shard_numel()));
   float* const buffer = memory.get();
+  const detail::ShardStore* const stores[3] = {master_.get(), exp_avg_.get(), exp_avg_sq_.get()};
   std::uint64_t offset = 0;
   TZ_ASSIGN_OR_RETURN(FileWriter out, FileWriter::open(bin));
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     nlohmann::json states = nlohmann::json::object();
-    for (const auto& [name, store] : {std::pair{"master", master_.get()}, std::pair{"exp_avg", exp_avg_.get()},
-                                      std::pair{"exp_avg_sq", exp_avg_sq_.get()}}) {
-      if (store == nullptr) continue;
-      TZ_TRY_CTX(get(*store, b, buffer), "reading {} of {} for the checkpoint", name, layout_.blocks[b].name);
+    for (int k = 0; k < 3; ++k) {
+      if (stores[k] == nullptr) continue;
+      TZ_TRY_CTX(get(*stores[k], b, buffer), "reading {} of {} for the checkpoint", kStateNames[k],
+                 layout_.blocks[b].name);
       const std::size_t bytes = layout_.blocks[b].shard_numel * 4;
-      states[name] = {{"offset", offset}, {"bytes", bytes}, {"xxh3", hex(nvme::checksum(buffer, bytes))}};
+      states[kStateNames[k]] = {{"offset", offset}, {"bytes", bytes}, {"xxh3", hex(nvme::checksum(buffer, bytes))}};
       TZ_TRY(out.append(buffer, bytes));
       offset += bytes;
     }
@@ -469,8 +473,6 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, bool weights_only
 }
 
 namespace {
-
-const char* const kStateNames[3] = {"master", "exp_avg", "exp_avg_sq"};
 
 // Reads state k of block b (named `block`) from the rank's file into `out`
 // and checks it against the checksum its manifest gave.

@@ -192,6 +192,13 @@ tz::Config rank_config(const std::string& dir, int rank) {
   return test_config(mine, 3, 1);
 }
 
+// report(what, status): one rank's failure, on stderr, for the harness's log.
+auto failure_report(int rank) {
+  return [rank](const char* what, const tz::Status& s) {
+    std::fprintf(stderr, "rank %d, %s: %s\n", rank, what, s.to_string().c_str());
+  };
+}
+
 // agree(): equal values pass; different values fail on every rank; one
 // rank's refusal fails it with its reason and the other with a count.
 // broadcast(): the root's bytes on every rank; different sizes refused.
@@ -205,9 +212,7 @@ TEST(ZeroEngineRanks, AgreeAndBroadcastAreCollectives) {
                                           tz::mlp::init(kMlp));
     if (!created.ok()) return 1;
     tz::ZeroEngine& engine = **created;
-    const auto report = [&](const char* what, const tz::Status& s) {
-      std::fprintf(stderr, "rank %d, %s: %s\n", info.rank, what, s.to_string().c_str());
-    };
+    const auto report = failure_report(info.rank);
     if (tz::Status s = engine.agree("same", tz::Status(), "test"); !s.ok()) return report("equal", s), 2;
     const tz::Status differ = engine.agree(info.rank == 0 ? "zero" : "one", tz::Status(), "test");
     if (differ.code() != tz::ErrorCode::kInvalidArgument ||
@@ -322,9 +327,7 @@ TEST(ZeroEngineRanks, BlocksSetLaterAreRefusedUntilSetAndThenTrainAsTheReference
   const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
     auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
     if (!comm.ok()) return 1;
-    const auto report = [&](const char* what, const tz::Status& s) {
-      std::fprintf(stderr, "rank %d, %s: %s\n", info.rank, what, s.to_string().c_str());
-    };
+    const auto report = failure_report(info.rank);
     const tz::ParamInit init = tz::mlp::init(kMlp);
     for (const std::int64_t persist_below : {0, 5000}) {  // none persistent, then all
       const std::string mine = dir.path() + "/p" + std::to_string(persist_below) + "/rank" + std::to_string(info.rank);
@@ -387,9 +390,7 @@ TEST(ZeroEngineRanks, AWriteFailingOnOneRankFailsCreationAndLoadsOnEveryRankAtOn
   const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
     auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(30)});
     if (!comm.ok()) return 1;
-    const auto report = [&](const char* what, const tz::Status& s) {
-      std::fprintf(stderr, "rank %d, %s: %s\n", info.rank, what, s.to_string().c_str());
-    };
+    const auto report = failure_report(info.rank);
     const auto quick = [](auto since) { return std::chrono::steady_clock::now() - since < std::chrono::seconds(10); };
     std::atomic<bool> armed{true};
     const Placement nvme{Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme};
@@ -445,9 +446,7 @@ TEST(ZeroEngineRanks, APutFailingOnOneRankDuringALoadUnsetsEveryBlockOnEveryRank
   const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
     auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(30)});
     if (!comm.ok()) return 1;
-    const auto report = [&](const char* what, const tz::Status& s) {
-      std::fprintf(stderr, "rank %d, %s: %s\n", info.rank, what, s.to_string().c_str());
-    };
+    const auto report = failure_report(info.rank);
     std::atomic<bool> armed{false};
     tz::ZeroOptions o{.config = rank_config(dir.path(), info.rank), .comm = comm->get(),
                       .placement = Placement{Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme}};
