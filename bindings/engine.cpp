@@ -506,6 +506,14 @@ void bind_engine(nb::module_& m) {
            "wait for the work queued on `stream` (an int as DLPack passes streams: a cudaStream_t, 0 or 1 the legacy "
            "default stream, 2 the per-thread one, -1 none), by default the legacy default stream.")
       .def("step", &PyEngine::step, "Ends a micro-batch; at the accumulation boundary runs the optimizer. A dict.")
+      .def("fetch_mark", [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.fetch_mark(); }); },
+           "This micro-batch's training fetches so far: a mark for rewind_fetches().")
+      .def("rewind_fetches",
+           [](PyEngine& e, std::size_t mark) { e.call([&] { return e.engine().rewind_fetches(mark); }); },
+           nb::arg("mark"),
+           "Forgets the training fetches since `mark` (from fetch_mark(), this micro-batch) after a forward that "
+           "raised, so the prefetch order goes on from there (tz::ZeroEngine::rewind_fetches). Gradients already "
+           "reduced stay. Every rank rewinds at the same point.")
       .def("save_checkpoint",
            [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag,
               const std::optional<nb::bytes>& client_state, bool save_latest, const std::optional<std::string>& refusal) {

@@ -113,7 +113,7 @@ class Engine:
 
         evaluation=True marks a fetch outside training's order (a forward with no backward, between steps):
         it is fetched on demand and leaves the order the engine prefetches by alone, where a training fetch
-        out of that order would switch prefetching off for the rest of the run.
+        out of that order would pause prefetching for two micro-batches while the order is recorded again.
         """
         return self._core.fetch(block, stream=stream, evaluation=evaluation)
 
@@ -134,6 +134,20 @@ class Engine:
         """Ends a micro-batch; at the accumulation boundary runs the optimizer. The step report as a dict
         ("lr" is the learning rate the optimizer step used, 0 when none ran)."""
         return self._core.step()
+
+    def fetch_mark(self) -> int:
+        """This micro-batch's training fetches so far: where rewind_fetches() goes back to."""
+        return self._core.fetch_mark()
+
+    def rewind_fetches(self, mark: int) -> None:
+        """After a forward that raised half-way: forgets the training fetches since `mark` (fetch_mark()
+        taken before it, in this micro-batch), so the order the engine prefetches by goes on from there.
+
+        Without it the next forward breaks that order and prefetching pauses for two micro-batches while it is
+        recorded again. Gradients already handed over stay. Every rank rewinds at the same point (the prefetch
+        window's all-gathers are collectives); a mark from an earlier micro-batch is a ValueError.
+        """
+        self._core.rewind_fetches(mark)
 
     def set_learning_rate(self, lr: float) -> None:
         """The optimizer's learning rate for the next steps (>= 0; checkpoints carry it once set); refused

@@ -55,6 +55,20 @@ gradient_accumulation_steps by the engine: engine.backward(loss) does not
 divide the loss, and engine.step() is called after every micro-batch (it runs
 the optimizer at the accumulation boundary).
 
+Note [A forward that raised]
+A forward that raises half-way (a batch the loop then skips, an interrupt)
+never runs the forward hooks of the modules it was in. engine(x) releases
+their gathered blocks, and rewinds the engine's record of this micro-batch's
+fetches to where the forward began (ZeroEngine::rewind_fetches), so the next
+forward follows the order the engine prefetches by and prefetching goes on
+as before. Without the rewind the next forward would break that order, and
+prefetching would pause for two micro-batches while it is recorded again
+(Note [A trace that stops holding] in engine/src/prefetch.h). model(x) called
+directly skips both: its blocks go back at engine.step(), and the order is
+recorded again. A backward that raises is not rewound: the blocks it had
+finished keep the gradients they handed to the engine, as torch's .grad keeps
+them.
+
 Note [Model dtype]
 With the config's "bf16" or "fp16" block enabled, the engine trains 16-bit
 parameters against fp32 master weights, and initialize() casts the model to
@@ -519,11 +533,17 @@ class TorchEngine:
     # ------------------------------------------------------------ the training loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model (with the saved-tensor hooks of Note [Saved tensors])."""
+        mark = self._core.fetch_mark()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
-        except BaseException:
+        except BaseException as e:
             self._release_all()  # a forward that raised never ran the forward hooks of the modules it was in
+            # Note [A forward that raised]
+            try:
+                self._core.rewind_fetches(mark)
+            except Exception as r:  # the forward's own error is the one to see
+                e.add_note(f"tierzero.torch: rewinding the engine's fetches after it failed too: {r}")
             raise
 
     def _release_all(self) -> None:

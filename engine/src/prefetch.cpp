@@ -253,7 +253,7 @@ Status Prefetcher::top_up() {
 Expected<PoolBlock> Prefetcher::acquire(std::size_t block, bool traced) {
   const Clock::time_point start = Clock::now();
   if (traced && (recording_ || active_)) this_pass_.push_back(block);
-  if (traced && active_ && !disabled_) {
+  if (traced && prefetching()) {
     if (position_ < trace_.size() && trace_[position_] == block) {
       if (in_flight_.empty()) TZ_TRY(top_up());
       if (!in_flight_.empty() && in_flight_.front()->block == block) {
@@ -270,10 +270,10 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block, bool traced) {
         return std::move(e->owned);
       }
     }
-    TZ_LOG_ONCE_WARN("engine", "the order of fetched blocks differs from the first micro-batch's (block {} at "
-                     "position {}): prefetching is off, blocks are fetched on demand from now on",
-                     block, position_);
-    disabled_ = true;
+    TZ_LOG_ONCE_WARN("engine", "the order of fetched blocks differs from the recorded one (block {} at position "
+                     "{}): this micro-batch fetches on demand, and the next one records the order again "
+                     "(Note [A trace that stops holding])", block, position_);
+    diverged_ = true;
     drain();
   }
   const std::uint64_t bytes = deps_.layout->blocks[block].whole_numel * elem_type_bytes(deps_.param_type);
@@ -329,11 +329,26 @@ Status Prefetcher::end_micro_batch() {
       disabled_ = true;
     }
     active_ = !disabled_ && !trace_.empty();
-  } else if (active_ && !disabled_ && this_pass_ != trace_) {
-    TZ_LOG_ONCE_WARN("engine", "a micro-batch fetched {} blocks where the trace has {}: prefetching is off, blocks "
-                     "are fetched on demand", this_pass_.size(), trace_.size());
-    disabled_ = true;
+  } else if (active_ && !disabled_) {
+    if (diverged_ || this_pass_ != trace_) {
+      if (++failed_traces_ >= kMaxFailedTraces) {
+        TZ_LOG_ONCE_WARN("engine", "the order of fetched blocks changed in {} micro-batches running ({} blocks "
+                         "fetched where the last trace has {}): prefetching is off, blocks are fetched on demand",
+                         failed_traces_, this_pass_.size(), trace_.size());
+        disabled_ = true;
+      } else {
+        if (!diverged_) {
+          TZ_LOG_ONCE_WARN("engine", "a micro-batch fetched {} blocks where the trace has {}: the next one records "
+                           "the order again (Note [A trace that stops holding])", this_pass_.size(), trace_.size());
+        }
+        recording_ = true;
+        active_ = false;
+      }
+    } else {
+      failed_traces_ = 0;
+    }
   }
+  diverged_ = false;
   drain();
   this_pass_.clear();
   position_ = 0;
@@ -352,8 +367,21 @@ Status Prefetcher::prefetch_next() {
 void Prefetcher::reset() {
   drain();
   this_pass_.clear();
+  diverged_ = false;
   position_ = 0;
   issued_until_ = 0;
+}
+
+Status Prefetcher::rewind(std::size_t mark) {
+  if (mark > this_pass_.size()) {
+    return invalid_argument("rewind: mark {} is past this micro-batch's {} traced fetches (a mark from an earlier "
+                            "micro-batch?)", mark, this_pass_.size());
+  }
+  drain();
+  this_pass_.resize(mark);
+  if (!active_ || disabled_ || diverged_) return ok_status();  // nothing prefetched by position
+  position_ = issued_until_ = mark;
+  return prefetch_next();
 }
 
 void Prefetcher::drop_in_flight() {

@@ -11,11 +11,21 @@
 // stream, an event marks the end) -> all-gather (the comm thread, Note
 // [Collective order]); reads and copies start as soon as an entry enters the
 // window, its all-gather is queued when the block before it is fetched. The window depends only on block sizes and the trace,
-// so every rank issues the same collectives in the same order. A fetch that
-// does not follow the trace switches prefetching off for good, and says so
-// once: data-dependent control flow falls back to fetching on demand. An
-// untraced fetch (an evaluation's) is fetched on demand beside the window,
-// and the trace goes on after it.
+// so every rank issues the same collectives in the same order. An untraced
+// fetch (an evaluation's) is fetched on demand beside the window, and the
+// trace goes on after it.
+//
+// Note [A trace that stops holding]
+// A fetch that does not follow the trace (a submodule called on its own in
+// training mode, a forward abandoned without rewind()) makes the rest of its
+// micro-batch fetch on demand, and the next micro-batch records the order
+// again (checked across ranks as the first was); prefetching resumes with
+// the one after. Each rank decides this from its own fetches, which are the
+// same on every rank (their all-gathers pair up), so every rank re-records at
+// the same point. Only data-dependent control flow, where no trace holds for
+// a whole micro-batch kMaxFailedTraces times running, switches prefetching
+// off for good; both are said once. A forward that raised rewinds to where it
+// began (rewind()): the trace goes on from there, nothing re-recorded.
 #pragma once
 
 #include <chrono>
@@ -69,6 +79,13 @@ class Prefetcher {
   // Drops everything in flight (e.g. before a checkpoint load replaces the
   // parameters) and starts the micro-batch over; the trace is kept.
   void reset();
+  // This micro-batch's traced fetches so far: a mark for rewind().
+  std::size_t mark() const { return this_pass_.size(); }
+  // Forgets the traced fetches after `mark` (this micro-batch's, from mark()),
+  // as though they had not happened: a forward that raised half-way. What is
+  // in flight is dropped and the window issued again from there. Every rank
+  // rewinds at the same point, or none does (its collectives are the ranks').
+  Status rewind(std::size_t mark);
   // Drops everything in flight (their parameters are about to be replaced,
   // set_master) and issues it again from this micro-batch's position after
   // reissue(): the fetches so far still count against the trace.
@@ -76,7 +93,7 @@ class Prefetcher {
   Status reissue() { return prefetching() ? prefetch_next() : ok_status(); }
   // Starts the next micro-batch's first window (when prefetching is on).
   Status prefetch_next();
-  bool prefetching() const { return active_ && !disabled_; }
+  bool prefetching() const { return active_ && !disabled_ && !diverged_; }
   // Fetches into an existing buffer on demand (persistent blocks).
   Status gather_into(std::size_t block, void* d_whole);
 
@@ -85,6 +102,7 @@ class Prefetcher {
   const std::vector<std::size_t>& trace() const { return trace_; }
 
  private:
+  static constexpr int kMaxFailedTraces = 3;  // Note [A trace that stops holding]
   struct Entry;
   std::shared_ptr<Entry> issue(std::size_t block, void* whole, PoolBlock owned);
   void post_gather(const std::shared_ptr<Entry>& e);
@@ -99,7 +117,10 @@ class Prefetcher {
   std::unique_ptr<Stream> h2d_stream_;
   std::vector<std::size_t> trace_;          // recorded block order of one micro-batch
   std::vector<std::size_t> this_pass_;      // fetches since the last end_micro_batch
-  bool recording_ = true, active_ = false, disabled_ = false;
+  bool recording_ = true, active_ = false;
+  bool diverged_ = false;                   // this micro-batch left the trace: on demand until it ends
+  bool disabled_ = false;                   // off for good (Note [A trace that stops holding])
+  int failed_traces_ = 0;                   // traces running that no micro-batch followed to the end
   std::size_t position_ = 0;                // next trace position to be fetched
   std::size_t issued_until_ = 0;            // trace positions below this are in flight or used
   std::deque<std::shared_ptr<Entry>> in_flight_;  // in trace order

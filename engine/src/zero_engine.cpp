@@ -453,6 +453,11 @@ Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block, FetchFor purpos
   return GatheredBlock(this, block, data, param_type_, &b, /*persistent=*/false);
 }
 
+Status ZeroEngineImpl::rewind_fetches(std::size_t mark) {
+  TZ_TRY(release_failure());
+  return prefetcher_->rewind(mark);
+}
+
 void ZeroEngineImpl::end_compute(std::size_t block, void* data) {
   auto since = live_since_.find(data);
   if (since != live_since_.end()) {

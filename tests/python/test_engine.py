@@ -64,6 +64,33 @@ def test_a_view_keeps_its_block_alive_after_everything_else_is_gone(nvme_dir):
     assert ref() is None, "the gathered block outlived its last view"
 
 
+def test_rewind_fetches_forgets_an_abandoned_forward(nvme_dir):
+    # tierzero.Engine.fetch_mark / rewind_fetches: the fetches of a forward that raised are forgotten, so the
+    # order recorded in the first micro-batch goes on being prefetched.
+    eng, _ = make(nvme_dir)
+
+    def micro_batch(abandon=False):
+        if abandon:
+            mark = eng.fetch_mark()
+            assert mark == 0  # nothing fetched yet in this micro-batch
+            eng.fetch(0)  # the forward that raised got this far
+            eng.rewind_fetches(mark)
+        for b in (0, 1, 1, 0):  # forward, backward
+            eng.fetch(b)
+        eng.reduce_grads(0, [torch.ones(8, 16), None])
+        eng.reduce_grads(1, [torch.ones(4, 8)])
+        return eng.step()
+
+    reports = [micro_batch(), micro_batch(), micro_batch(abandon=True), micro_batch()]
+    assert [(r["fetches"], r["prefetched"]) for r in reports] == [(4, 0), (4, 4), (5, 5), (4, 4)]
+    assert eng.fetch_mark() == 0
+    eng.fetch(0)
+    assert eng.fetch_mark() == 1
+    eng.step()
+    with pytest.raises(ValueError, match="rewind: mark 1 is past this micro-batch's 0 traced fetches"):
+        eng.rewind_fetches(1)
+
+
 def test_reduce_grads_and_step_train(nvme_dir):
     eng, _ = make(nvme_dir, lr=0.1, weight_decay=0.0)
     before = eng.master_params(0)[0].copy()

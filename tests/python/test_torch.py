@@ -319,6 +319,48 @@ def test_an_evaluation_between_steps_leaves_prefetching_on_and_training_unchange
     assert largest_error(engine, ref) <= TOL
 
 
+class _BadBatch(Exception):
+    pass
+
+
+def test_a_forward_that_raises_half_way_leaves_prefetching_on_and_training_unchanged(nvme_dir):
+    # Note [A forward that raised]: a batch whose forward raises at the second Linear is skipped. engine(x)
+    # rewinds the engine's fetches to where the forward began; before, the next forward broke the recorded
+    # order and prefetching went off for the rest of the run.
+    model, engine, ref, opt = mlp_and_reference(nvme_dir)
+    second = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][1]
+    reports = []
+    for i, (x, y) in enumerate(_mlp_batches(7, 6)):
+        if i in (2, 4):
+            hook = second.register_forward_hook(lambda *_: (_ for _ in ()).throw(_BadBatch()))
+            with pytest.raises(_BadBatch):
+                engine(x)
+            hook.remove()
+        engine.backward(F.mse_loss(engine(x), y))
+        reports.append(engine.step())
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    per_step = 2 * len(engine.block_names)
+    print("fetches / prefetched per step:", [(r["fetches"], r["prefetched"]) for r in reports])
+    for i, r in enumerate(reports[1:], 1):
+        # the failed forward's two fetches (prefetched too) count in its micro-batch
+        extra = 2 if i in (2, 4) else 0
+        assert (r["fetches"], r["prefetched"]) == (per_step + extra, per_step + extra), f"step {i}: {r}"
+    assert largest_error(engine, ref) <= TOL
+
+
+def test_a_rewind_to_a_mark_of_an_earlier_micro_batch_is_refused(nvme_dir):
+    _, engine, _, _ = mlp_and_reference(nvme_dir)
+    x, y = _mlp_batches(1, 6)[0]
+    engine.backward(F.mse_loss(engine(x), y))
+    mark = engine._core.fetch_mark()
+    assert mark == 2 * len(engine.block_names)  # forward's and backward's fetches
+    engine.step()
+    with pytest.raises(ValueError, match=f"rewind: mark {mark} is past this micro-batch's 0 traced fetches"):
+        engine._core.rewind_fetches(mark)
+
+
 def test_an_fp32_model_of_some_size_trains_with_everything_on_nvme(nvme_dir):
     # 4.2M fp32 parameters: the swap store was sized for 2-byte parameters, and creation failed ("swap store full").
     torch.manual_seed(0)

@@ -296,6 +296,18 @@ class ZeroEngine {
   virtual Status reduce_grads(GradBlock grads) = 0;
   // Ends a micro-batch; at the accumulation boundary runs the optimizer.
   virtual Expected<StepReport> step() = 0;
+  // Abandoning a forward that raised half-way: take fetch_mark() before it,
+  // and rewind_fetches(mark) after it raised, once its gathered blocks are
+  // released (or will be: rewinding does not need them back). The training
+  // fetches since the mark are forgotten, so the recorded order and the
+  // prefetch window go on from the mark; without it the next forward breaks
+  // the order, and prefetching pauses for two micro-batches while it is
+  // recorded again (Note [A trace that stops holding] in engine/src/prefetch.h).
+  // Gradients already reduced stay. A mark from an earlier micro-batch is
+  // refused (kInvalidArgument). Every rank rewinds at the same point, as it
+  // fetches: the window's all-gathers are collectives.
+  virtual std::size_t fetch_mark() const = 0;
+  virtual Status rewind_fetches(std::size_t mark) = 0;
 
   // The config as the engine runs it: its batch keys resolved for the ranks
   // (Note [Batch keys] in common/src/config.cpp).
