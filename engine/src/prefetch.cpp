@@ -311,6 +311,24 @@ void Prefetcher::drain() {
 }
 
 Status Prefetcher::end_micro_batch() {
+  // A micro-batch that fetched nothing by the trace (a step() with no
+  // forward, a model of persistent blocks) says nothing about the order: the
+  // trace, or its recording, goes on with the next one. Every rank's passes
+  // are alike, so every rank skips close_pass()'s agreement together.
+  if (!this_pass_.empty()) TZ_TRY(close_pass());
+  diverged_ = false;
+  drain();
+  this_pass_.clear();
+  position_ = 0;
+  issued_until_ = 0;
+  if (prefetching()) return prefetch_next();
+  return ok_status();
+}
+
+// The micro-batch's fetches against the trace (Note [A trace that stops
+// holding]): a recording becomes the trace once the ranks agree on it; a
+// pass that left the trace makes the next one record it again.
+Status Prefetcher::close_pass() {
   if (recording_) {
     recording_ = false;
     trace_ = this_pass_;
@@ -324,36 +342,31 @@ Status Prefetcher::end_micro_batch() {
       return all_reduce_host(*deps_.comm, *deps_.device, *deps_.device_pool, both, 2, DataType::kInt64, ReduceOp::kMax);
     }));
     if (both[0] != hash || -both[1] != hash) {
-      TZ_LOG_ONCE_WARN("engine", "ranks recorded different block orders in their first micro-batch: prefetching "
-                       "is off, blocks are fetched on demand");
+      TZ_LOG_ONCE_WARN("engine", "ranks recorded different block orders in a micro-batch: prefetching is off, "
+                       "blocks are fetched on demand");
       disabled_ = true;
     }
-    active_ = !disabled_ && !trace_.empty();
-  } else if (active_ && !disabled_) {
-    if (diverged_ || this_pass_ != trace_) {
-      if (++failed_traces_ >= kMaxFailedTraces) {
-        TZ_LOG_ONCE_WARN("engine", "the order of fetched blocks changed in {} micro-batches running ({} blocks "
-                         "fetched where the last trace has {}): prefetching is off, blocks are fetched on demand",
-                         failed_traces_, this_pass_.size(), trace_.size());
-        disabled_ = true;
-      } else {
-        if (!diverged_) {
-          TZ_LOG_ONCE_WARN("engine", "a micro-batch fetched {} blocks where the trace has {}: the next one records "
-                           "the order again (Note [A trace that stops holding])", this_pass_.size(), trace_.size());
-        }
-        recording_ = true;
-        active_ = false;
-      }
-    } else {
-      failed_traces_ = 0;
-    }
+    active_ = !disabled_;
+    return ok_status();
   }
-  diverged_ = false;
-  drain();
-  this_pass_.clear();
-  position_ = 0;
-  issued_until_ = 0;
-  if (active_ && !disabled_) return prefetch_next();
+  if (!active_ || disabled_) return ok_status();
+  if (!diverged_ && this_pass_ == trace_) {
+    failed_traces_ = 0;
+    return ok_status();
+  }
+  if (++failed_traces_ >= kMaxFailedTraces) {
+    TZ_LOG_ONCE_WARN("engine", "the order of fetched blocks changed in {} micro-batches running ({} blocks fetched "
+                     "where the last trace has {}): prefetching is off, blocks are fetched on demand",
+                     failed_traces_, this_pass_.size(), trace_.size());
+    disabled_ = true;
+    return ok_status();
+  }
+  if (!diverged_) {
+    TZ_LOG_ONCE_WARN("engine", "a micro-batch fetched {} blocks where the trace has {}: the next one records the "
+                     "order again (Note [A trace that stops holding])", this_pass_.size(), trace_.size());
+  }
+  recording_ = true;
+  active_ = false;
   return ok_status();
 }
 

@@ -25,7 +25,9 @@
 // the same point. Only data-dependent control flow, where no trace holds for
 // a whole micro-batch kMaxFailedTraces times running, switches prefetching
 // off for good; both are said once. A forward that raised rewinds to where it
-// began (rewind()): the trace goes on from there, nothing re-recorded.
+// began (rewind()): the trace goes on from there, nothing re-recorded. A
+// micro-batch that fetched nothing by the trace (a step() with no forward, a
+// model of persistent blocks) leaves the trace, or its recording, as it was.
 #pragma once
 
 #include <chrono>
@@ -109,6 +111,7 @@ class Prefetcher {
   Status gather(const std::shared_ptr<Entry>& e);
   Status start_copy(const std::shared_ptr<Entry>& e, const void* src);
   Status top_up();
+  Status close_pass();
   void drain();  // waits for every entry in flight and drops them
   Status wait_ready(Entry& e, std::chrono::steady_clock::time_point start);
 

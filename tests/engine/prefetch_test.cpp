@@ -140,6 +140,28 @@ TEST(Prefetcher, AnOrderThatNeverHoldsSwitchesPrefetchingOff) {
   run.expect_twins_weights();
 }
 
+// A micro-batch that fetches nothing (a step() with no forward before it,
+// or a model whose blocks are all persistent) says nothing about the order.
+// Before, an empty first micro-batch recorded an empty trace and prefetching
+// never started; an empty one later made the next record the order again.
+TEST(Prefetcher, AMicroBatchThatFetchesNothingLeavesTheTraceAlone) {
+  Training run;
+  auto empty_step = [&] {
+    auto r = run.engine->step();
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->fetches, 0u);
+  };
+  empty_step();  // before any training: nothing to record
+  run.step(0);
+  run.step(1);
+  empty_step();
+  run.step(2);
+  std::printf("[ prefetch ] prefetched/fetched per step:%s\n", run.counts().c_str());
+  EXPECT_EQ(run.prefetched[0], 0u) << "the first micro-batch that fetches records the order";
+  EXPECT_EQ(run.prefetched[1], run.fetches[1]) << "prefetching starts after it";
+  EXPECT_EQ(run.prefetched[2], run.fetches[2]) << "an empty micro-batch in between changes nothing";
+}
+
 // Over two ranks the window's all-gathers are collectives: both ranks abandon
 // the same forward and rewind, and go on prefetched, to the reference's
 // weights (no rank left waiting in a gather the other dropped).
