@@ -390,9 +390,10 @@ Status Prefetcher::rewind(std::size_t mark) {
     return invalid_argument("rewind: mark {} is past this micro-batch's {} traced fetches (a mark from an earlier "
                             "micro-batch?)", mark, this_pass_.size());
   }
+  if (mark == this_pass_.size()) return ok_status();  // nothing traced since (an evaluation's forward): the window stands
   drain();
   this_pass_.resize(mark);
-  if (!active_ || disabled_ || diverged_) return ok_status();  // nothing prefetched by position
+  if (!prefetching()) return ok_status();  // nothing prefetched by position
   position_ = issued_until_ = mark;
   return prefetch_next();
 }
