@@ -480,6 +480,14 @@ void bind_engine(nb::module_& m) {
                    "The stream whose work the release waits for (as fetch's stream=; 0 the legacy default), None "
                    "when it waits for none (a cpu engine, or stream=-1).")
       .def("param", &PyGathered::param, nb::arg("i"), "Parameter i as an array of its shape (a view of data).");
+  nb::class_<tz::FetchMark>(m, "FetchMark",
+                            "Where a micro-batch's training fetches had got to (Engine.fetch_mark), for "
+                            "Engine.rewind_fetches.")
+      .def_ro("micro_batch", &tz::FetchMark::micro_batch, "The micro-batch, counted since the engine was made.")
+      .def_ro("fetches", &tz::FetchMark::fetches, "Training fetches into it.")
+      .def("__repr__", [](const tz::FetchMark& m) {
+        return fmt::format("FetchMark(micro_batch={}, fetches={})", m.micro_batch, m.fetches);
+      });
   nb::class_<PyEngine>(m, "Engine",
                        "ZeRO-partitioned, tiered model states and the training step (tierzero/engine/zero.h). Ranks "
                        "come from the environment as torchrun sets it (one rank without it).")
@@ -507,13 +515,14 @@ void bind_engine(nb::module_& m) {
            "default stream, 2 the per-thread one, -1 none), by default the legacy default stream.")
       .def("step", &PyEngine::step, "Ends a micro-batch; at the accumulation boundary runs the optimizer. A dict.")
       .def("fetch_mark", [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.fetch_mark(); }); },
-           "This micro-batch's training fetches so far: a mark for rewind_fetches().")
+           "Where this micro-batch's training fetches have got to: a FetchMark for rewind_fetches().")
       .def("rewind_fetches",
-           [](PyEngine& e, std::size_t mark) { e.call([&] { return e.engine().rewind_fetches(mark); }); },
+           [](PyEngine& e, const tz::FetchMark& mark) { e.call([&] { return e.engine().rewind_fetches(mark); }); },
            nb::arg("mark"),
-           "Forgets the training fetches since `mark` (from fetch_mark(), this micro-batch) after a forward that "
+           "Forgets the training fetches since `mark` (fetch_mark() in this micro-batch) after a forward that "
            "raised, so the prefetch order goes on from there (tz::ZeroEngine::rewind_fetches). Gradients already "
-           "reduced stay. Every rank rewinds at the same point.")
+           "reduced stay. Every rank rewinds at the same point or none does; a mark from another micro-batch is a "
+           "ValueError.")
       .def("save_checkpoint",
            [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag,
               const std::optional<nb::bytes>& client_state, bool save_latest, const std::optional<std::string>& refusal) {

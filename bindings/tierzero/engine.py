@@ -135,17 +135,18 @@ class Engine:
         ("lr" is the learning rate the optimizer step used, 0 when none ran)."""
         return self._core.step()
 
-    def fetch_mark(self) -> int:
-        """This micro-batch's training fetches so far: where rewind_fetches() goes back to."""
+    def fetch_mark(self) -> _core.FetchMark:
+        """Where this micro-batch's training fetches have got to: where rewind_fetches() goes back to."""
         return self._core.fetch_mark()
 
-    def rewind_fetches(self, mark: int) -> None:
+    def rewind_fetches(self, mark: _core.FetchMark) -> None:
         """After a forward that raised half-way: forgets the training fetches since `mark` (fetch_mark()
         taken before it, in this micro-batch), so the order the engine prefetches by goes on from there.
 
         Without it the next forward breaks that order and prefetching pauses for two micro-batches while it is
-        recorded again. Gradients already handed over stay. Every rank rewinds at the same point (the prefetch
-        window's all-gathers are collectives); a mark from an earlier micro-batch is a ValueError.
+        recorded again. Gradients already handed over stay. Every rank rewinds at the same point or none does
+        (the prefetch window's all-gathers are collectives: one rank rewinding alone would post them at other
+        points than the rest). A mark from another micro-batch is a ValueError.
         """
         self._core.rewind_fetches(mark)
 

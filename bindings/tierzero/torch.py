@@ -61,13 +61,20 @@ never runs the forward hooks of the modules it was in. engine(x) releases
 their gathered blocks, and rewinds the engine's record of this micro-batch's
 fetches to where the forward began (ZeroEngine::rewind_fetches), so the next
 forward follows the order the engine prefetches by and prefetching goes on
-as before. Without the rewind the next forward would break that order, and
-prefetching would pause for two micro-batches while it is recorded again
-(Note [A trace that stops holding] in engine/src/prefetch.h). model(x) called
-directly skips both: its blocks go back at engine.step(), and the order is
-recorded again. A backward that raises is not rewound: the blocks it had
-finished keep the gradients they handed to the engine, as torch's .grad keeps
-them.
+as before. Without the rewind the next forward breaks that order, and
+prefetching pauses for two micro-batches while it is recorded again (Note [A
+trace that stops holding] in engine/src/prefetch.h). The rewind is for one
+rank only: with several, the rank that raised cannot know whether the others
+raised at the same point (a bad label on one rank's data raises on that rank
+alone), and rewinding alone would make it post the prefetch window's
+all-gathers where the others post other collectives. There every rank, having
+fetched alike, leaves the order at the same point of the next forward, and
+records it again together. (A rank that raises before its forward's last
+fetch leaves the others in that fetch's all-gather until the timeout, as in
+any data-parallel training.) model(x) called directly is not rewound either:
+its blocks go back at engine.step(), and the order is recorded again. A
+backward that raises is not rewound: the blocks it had finished keep the
+gradients they handed to the engine, as torch's .grad keeps them.
 
 Note [Model dtype]
 With the config's "bf16" or "fp16" block enabled, the engine trains 16-bit
@@ -172,6 +179,14 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx, *grads):  # noqa: D102
         ctx.callback()
         return (None, *grads)
+
+
+def _add_note(e: BaseException, text: str) -> None:
+    """Adds `text` to the exception's message (Python 3.11's add_note; before it, a warning)."""
+    if hasattr(e, "add_note"):
+        e.add_note(text)
+    else:
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def _flatten(obj: Any, out: list) -> None:
@@ -361,7 +376,7 @@ class TorchEngine:
     # A forward of the model under torch.no_grad() (a validation pass, or
     # generate()) has no backward, and its fetches are not training's: marked
     # as evaluation, they go beside the order the engine prefetches by, which
-    # they would otherwise break (switching prefetching off for the run).
+    # they would otherwise break (pausing prefetching while it is recorded again).
     # Decided when the model itself is called, engine(x) or model(x), not per
     # module: a no_grad region inside a training forward (reentrant activation
     # checkpointing) stays traced, and so do backward's fetches, which run with
@@ -533,17 +548,18 @@ class TorchEngine:
     # ------------------------------------------------------------ the training loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model (with the saved-tensor hooks of Note [Saved tensors])."""
-        mark = self._core.fetch_mark()
+        # Note [A forward that raised]: one rank only, where no other rank's collectives can be left unmatched
+        mark = self._core.fetch_mark() if self._core.world_size == 1 else None
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
         except BaseException as e:
             self._release_all()  # a forward that raised never ran the forward hooks of the modules it was in
-            # Note [A forward that raised]
-            try:
-                self._core.rewind_fetches(mark)
-            except Exception as r:  # the forward's own error is the one to see
-                e.add_note(f"tierzero.torch: rewinding the engine's fetches after it failed too: {r}")
+            if mark is not None:
+                try:
+                    self._core.rewind_fetches(mark)
+                except Exception as r:  # the forward's own error is the one to see
+                    _add_note(e, f"tierzero.torch: rewinding the engine's fetches after it failed too: {r}")
             raise
 
     def _release_all(self) -> None:
@@ -1033,7 +1049,7 @@ class _MetaMaker:
             if failure is not None and isinstance(e, ValueError) and _refusal_text(failure) in str(e):
                 e = failure  # this rank's own error, not the refusal the engine echoed
             if undone:
-                e.add_note(undone)
+                _add_note(e, undone)
             raise e from None
         for _, params, _ in self.blocks:  # empty CPU tensors, for TorchEngine to point at its placeholder
             for p in params:
@@ -1087,8 +1103,8 @@ class _MetaMaker:
                 except BaseException as e:
                     hint = (" (an initialisation that reads another module's tensor cannot run there: that tensor "
                             "is on the meta device)") if "meta" in str(e) else ""
-                    e.add_note(f"tierzero.torch.initialize: raised by the initialisation of a {type(m).__name__} "
-                               f"while making '{name or 'model'}' on the meta device{hint}")
+                    _add_note(e, f"tierzero.torch.initialize: raised by the initialisation of a {type(m).__name__} "
+                                 f"while making '{name or 'model'}' on the meta device{hint}")
                     raise
                 finally:
                     for entry in out:

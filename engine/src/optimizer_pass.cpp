@@ -86,6 +86,11 @@ Expected<StepReport> ZeroEngineImpl::step() {
     return report;
   }
   micro_ = 0;
+  // Blocks fetched ahead that this micro-batch did not use (it fetched
+  // nothing, or was rewound) would be read while the optimizer writes their
+  // parameters, in device memory it may need: drop them; end_micro_batch
+  // issues the next window from the new parameters.
+  prefetcher_->drop_in_flight();
   TZ_TRY(zero_stale_grads());
   std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
   TZ_ASSIGN_OR_RETURN(report.overflow, global_norm(report.grad_norm));

@@ -274,6 +274,7 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block, bool traced) {
                      "{}): this micro-batch fetches on demand, and the next one records the order again "
                      "(Note [A trace that stops holding])", block, position_);
     diverged_ = true;
+    diverged_at_ = this_pass_.size() - 1;
     drain();
   }
   const std::uint64_t bytes = deps_.layout->blocks[block].whole_numel * elem_type_bytes(deps_.param_type);
@@ -317,6 +318,7 @@ Status Prefetcher::end_micro_batch() {
   // are alike, so every rank skips close_pass()'s agreement together.
   if (!this_pass_.empty()) TZ_TRY(close_pass());
   diverged_ = false;
+  ++passes_;
   drain();
   this_pass_.clear();
   position_ = 0;
@@ -381,20 +383,26 @@ void Prefetcher::reset() {
   drain();
   this_pass_.clear();
   diverged_ = false;
+  ++passes_;
   position_ = 0;
   issued_until_ = 0;
 }
 
-Status Prefetcher::rewind(std::size_t mark) {
-  if (mark > this_pass_.size()) {
-    return invalid_argument("rewind: mark {} is past this micro-batch's {} traced fetches (a mark from an earlier "
-                            "micro-batch?)", mark, this_pass_.size());
+Status Prefetcher::rewind(const FetchMark& mark) {
+  if (mark.micro_batch != passes_) {
+    return invalid_argument("rewind: the mark is from micro-batch {}, and this is micro-batch {} (a mark is good "
+                            "until step() or a checkpoint load)", mark.micro_batch, passes_);
   }
-  if (mark == this_pass_.size()) return ok_status();  // nothing traced since (an evaluation's forward): the window stands
+  if (mark.fetches > this_pass_.size()) {
+    return invalid_argument("rewind: the mark is at fetch {} of this micro-batch, past its {} traced fetches (it "
+                            "was rewound to before the mark already)", mark.fetches, this_pass_.size());
+  }
+  if (mark.fetches == this_pass_.size()) return ok_status();  // nothing traced since (an evaluation's): the window stands
   drain();
-  this_pass_.resize(mark);
+  this_pass_.resize(mark.fetches);
+  if (diverged_ && mark.fetches <= diverged_at_) diverged_ = false;  // the departure was the abandoned fetches'
   if (!prefetching()) return ok_status();  // nothing prefetched by position
-  position_ = issued_until_ = mark;
+  position_ = issued_until_ = mark.fetches;
   return prefetch_next();
 }
 

@@ -75,19 +75,21 @@ class Prefetcher {
   // Untraced (an evaluation's fetch, tz::FetchFor): fetched now, and neither
   // recorded nor checked against the trace.
   Expected<PoolBlock> acquire(std::size_t block, bool traced = true);
-  // End of a micro-batch: the first one's trace is checked across ranks
-  // (a collective) and prefetching starts with the next.
+  // End of a micro-batch: a recorded order is checked across ranks (a
+  // collective) and prefetching starts with the next; a pass that left the
+  // trace makes the next one record it again.
   Status end_micro_batch();
   // Drops everything in flight (e.g. before a checkpoint load replaces the
   // parameters) and starts the micro-batch over; the trace is kept.
   void reset();
   // This micro-batch's traced fetches so far: a mark for rewind().
-  std::size_t mark() const { return this_pass_.size(); }
+  FetchMark mark() const { return {passes_, this_pass_.size()}; }
   // Forgets the traced fetches after `mark` (this micro-batch's, from mark()),
   // as though they had not happened: a forward that raised half-way. What is
-  // in flight is dropped and the window issued again from there. Every rank
-  // rewinds at the same point, or none does (its collectives are the ranks').
-  Status rewind(std::size_t mark);
+  // in flight is dropped and the window issued again from there; a departure
+  // from the trace after the mark is forgotten too. Every rank rewinds at the
+  // same point, or none does (its collectives are the ranks').
+  Status rewind(const FetchMark& mark);
   // Drops everything in flight (their parameters are about to be replaced,
   // set_master) and issues it again from this micro-batch's position after
   // reissue(): the fetches so far still count against the trace.
@@ -122,6 +124,8 @@ class Prefetcher {
   std::vector<std::size_t> this_pass_;      // fetches since the last end_micro_batch
   bool recording_ = true, active_ = false;
   bool diverged_ = false;                   // this micro-batch left the trace: on demand until it ends
+  std::size_t diverged_at_ = 0;             // ... at this fetch of it
+  std::uint64_t passes_ = 0;                // micro-batches ended or restarted (FetchMark::micro_batch)
   bool disabled_ = false;                   // off for good (Note [A trace that stops holding])
   int failed_traces_ = 0;                   // traces running that no micro-batch followed to the end
   std::size_t position_ = 0;                // next trace position to be fetched

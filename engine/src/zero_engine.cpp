@@ -453,7 +453,7 @@ Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block, FetchFor purpos
   return GatheredBlock(this, block, data, param_type_, &b, /*persistent=*/false);
 }
 
-Status ZeroEngineImpl::rewind_fetches(std::size_t mark) {
+Status ZeroEngineImpl::rewind_fetches(const FetchMark& mark) {
   TZ_TRY(release_failure());
   return prefetcher_->rewind(mark);
 }

@@ -56,8 +56,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Expected<GradBlock> grad_buffer(std::size_t block) override;
   Status reduce_grads(GradBlock grads) override;
   Expected<StepReport> step() override;
-  std::size_t fetch_mark() const override { return prefetcher_->mark(); }
-  Status rewind_fetches(std::size_t mark) override;
+  FetchMark fetch_mark() const override { return prefetcher_->mark(); }
+  Status rewind_fetches(const FetchMark& mark) override;
   const Config& config() const override { return options_.config; }
   double loss_scale() const override { return scaler_.scale(); }
   std::int64_t optimizer_steps() const override { return step_; }

@@ -76,7 +76,7 @@ TEST(Prefetcher, AForwardAbandonedHalfWayAndRewoundKeepsPrefetchingOn) {
     for (int step = 0; step < 5; ++step) {
       run.step(step, [&](tz::ZeroEngine& e) {
         if (step != 2) return;
-        const std::size_t mark = e.fetch_mark();
+        const tz::FetchMark mark = e.fetch_mark();
         forward_prefix(e, 2);
         if (rewind) {
           tz::Status s = e.rewind_fetches(mark);
@@ -135,8 +135,10 @@ TEST(Prefetcher, AnOrderThatNeverHoldsSwitchesPrefetchingOff) {
     });
   }
   std::printf("[ prefetch ] prefetched/fetched per step:%s\n", run.counts().c_str());
-  // Recorded at steps 0, 2, 4; broken at 1, 3, 5; off from 6.
+  // Recorded at steps 0, 2, 4; broken at 1, 3, 5 after their first fetch
+  // (block 0, as the trace has it); off from 6.
   for (int step : {0, 2, 4, 6, 7, 8}) EXPECT_EQ(run.prefetched[step], 0u) << "step " << step;
+  for (int step : {1, 3, 5}) EXPECT_EQ(run.prefetched[step], 1u) << "step " << step << " should prefetch again";
   run.expect_twins_weights();
 }
 
@@ -183,7 +185,7 @@ TEST(Prefetcher, TwoRanksRewindTogetherAndGoOnPrefetched) {
     bool prefetched_after = true;
     for (int step = 0; step < 4; ++step) {
       if (step == 1) {  // a prefetched micro-batch (the first recorded the order)
-        const std::size_t mark = e.fetch_mark();
+        const tz::FetchMark mark = e.fetch_mark();
         for (std::size_t b = 0; b < 2; ++b) {
           if (!e.fetch(b).ok()) return 1;
         }
@@ -212,20 +214,55 @@ TEST(Prefetcher, TwoRanksRewindTogetherAndGoOnPrefetched) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (5: a step after the first not prefetched)";
 }
 
-TEST(Prefetcher, AMarkFromAnEarlierMicroBatchIsRefused) {
+// The abandoned forward itself left the order (a stray fetch before the
+// block that raised): the rewind forgets that too, and the micro-batch goes
+// on prefetched, nothing recorded again.
+TEST(Prefetcher, ARewindForgetsADepartureInsideTheAbandonedForward) {
+  Training run;
+  for (int step = 0; step < 4; ++step) {
+    run.step(step, [&](tz::ZeroEngine& e) {
+      if (step != 1) return;
+      const tz::FetchMark mark = e.fetch_mark();
+      forward_prefix(e, 1);
+      ASSERT_TRUE(e.fetch(e.layout().blocks.size() - 1).ok());  // out of order
+      tz::Status s = e.rewind_fetches(mark);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    });
+  }
+  std::printf("[ prefetch ] prefetched/fetched per step:%s\n", run.counts().c_str());
+  // Step 1: the in-order fetch and the rest prefetched; the stray one on demand.
+  EXPECT_EQ(run.prefetched[1], run.fetches[1] - 1);
+  EXPECT_EQ(run.prefetched[2], run.fetches[2]) << "the next micro-batch should not record the order again";
+  EXPECT_EQ(run.prefetched[3], run.fetches[3]);
+  run.expect_twins_weights();
+}
+
+// A mark is good in its own micro-batch, up to the fetches it counted.
+TEST(Prefetcher, AMarkFromAnotherMicroBatchOrPastARewindIsRefused) {
   Training run;
   run.step(0);
-  forward_prefix(*run.engine, 3);
-  const std::size_t mark = run.engine->fetch_mark();
-  EXPECT_EQ(mark, 3u);
-  auto r = run.engine->step();  // the micro-batch ends (no backward: nothing to step with but zeros)
+  tz::ZeroEngine& e = *run.engine;
+  auto expect_refused = [&](const tz::FetchMark& mark, const std::string& why) {
+    tz::Status s = e.rewind_fetches(mark);
+    EXPECT_EQ(s.code(), tz::ErrorCode::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find(why), std::string::npos) << s.to_string();
+  };
+  const tz::FetchMark start = e.fetch_mark();
+  EXPECT_EQ(start.fetches, 0u);
+  forward_prefix(e, 3);
+  const tz::FetchMark three = e.fetch_mark();
+  EXPECT_EQ(three.fetches, 3u);
+  EXPECT_EQ(three.micro_batch, start.micro_batch);
+  ASSERT_TRUE(e.rewind_fetches(start).ok());
+  expect_refused(three, "the mark is at fetch 3 of this micro-batch, past its 0 traced fetches");
+  auto r = e.step();  // the micro-batch ends (no backward: the optimizer steps with zero gradients)
   ASSERT_TRUE(r.ok()) << r.status().to_string();
-  tz::Status s = run.engine->rewind_fetches(mark);
-  EXPECT_EQ(s.code(), tz::ErrorCode::kInvalidArgument) << s.to_string();
-  EXPECT_NE(s.message().find("mark 3 is past this micro-batch's 0 traced fetches"), std::string::npos)
-      << s.to_string();
-  // The mark at the start of a micro-batch rewinds to nothing: a no-op.
-  EXPECT_TRUE(run.engine->rewind_fetches(run.engine->fetch_mark()).ok());
+  forward_prefix(e, 3);  // the next micro-batch, three fetches in: more than either old mark counted
+  expect_refused(start, fmt::format("the mark is from micro-batch {}, and this is micro-batch {}", start.micro_batch,
+                                    start.micro_batch + 1));
+  EXPECT_EQ(e.fetch_mark().fetches, 3u) << "a refused rewind changes nothing";
+  // The mark of now rewinds to nothing: a no-op.
+  EXPECT_TRUE(e.rewind_fetches(e.fetch_mark()).ok());
 }
 
 }  // namespace

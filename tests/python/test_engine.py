@@ -72,7 +72,8 @@ def test_rewind_fetches_forgets_an_abandoned_forward(nvme_dir):
     def micro_batch(abandon=False):
         if abandon:
             mark = eng.fetch_mark()
-            assert mark == 0  # nothing fetched yet in this micro-batch
+            assert isinstance(mark, tierzero._core.FetchMark) and mark.fetches == 0  # nothing fetched yet
+            assert repr(mark) == f"FetchMark(micro_batch={mark.micro_batch}, fetches=0)"
             eng.fetch(0)  # the forward that raised got this far
             eng.rewind_fetches(mark)
         for b in (0, 1, 1, 0):  # forward, backward
@@ -83,12 +84,18 @@ def test_rewind_fetches_forgets_an_abandoned_forward(nvme_dir):
 
     reports = [micro_batch(), micro_batch(), micro_batch(abandon=True), micro_batch()]
     assert [(r["fetches"], r["prefetched"]) for r in reports] == [(4, 0), (4, 4), (5, 5), (4, 4)]
-    assert eng.fetch_mark() == 0
+    start = eng.fetch_mark()
+    assert (start.micro_batch, start.fetches) == (4, 0)  # four micro-batches ended
     eng.fetch(0)
-    assert eng.fetch_mark() == 1
+    one = eng.fetch_mark()
+    assert (one.micro_batch, one.fetches) == (4, 1)
     eng.step()
-    with pytest.raises(ValueError, match="rewind: mark 1 is past this micro-batch's 0 traced fetches"):
-        eng.rewind_fetches(1)
+    eng.fetch(0)
+    eng.fetch(1)
+    with pytest.raises(ValueError, match="rewind: the mark is from micro-batch 4, and this is micro-batch 5"):
+        eng.rewind_fetches(one)
+    with pytest.raises(TypeError):
+        eng.rewind_fetches(1)  # a FetchMark, not a count
 
 
 def test_reduce_grads_and_step_train(nvme_dir):

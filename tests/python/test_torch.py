@@ -350,17 +350,6 @@ def test_a_forward_that_raises_half_way_leaves_prefetching_on_and_training_uncha
     assert largest_error(engine, ref) <= TOL
 
 
-def test_a_rewind_to_a_mark_of_an_earlier_micro_batch_is_refused(nvme_dir):
-    _, engine, _, _ = mlp_and_reference(nvme_dir)
-    x, y = _mlp_batches(1, 6)[0]
-    engine.backward(F.mse_loss(engine(x), y))
-    mark = engine._core.fetch_mark()
-    assert mark == 2 * len(engine.block_names)  # forward's and backward's fetches
-    engine.step()
-    with pytest.raises(ValueError, match=f"rewind: mark {mark} is past this micro-batch's 0 traced fetches"):
-        engine._core.rewind_fetches(mark)
-
-
 def test_an_fp32_model_of_some_size_trains_with_everything_on_nvme(nvme_dir):
     # 4.2M fp32 parameters: the swap store was sized for 2-byte parameters, and creation failed ("swap store full").
     torch.manual_seed(0)

@@ -176,9 +176,17 @@ class GatheredBlock {
 // which the engine records and prefetches by (Note [Prefetch window] in
 // engine/src/prefetch.h). An evaluation's fetches (a forward with no
 // backward, between steps) are fetched on demand and leave that order
-// alone: as training fetches they would break it, and switch prefetching off
-// for the rest of the run at the first validation pass.
+// alone: as training fetches they would break it, and pause prefetching at
+// every validation pass while the order is recorded again.
 enum class FetchFor : std::uint8_t { kTraining, kEvaluation };
+
+// Where a micro-batch's training fetches had got to (ZeroEngine::fetch_mark),
+// for rewind_fetches: which micro-batch since the engine was made (or a
+// checkpoint loaded), and how many fetches into it.
+struct FetchMark {
+  std::uint64_t micro_batch = 0;
+  std::size_t fetches = 0;
+};
 
 // A whole block's gradient buffer on the device (zeroed), for the caller's
 // backward to fill; handed back through reduce_grads().
@@ -303,11 +311,13 @@ class ZeroEngine {
   // prefetch window go on from the mark; without it the next forward breaks
   // the order, and prefetching pauses for two micro-batches while it is
   // recorded again (Note [A trace that stops holding] in engine/src/prefetch.h).
-  // Gradients already reduced stay. A mark from an earlier micro-batch is
-  // refused (kInvalidArgument). Every rank rewinds at the same point, as it
-  // fetches: the window's all-gathers are collectives.
-  virtual std::size_t fetch_mark() const = 0;
-  virtual Status rewind_fetches(std::size_t mark) = 0;
+  // Gradients already reduced stay. A mark from another micro-batch, or past
+  // a rewind already made, is refused (kInvalidArgument). Every rank rewinds
+  // at the same point or none does, as it fetches: the window's all-gathers
+  // are collectives, and one rank rewinding alone would post them at other
+  // points than the rest.
+  virtual FetchMark fetch_mark() const = 0;
+  virtual Status rewind_fetches(const FetchMark& mark) = 0;
 
   // The config as the engine runs it: its batch keys resolved for the ranks
   // (Note [Batch keys] in common/src/config.cpp).
