@@ -23,6 +23,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -96,7 +97,7 @@ def main() -> None:
         gc.collect()  # the engine (held in a cycle through the model's hooks) and its swap file go before the directory
     after = [r["seconds"] for r in rows[4:]]
     if after:
-        print(f"steps 4-{len(rows) - 1}: median {sorted(after)[len(after) // 2]:.3f} s")
+        print(f"steps 4-{len(rows) - 1}: median {statistics.median(after):.3f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"case": args.case, "width": args.width, "params": params, "steps": rows}, f, indent=1)
