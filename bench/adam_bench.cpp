@@ -50,6 +50,7 @@
 #include "adam_stream.h"
 #include "bench_common.h"
 #include "tierzero/cpu_adam.h"
+#include "tierzero/offload.h"
 
 namespace {
 
@@ -84,6 +85,7 @@ struct Flags {
   std::string python = "python3";
   bool plain_copy_limit = false;
   bool whole_step = true;
+  std::string layouts = "separate";  // more than "separate": the layout comparison (Note [Layout rows])
 };
 
 // ---------------------------------------------------------------- kernels
@@ -232,6 +234,16 @@ class Buffer {
   ~Buffer() {
     if (base_ != nullptr) ::munmap(base_, mapped_);
   }
+  // An exact, page-aligned mapping of `bytes`, as a plain mmap places it
+  // (the engine's host allocator before Note [Coloured arrays]).
+  static tz::Expected<Buffer> map_plain(std::size_t bytes) {
+    Buffer b;
+    b.mapped_ = tz::align_up(std::max<std::size_t>(bytes, 1), std::size_t{4096});
+    void* base = ::mmap(nullptr, b.mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return tz::errno_status(errno, fmt::format("mmap of {}", tz::format_bytes(bytes)));
+    b.base_ = b.data_ = base;
+    return b;
+  }
   template <typename T>
   T* as() const { return static_cast<T*>(data_); }
 
@@ -241,11 +253,40 @@ class Buffer {
   std::size_t mapped_ = 0;
 };
 
-// One size's arrays. The gradient-arrival kernels accumulate into `m` (its
-// values stay small and finite), so 1B parameters fit in 20 GB.
+struct ArrayPtr {
+  void* ptr = nullptr;
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr); }
+};
+
+// Note [Layout rows]
+// Where the arrays lie relative to each other decides which cache sets and
+// DRAM banks a kernel's streams share (Note [Coloured arrays] in
+// tierzero/offload/pool.h). --layouts compares, for the same size and in
+// alternating rounds:
+//   separate           each array its own 2 MiB-aligned mapping, 2 MiB apart
+//                      beyond its size (the bench's own layout, the baseline)
+//   aliased            one mapping, the arrays exact multiples of 128 MiB apart
+//   engine             the engine's host pool with its colours (what the CPU
+//                      tier and the staging sets get)
+//   engine-uncoloured  the same pool, every array colour 0: 2 MiB-aligned alone
+//   plain-mmap         one exact mmap per array, as the engine's allocator made
+//                      them before colours: adjacent, their sizes apart
+// The fraction of the limit cannot show aliasing (the limit loop walks the same
+// arrays); the row's time against the separate layout's can.
+constexpr const char* kLayouts[] = {"separate", "aliased", "engine", "engine-uncoloured", "plain-mmap"};
+constexpr std::size_t kAliasBytes = std::size_t{128} << 20;
+
+// One size's arrays in one layout. The gradient-arrival kernels accumulate
+// into `m` (its values stay small and finite), so 1B parameters fit in 20 GB.
 struct Arrays {
   std::size_t n = 0;
-  Buffer p, g, g16, m, v, p16;
+  std::string layout = "separate";
+  ArrayPtr p, g, g16, m, v, p16;
+  std::vector<Buffer> owned;
+  std::unique_ptr<tz::Device> device;  // engine layouts: blocks of a host pool
+  std::unique_ptr<tz::MemoryPool> pool;
+  std::vector<tz::PoolBlock> blocks;
 
   tzbench::StreamArrays stream() const {
     return {.p = p.as<std::uint32_t>(), .g = g.as<const std::uint32_t>(), .g16 = g16.as<const std::uint16_t>(),
@@ -307,15 +348,47 @@ std::size_t limit_tile(Pattern pattern, std::size_t tile_flag) {
 // keep every kernel away from denormals, infinities and NaN over many steps:
 // p in [-1, 1), g (loss-scaled) in [-4, 4) (about 1e-3 once unscaled),
 // m in [-1e-4, 1e-4), v in [1e-8, 1e-6 + 1e-8).
-tz::Expected<Arrays> make_arrays(std::size_t n, bool hugepages, tbb::task_arena& arena, std::size_t tile) {
+tz::Status map_layout(Arrays& a, bool hugepages) {
+  const std::size_t n = a.n;
+  ArrayPtr* arrays[] = {&a.p, &a.g, &a.g16, &a.m, &a.v, &a.p16};
+  const std::size_t bytes[] = {n * 4, n * 4, n * 2, n * 4, n * 4, n * 2};
+  if (a.layout == "separate" || a.layout == "plain-mmap") {
+    for (std::size_t i = 0; i < 6; ++i) {
+      TZ_ASSIGN_OR_RETURN(Buffer b, a.layout == "separate" ? Buffer::map(bytes[i], hugepages) : Buffer::map_plain(bytes[i]));
+      arrays[i]->ptr = b.as<void>();
+      a.owned.push_back(std::move(b));
+    }
+    return tz::ok_status();
+  }
+  if (a.layout == "aliased") {
+    const std::size_t stride = tz::align_up(n * 4, kAliasBytes);
+    TZ_ASSIGN_OR_RETURN(Buffer b, Buffer::map(6 * stride, hugepages));
+    for (std::size_t i = 0; i < 6; ++i) arrays[i]->ptr = b.as<char>() + i * stride;
+    a.owned.push_back(std::move(b));
+    return tz::ok_status();
+  }
+  // engine, engine-uncoloured: through the CPU tier's pool, coloured as the engine colours them.
+  using tz::Colour;
+  const Colour colours[] = {Colour::kMaster, Colour::kGrad, Colour::kArrivingGrad, Colour::kExpAvg, Colour::kExpAvgSq,
+                            Colour::kParam16};
+  a.device = tz::create_host_device();
+  TZ_ASSIGN_OR_RETURN(a.pool, tz::make_host_pool(*a.device, 20 * n + (std::uint64_t{64} << 20),
+                                                 {.pinned = false, .huge_pages = hugepages}));
+  for (std::size_t i = 0; i < 6; ++i) {
+    TZ_ASSIGN_OR_RETURN(tz::PoolBlock block,
+                        a.pool->allocate(bytes[i], a.layout == "engine" ? colours[i] : Colour::kMaster));
+    arrays[i]->ptr = block.data();
+    a.blocks.push_back(std::move(block));
+  }
+  return tz::ok_status();
+}
+
+tz::Expected<Arrays> make_arrays(std::size_t n, const std::string& layout, bool hugepages, tbb::task_arena& arena,
+                                 std::size_t tile) {
   Arrays a;
   a.n = n;
-  TZ_ASSIGN_OR_RETURN(a.p, Buffer::map(n * 4, hugepages));
-  TZ_ASSIGN_OR_RETURN(a.g, Buffer::map(n * 4, hugepages));
-  TZ_ASSIGN_OR_RETURN(a.g16, Buffer::map(n * 2, hugepages));
-  TZ_ASSIGN_OR_RETURN(a.m, Buffer::map(n * 4, hugepages));
-  TZ_ASSIGN_OR_RETURN(a.v, Buffer::map(n * 4, hugepages));
-  TZ_ASSIGN_OR_RETURN(a.p16, Buffer::map(n * 2, hugepages));
+  a.layout = layout;
+  TZ_TRY_CTX(map_layout(a, hugepages), "layout {}", layout);
   float* p = a.p.as<float>();
   float* g = a.g.as<float>();
   std::uint16_t* g16 = a.g16.as<std::uint16_t>();
@@ -488,6 +561,90 @@ tz::Status measure(Config& c, const std::vector<KernelSpec>& kernels, const Arra
     out.push_back(std::move(row));
   }
   return tz::ok_status();
+}
+
+// ---------------------------------------------------------------- layouts
+
+struct LayoutRow {
+  std::string layout;
+  KernelSpec kernel;
+  std::size_t n = 0;
+  int threads = 0;
+  std::string simd;
+  std::vector<double> kernel_s, limit_s;
+  double kernel_median = 0, limit_median = 0;
+  double vs_separate = 0;  // the separate layout's kernel median / this one's (>= 0.9: within 10%)
+};
+
+tz::Expected<std::vector<std::string>> parse_layouts(const std::string& text) {
+  std::vector<std::string> out;
+  for (const std::string& item : split_list(text)) {
+    if (std::find(std::begin(kLayouts), std::end(kLayouts), item) == std::end(kLayouts)) {
+      return tz::invalid_argument("--layouts: '{}' is not one of separate, aliased, engine, engine-uncoloured, "
+                                  "plain-mmap", item);
+    }
+    if (std::find(out.begin(), out.end(), item) == out.end()) out.push_back(item);
+  }
+  if (std::find(out.begin(), out.end(), "separate") == out.end()) out.insert(out.begin(), "separate");
+  return out;
+}
+
+// Note [Layout rows]: every layout's arrays held at once, the rounds
+// alternating over the layouts (limit, kernel for each), so drift hits all alike.
+tz::Status measure_layouts(Config& c, const std::vector<KernelSpec>& kernels, const std::vector<Arrays>& layouts,
+                           const Flags& flags, std::int64_t& step, Progress& progress, std::vector<LayoutRow>& out) {
+  std::vector<LayoutRow> rows;
+  for (const KernelSpec& k : kernels) {
+    for (const Arrays& a : layouts) {
+      rows.push_back({.layout = a.layout, .kernel = k, .n = a.n, .threads = c.threads,
+                      .simd = std::string(ca::simd_name(c.opt->simd()))});
+    }
+  }
+  for (int r = -1; r < flags.repeats; ++r) {
+    progress.show("layouts, {} thread(s): round {}/{}", c.threads, r + 1, flags.repeats);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const Arrays& a = layouts[i % layouts.size()];
+      LayoutRow& row = rows[i];
+      const std::size_t tile = limit_tile(row.kernel.pattern, flags.tile_elems);
+      const double limit = time_limit(c, row.kernel.pattern, a.stream(), a.n, tile, flags.plain_copy_limit);
+      TZ_ASSIGN_OR_RETURN(double kernel, time_kernel(c, row.kernel, a, step));
+      if (r < 0) continue;
+      row.limit_s.push_back(limit);
+      row.kernel_s.push_back(kernel);
+    }
+  }
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    rows[i].kernel_median = median(rows[i].kernel_s);
+    rows[i].limit_median = median(rows[i].limit_s);
+  }
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const LayoutRow& base = rows[i - i % layouts.size()];  // "separate" comes first
+    rows[i].vs_separate = base.kernel_median / rows[i].kernel_median;
+    out.push_back(rows[i]);
+  }
+  return tz::ok_status();
+}
+
+nlohmann::json print_layouts(const std::vector<LayoutRow>& rows) {
+  nlohmann::json out = nlohmann::json::array();
+  if (rows.empty()) return out;
+  std::printf("\nlayouts (Note [Layout rows]): the same kernels on arrays placed differently, rounds alternating; "
+              "vs separate = the separate layout's time / this one's (>= 0.90: within 10%%)\n");
+  std::printf("%-18s %-11s %7s %7s %-7s %9s %8s %11s %9s %12s\n", "layout", "kernel", "size", "threads", "simd",
+              "ns/param", "GB/s", "limit GB/s", "fraction", "vs separate");
+  for (const LayoutRow& r : rows) {
+    const double n = static_cast<double>(r.n), bytes = tzbench::pattern_bytes_per_param(r.kernel.pattern) * n;
+    std::printf("%-18s %-11s %7s %7d %-7s %9.3f %8.2f %11.2f %9.3f %12.3f\n", r.layout.c_str(), r.kernel.name.c_str(),
+                tz::format_count(n).c_str(), r.threads, r.simd.c_str(), r.kernel_median / n * 1e9,
+                bytes / r.kernel_median / 1e9, bytes / r.limit_median / 1e9, r.limit_median / r.kernel_median,
+                r.vs_separate);
+    out.push_back({{"layout", r.layout}, {"kernel", r.kernel.name}, {"size", r.n}, {"threads", r.threads},
+                   {"simd", r.simd}, {"kernel_seconds", r.kernel_s}, {"limit_seconds", r.limit_s},
+                   {"kernel_median_s", r.kernel_median}, {"limit_median_s", r.limit_median},
+                   {"fraction_of_limit", r.limit_median / r.kernel_median}, {"vs_separate", r.vs_separate},
+                   {"within_10_percent", r.vs_separate >= 0.9}});
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------- whole step
@@ -746,6 +903,16 @@ tz::Status run(const Flags& flags) {
   TZ_ASSIGN_OR_RETURN(std::vector<int> thread_list, parse_threads(flags.threads));
   TZ_ASSIGN_OR_RETURN(auto simd_list, parse_simd_list(flags.simd));
   TZ_ASSIGN_OR_RETURN(std::vector<KernelSpec> kernels, parse_kernels(flags.kernels));
+  TZ_ASSIGN_OR_RETURN(std::vector<std::string> layouts, parse_layouts(flags.layouts));
+  std::vector<KernelSpec> layout_kernels;  // the Adam steps among --kernels
+  for (const KernelSpec& k : kernels) {
+    if (k.kind == Kind::kStep && (k.algorithm == ca::Algorithm::kAdamW || k.algorithm == ca::Algorithm::kAdam)) {
+      layout_kernels.push_back(k);
+    }
+  }
+  if (layouts.size() > 1 && layout_kernels.empty()) {
+    return tz::invalid_argument("--layouts compares the Adam kernels; --kernels {} has none", flags.kernels);
+  }
   if (flags.tile_elems % 16 != 0) {
     return tz::invalid_argument("--tile-elems {}: must be a multiple of 16 (64 bytes of fp32)", flags.tile_elems);
   }
@@ -824,7 +991,7 @@ tz::Status run(const Flags& flags) {
     {
       progress.show("size {}: mapping and filling {} with {} threads", size_name,
                     tz::format_bytes(kBytesPerParamMapped * n), widest->threads);
-      TZ_ASSIGN_OR_RETURN(Arrays arrays, make_arrays(n, flags.hugepages, *widest->arena,
+      TZ_ASSIGN_OR_RETURN(Arrays arrays, make_arrays(n, "separate", flags.hugepages, *widest->arena,
                                                      limit_tile(Pattern::kAdam, flags.tile_elems)));
       for (Config& c : configs) {
         const std::string where = fmt::format("size {}, {} thread{}, {}", size_name, c.threads,
@@ -862,6 +1029,25 @@ tz::Status run(const Flags& flags) {
         torch_runs.push_back(j);
       }
     }
+  }
+  std::vector<LayoutRow> layout_rows;
+  for (std::size_t n : layouts.size() > 1 ? sizes : std::vector<std::size_t>{}) {
+    // Every layout's arrays at once (aliased ones rounded up to 128 MiB each).
+    TZ_ASSIGN_OR_RETURN(tz::HostMemoryReading now, tz::read_host_memory());
+    const std::uint64_t need = layouts.size() * (6 * tz::align_up(n * 4, kAliasBytes));
+    if (need + kHeadroomBytes > now.available_bytes) {
+      return tz::out_of_memory("--layouts at size {}: {} layouts need up to {} of arrays, MemAvailable is {}; use a "
+                               "smaller --sizes", n, layouts.size(), tz::format_bytes(need),
+                               tz::format_bytes(now.available_bytes));
+    }
+    std::vector<Arrays> placed;
+    for (const std::string& layout : layouts) {
+      progress.show("size {}: mapping and filling the {} layout", tz::format_count(static_cast<double>(n)), layout);
+      TZ_ASSIGN_OR_RETURN(Arrays a, make_arrays(n, layout, flags.hugepages, *widest->arena,
+                                                limit_tile(Pattern::kAdam, flags.tile_elems)));
+      placed.push_back(std::move(a));
+    }
+    for (Config& c : configs) TZ_TRY(measure_layouts(c, layout_kernels, placed, flags, step, progress, layout_rows));
   }
   progress.done();
 
@@ -913,6 +1099,7 @@ tz::Status run(const Flags& flags) {
   }
 
   const nlohmann::json whole_json = print_whole_step(whole_rows, torch_medians);
+  const nlohmann::json layouts_json = print_layouts(layout_rows);
 
   // Issue #4's targets, at 2 threads where measured (else the most threads measured).
   const int target_threads = std::find(resolved_threads.begin(), resolved_threads.end(), 2) != resolved_threads.end()
@@ -998,6 +1185,7 @@ tz::Status run(const Flags& flags) {
         {"results", result_json},
         {"copy_out_cost", cost_json},
         {"whole_step", whole_json},
+        {"layouts", layouts_json},
         {"torch", torch_json},
         {"torch_unavailable_reason", torch_reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(torch_reason)},
         {"targets", targets}};
@@ -1036,6 +1224,11 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-torch", flags.torch, "do not time torch.optim.AdamW even if torch is importable");
   app.add_flag("--plain-copy-limit", flags.plain_copy_limit,
                "limit loops store the 16-bit copy with plain stores instead of non-temporal ones (for comparison)");
+  app.add_option("--layouts", flags.layouts,
+                 "array placements to compare on the Adam kernels (Note [Layout rows]): separate (the default, the "
+                 "baseline), aliased (128 MiB apart), engine (the CPU tier's coloured pool), engine-uncoloured, "
+                 "plain-mmap; e.g. --sizes 33554432 --layouts separate,aliased,engine")
+      ->capture_default_str();
   app.add_flag("!--no-whole-step", flags.whole_step,
                "do not time the whole mixed-precision optimizer step (gradient arrival, norm, clip, step, bf16 copy)");
   app.add_option("--python", flags.python, "Python interpreter for the torch comparison")->capture_default_str();

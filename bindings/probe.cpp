@@ -91,6 +91,7 @@ nb::dict capabilities_dict(const tz::Capabilities& caps) {
   mem["available_bytes"] = caps.memory.available_bytes;
   mem["memlock_limit_bytes"] = caps.memory.memlock_limit_bytes;
   mem["cap_ipc_lock"] = caps.memory.cap_ipc_lock;
+  mem["transparent_hugepage"] = caps.memory.transparent_hugepage;
   d["memory"] = mem;
   d["cuda"] = cuda_dict(caps.cuda);
   return d;

@@ -229,6 +229,14 @@ MemoryCapabilities probe_memory() {
   }
   memory.memlock_limit_bytes = memlock_limit_bytes();
   memory.cap_ipc_lock = has_cap_ipc_lock();
+  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  if (thp && std::getline(thp, line)) {  // "always [madvise] never"
+    const std::size_t open = line.find('['), close = line.find(']');
+    if (open != std::string::npos && close != std::string::npos && close > open) {
+      memory.transparent_hugepage = line.substr(open + 1, close - open - 1);
+    }
+  }
   return memory;
 }
 
@@ -351,9 +359,9 @@ std::string describe_memory(const MemoryCapabilities& memory) {
   bool unlimited = memory.memlock_limit_bytes == std::numeric_limits<std::uint64_t>::max();
   std::string limit = unlimited ? "unlimited" : format_bytes(memory.memlock_limit_bytes);
   std::string cap = memory.cap_ipc_lock ? (unlimited ? "yes" : "yes, limit does not apply") : "no";
-  return fmt::format("memory: {} total, {} available, memlock limit {} (CAP_IPC_LOCK: {})",
-                     format_bytes(memory.total_bytes), format_bytes(memory.available_bytes), limit,
-                     cap);
+  return fmt::format("memory: {} total, {} available, memlock limit {} (CAP_IPC_LOCK: {}), transparent huge "
+                     "pages: {}", format_bytes(memory.total_bytes), format_bytes(memory.available_bytes), limit,
+                     cap, memory.transparent_hugepage.empty() ? "not offered" : memory.transparent_hugepage);
 }
 
 std::string cuda_version(int version) {

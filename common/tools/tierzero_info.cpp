@@ -29,7 +29,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CpuCapabilities, model, logical_cpus, sse4_2,
                                    avx512f, avx512bw, avx512vl, avx512_bf16, avx512_fp16, best_simd)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NumaNode, os_index, cpus, memory_bytes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MemoryCapabilities, total_bytes, available_bytes,
-                                   memlock_limit_bytes, cap_ipc_lock)
+                                   memlock_limit_bytes, cap_ipc_lock, transparent_hugepage)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(GpuDevice, index, name, cc_major, cc_minor, total_memory_bytes,
                                    pci_bus_id, numa_node)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CudaCapabilities, compiled, device_count, status, driver_version,

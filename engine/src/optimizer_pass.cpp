@@ -260,10 +260,11 @@ Status ZeroEngineImpl::optimizer_pass(double grad_scale) {
     for (StagingSet& set : staging_) {
       for (const detail::ShardStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get(), grad_.get()}) {
         if (store == nullptr || store->tier() != Tier::kNvme) continue;
-        TZ_ASSIGN_OR_RETURN(set.area[store], host_pool_->allocate(sub_group_max_numel_ * 4));
+        TZ_ASSIGN_OR_RETURN(set.area[store], host_pool_->allocate(sub_group_max_numel_ * 4, store->colour()));
       }
       if (param16_->tier() != Tier::kCpu && param_type_ != ElemType::kFp32) {
-        TZ_ASSIGN_OR_RETURN(set.param16, host_pool_->allocate(sub_group_max_numel_ * elem_type_bytes(param_type_)));
+        TZ_ASSIGN_OR_RETURN(set.param16, host_pool_->allocate(sub_group_max_numel_ * elem_type_bytes(param_type_),
+                                                              Colour::kParam16));
       }
     }
   }

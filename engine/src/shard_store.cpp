@@ -12,7 +12,7 @@ Expected<std::unique_ptr<ShardStore>> ShardStore::create(const ShardStoreArgs& a
       case Tier::kGpu:
       case Tier::kCpu: {
         MemoryPool* pool = args.tier == Tier::kGpu ? args.device_pool : args.host_pool;
-        Expected<PoolBlock> block = pool->allocate(bytes);
+        Expected<PoolBlock> block = pool->allocate(bytes, args.colour);
         TZ_TRY_CTX(block, "{} shard of {} ({} on the {} tier)", what, layout.blocks[b].name, format_bytes(bytes),
                    tier_name(args.tier));
         store->memory_.push_back(std::move(*block));

@@ -17,6 +17,7 @@ struct ShardStoreArgs {
   StateClass state = StateClass::kMaster;
   Tier tier = Tier::kCpu;
   std::size_t elem_bytes = 4;
+  Colour colour = Colour::kMaster;       // gpu and cpu tiers, and its staging (Note [Coloured arrays])
   MemoryPool* device_pool = nullptr;     // for Tier::kGpu
   MemoryPool* host_pool = nullptr;       // for Tier::kCpu
   nvme::SwapStore* swap = nullptr;       // for Tier::kNvme
@@ -31,6 +32,7 @@ class ShardStore {
   StateClass state() const { return args_.state; }
   Tier tier() const { return args_.tier; }
   std::size_t elem_bytes() const { return args_.elem_bytes; }
+  Colour colour() const { return args_.colour; }
   std::size_t shard_bytes(std::size_t block) const { return shard_bytes_[block]; }
   // The shard's memory on the gpu and cpu tiers; nullptr on nvme.
   void* memory(std::size_t block) const { return memory_.empty() ? nullptr : memory_[block].data(); }

@@ -206,20 +206,22 @@ Status ZeroEngineImpl::make_stores() {
     TZ_ASSIGN_OR_RETURN(swap_, nvme::SwapStore::create({.paths = paths, .capacity_bytes = capacity,
                                                         .allow_buffered = c.aio.allow_buffered_io}, io_));
   }
-  auto make = [&](StateClass cls, std::size_t elem_bytes) -> Expected<std::unique_ptr<detail::ShardStore>> {
+  auto make = [&](StateClass cls, std::size_t elem_bytes,
+                  Colour colour) -> Expected<std::unique_ptr<detail::ShardStore>> {
     return detail::ShardStore::create({.state = cls, .tier = plan_.tier_of(cls), .elem_bytes = elem_bytes,
-                                       .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+                                       .colour = colour, .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
                                        .swap = swap_.get()},
                                       layout_);
   };
-  TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, elem_type_bytes(param_type_)));
-  TZ_ASSIGN_OR_RETURN(grad_, make(StateClass::kGrad, 4));
-  TZ_ASSIGN_OR_RETURN(master_, make(StateClass::kMaster, 4));
+  // Note [Coloured arrays]: the five arrays one optimizer kernel streams each get their own colour.
+  TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, elem_type_bytes(param_type_), Colour::kParam16));
+  TZ_ASSIGN_OR_RETURN(grad_, make(StateClass::kGrad, 4, Colour::kGrad));
+  TZ_ASSIGN_OR_RETURN(master_, make(StateClass::kMaster, 4, Colour::kMaster));
   if (!adagrad) {
-    TZ_ASSIGN_OR_RETURN(exp_avg_, make(StateClass::kMoments, 4));
+    TZ_ASSIGN_OR_RETURN(exp_avg_, make(StateClass::kMoments, 4, Colour::kExpAvg));
   }
   if (!lion) {
-    TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make(StateClass::kMoments, 4));
+    TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make(StateClass::kMoments, 4, Colour::kExpAvgSq));
   }
   return ok_status();
 }
@@ -626,7 +628,7 @@ Status ZeroEngineImpl::accumulate(std::size_t block, const void* d_shard, bool f
   if (gpu_optimizer_) return accumulate_on_device(block, d_shard, first);
   const BlockLayout& b = layout_.blocks[block];
   const std::size_t shard_bytes = b.shard_numel * elem_type_bytes(grad_type_);
-  TZ_ASSIGN_OR_RETURN(PoolBlock host, host_pool_->allocate(shard_bytes));
+  TZ_ASSIGN_OR_RETURN(PoolBlock host, host_pool_->allocate(shard_bytes, Colour::kArrivingGrad));
   TZ_TRY(device_->copy_async(host.data(), d_shard, shard_bytes, *d2h_stream_));
   TZ_TRY(device_->synchronize_stream(*d2h_stream_));
   // The mean over ranks and micro-batches, accumulated in fp32 on the grad tier.
@@ -634,7 +636,7 @@ Status ZeroEngineImpl::accumulate(std::size_t block, const void* d_shard, bool f
   PoolBlock acc_staging;
   float* acc = static_cast<float*>(grad_->memory(block));
   if (grad_->tier() == Tier::kNvme) {
-    TZ_ASSIGN_OR_RETURN(acc_staging, host_pool_->allocate(grad_->shard_bytes(block)));
+    TZ_ASSIGN_OR_RETURN(acc_staging, host_pool_->allocate(grad_->shard_bytes(block), Colour::kGrad));
     acc = acc_staging.as<float>();
     if (!first) {
       TZ_TRY(grad_->read(block, acc).wait());

@@ -38,7 +38,7 @@ MemoryPool::~MemoryPool() {
   }
 }
 
-Expected<PoolBlock> MemoryPool::allocate(std::size_t bytes) {
+Expected<PoolBlock> MemoryPool::allocate(std::size_t bytes, Colour colour) {
   std::unique_lock lock(mu_);
   ++stats_.requests;
   // Checked before rounding, so a huge request cannot wrap around align_up.
@@ -62,8 +62,8 @@ Expected<PoolBlock> MemoryPool::allocate(std::size_t bytes) {
     }
     if (stats_.reserved_bytes + capacity > options_.budget_bytes) return over_budget_locked(bytes, capacity);
   }
-  Expected<void*> ptr = allocator_->allocate(capacity);
-  if (!ptr.ok() && trim_locked() > 0) ptr = allocator_->allocate(capacity);  // fragmentation: one retry
+  Expected<void*> ptr = allocator_->allocate_coloured(capacity, colour);
+  if (!ptr.ok() && trim_locked() > 0) ptr = allocator_->allocate_coloured(capacity, colour);  // fragmentation: one retry
   if (!ptr.ok()) {
     return std::move(ptr).status().with_context(
         fmt::format("{} pool: allocating {} ({} in use of a {} budget)", options_.tier, format_bytes(capacity),

@@ -8,8 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace tz {
 namespace {
@@ -42,6 +44,104 @@ TEST(HostMemory, UnpinnedPoolDoesNotLock) {
   ASSERT_TRUE(block.ok());
   EXPECT_EQ(locked_bytes(), before);
   EXPECT_EQ((*pool)->options().tier, "cpu");
+}
+
+// The AnonHugePages of the mapping that holds `ptr`, from /proc/self/smaps (kB).
+std::uint64_t anon_huge_kb(const void* ptr) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
+      inside = addr >= lo && addr < hi;
+      continue;
+    }
+    unsigned long kb = 0;
+    if (inside && std::sscanf(line.c_str(), "AnonHugePages: %lu kB", &kb) == 1) return kb;
+  }
+  return 0;
+}
+
+TEST(HostMemory, LargeBlocksStartOnAHugePageAndAreAdvisedOntoOne) {
+  const std::string& thp = capabilities().memory.transparent_hugepage;
+  const bool offered = thp == "always" || thp == "madvise";
+  if (!offered) std::printf("note: transparent huge pages are '%s' here: only page alignment is checked\n", thp.c_str());
+  std::unique_ptr<Device> device = create_host_device();
+  auto pool = make_host_pool(*device, 64 * kMiB, {.pinned = false});
+  ASSERT_TRUE(pool.ok());
+  // Blocks of 2 MiB and more start on a 2 MiB boundary, whatever mmap would have given.
+  for (std::size_t bytes : {2 * kMiB, 6 * kMiB + 4096, 8 * kMiB}) {
+    auto block = (*pool)->allocate(bytes);
+    ASSERT_TRUE(block.ok()) << block.status().to_string();
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(block->data()) % (offered ? 2 * kMiB : 4096), 0u) << bytes;
+    std::memset(block->data(), 1, block->size_bytes());
+    // The kernel may still decline (fragmentation); what it did is visible in smaps.
+    if (offered && anon_huge_kb(block->data()) == 0) {
+      std::printf("note: %zu B block not on huge pages (the kernel declined)\n", bytes);
+    }
+  }
+  // Below a huge page nothing changes: page-aligned, not padded.
+  auto small = (*pool)->allocate(64 * 1024);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(small->data()) % 4096, 0u);
+  EXPECT_EQ(small->capacity_bytes(), 64u * 1024);
+  // Nothing beyond the budget's count is mapped: 2 + 6 MiB+4 KiB + 8 MiB + 64 KiB.
+  EXPECT_EQ((*pool)->stats().reserved_bytes, 16 * kMiB + 4096 + 64 * 1024);
+}
+
+// Note [Coloured arrays]: blocks a kernel streams together never alias, even
+// when their sizes are exact multiples of 128 MiB (as a width-4096 GPT block's
+// shards are): each starts its colour's 68 KiB step past a 2 MiB boundary, and
+// costs no byte more.
+TEST(HostMemory, ColouredBlocksStartTheirColoursStepPastAHugePage) {
+  std::unique_ptr<Device> device = create_host_device();
+  for (bool huge : {true, false}) {
+    auto pool = make_host_pool(*device, 64 * kMiB, {.pinned = false, .huge_pages = huge});
+    ASSERT_TRUE(pool.ok());
+    std::vector<PoolBlock> blocks;
+    for (Colour c : {Colour::kMaster, Colour::kGrad, Colour::kExpAvg, Colour::kExpAvgSq, Colour::kParam16,
+                     Colour::kArrivingGrad}) {
+      auto block = (*pool)->allocate(8 * kMiB, c);
+      ASSERT_TRUE(block.ok()) << block.status().to_string();
+      const auto addr = reinterpret_cast<std::uintptr_t>(block->data());
+      EXPECT_EQ(addr % (2 * kMiB), static_cast<std::size_t>(c) * kColourStepBytes) << "colour " << static_cast<int>(c);
+      std::memset(block->data(), static_cast<int>(c), block->size_bytes());  // every byte is mapped and writable
+      blocks.push_back(std::move(*block));
+    }
+    // Pairwise distinct residues modulo 2 MiB, so modulo any larger power of two too.
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      for (std::size_t j = i + 1; j < blocks.size(); ++j) {
+        const auto a = reinterpret_cast<std::uintptr_t>(blocks[i].data());
+        const auto b = reinterpret_cast<std::uintptr_t>(blocks[j].data());
+        EXPECT_NE(a % (2 * kMiB), b % (2 * kMiB)) << i << " " << j;
+      }
+    }
+    EXPECT_EQ((*pool)->stats().reserved_bytes, 48 * kMiB) << "colours cost no bytes";
+    for (std::size_t i = 0; i < blocks.size(); ++i) {  // nothing overlapped: each still holds its own fill
+      const auto* bytes = static_cast<const unsigned char*>(blocks[i].data());
+      EXPECT_EQ(bytes[0], i);
+      EXPECT_EQ(bytes[8 * kMiB - 1], i);
+    }
+  }
+}
+
+TEST(HostMemory, HugePagesCanBeTurnedOff) {
+  std::unique_ptr<Device> device = create_host_device();
+  auto pool = make_host_pool(*device, 64 * kMiB, {.pinned = false, .huge_pages = false});
+  ASSERT_TRUE(pool.ok());
+  auto block = (*pool)->allocate(8 * kMiB);
+  ASSERT_TRUE(block.ok());
+  std::memset(block->data(), 1, block->size_bytes());
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(block->data()) % 4096, 0u);
+  // Only in madvise mode does leaving the advice out keep small pages ("always" uses huge ones anyway).
+  if (capabilities().memory.transparent_hugepage == "madvise") {
+    EXPECT_EQ(anon_huge_kb(block->data()), 0u);
+  } else {
+    std::printf("note: transparent huge pages are '%s' here: the small-page check needs 'madvise'\n",
+                capabilities().memory.transparent_hugepage.c_str());
+  }
 }
 
 TEST(HostMemory, BindsToAConfiguredNumaNode) {

@@ -87,5 +87,24 @@ TEST(Gpt, ModelDescriptionCountsAndInitialisesLikeGpt2) {
   EXPECT_NE(s.message().find("hidden = 48 is not divisible by heads = 5"), std::string::npos) << s.message();
 }
 
+// Note [Default warm-up]: ceil(lr x layers x hidden^2 / 100) steps, none at 1 or below.
+TEST(Gpt, DefaultWarmupGrowsWithDepthTimesWidthSquaredTimesLr) {
+  using tz::train::default_warmup_steps;
+  const GptConfig cpu{.layers = 6, .hidden = 384, .heads = 6};      // the default preset, lr 3e-4
+  EXPECT_EQ(default_warmup_steps(cpu, 3e-4), 3);                    // 265.4 / 100
+  const GptConfig wide{.layers = 2, .hidden = 4096, .heads = 32};   // the width test of issue #25
+  EXPECT_EQ(default_warmup_steps(wide, 3e-4), 101);                 // 10066.3 / 100
+  EXPECT_EQ(default_warmup_steps(GptConfig{.layers = 40, .hidden = 4096, .heads = 32}, 5e-6), 34);
+  // Twice the layers or the lr doubles it; twice the width, four times.
+  EXPECT_EQ(default_warmup_steps(GptConfig{.layers = 4, .hidden = 4096, .heads = 32}, 3e-4), 202);
+  EXPECT_EQ(default_warmup_steps(GptConfig{.layers = 2, .hidden = 2048, .heads = 32}, 3e-4), 26);
+  // Small models and tiny rates need none; a zero, negative or NaN lr none either.
+  EXPECT_EQ(default_warmup_steps(GptConfig{.layers = 2, .hidden = 64, .heads = 4}, 3e-4), 0);
+  EXPECT_EQ(default_warmup_steps(wide, 0.0), 0);
+  EXPECT_EQ(default_warmup_steps(wide, -1.0), 0);
+  EXPECT_EQ(default_warmup_steps(wide, std::nan("")), 0);
+  EXPECT_EQ(default_warmup_steps(wide, 1e30), 1000000000);  // capped, no overflow
+}
+
 }  // namespace
 }  // namespace tzt

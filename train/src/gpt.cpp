@@ -75,6 +75,13 @@ double GptConfig::flops_per_token() const {
   return 6.0 * static_cast<double>(param_count()) + 12.0 * layers * hidden * static_cast<double>(seq);
 }
 
+std::int64_t default_warmup_steps(const GptConfig& cfg, double lr) {
+  const double h = cfg.hidden;
+  const double steps = std::ceil(lr * cfg.layers * h * h / kWarmupScale);
+  if (!(steps > 1)) return 0;  // also NaN and a non-positive lr
+  return steps > 1e9 ? std::int64_t{1000000000} : static_cast<std::int64_t>(steps);
+}
+
 std::vector<BlockSpec> model(const GptConfig& cfg) {
   const std::int64_t h = cfg.hidden;
   std::vector<BlockSpec> out;

@@ -66,7 +66,8 @@ struct Flags {
   std::optional<int> layers, hidden, heads, seq, batch;
   std::optional<std::int64_t> steps;
   std::string json_path, csv_path, plot_path, trace_path, save_dir, resume_dir;
-  int eval_every = 50, eval_batches = 4, save_every = 0, log_every = 10, threads = 0, warmup_steps = 0;
+  int eval_every = 50, eval_batches = 4, save_every = 0, log_every = 10, threads = 0;
+  std::optional<std::int64_t> warmup_steps;  // unset: tz::train::default_warmup_steps (Note [Default warm-up])
   std::uint64_t data_seed = 1234, init_seed = 1234;
   std::string command;
 };
@@ -111,9 +112,9 @@ tz::Expected<tz::Config> load_train_config(Flags& f) {
     TZ_ASSIGN_OR_RETURN(f.config_path, default_config_path());
   }
   TZ_ASSIGN_OR_RETURN(tz::Config config, tz::load_config(f.config_path));
-  if (f.warmup_steps > 0 && config.scheduler.type != tz::SchedulerType::kNone) {
+  if (f.warmup_steps.value_or(0) > 0 && config.scheduler.type != tz::SchedulerType::kNone) {
     return tz::invalid_argument("--warmup-steps {} and the scheduler block of {} ({}) both set the learning rate; "
-                                "use one of them", f.warmup_steps, f.config_path,
+                                "use one of them", *f.warmup_steps, f.config_path,
                                 tz::scheduler_name(config.scheduler.type));
   }
   TZ_ASSIGN_OR_RETURN(config.backend, choose_backend(f, config));
@@ -157,6 +158,37 @@ std::int64_t preset_steps(const Flags& f) {
   return f.steps.value_or(300);
 }
 
+// The warm-up a run uses and how it was chosen (printed at the start).
+struct Warmup {
+  std::int64_t steps = 0;
+  std::string about;
+};
+
+Warmup resolve_warmup(const Flags& f, const tz::Config& config, const tz::train::GptConfig& gpt) {
+  const double lr = config.optimizer.lr;
+  if (f.warmup_steps) {
+    return {*f.warmup_steps, *f.warmup_steps > 0 ? fmt::format("{:.3g}, warmed up linearly over {} steps "
+                                                               "(--warmup-steps)", lr, *f.warmup_steps)
+                                                 : fmt::format("{:.3g} from the first step (--warmup-steps 0)", lr)};
+  }
+  if (config.scheduler.type != tz::SchedulerType::kNone) {
+    return {0, fmt::format("set by the config's scheduler block ({})", tz::scheduler_name(config.scheduler.type))};
+  }
+  const std::int64_t steps = tz::train::default_warmup_steps(gpt, lr);
+  if (steps == 0) return {0, fmt::format("{:.3g} from the first step (no warm-up needed at this width and depth)", lr)};
+  return {steps, fmt::format("{:.3g}, warmed up linearly over {} steps, the default for {} layers x {} hidden at "
+                             "this lr (ceil(lr x layers x hidden^2 / {:g}); --warmup-steps N to choose)",
+                             lr, steps, gpt.layers, gpt.hidden, tz::train::kWarmupScale)};
+}
+
+// Note [A loss that rises at the start]: the first steps of a run at width
+// raise the loss when the learning rate starts too high for the width and
+// depth (Note [Default warm-up] in tierzero/train/gpt.h). The trainer says so
+// once, naming what to change, when a step in the first kRiseWindow raises the
+// loss above kRiseFactor x the first step's.
+constexpr std::int64_t kRiseWindow = 20;
+constexpr double kRiseFactor = 1.25;
+
 class Run {
  public:
   explicit Run(Flags f) : f_(std::move(f)) {}
@@ -166,6 +198,7 @@ class Run {
 
  private:
   tz::Status train_step(std::int64_t step);
+  void check_rise();
   tz::Status evaluate(std::int64_t after_step);
   tz::Status save(std::int64_t after_step);
   std::string out(const std::string& flag_path, const char* name) const {
@@ -185,6 +218,8 @@ class Run {
   std::vector<EvalRecord> evals_;
   Clock::time_point start_;
   bool eval_pending_ = false;
+  Warmup warmup_;
+  bool warned_rise_ = false;
 };
 
 tz::Status Run::setup() {
@@ -198,6 +233,7 @@ tz::Status Run::setup() {
   }
   TZ_TRY_CTX(tz::resolve_batch(config_, ranks.world_size), "--batch and the config's batch keys");
   TZ_ASSIGN_OR_RETURN(gpt_, gpt_config(f_, config_));
+  warmup_ = resolve_warmup(f_, config_, gpt_);
   if (f_.data_path.empty()) {
     TZ_ASSIGN_OR_RETURN(f_.data_path, tz::train::default_corpus_path(exe_dir()));
   }
@@ -243,6 +279,7 @@ tz::Status Run::setup() {
                 f_.config_path.c_str(), info_.corpus.c_str(), gpt_.batch, gpt_.seq, info_.gas, info_.ranks);
     std::printf("the GPT computes on: %s\n", trainer_->describe().c_str());
     std::printf("where the states live: %s\n", info_.engine.c_str());
+    std::printf("learning rate: %s\n", warmup_.about.c_str());
     if (!f_.resume_dir.empty()) std::printf("resumed from %s at step %lld\n", f_.resume_dir.c_str(),
                                             static_cast<long long>(info_.first_step));
     std::fflush(stdout);
@@ -253,9 +290,9 @@ tz::Status Run::setup() {
 tz::Status Run::train_step(std::int64_t step) {
   const int rank = engine_->rank();
   StepRecord r{.step = step, .after_eval = std::exchange(eval_pending_, false)};
-  if (f_.warmup_steps > 0) {
+  if (warmup_.steps > 0) {
     // Linear warm-up to the config's learning rate over the first steps (GPT-style).
-    const double ramp = std::min(1.0, static_cast<double>(step + 1) / static_cast<double>(f_.warmup_steps));
+    const double ramp = std::min(1.0, static_cast<double>(step + 1) / static_cast<double>(warmup_.steps));
     TZ_TRY(engine_->set_learning_rate(config_.optimizer.lr * ramp));
   }
   const auto begin = Clock::now();
@@ -282,6 +319,21 @@ tz::Status Run::train_step(std::int64_t step) {
   if (info_.gpu_budget_bytes == 0) info_.gpu_budget_bytes = r.report.gpu_budget_bytes;
   steps_.push_back(r);
   return tz::ok_status();
+}
+
+void Run::check_rise() {
+  if (warned_rise_ || steps_.size() < 2 || steps_.back().step >= info_.first_step + kRiseWindow) return;
+  const StepRecord& first = steps_.front();
+  const StepRecord& now = steps_.back();
+  if (!(now.loss > kRiseFactor * first.loss)) return;
+  warned_rise_ = true;
+  std::fprintf(stderr, "tierzero-train: warning: the loss rose from %.4f (step %lld) to %.4f (step %lld), more than "
+                       "%.2fx, in the first %lld steps: the learning rate (%.3g at step %lld, config %.3g) is too high "
+                       "for %d layers x %d hidden this early; warm it up over more steps (--warmup-steps, now %lld) "
+                       "or lower optimizer.params.lr\n",
+               first.loss, static_cast<long long>(first.step + 1), now.loss, static_cast<long long>(now.step + 1),
+               kRiseFactor, static_cast<long long>(kRiseWindow), now.report.lr, static_cast<long long>(now.step + 1),
+               config_.optimizer.lr, gpt_.layers, gpt_.hidden, static_cast<long long>(warmup_.steps));
 }
 
 tz::Status Run::evaluate(std::int64_t after_step) {
@@ -318,6 +370,7 @@ tz::Status Run::train() {
   for (std::int64_t step = first; step < last; ++step) {
     engine_->record_timeline(step == traced);
     TZ_TRY_CTX(train_step(step), "step {}", step + 1);
+    if (leader()) check_rise();
     if (step == traced) {
       engine_->record_timeline(false);
       info_.trace_path = out(f_.trace_path, "trace.json");
@@ -386,7 +439,8 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--eval-batches", f.eval_batches, "validation batches per evaluation")->capture_default_str()
       ->check(CLI::Range(1, 100000));
   app.add_option("--warmup-steps", f.warmup_steps, "raise the learning rate linearly to the config's over the first N "
-                 "steps (0: none); the config's scheduler block is the other way, not both")->capture_default_str()->check(CLI::NonNegativeNumber);
+                 "steps (0: none; default: ceil(lr x layers x hidden^2 / 100), see train/README.md); the config's "
+                 "scheduler block is the other way, not both")->check(CLI::Range(std::int64_t{0}, std::int64_t{1000000000}));
   app.add_option("--log-every", f.log_every, "progress line every N steps")->capture_default_str();
   app.add_option("--data-seed", f.data_seed, "seed of the batch sampler")->capture_default_str();
   app.add_option("--init-seed", f.init_seed, "seed of the initial weights")->capture_default_str();

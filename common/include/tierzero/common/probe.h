@@ -52,6 +52,9 @@ struct MemoryCapabilities {
   std::uint64_t available_bytes = 0;    // MemAvailable at probe time
   std::uint64_t memlock_limit_bytes = 0;  // RLIMIT_MEMLOCK soft limit; UINT64_MAX = unlimited
   bool cap_ipc_lock = false;            // CAP_IPC_LOCK in the effective set: the limit does not apply
+  // /sys/kernel/mm/transparent_hugepage/enabled, the bracketed choice:
+  // "always", "madvise" or "never"; "" where the kernel offers none.
+  std::string transparent_hugepage;
 };
 
 struct GpuDevice {

@@ -1,5 +1,8 @@
 // Host memory for the CPU tier: page-aligned, placed on a NUMA node through
 // hwloc, and pinned (page-locked) so device copies from it are asynchronous.
+// Allocations of 2 MiB or more start on a 2 MiB boundary and are advised onto
+// transparent huge pages where the kernel offers them (Note [Host memory on
+// huge pages] in host_memory.cpp; the log says once where it does not).
 //
 // Pinning goes through the Device: cudaHostRegister on the CUDA backend, mlock
 // on the Host backend. On the Host backend the memlock limit applies: a pool
@@ -24,6 +27,7 @@ namespace tz {
 struct HostMemoryOptions {
   bool pinned = true;   // page-lock through the device
   int numa_node = -1;   // bind to this NUMA node (OS index); -1 = first touch
+  bool huge_pages = true;  // 2 MiB-aligned and madvise(MADV_HUGEPAGE) from 2 MiB up (false: 4 KiB pages)
 };
 
 // Raw page-aligned host allocations as described above. `device` must outlive it.

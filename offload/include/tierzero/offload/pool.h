@@ -35,12 +35,33 @@
 
 namespace tz {
 
+// Note [Coloured arrays]
+// One optimizer kernel streams five arrays at once (the master, the gradient,
+// two moments, the 16-bit copy). Arrays that lie an exact multiple of a large
+// power of two apart map every element to the same cache sets (and DRAM
+// banks) as its partners: with the optimizer's arrays 128 MiB apart every
+// Adam kernel on an AVX2 host ran ~2x slower (issue #25). Shards of a GPT
+// block at width 4096 are multiples of 128 MiB, adjacent mmaps are adjacent
+// in the address space, and host blocks of 2 MiB or more start on a huge page
+// (Note [Host memory on huge pages]): left alone they would all alias. So
+// each array a kernel streams together gets its own colour, and the host
+// allocator starts a block of 2 MiB or more kColourStepBytes x colour past a
+// 2 MiB boundary. 68 KiB = 17 pages: a different 4 KiB page offset within
+// each 64 KiB and a different 64 KiB window, so partners fall in different
+// L2/L3 sets whatever the set count, while every block stays page-aligned
+// (O_DIRECT). The offset is cut from the 2 MiB slack the alignment maps
+// anyway: a coloured block costs no byte more than an uncoloured one.
+enum class Colour : unsigned { kMaster = 0, kGrad = 1, kExpAvg = 2, kExpAvgSq = 3, kParam16 = 4, kArrivingGrad = 5 };
+inline constexpr std::size_t kColourStepBytes = std::size_t{68} << 10;
+
 // Where a pool's blocks come from. deallocate() logs failures (it runs from
 // destructors) and never throws.
 class RawAllocator {
  public:
   virtual ~RawAllocator() = default;
   virtual Expected<void*> allocate(std::size_t bytes) = 0;
+  // Note [Coloured arrays]: allocators that can place a block by colour do; the rest ignore it.
+  virtual Expected<void*> allocate_coloured(std::size_t bytes, Colour /*colour*/) { return allocate(bytes); }
   virtual void deallocate(void* ptr, std::size_t bytes) = 0;
 };
 
@@ -105,7 +126,9 @@ class MemoryPool {
   MemoryPool(const MemoryPool&) = delete;
   MemoryPool& operator=(const MemoryPool&) = delete;
 
-  Expected<PoolBlock> allocate(std::size_t bytes);
+  // `colour`: where a fresh block is placed (Note [Coloured arrays]); a
+  // cached block is reused whatever colour it was made with.
+  Expected<PoolBlock> allocate(std::size_t bytes, Colour colour = Colour::kMaster);
   // Releases a block that work already issued on `stream` may still use: it is
   // reused only after that work completes (an event recorded now).
   Status release_after(PoolBlock block, Stream& stream);

@@ -81,6 +81,23 @@ enum LayerParam : std::size_t {
 };
 
 std::vector<BlockSpec> model(const GptConfig& cfg);
+
+// Note [Default warm-up]
+// Adam's first update moves every weight by about the learning rate, all in
+// the direction of its gradient's sign. At width h a linear layer's output
+// then moves by about lr x h x |x| per layer, coherently, and the residual
+// stream of GPT-2's initialisation is small: past a threshold the first step
+// raises the loss instead of lowering it (bench/RESULTS.md, issue #25: at
+// width 4096, layers x lr above ~1e-5 rises; 6 x 384 at 3e-4 falls). The
+// threshold measured falls as layers x hidden^2, so the warm-up that keeps
+// the first step's learning rate under it is
+//     ceil(lr x layers x hidden^2 / kWarmupScale)  steps,
+// none when that is 1 or less. kWarmupScale = 100 sits below the threshold
+// measured at width 4096 (~168) so the first step falls with some margin.
+inline constexpr double kWarmupScale = 100.0;
+// The steps of the linear learning-rate warm-up tierzero-train uses when
+// neither --warmup-steps nor a scheduler block says otherwise (0: none).
+std::int64_t default_warmup_steps(const GptConfig& cfg, double lr);
 // GPT-2's initialisation: linear and embedding weights normal(0, init_std),
 // attn.proj.w and mlp.proj.w normal(0, init_std / sqrt(2 layers)), biases 0,
 // LayerNorm weights 1. Counter-based, so every rank produces the same values.
