@@ -297,6 +297,11 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   TZ_TRY(init_states(init));
   TZ_TRY(prewarm_grad_pools());
   nvme_read_bytes_ = nvme_write_bytes_ = 0;  // step reports count steps, not set-up
+  if (io_) {
+    const nvme::EngineStats io = io_->stats();
+    read_busy_seen_ns_ = io.read_busy_ns;
+    write_busy_seen_ns_ = io.write_busy_ns;
+  }
   TZ_LOG_INFO("engine", "{}", describe());
   return ok_status();
 }

@@ -453,6 +453,7 @@ void IoEngineImpl::submit(IoRequest request, IoCallback done) {
   }
   RequestState* state = built->release();  // owned by its pieces now; the last one frees it
   state->callback = std::move(done);
+  core_.busy_begin(state->op);
   // Deal pieces round-robin over the rings, starting where the last request
   // stopped, so small requests spread too.
   const std::size_t rings = rings_.size();

@@ -110,6 +110,7 @@ void EngineCore::finish(Piece& piece) {
     status = std::move(r->error);
   }
   if (!status.ok()) errors_.fetch_add(1, std::memory_order_relaxed);
+  busy_end(r->op);
   const IoResult result{.bytes = status.ok() ? r->total_bytes : 0};
   IoCallback callback = std::move(r->callback);
   owned.reset();
@@ -124,7 +125,9 @@ EngineStats EngineCore::stats() const {
           .short_transfers = short_transfers_.load(),
           .retries = retries_.load(),
           .errors = errors_.load(),
-          .fixed_buffer_pieces = fixed_buffer_pieces_.load()};
+          .fixed_buffer_pieces = fixed_buffer_pieces_.load(),
+          .read_busy_ns = busy_[0].ns(),
+          .write_busy_ns = busy_[1].ns()};
 }
 
 }  // namespace tz::nvme::detail

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -120,10 +121,44 @@ class EngineCore {
 
   void fail(RequestState& request, Status status);
   void count_request() { requests_.fetch_add(1, std::memory_order_relaxed); }
+  // Note [Busy time]: a request of `op` enters (submit) or leaves (its last piece finished).
+  void busy_begin(IoOp op) { busy_[op == IoOp::kRead ? 0 : 1].begin(); }
+  void busy_end(IoOp op) { busy_[op == IoOp::kRead ? 0 : 1].end(); }
   void count_fixed_buffer() { fixed_buffer_pieces_.fetch_add(1, std::memory_order_relaxed); }
   EngineStats stats() const;
 
  private:
+  // Note [Busy time]
+  // A rate is bytes over the time the device was asked for them: the union
+  // of the intervals in which at least one request of the direction was in
+  // flight (submitted, last piece not finished), not the wall time (which
+  // holds the callers' gaps) nor the sum of latencies (which counts
+  // overlapping requests many times). One mutex per direction, taken twice a
+  // request (requests are pieces of a MiB or more): cheap beside the I/O.
+  class BusyClock {
+   public:
+    void begin() {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (inflight_++ == 0) since_ = std::chrono::steady_clock::now();
+    }
+    void end() {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--inflight_ == 0) busy_ += std::chrono::steady_clock::now() - since_;
+    }
+    std::uint64_t ns() const {  // the open interval included
+      std::lock_guard<std::mutex> lock(mu_);
+      auto busy = busy_;
+      if (inflight_ > 0) busy += std::chrono::steady_clock::now() - since_;
+      return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(busy).count());
+    }
+
+   private:
+    mutable std::mutex mu_;
+    std::int64_t inflight_ = 0;
+    std::chrono::steady_clock::time_point since_;
+    std::chrono::steady_clock::duration busy_{0};
+  };
+  BusyClock busy_[2];  // read, write
   const EngineOptions options_;
   std::atomic<std::uint64_t> requests_{0}, pieces_{0}, bytes_read_{0}, bytes_written_{0};
   std::atomic<std::uint64_t> short_transfers_{0}, retries_{0}, errors_{0}, fixed_buffer_pieces_{0};

@@ -233,6 +233,9 @@ TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
   // both moments once. Writes: master and moments once, 16-bit params once.
   EXPECT_EQ(r.nvme_read_bytes, shard * (2 * 2 + 4 + 4 + 4));
   EXPECT_EQ(r.nvme_write_bytes, shard * (4 + 4 + 4 + 2));
+  // The time a read (write) was in flight, for the rates the trainer reports (Note [Busy time]).
+  EXPECT_GT(r.nvme_read_busy_seconds, 0.0);
+  EXPECT_GT(r.nvme_write_busy_seconds, 0.0);
   EXPECT_EQ(r.fetches, 6U);
   EXPECT_EQ(r.prefetched, 6U) << "every fetch of a steady-state step follows the trace";
   // Buffers in flight are bounded (prefetch window, gradient backpressure), so

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <functional>
 #include <latch>
+#include <chrono>
 #include <thread>
 
 #include "nvme_test_util.h"
@@ -75,6 +76,37 @@ TEST_P(IoEngineBackends, WritesAndReadsBackEveryByteAcrossRingsAndBlockSizes) {
     EXPECT_EQ(stats.pieces, 2 * ((bytes + block - 1) / block));
     EXPECT_TRUE(engine->close(f).ok());
   }
+}
+
+// Note [Busy time]: each direction's clock runs while at least one of its
+// requests is in flight, once however many overlap, and not in the gaps.
+TEST_P(IoEngineBackends, BusyTimeIsTheUnionOfEachDirectionsRequestsInFlight) {
+  TempDir dir;
+  auto engine = make_engine({.block_size_bytes = 1 << 20, .queue_depth = 8, .rings = 2, .backend = GetParam()});
+  ASSERT_TRUE(engine);
+  const std::size_t bytes = 8 << 20;
+  const FileId f = open_new(*engine, dir.file("busy"), 4 * bytes);
+  AlignedBuffer out(4 * bytes), in(4 * bytes);
+  out.fill_random(7);
+  ASSERT_TRUE(engine->submit(whole(IoOp::kWrite, out.data(), f, 4 * bytes)).wait().ok());
+  const auto written = engine->stats();
+  EXPECT_GT(written.write_busy_ns, 0U);
+  EXPECT_EQ(written.read_busy_ns, 0U) << "no read ran";
+  using Clock = std::chrono::steady_clock;
+  const auto begin = Clock::now();
+  std::vector<tz::nvme::IoFuture> reads;
+  for (int i = 0; i < 4; ++i) {  // four at once: their overlap counts once
+    reads.push_back(engine->submit(whole(IoOp::kRead, in.data() + i * bytes, f, bytes, i * bytes)));
+  }
+  for (auto& r : reads) ASSERT_TRUE(r.wait().ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a gap, not counted
+  ASSERT_TRUE(engine->submit(whole(IoOp::kRead, in.data(), f, bytes)).wait().ok());
+  const double wall_ns = std::chrono::duration<double, std::nano>(Clock::now() - begin).count();
+  const auto read = engine->stats();
+  EXPECT_GT(read.read_busy_ns, 0U);
+  EXPECT_LE(static_cast<double>(read.read_busy_ns), wall_ns - 100e6) << "the gap was counted";
+  EXPECT_EQ(read.write_busy_ns, written.write_busy_ns) << "reads moved the write clock";
+  EXPECT_TRUE(engine->close(f).ok());
 }
 
 TEST_P(IoEngineBackends, ARequestOverSeveralFilesStripesAndReassembles) {

@@ -314,6 +314,8 @@ tz::Status Run::train_step(std::int64_t step) {
   r.h2d_bytes = r.report.h2d_bytes;
   r.gather_bytes = r.report.gather_bytes;
   r.wait_nvme_seconds = r.report.wait_nvme_seconds;
+  r.nvme_read_busy_seconds = r.report.nvme_read_busy_seconds;
+  r.nvme_write_busy_seconds = r.report.nvme_write_busy_seconds;
   r.wait_h2d_seconds = r.report.wait_h2d_seconds;
   r.wait_gather_seconds = r.report.wait_gather_seconds;
   if (info_.gpu_budget_bytes == 0) info_.gpu_budget_bytes = r.report.gpu_budget_bytes;

@@ -81,6 +81,27 @@ void print_eval(const EvalRecord& e) {
   std::fflush(stdout);
 }
 
+// The NVMe rates the steady-state steps achieved: their bytes over the time
+// a read (write) was in flight (Note [Busy time]); 0 where nothing moved.
+struct NvmeRates {
+  double read_gbps = 0, write_gbps = 0, read_busy_s = 0, write_busy_s = 0;
+};
+
+NvmeRates nvme_rates(const std::vector<const StepRecord*>& st) {
+  NvmeRates r;
+  double read = 0, written = 0;
+  for (const StepRecord* s : st) {
+    read += static_cast<double>(s->nvme_read_bytes);
+    written += static_cast<double>(s->nvme_write_bytes);
+    r.read_busy_s += s->nvme_read_busy_seconds;
+    r.write_busy_s += s->nvme_write_busy_seconds;
+  }
+  if (r.read_busy_s > 0) r.read_gbps = read / r.read_busy_s / 1e9;
+  if (r.write_busy_s > 0) r.write_gbps = written / r.write_busy_s / 1e9;
+  if (!st.empty()) r.read_busy_s /= static_cast<double>(st.size()), r.write_busy_s /= static_cast<double>(st.size());
+  return r;
+}
+
 void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, const std::vector<EvalRecord>& evals) {
   if (steps.empty()) return;
   const std::vector<const StepRecord*> st = steady(steps);
@@ -108,6 +129,11 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
               "trace, nor those right after an evaluation):\n", st.size());
   std::printf("  %-28s %12s\n", "NVMe read", per_step([](const StepRecord& r) { return double(r.nvme_read_bytes); }).c_str());
   std::printf("  %-28s %12s\n", "NVMe write", per_step([](const StepRecord& r) { return double(r.nvme_write_bytes); }).c_str());
+  if (const NvmeRates rates = nvme_rates(st); rates.read_busy_s > 0 || rates.write_busy_s > 0) {
+    std::printf("  %-28s read %.2f GB/s (%.3f s a step with a read in flight), write %.2f GB/s (%.3f s with a "
+                "write in flight)\n", "NVMe rates achieved", rates.read_gbps, rates.read_busy_s, rates.write_gbps,
+                rates.write_busy_s);
+  }
   std::printf("  %-28s %12s\n", "host-to-device", per_step([](const StepRecord& r) { return double(r.h2d_bytes); }).c_str());
   std::printf("  %-28s %12s\n", "all-gather (received)", per_step([](const StepRecord& r) { return double(r.gather_bytes); }).c_str());
   const double w_nvme = mean_of(st, [](const StepRecord& r) { return r.wait_nvme_seconds; });
@@ -140,9 +166,12 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                   {"grad_norm", r.report.grad_norm}, {"lr", r.report.lr}, {"nvme_read_bytes", r.nvme_read_bytes},
                   {"nvme_write_bytes", r.nvme_write_bytes}, {"h2d_bytes", r.h2d_bytes}, {"gather_bytes", r.gather_bytes},
                   {"wait_nvme_seconds", r.wait_nvme_seconds}, {"wait_h2d_seconds", r.wait_h2d_seconds},
-                  {"wait_gather_seconds", r.wait_gather_seconds}, {"peak_gpu_bytes", r.report.peak_gpu_bytes},
+                  {"wait_gather_seconds", r.wait_gather_seconds},
+                  {"nvme_read_busy_seconds", r.nvme_read_busy_seconds},
+                  {"nvme_write_busy_seconds", r.nvme_write_busy_seconds}, {"peak_gpu_bytes", r.report.peak_gpu_bytes},
                   {"peak_cpu_bytes", r.report.peak_cpu_bytes}, {"peak_nvme_bytes", r.report.peak_nvme_bytes}});
   }
+  const NvmeRates rates = nvme_rates(steady(steps));
   nlohmann::json je = nlohmann::json::array();
   for (const EvalRecord& e : evals) je.push_back({{"step", e.step}, {"val_loss", e.val_loss}});
   const nlohmann::json out = {
@@ -151,7 +180,11 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
       {"model_state_bytes", info.state_bytes}, {"gpu_budget_bytes", info.gpu_budget_bytes}, {"corpus", info.corpus},
       {"batch", info.batch}, {"seq", info.seq}, {"ranks", info.ranks}, {"gradient_accumulation_steps", info.gas},
       {"first_step", info.first_step}, {"steps", info.steps}, {"wall_seconds", info.wall_seconds},
-      {"trace", info.trace_path}, {"checkpoint", info.checkpoint_dir}, {"step_records", js}, {"evals", je}};
+      {"trace", info.trace_path}, {"checkpoint", info.checkpoint_dir}, {"step_records", js}, {"evals", je},
+      {"nvme_rates", {{"read_gbps", rates.read_gbps}, {"write_gbps", rates.write_gbps},
+                      {"read_busy_seconds_per_step", rates.read_busy_s},
+                      {"write_busy_seconds_per_step", rates.write_busy_s},
+                      {"over", "the steady-state steps: their bytes over the time a read (write) was in flight"}}}};
   return write_text(path, out.dump(1) + "\n");
 }
 

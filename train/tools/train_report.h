@@ -21,6 +21,7 @@ struct StepRecord {
   StepReport report;              // the last micro-batch's engine report (the stepping one)
   std::uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0, h2d_bytes = 0, gather_bytes = 0;  // whole step
   double wait_nvme_seconds = 0, wait_h2d_seconds = 0, wait_gather_seconds = 0;              // whole step
+  double nvme_read_busy_seconds = 0, nvme_write_busy_seconds = 0;  // whole step: a read (write) in flight
 };
 
 struct EvalRecord {

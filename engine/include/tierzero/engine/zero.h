@@ -221,6 +221,10 @@ struct StepReport {
   double optimizer_seconds = 0;
   std::uint64_t nvme_read_bytes = 0;   // this step, this rank
   std::uint64_t nvme_write_bytes = 0;
+  // Seconds since the last report with at least one NVMe read (write) in
+  // flight (Note [Busy time]): the bytes over them are the rates the drives
+  // gave while the engine asked.
+  double nvme_read_busy_seconds = 0, nvme_write_busy_seconds = 0;
   std::uint64_t h2d_bytes = 0;         // 16-bit shards copied up for gathering
   std::uint64_t gather_bytes = 0;      // received by all-gathers
   // Seconds fetch() waited on each stage since the last report (the stage

@@ -184,6 +184,11 @@ struct EngineStats {
   std::uint64_t retries = 0;           // EAGAIN / EINTR
   std::uint64_t errors = 0;            // failed requests
   std::uint64_t fixed_buffer_pieces = 0;  // submitted with a registered buffer
+  // Nanoseconds with at least one read (write) request submitted and not yet
+  // complete: bytes_read / read_busy_ns is the rate the device gave while it
+  // was asked to read (Note [Busy time] in nvme/src/engine_internal.h).
+  std::uint64_t read_busy_ns = 0;
+  std::uint64_t write_busy_ns = 0;
 };
 
 class IoEngine {
