@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "nvme_bench_modes.h"
+#include "nvme_bench_replay.h"
 
 namespace {
 
@@ -78,6 +79,8 @@ struct Flags {
   int swap_window = 0;
   bool swap_checksums = true;
   bool compare_fio = false;
+  std::string replay_path;  // --replay: a fio version 2 I/O log
+  int replay_loops = 0;     // 0: enough passes for 2 GiB a run
   int pairs = 5;
   std::string fio = "fio";
   std::string json_path;
@@ -169,6 +172,10 @@ tz::Expected<Setup> resolve(const Flags& f) {
                                 f.block_size, tz::format_bytes(s.file_bytes));
   }
   TZ_TRY(parse_ops(f, s));
+  if (!f.replay_path.empty()) {  // the replay alone: no benchmark file, no swap run
+    s.workloads.clear();
+    s.swap = false;
+  }
   s.repeats = f.repeats;
   s.pairs = f.pairs;
   s.fio = f.fio;
@@ -320,6 +327,10 @@ tz::Status run_modes(const Flags& f, tzbench::Context& ctx, nlohmann::json& out)
   if (ctx.setup.swap) {
     TZ_ASSIGN_OR_RETURN(out["swap"], tzbench::run_swap(ctx));
   }
+  if (!f.replay_path.empty()) {
+    TZ_ASSIGN_OR_RETURN(out["replay"], tzbench::run_replay(ctx, f.replay_path, f.replay_loops,
+                                                           f.compare_fio && no_fio.empty()));
+  }
   return tz::ok_status();
 }
 
@@ -411,6 +422,11 @@ void add_flags(CLI::App& app, Flags& f) {
       ->check(CLI::Range(0, 4096))->capture_default_str();
   app.add_flag("!--swap-no-checksums", f.swap_checksums, "swap store without checksums (to measure their cost)");
   app.add_flag("--compare-fio", f.compare_fio, "alternate with fio's io_uring engine on the same file");
+  app.add_option("--replay", f.replay_path, "replay a fio version 2 I/O log (tierzero-train --io-log writes a training "
+                 "step's) through the engine, and with --compare-fio through fio's read_iolog, alternating, on scratch "
+                 "files under --path; nothing else runs")->check(CLI::ExistingFile);
+  app.add_option("--replay-loops", f.replay_loops, "passes over the log per run (0: enough for 2 GiB)")
+      ->check(CLI::Range(0, 1000000));
   app.add_option("--pairs", f.pairs, "ours/fio pairs, and swap rounds")->check(CLI::Range(1, 1000))->capture_default_str();
   app.add_option("--fio", f.fio, "fio executable")->capture_default_str();
   app.add_option("--json", f.json_path, "write the results as JSON to this file")

@@ -172,12 +172,17 @@ tz::Expected<FioResult> parse_fio_json(const std::string& text) {
 }
 
 tz::Expected<FioResult> run_fio(const FioSpec& spec) {
+  return run_fio_with([&](const std::string& output) { return fio_args(spec, output); }, spec.hugepages);
+}
+
+tz::Expected<FioResult> run_fio_with(const std::function<std::vector<std::string>(const std::string&)>& make_args,
+                                     bool hugepages) {
   TempFile output("/tmp/tierzero-nvme-bench-fio-XXXXXX");
   TempFile log("/tmp/tierzero-nvme-bench-fio-XXXXXX");
   if (output.path.empty() || log.path.empty()) return tz::errno_status(errno, "creating temporary files for fio");
-  const std::vector<std::string> argv = fio_args(spec, output.path);
+  const std::vector<std::string> argv = make_args(output.path);
   std::vector<std::string> env;
-  if (spec.hugepages) env.push_back("GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
+  if (hugepages) env.push_back("GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
   const std::string command = join(env, " ") + (env.empty() ? "" : " ") + join(argv, " ");
   TZ_ASSIGN_OR_RETURN(int rc, spawn_and_wait(argv, log.path, env));
   if (rc != 0) {

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,10 @@ struct FioResult {
 tz::Expected<std::string> fio_version(const std::string& fio);
 std::vector<std::string> fio_args(const FioSpec& spec, const std::string& output_path);
 tz::Expected<FioResult> run_fio(const FioSpec& spec);
+// Runs fio with the arguments make_args(output path) gives (they must write
+// --output-format=json to that path), with huge pages as above; its JSON read back.
+tz::Expected<FioResult> run_fio_with(const std::function<std::vector<std::string>(const std::string&)>& make_args,
+                                     bool hugepages);
 // Parses fio's --output-format=json text.
 tz::Expected<FioResult> parse_fio_json(const std::string& text);
 

@@ -100,6 +100,16 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   void record_timeline(bool on) override { timeline_.enable(on); }
   Status write_timeline(const std::string& path) override { return timeline_.write_json(path); }
   void clear_timeline() override { timeline_.clear(); }
+  void record_io_log(bool on) override {
+    if (io_) io_->record_log(on);
+  }
+  Status write_io_log(const std::string& path) override {
+    if (!io_) return failed_precondition("write_io_log {}: no state lives on NVMe, so there is no NVMe I/O to log", path);
+    std::vector<nvme::IoLogEntry> log = io_->take_log();
+    if (log.empty()) return failed_precondition("write_io_log {}: no NVMe request was recorded (record_io_log(true) "
+                                                "first)", path);
+    return nvme::write_fio_iolog(path, log);
+  }
 
  private:
   // A pinned staging set for one sub-group of the optimizer pass: for each

@@ -176,6 +176,15 @@ class IoEngineImpl final : public IoEngine {
   IoBackend backend() const override { return backend_; }
   const EngineOptions& options() const override { return core_.options(); }
   EngineStats stats() const override { return core_.stats(); }
+  void record_log(bool on) override {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    if (on && !logging_) log_.clear();
+    logging_ = on;
+  }
+  std::vector<IoLogEntry> take_log() override {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    return std::exchange(log_, {});
+  }
   std::string describe() const override;
 
  private:
@@ -196,6 +205,9 @@ class IoEngineImpl final : public IoEngine {
   // Clears `slots` on every ring; caller holds regions_mu_.
   void clear_slots(const std::vector<int>& slots);
 
+  std::mutex log_mu_;
+  bool logging_ = false;               // guarded by log_mu_
+  std::vector<IoLogEntry> log_;        // guarded by log_mu_
   mutable std::shared_mutex regions_mu_;
   std::vector<Region> regions_;          // guarded by regions_mu_
   int fixed_buffers_refused_errno_ = 0;  // guarded by regions_mu_: ENOMEM/EPERM, then no more tries
@@ -450,6 +462,15 @@ void IoEngineImpl::submit(IoRequest request, IoCallback done) {
   if (!built.ok()) {
     done(built.status(), IoResult{});
     return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    if (logging_) {
+      std::shared_lock<std::shared_mutex> files_lock(files_mu_);
+      for (const Segment& s : request.segments) {
+        log_.push_back({request.op, files_[s.file.index]->path, s.offset, s.length});
+      }
+    }
   }
   RequestState* state = built->release();  // owned by its pieces now; the last one frees it
   state->callback = std::move(done);

@@ -65,7 +65,7 @@ struct Flags {
   bool tf32 = true;      // CUDA only
   std::optional<int> layers, hidden, heads, seq, batch;
   std::optional<std::int64_t> steps;
-  std::string json_path, csv_path, plot_path, trace_path, save_dir, resume_dir;
+  std::string json_path, csv_path, plot_path, trace_path, save_dir, resume_dir, io_log_path;
   int eval_every = 50, eval_batches = 4, save_every = 0, log_every = 10, threads = 0;
   std::optional<std::int64_t> warmup_steps;  // unset: tz::train::default_warmup_steps (Note [Default warm-up])
   std::uint64_t data_seed = 1234, init_seed = 1234;
@@ -371,6 +371,7 @@ tz::Status Run::train() {
   if (f_.eval_every > 0) TZ_TRY(evaluate(first));
   for (std::int64_t step = first; step < last; ++step) {
     engine_->record_timeline(step == traced);
+    if (!f_.io_log_path.empty()) engine_->record_io_log(step == traced);
     TZ_TRY_CTX(train_step(step), "step {}", step + 1);
     if (leader()) check_rise();
     if (step == traced) {
@@ -378,6 +379,10 @@ tz::Status Run::train() {
       info_.trace_path = out(f_.trace_path, "trace.json");
       if (leader()) TZ_TRY(engine_->write_timeline(info_.trace_path));
       engine_->clear_timeline();
+      if (!f_.io_log_path.empty()) {
+        engine_->record_io_log(false);
+        if (leader()) TZ_TRY_CTX(engine_->write_io_log(f_.io_log_path), "--io-log");
+      }
     }
     const std::int64_t done = step + 1;
     if (leader() && (f_.log_every <= 1 || done % f_.log_every == 0 || step == first || done == last)) {
@@ -434,6 +439,8 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--csv", f.csv_path, "loss curve CSV (default: OUT/loss.csv)");
   app.add_option("--plot", f.plot_path, "loss curve PNG (default: OUT/loss.png)");
   app.add_option("--trace", f.trace_path, "Chrome trace of one step (default: OUT/trace.json)");
+  app.add_option("--io-log", f.io_log_path, "write the NVMe requests of the same step as a fio version 2 I/O log, "
+                 "for tierzero-nvme-bench --replay (and fio --read_iolog)");
   app.add_option("--save", f.save_dir, "checkpoint directory, written at the end (and every --save-every steps)");
   app.add_option("--save-every", f.save_every, "also save every N steps (0: only at the end)");
   app.add_option("--resume", f.resume_dir, "continue from this checkpoint directory's latest checkpoint");

@@ -414,6 +414,14 @@ class ZeroEngine {
   virtual void record_timeline(bool on) = 0;
   virtual Status write_timeline(const std::string& path) = 0;
   virtual void clear_timeline() = 0;
+
+  // Records the NVMe requests the engine makes (every state on NVMe, each
+  // segment in submission order) and writes them as a fio version 2 I/O log
+  // that tierzero-nvme-bench --replay and fio's read_iolog replay (Note [I/O
+  // logs]). Turning it on clears what was recorded. Without NVMe there is
+  // nothing to record: write_io_log refuses, naming why.
+  virtual void record_io_log(bool on) = 0;
+  virtual Status write_io_log(const std::string& path) = 0;
 };
 
 }  // namespace tz

@@ -191,6 +191,23 @@ struct EngineStats {
   std::uint64_t write_busy_ns = 0;
 };
 
+// One request segment as submitted, for replaying a workload's I/O pattern
+// (tierzero-nvme-bench --replay; Note [I/O logs] in nvme/src/engine.cpp).
+struct IoLogEntry {
+  IoOp op = IoOp::kRead;
+  std::string path;           // the file as opened
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+};
+
+// Writes entries as a fio version 2 I/O log (the format fio's read_iolog
+// replays): a header, "PATH add" and "PATH open" once per file, a
+// "PATH read|write OFFSET LENGTH" line per entry in order, "PATH close" at the
+// end. Written to a temporary name and renamed.
+Status write_fio_iolog(const std::string& path, const std::vector<IoLogEntry>& entries);
+// Reads such a log back (also one fio wrote); errors name the file and line.
+Expected<std::vector<IoLogEntry>> read_fio_iolog(const std::string& path);
+
 class IoEngine {
  public:
   // Validates the options (errors name the option and its range), starts the
@@ -227,6 +244,10 @@ class IoEngine {
   virtual IoBackend backend() const = 0;          // kUring or kThreads, as running
   virtual const EngineOptions& options() const = 0;
   virtual EngineStats stats() const = 0;
+  // While on, every valid submitted request's segments are appended to a log
+  // in submission order; turning it on clears the log. take_log() returns it.
+  virtual void record_log(bool on) = 0;
+  virtual std::vector<IoLogEntry> take_log() = 0;
   // "io_uring, 2 rings x depth 32, 1 MiB blocks, fixed buffers" or why not.
   virtual std::string describe() const = 0;
 };
