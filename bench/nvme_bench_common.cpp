@@ -52,6 +52,8 @@ tz::Expected<std::vector<int>> parse_int_list(const std::string& flag, const std
 
 // ---------------------------------------------------------------- buffers
 
+void fault_in_by_pinning(char* data, std::size_t bytes);  // Note [First touch by pinning]
+
 tz::Expected<HostBuffer> HostBuffer::map(std::size_t bytes, bool hugepages) {
   constexpr std::size_t kAlign = std::size_t{2} << 20;
   const std::size_t used = tz::align_up(std::max<std::size_t>(bytes, 1), kAlign);
@@ -65,8 +67,11 @@ tz::Expected<HostBuffer> HostBuffer::map(std::size_t bytes, bool hugepages) {
   if (hugepages && ::madvise(b.data_, used, MADV_HUGEPAGE) != 0) {
     TZ_LOG_ONCE_WARN("bench", "madvise(MADV_HUGEPAGE): {}; buffers stay on small pages", std::strerror(errno));
   }
+  if (!hugepages) fault_in_by_pinning(b.data_, used);
   return b;
 }
+
+
 
 void HostBuffer::fill_random(std::uint64_t seed) {
   std::uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 0x632BE59BD9B4E019ULL;
@@ -229,6 +234,25 @@ std::string PageCache::note() const {
                         std::string(kDropCaches) + "), writes end with fdatasync";
   return "buffered I/O; " + std::string(kDropCaches) +
          " is not writable here, so the buffered figures include the page cache";
+}
+
+// Note [First touch by pinning]: a registration with a throwaway engine
+// faults every page in; where the kernel refuses (memlock), the pages are left
+// to whoever touches them first, said once.
+void fault_in_by_pinning(char* data, std::size_t bytes) {
+  tz::Expected<std::unique_ptr<tz::nvme::IoEngine>> engine =
+      tz::nvme::IoEngine::create({.queue_depth = 1, .rings = 1});
+  if (!engine.ok()) {
+    TZ_LOG_ONCE_WARN("bench", "no I/O engine to fault buffers in with ({}); they are first touched by the fill",
+                     engine.status().message());
+    return;
+  }
+  tz::Expected<std::vector<void*>> chunks = register_chunks(**engine, data, bytes, std::size_t{1} << 20);
+  if (!chunks.ok()) {
+    TZ_LOG_ONCE_WARN("bench", "faulting buffers in by pinning: {}; they are first touched by the fill",
+                     chunks.status().message());
+  }
+  if (chunks.ok()) unregister_chunks(**engine, *chunks);
 }
 
 }  // namespace tzbench

@@ -25,7 +25,8 @@ tz::Expected<std::vector<int>> parse_int_list(const std::string& flag, const std
 
 // Anonymous memory aligned to 2 MiB, unmapped on destruction. With
 // `hugepages`, madvise(MADV_HUGEPAGE) before the first touch, so transparent
-// huge pages back it where the kernel allows (see Note [Huge pages]).
+// huge pages back it where the kernel allows (see Note [Huge pages]); without,
+// first touched by the kernel's pinning (Note [First touch by pinning]).
 class HostBuffer {
  public:
   HostBuffer() = default;
@@ -51,6 +52,18 @@ class HostBuffer {
 // depth 16. fio gets the same chance: its buffers come from malloc, and with
 // huge pages on it runs with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which makes
 // glibc madvise them, and iomem_align=2m, which starts them on a huge page.
+
+// Note [First touch by pinning]
+// On 4 KiB pages what a buffer's pages are depends on who touches them first.
+// Touched by the process (a fill loop), consecutive pages came out physically
+// scattered (/proc/self/pagemap here: 7012 runs of contiguous frames over 8192
+// pages); faulted in by the kernel's pinning (an io_uring buffer registration,
+// as fio's buffers are when it registers them or when its first O_DIRECT I/O
+// pins them) they came out in runs (2671 runs), which the block layer merges
+// into fewer segments. Sequential 1 MiB reads at depth 32 went from 1.24-1.47
+// to 1.99-2.13 GB/s, fio's 2.15 (bench/RESULTS.md, issue #25). So without huge
+// pages a bench buffer is faulted in through a throwaway registration before
+// anything writes it; fio's first touch is the kernel's too.
 
 // The largest buffer the kernel registers in one io_uring fixed-buffer slot
 // (io_uring/rsrc.c refuses iov_len > 1 GiB).

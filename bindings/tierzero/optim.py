@@ -34,6 +34,18 @@ param16_dtype=torch.bfloat16 (or float16) adds the fused 16-bit copy-out:
 the same pass writes each new parameter rounded to 16 bits into a separate
 tensor, `optimizer.param16(p)`, for a mixed-precision model to run on. It is
 derived state: not in state_dict, rebuilt by the next step.
+
+Note [Coloured state]
+The kernel streams the parameter, its gradient, its states and the 16-bit
+copy together. Arrays an exact multiple of a large power of two apart share
+cache sets (Note [Coloured arrays] in tierzero/offload/pool.h: ~2x slower
+Adam on an AVX2 host with its arrays 128 MiB apart), and torch allocates
+large tensors as adjacent mappings their sizes apart. So every array of a
+parameter of 32 MiB or more is placed in a buffer 2 MiB larger, at the
+offset that puts it colour x 68 KiB past the parameter modulo 2 MiB (exp_avg 2, exp_avg_sq or sum 3, the 16-bit copy 4,
+max_exp_avg_sq 6): at most 7 % more state memory, at the smallest. It is
+a contiguous view: state_dict saves it as any tensor; a state loaded by
+load_state_dict keeps the placement it was loaded with.
 """
 
 from __future__ import annotations
@@ -48,6 +60,30 @@ from . import _core
 __all__ = ["Adam", "AdamW", "Adagrad", "Lion"]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Note [Coloured state]: the colours of tierzero/offload/pool.h's Colour, the parameter being the master (0).
+_COLOURS = {"exp_avg": 2, "exp_avg_sq": 3, "sum": 3, "param16": 4, "max_exp_avg_sq": 6}
+_COLOUR_STEP_BYTES = 68 << 10
+_HUGE_PAGE_BYTES = 2 << 20
+_COLOUR_MIN_BYTES = 32 << 20
+
+
+def _coloured_like(p: torch.Tensor, colour: int, make: Callable[..., torch.Tensor],
+                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A contiguous CPU tensor shaped as p (make = torch.zeros or torch.empty), placed by colour when large."""
+    dtype = p.dtype if dtype is None else dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = p.numel()
+    if n * p.element_size() < _COLOUR_MIN_BYTES or p.device.type != "cpu":  # by the parameter: all its streams
+        return make(p.shape, dtype=dtype, device=p.device)
+    pad = _HUGE_PAGE_BYTES // itemsize
+    buf = make(n + pad, dtype=dtype)
+    want = (p.data_ptr() + colour * _COLOUR_STEP_BYTES) % _HUGE_PAGE_BYTES
+    shift = (want - buf.data_ptr()) % _HUGE_PAGE_BYTES
+    if shift % itemsize:  # an odd parameter address: no placement lines up, take the start
+        shift = 0
+    start = shift // itemsize
+    return buf[start:start + n].view(p.shape)
 _UNSUPPORTED_TRUE = ("maximize", "capturable", "differentiable")
 
 
@@ -106,7 +142,7 @@ class _CpuOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         state["step"] = torch.tensor(0.0)
         for key in self._state_keys:
-            state[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state[key] = _coloured_like(p, _COLOURS[key], torch.zeros)
 
     def _state_arrays(self, state: dict, group: dict) -> dict:
         raise NotImplementedError
@@ -155,7 +191,7 @@ class _CpuOptimizer(torch.optim.Optimizer):
         if self._param16_dtype is not None:
             param16 = self._param16.get(p)
             if param16 is None:
-                param16 = self._param16[p] = torch.empty_like(p, dtype=self._param16_dtype)
+                param16 = self._param16[p] = _coloured_like(p, _COLOURS["param16"], torch.empty, self._param16_dtype)
         try:
             # p.detach(): the same storage (torch refuses to export a tensor that requires grad).
             states = {k: to_dlpack(v) for k, v in self._state_arrays(state, group).items()}
@@ -219,7 +255,7 @@ class Adam(_CpuOptimizer):
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         super()._init_state(p, state, group)
         if group["amsgrad"]:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["max_exp_avg_sq"] = _coloured_like(p, _COLOURS["max_exp_avg_sq"], torch.zeros)
 
     def _state_arrays(self, state: dict, group: dict) -> dict:
         out = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
@@ -267,8 +303,8 @@ class Adagrad(_CpuOptimizer):
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         state["step"] = torch.tensor(0.0)
-        state["sum"] = torch.full_like(p, float(group["initial_accumulator_value"]),
-                                       memory_format=torch.contiguous_format)
+        state["sum"] = _coloured_like(p, _COLOURS["sum"], torch.empty)
+        state["sum"].fill_(float(group["initial_accumulator_value"]))
 
     def _state_arrays(self, state: dict, group: dict) -> dict:
         return {"exp_avg_sq": state["sum"]}

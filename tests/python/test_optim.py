@@ -202,3 +202,36 @@ def test_unsupported_params_and_options_are_refused_by_name():
         tzo.AdamW([r], maximize=True).step()
     with pytest.raises(TypeError, match="param16_dtype"):
         tzo.AdamW([r], param16_dtype=torch.float64)
+
+
+# Note [Coloured state]: states of 32 MiB and more start their colour's 68 KiB step past the parameter,
+# modulo 2 MiB, so the streams of one kernel never alias; the step's result does not depend on it.
+@pytest.mark.parametrize("make", [lambda ps: tzo.AdamW(ps, lr=1e-3, amsgrad=True, param16_dtype=torch.bfloat16),
+                                  lambda ps: tzo.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1),
+                                  lambda ps: tzo.Lion(ps, lr=1e-4)])
+def test_large_states_are_coloured_apart_from_the_parameter_and_each_other(make, monkeypatch):
+    huge = 2 << 20
+    torch.manual_seed(0)
+    big = torch.nn.Parameter(torch.randn(3, (8 << 20) // 3 + 1))  # 32 MiB + 4 bytes: coloured
+    small = torch.nn.Parameter(torch.randn(1000))               # left as torch allocates it
+    twin_big, twin_small = (torch.nn.Parameter(t.detach().clone()) for t in (big, small))
+    for p in (big, small, twin_big, twin_small):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    opt = make([big, small])
+    opt.step()
+    arrays = [t for t in opt.state[big].values() if t.dim() > 0]
+    if getattr(opt, "_param16", None) and big in opt._param16:
+        arrays.append(opt._param16[big])
+    assert arrays, "no state to check"
+    residues = [big.data_ptr() % huge] + [t.data_ptr() % huge for t in arrays]
+    assert len(set(residues)) == len(residues), f"streams alias modulo 2 MiB: {residues}"
+    for t in arrays:
+        assert t.is_contiguous() and t.shape == big.shape
+        assert (t.data_ptr() - big.data_ptr()) % huge in {c * (68 << 10) for c in (2, 3, 4, 6)}
+    # The same step with every state placed as torch allocates it: bit for bit the same parameters and states.
+    monkeypatch.setattr(tzo, "_COLOUR_MIN_BYTES", 1 << 62)
+    ref = make([twin_big, twin_small])
+    ref.step()
+    assert torch.equal(big.detach(), twin_big.detach()) and torch.equal(small.detach(), twin_small.detach())
+    for key, value in opt.state[big].items():
+        assert torch.equal(value, ref.state[twin_big][key]), key
