@@ -42,8 +42,9 @@ cache sets (Note [Coloured arrays] in tierzero/offload/pool.h: ~2x slower
 Adam on an AVX2 host with its arrays 128 MiB apart), and torch allocates
 large tensors as adjacent mappings their sizes apart. So every array of a
 parameter of 32 MiB or more is placed in a buffer 2 MiB larger, at the
-offset that puts it colour x 68 KiB past the parameter modulo 2 MiB (exp_avg 2, exp_avg_sq or sum 3, the 16-bit copy 4,
-max_exp_avg_sq 6): at most 7 % more state memory, at the smallest. It is
+offset that puts it colour x 68 KiB past the parameter modulo 2 MiB
+(exp_avg 2, exp_avg_sq or sum 3, the 16-bit copy 4, max_exp_avg_sq 6): at
+most 7 % more state memory, at the smallest. It is
 a contiguous view: state_dict saves it as any tensor; a state loaded by
 load_state_dict keeps the placement it was loaded with.
 """
