@@ -715,8 +715,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   // Note [Initial values]: set only once every rank has loaded every block, so
   // a load that failed anywhere leaves every rank with the same unset blocks.
   unset_.assign(layout_.blocks.size(), false);
-  nvme_read_bytes_ = 0;
-  nvme_write_bytes_ = 0;
+  reset_io_counters();
   TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {}{})", dir, step_, options.weights_only ? ", weights only" : "");
   return LoadedCheckpoint{dir, step_, std::move(client_state)};
 }

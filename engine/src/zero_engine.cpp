@@ -226,6 +226,16 @@ Status ZeroEngineImpl::make_stores() {
   return ok_status();
 }
 
+// The NVMe bytes and busy time the next step report counts start from here.
+void ZeroEngineImpl::reset_io_counters() {
+  nvme_read_bytes_ = nvme_write_bytes_ = 0;
+  if (io_) {
+    const nvme::EngineStats io = io_->stats();
+    read_busy_seen_ns_ = io.read_busy_ns;
+    write_busy_seen_ns_ = io.write_busy_ns;
+  }
+}
+
 void ZeroEngineImpl::make_sub_groups() {
   const auto limit = static_cast<std::uint64_t>(std::max<std::int64_t>(options_.config.zero.sub_group_size, 1));
   std::uint64_t in_group = 0;
@@ -296,12 +306,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       window);
   TZ_TRY(init_states(init));
   TZ_TRY(prewarm_grad_pools());
-  nvme_read_bytes_ = nvme_write_bytes_ = 0;  // step reports count steps, not set-up
-  if (io_) {
-    const nvme::EngineStats io = io_->stats();
-    read_busy_seen_ns_ = io.read_busy_ns;
-    write_busy_seen_ns_ = io.write_busy_ns;
-  }
+  reset_io_counters();  // step reports count steps, not set-up
   TZ_LOG_INFO("engine", "{}", describe());
   return ok_status();
 }

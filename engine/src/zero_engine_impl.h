@@ -246,6 +246,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::atomic<std::uint64_t> nvme_read_bytes_{0}, nvme_write_bytes_{0};  // since the last step report
   std::uint64_t pool_allocations_seen_ = 0;    // pools' backend allocations at the last report
   std::uint64_t read_busy_seen_ns_ = 0, write_busy_seen_ns_ = 0;  // io_'s busy clocks at the last report
+  void reset_io_counters();  // after set-up and a checkpoint load: the next report counts from here
   std::unique_ptr<Stream> d2h_stream_;         // the grad thread's copies
   std::unique_ptr<Stream> comm_stream_;        // the comm thread's collectives (NCCL)
   static constexpr int kMaxPendingGrads = 3;

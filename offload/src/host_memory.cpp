@@ -85,7 +85,7 @@ Expected<void*> map_huge_aligned(std::size_t length, std::size_t offset, bool ad
   const auto start = reinterpret_cast<std::uintptr_t>(base);
   // The first boundary + offset at or after start: within the 2 MiB of slack.
   std::uintptr_t aligned = align_up(start, kHugePageBytes) + offset;
-  if (aligned - kHugePageBytes >= start) aligned -= kHugePageBytes;
+  if (aligned >= start + kHugePageBytes) aligned -= kHugePageBytes;
   // Cut the slack on both sides away; munmap of a range inside a private
   // anonymous mapping that we own cannot fail but for a bad argument.
   if (aligned > start) (void)::munmap(base, aligned - start);
@@ -110,8 +110,9 @@ class HostAllocator final : public RawAllocator {
     const std::size_t length = align_up(bytes, page_size());
     void* ptr = nullptr;
     if (length >= kHugePageBytes) {
-      // Note [Coloured arrays]: placed by colour whether or not huge pages back it.
-      const std::size_t offset = static_cast<std::size_t>(colour) * kColourStepBytes % kHugePageBytes;
+      // Note [Coloured arrays]: placed by colour whether or not huge pages back it, on a whole page.
+      const std::size_t step = static_cast<std::size_t>(colour) * kColourStepBytes % kHugePageBytes;
+      const std::size_t offset = length >= kColourMinBytes ? step / page_size() * page_size() : 0;
       TZ_ASSIGN_OR_RETURN(ptr, map_huge_aligned(length, offset, options_.huge_pages && huge_pages_offered()));
     } else {
       ptr = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -165,6 +166,7 @@ Expected<std::unique_ptr<MemoryPool>> make_host_pool(Device& device, std::uint64
   pool_options.hint = "move more state to NVMe (offload_*.device: nvme)";
   pool_options.budget_bytes = budget_bytes;
   pool_options.granularity_bytes = page_size();
+  pool_options.coloured = true;
   return std::make_unique<MemoryPool>(std::move(pool_options), make_host_allocator(device, options), &device);
 }
 

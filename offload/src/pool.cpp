@@ -11,12 +11,13 @@ PoolBlock& PoolBlock::operator=(PoolBlock&& other) noexcept {
     ptr_ = std::exchange(other.ptr_, nullptr);
     size_bytes_ = std::exchange(other.size_bytes_, 0);
     capacity_bytes_ = std::exchange(other.capacity_bytes_, 0);
+    colour_ = other.colour_;
   }
   return *this;
 }
 
 void PoolBlock::reset() {
-  if (ptr_ != nullptr) pool_->release(ptr_, capacity_bytes_);
+  if (ptr_ != nullptr) pool_->release(ptr_, capacity_bytes_, colour_);
   pool_ = nullptr;
   ptr_ = nullptr;
   size_bytes_ = capacity_bytes_ = 0;
@@ -44,19 +45,20 @@ Expected<PoolBlock> MemoryPool::allocate(std::size_t bytes, Colour colour) {
   // Checked before rounding, so a huge request cannot wrap around align_up.
   if (bytes > options_.budget_bytes) return over_budget_locked(bytes, bytes);
   const std::size_t capacity = align_up(std::max<std::size_t>(bytes, 1), options_.granularity_bytes);
+  colour = effective_colour(capacity, colour);
   reap_pending_locked();
-  if (auto [ptr, block_capacity] = take_cached_locked(capacity); ptr != nullptr) {
+  if (auto [ptr, block_capacity] = take_cached_locked(capacity, colour); ptr != nullptr) {
     ++stats_.cache_hits;
-    return PoolBlock(this, ptr, bytes, block_capacity);
+    return PoolBlock(this, ptr, bytes, block_capacity, colour);
   }
   if (stats_.reserved_bytes + capacity > options_.budget_bytes) {
     // Make room: cached blocks first, then blocks still pending on a stream.
     trim_locked();
     if (stats_.reserved_bytes + capacity > options_.budget_bytes && !pending_.empty()) {
       wait_for_pending(lock);
-      if (auto [ptr, block_capacity] = take_cached_locked(capacity); ptr != nullptr) {
+      if (auto [ptr, block_capacity] = take_cached_locked(capacity, colour); ptr != nullptr) {
         ++stats_.cache_hits;
-        return PoolBlock(this, ptr, bytes, block_capacity);
+        return PoolBlock(this, ptr, bytes, block_capacity, colour);
       }
       trim_locked();
     }
@@ -73,7 +75,7 @@ Expected<PoolBlock> MemoryPool::allocate(std::size_t bytes, Colour colour) {
   stats_.reserved_bytes += capacity;
   stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
   note_in_use_locked(capacity);
-  return PoolBlock(this, *ptr, bytes, capacity);
+  return PoolBlock(this, *ptr, bytes, capacity, colour);
 }
 
 Status MemoryPool::release_after(PoolBlock block, Stream& stream) {
@@ -113,15 +115,15 @@ Status MemoryPool::release_after(PoolBlock block, Stream& stream) {
   std::size_t capacity = block.capacity_bytes_;
   stats_.in_use_bytes -= capacity;
   stats_.pending_bytes += capacity;
-  pending_.push_back(Pending{ptr, capacity, std::move(done)});
+  pending_.push_back(Pending{ptr, capacity, block.colour_, std::move(done)});
   return ok_status();
 }
 
-void MemoryPool::release(void* ptr, std::size_t capacity) {
+void MemoryPool::release(void* ptr, std::size_t capacity, Colour colour) {
   std::lock_guard lock(mu_);
   stats_.in_use_bytes -= capacity;
   stats_.cached_bytes += capacity;
-  cached_.emplace(capacity, ptr);
+  cached_.emplace(capacity, Cached{ptr, colour});
 }
 
 void MemoryPool::reap_pending_locked() {
@@ -135,7 +137,7 @@ void MemoryPool::reap_pending_locked() {
     // Done, or the stream failed and no longer runs anything that could use the block.
     stats_.pending_bytes -= it->capacity;
     stats_.cached_bytes += it->capacity;
-    cached_.emplace(it->capacity, it->ptr);
+    cached_.emplace(it->capacity, Cached{it->ptr, it->colour});
     spare_events_.push_back(std::move(it->done));
     it = pending_.erase(it);
   }
@@ -160,8 +162,8 @@ void MemoryPool::wait_for_pending(std::unique_lock<std::mutex>& lock) {
 
 std::uint64_t MemoryPool::trim_locked() {
   std::uint64_t freed = 0;
-  for (auto& [capacity, ptr] : cached_) {
-    allocator_->deallocate(ptr, capacity);
+  for (auto& [capacity, block] : cached_) {
+    allocator_->deallocate(block.ptr, capacity);
     freed += capacity;
     ++stats_.backend_frees;
   }
@@ -171,12 +173,14 @@ std::uint64_t MemoryPool::trim_locked() {
   return freed;
 }
 
-std::pair<void*, std::size_t> MemoryPool::take_cached_locked(std::size_t capacity) {
-  auto it = cached_.lower_bound(capacity);
-  if (it == cached_.end()) return {nullptr, 0};
+std::pair<void*, std::size_t> MemoryPool::take_cached_locked(std::size_t capacity, Colour colour) {
   const auto limit = static_cast<std::size_t>(static_cast<double>(capacity) * (1.0 + options_.max_slack));
-  if (it->first > std::max(limit, capacity)) return {nullptr, 0};
-  const auto [block_capacity, ptr] = *it;
+  // The smallest block within the slack that has the request's colour.
+  auto it = cached_.lower_bound(capacity);
+  while (it != cached_.end() && it->first <= std::max(limit, capacity) && it->second.colour != colour) ++it;
+  if (it == cached_.end() || it->first > std::max(limit, capacity)) return {nullptr, 0};
+  const std::size_t block_capacity = it->first;
+  void* ptr = it->second.ptr;
   cached_.erase(it);
   stats_.cached_bytes -= block_capacity;
   note_in_use_locked(block_capacity);

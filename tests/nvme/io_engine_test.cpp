@@ -99,6 +99,11 @@ TEST_P(IoEngineBackends, BusyTimeIsTheUnionOfEachDirectionsRequestsInFlight) {
     reads.push_back(engine->submit(whole(IoOp::kRead, in.data() + i * bytes, f, bytes, i * bytes)));
   }
   for (auto& r : reads) ASSERT_TRUE(r.wait().ok());
+  const double overlapped_ns = std::chrono::duration<double, std::nano>(Clock::now() - begin).count();
+  const auto after_overlap = engine->stats();
+  // The union of four requests in flight together is at most the time they
+  // took together (their latencies summed would be up to four times it).
+  EXPECT_LE(static_cast<double>(after_overlap.read_busy_ns), overlapped_ns);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a gap, not counted
   ASSERT_TRUE(engine->submit(whole(IoOp::kRead, in.data(), f, bytes)).wait().ok());
   const double wall_ns = std::chrono::duration<double, std::nano>(Clock::now() - begin).count();

@@ -91,25 +91,40 @@ TEST(HostMemory, LargeBlocksStartOnAHugePageAndAreAdvisedOntoOne) {
   EXPECT_EQ((*pool)->stats().reserved_bytes, 16 * kMiB + 4096 + 64 * 1024);
 }
 
+// VmSize of this process, bytes.
+std::uint64_t vm_size_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    unsigned long kb = 0;
+    if (std::sscanf(line.c_str(), "VmSize: %lu kB", &kb) == 1) return std::uint64_t{kb} * 1024;
+  }
+  return 0;
+}
+
 // Note [Coloured arrays]: blocks a kernel streams together never alias, even
 // when their sizes are exact multiples of 128 MiB (as a width-4096 GPT block's
-// shards are): each starts its colour's 68 KiB step past a 2 MiB boundary, and
-// costs no byte more.
+// shards are): each of 32 MiB or more starts its colour's 68 KiB step past a
+// 2 MiB boundary, and costs no byte more (the slack is unmapped again).
 TEST(HostMemory, ColouredBlocksStartTheirColoursStepPastAHugePage) {
   std::unique_ptr<Device> device = create_host_device();
+  constexpr std::size_t kBlock = 32 * kMiB;
   for (bool huge : {true, false}) {
-    auto pool = make_host_pool(*device, 64 * kMiB, {.pinned = false, .huge_pages = huge});
+    auto pool = make_host_pool(*device, 6 * kBlock + 8 * kMiB, {.pinned = false, .huge_pages = huge});
     ASSERT_TRUE(pool.ok());
+    const std::uint64_t vm_before = vm_size_bytes();
     std::vector<PoolBlock> blocks;
     for (Colour c : {Colour::kMaster, Colour::kGrad, Colour::kExpAvg, Colour::kExpAvgSq, Colour::kParam16,
                      Colour::kArrivingGrad}) {
-      auto block = (*pool)->allocate(8 * kMiB, c);
+      auto block = (*pool)->allocate(kBlock, c);
       ASSERT_TRUE(block.ok()) << block.status().to_string();
       const auto addr = reinterpret_cast<std::uintptr_t>(block->data());
       EXPECT_EQ(addr % (2 * kMiB), static_cast<std::size_t>(c) * kColourStepBytes) << "colour " << static_cast<int>(c);
       std::memset(block->data(), static_cast<int>(c), block->size_bytes());  // every byte is mapped and writable
       blocks.push_back(std::move(*block));
     }
+    // What stays mapped is the blocks, not the 2 MiB each was cut from.
+    EXPECT_EQ(vm_size_bytes() - vm_before, 6 * kBlock);
     // Pairwise distinct residues modulo 2 MiB, so modulo any larger power of two too.
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       for (std::size_t j = i + 1; j < blocks.size(); ++j) {
@@ -118,13 +133,49 @@ TEST(HostMemory, ColouredBlocksStartTheirColoursStepPastAHugePage) {
         EXPECT_NE(a % (2 * kMiB), b % (2 * kMiB)) << i << " " << j;
       }
     }
-    EXPECT_EQ((*pool)->stats().reserved_bytes, 48 * kMiB) << "colours cost no bytes";
+    EXPECT_EQ((*pool)->stats().reserved_bytes, 6 * kBlock) << "colours cost no bytes";
     for (std::size_t i = 0; i < blocks.size(); ++i) {  // nothing overlapped: each still holds its own fill
       const auto* bytes = static_cast<const unsigned char*>(blocks[i].data());
       EXPECT_EQ(bytes[0], i);
-      EXPECT_EQ(bytes[8 * kMiB - 1], i);
+      EXPECT_EQ(bytes[kBlock - 1], i);
     }
+    // Below 32 MiB no colour: the block starts on the boundary, to stay on huge pages.
+    auto small = (*pool)->allocate(8 * kMiB, Colour::kExpAvgSq);
+    ASSERT_TRUE(small.ok());
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(small->data()) % (2 * kMiB), 0u);
+    small->reset();
+    blocks.clear();
+    (*pool)->trim();
+    EXPECT_EQ(vm_size_bytes(), vm_before) << "everything unmapped again";
   }
+}
+
+// A cached block serves only a request of its own colour (else the colours
+// would depend on which sizes were asked for first).
+TEST(HostMemory, ACachedBlockIsReusedOnlyForItsOwnColour) {
+  std::unique_ptr<Device> device = create_host_device();
+  auto pool = make_host_pool(*device, 128 * kMiB, {.pinned = false});
+  ASSERT_TRUE(pool.ok());
+  void* grad = nullptr;
+  {
+    auto block = (*pool)->allocate(32 * kMiB, Colour::kGrad);
+    ASSERT_TRUE(block.ok());
+    grad = block->data();
+  }  // cached
+  auto moment = (*pool)->allocate(32 * kMiB, Colour::kExpAvg);
+  ASSERT_TRUE(moment.ok());
+  EXPECT_NE(moment->data(), grad);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(moment->data()) % (2 * kMiB), 2 * kColourStepBytes);
+  EXPECT_EQ((*pool)->stats().backend_allocations, 2u);
+  auto again = (*pool)->allocate(32 * kMiB, Colour::kGrad);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->data(), grad) << "the cached block of its colour";
+  EXPECT_EQ((*pool)->stats().cache_hits, 1u);
+  // Small blocks are not coloured: any request of the size reuses them.
+  { auto a = (*pool)->allocate(kMiB, Colour::kGrad); ASSERT_TRUE(a.ok()); }
+  auto b = (*pool)->allocate(kMiB, Colour::kExpAvg);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*pool)->stats().cache_hits, 2u);
 }
 
 TEST(HostMemory, HugePagesCanBeTurnedOff) {

@@ -5,7 +5,9 @@
 #   2. at a learning rate far too high for the model and no warm-up
 #      (--warmup-steps 0) the loss rises past 1.25x the first step's and the
 #      trainer warns once, naming the warm-up and the learning rate;
-#   3. the same run warmed up slowly enough does not warn.
+#   3. the same run warmed up slowly enough does not warn;
+#   4. a run resumed from a checkpoint keeps the warm-up the checkpoint's run
+#      had (its client state records it), not this run's default.
 # Inputs: -DTRAIN=<tierzero-train> -DWORK_DIR=<scratch directory>.
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
@@ -58,5 +60,20 @@ endif()
 train(slow --warmup-steps 100000)
 if(last_error MATCHES "the loss rose")
   message(FATAL_ERROR "warned although the learning rate stayed tiny")
+endif()
+
+train(saved --warmup-steps 7 --save "${WORK_DIR}/ckpt")
+execute_process(COMMAND "${TRAIN}" --config "${WORK_DIR}/hot.json" --preset tiny --steps 2 --eval-every 0 --log-every 1
+                        --out "${WORK_DIR}/resumed" --resume "${WORK_DIR}/ckpt"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+message("---- tierzero-train --resume\n${out}${err}")
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "the resumed run exited with ${rc}")
+endif()
+if(NOT out MATCHES "warmed up linearly over 7 steps \\(as the resumed run was\\)")
+  message(FATAL_ERROR "the resumed run did not keep the saved warm-up of 7 steps")
+endif()
+if(NOT out MATCHES "step +9/10 [^\n]*lr 0.5 ")  # past the warm-up of 7: the config's rate
+  message(FATAL_ERROR "the resumed run's step 9 did not run at the config's lr")
 endif()
 message("warm-up ok")

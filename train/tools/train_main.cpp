@@ -31,6 +31,8 @@
 #include <memory>
 #include <optional>
 
+#include <nlohmann/json.hpp>
+
 #include "tierzero/train.h"
 #include "train_report.h"
 
@@ -164,15 +166,35 @@ struct Warmup {
   std::string about;
 };
 
+// The client state tierzero-train saves with its checkpoints: the warm-up a
+// resumed run must keep (its default depends on the flags of the first run).
+std::string client_state(const Warmup& warmup) {
+  return nlohmann::json{{"tierzero_train", {{"warmup_steps", warmup.steps}}}}.dump();
+}
+
+// The warm-up of the checkpoint --resume loads, as its run saved it.
+tz::Expected<std::int64_t> saved_warmup(const std::string& dir) {
+  TZ_ASSIGN_OR_RETURN(std::optional<std::string> state, tz::read_checkpoint_client_state(dir, ""));
+  const std::string advice = "give --warmup-steps N (0: none, as tierzero-train did by default before it saved one)";
+  if (!state) return tz::invalid_argument("--resume {}: the checkpoint records no learning-rate warm-up; {}", dir, advice);
+  const nlohmann::json j = nlohmann::json::parse(*state, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.contains("tierzero_train") || !j["tierzero_train"].contains("warmup_steps") ||
+      !j["tierzero_train"]["warmup_steps"].is_number_integer()) {
+    return tz::invalid_argument("--resume {}: the checkpoint's client state holds no tierzero_train.warmup_steps "
+                                "(not saved by tierzero-train?); {}", dir, advice);
+  }
+  return j["tierzero_train"]["warmup_steps"].get<std::int64_t>();
+}
+
 Warmup resolve_warmup(const Flags& f, const tz::Config& config, const tz::train::GptConfig& gpt) {
   const double lr = config.optimizer.lr;
+  if (config.scheduler.type != tz::SchedulerType::kNone) {  // --warmup-steps is then 0 or absent (checked)
+    return {0, fmt::format("set by the config's scheduler block ({})", tz::scheduler_name(config.scheduler.type))};
+  }
   if (f.warmup_steps) {
     return {*f.warmup_steps, *f.warmup_steps > 0 ? fmt::format("{:.3g}, warmed up linearly over {} steps "
                                                                "(--warmup-steps)", lr, *f.warmup_steps)
                                                  : fmt::format("{:.3g} from the first step (--warmup-steps 0)", lr)};
-  }
-  if (config.scheduler.type != tz::SchedulerType::kNone) {
-    return {0, fmt::format("set by the config's scheduler block ({})", tz::scheduler_name(config.scheduler.type))};
   }
   const std::int64_t steps = tz::train::default_warmup_steps(gpt, lr);
   if (steps == 0) return {0, fmt::format("{:.3g} from the first step (no warm-up needed at this width and depth)", lr)};
@@ -234,6 +256,13 @@ tz::Status Run::setup() {
   TZ_TRY_CTX(tz::resolve_batch(config_, ranks.world_size), "--batch and the config's batch keys");
   TZ_ASSIGN_OR_RETURN(gpt_, gpt_config(f_, config_));
   warmup_ = resolve_warmup(f_, config_, gpt_);
+  if (!f_.resume_dir.empty() && !f_.warmup_steps && config_.scheduler.type == tz::SchedulerType::kNone) {
+    // A resumed run keeps the warm-up it started with, not this run's default.
+    TZ_ASSIGN_OR_RETURN(const std::int64_t saved, saved_warmup(f_.resume_dir));
+    warmup_ = {saved, saved > 0 ? fmt::format("{:.3g}, warmed up linearly over {} steps (as the resumed run was)",
+                                              config_.optimizer.lr, saved)
+                                : fmt::format("{:.3g}, no warm-up (as the resumed run had none)", config_.optimizer.lr)};
+  }
   if (f_.data_path.empty()) {
     TZ_ASSIGN_OR_RETURN(f_.data_path, tz::train::default_corpus_path(exe_dir()));
   }
@@ -244,6 +273,14 @@ tz::Status Run::setup() {
   TZ_ASSIGN_OR_RETURN(engine_, tz::ZeroEngine::create({.config = config_, .comm = comm_.get()}, tz::train::model(gpt_),
                                                       tz::train::init(gpt_)));
   TZ_ASSIGN_OR_RETURN(trainer_, tz::train::GptTrainer::create(*engine_, gpt_, {.tf32 = f_.tf32}));
+  if (!f_.io_log_path.empty()) {  // refused on every rank now, not on rank 0 after step 2
+    bool nvme = false;
+    for (tz::Tier t : engine_->plan().tier) nvme = nvme || t == tz::Tier::kNvme;
+    if (!nvme) {
+      return tz::invalid_argument("--io-log {}: no state lives on NVMe with {} ({}), so there is no NVMe I/O to log",
+                                  f_.io_log_path, f_.config_path, engine_->describe());
+    }
+  }
   if (!f_.resume_dir.empty()) {
     auto loaded = engine_->load_checkpoint(f_.resume_dir, tz::CheckpointLoad{});
     TZ_TRY_CTX(loaded.status(), "--resume {}", f_.resume_dir);
@@ -324,18 +361,22 @@ tz::Status Run::train_step(std::int64_t step) {
 }
 
 void Run::check_rise() {
-  if (warned_rise_ || steps_.size() < 2 || steps_.back().step >= info_.first_step + kRiseWindow) return;
+  // A fresh run's first steps only: a resumed one is past the start.
+  if (warned_rise_ || info_.first_step != 0 || steps_.size() < 2 || steps_.back().step >= kRiseWindow) return;
   const StepRecord& first = steps_.front();
   const StepRecord& now = steps_.back();
   if (!(now.loss > kRiseFactor * first.loss)) return;
   warned_rise_ = true;
+  const std::string what = config_.scheduler.type != tz::SchedulerType::kNone
+                               ? fmt::format("warm it up over more steps in the config's scheduler block ({})",
+                                             tz::scheduler_name(config_.scheduler.type))
+                               : fmt::format("warm it up over more steps (--warmup-steps, now {})", warmup_.steps);
   std::fprintf(stderr, "tierzero-train: warning: the loss rose from %.4f (step %lld) to %.4f (step %lld), more than "
                        "%.2fx, in the first %lld steps: the learning rate (%.3g at step %lld, config %.3g) is too high "
-                       "for %d layers x %d hidden this early; warm it up over more steps (--warmup-steps, now %lld) "
-                       "or lower optimizer.params.lr\n",
+                       "for %d layers x %d hidden this early; %s or lower optimizer.params.lr\n",
                first.loss, static_cast<long long>(first.step + 1), now.loss, static_cast<long long>(now.step + 1),
                kRiseFactor, static_cast<long long>(kRiseWindow), now.report.lr, static_cast<long long>(now.step + 1),
-               config_.optimizer.lr, gpt_.layers, gpt_.hidden, static_cast<long long>(warmup_.steps));
+               config_.optimizer.lr, gpt_.layers, gpt_.hidden, what.c_str());
 }
 
 tz::Status Run::evaluate(std::int64_t after_step) {
@@ -355,7 +396,8 @@ tz::Status Run::evaluate(std::int64_t after_step) {
 
 tz::Status Run::save(std::int64_t after_step) {
   const auto begin = Clock::now();
-  TZ_TRY_CTX(engine_->save_checkpoint(f_.save_dir), "--save {}", f_.save_dir);
+  TZ_TRY_CTX(engine_->save_checkpoint(f_.save_dir, tz::CheckpointSave{.client_state = client_state(warmup_)}).status(),
+             "--save {}", f_.save_dir);
   info_.checkpoint_dir = f_.save_dir;
   if (leader()) {
     std::printf("saved the checkpoint of step %lld to %s (%.2f s)\n", static_cast<long long>(after_step),

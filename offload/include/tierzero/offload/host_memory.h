@@ -1,8 +1,9 @@
 // Host memory for the CPU tier: page-aligned, placed on a NUMA node through
 // hwloc, and pinned (page-locked) so device copies from it are asynchronous.
-// Allocations of 2 MiB or more start on a 2 MiB boundary and are advised onto
-// transparent huge pages where the kernel offers them (Note [Host memory on
-// huge pages] in host_memory.cpp; the log says once where it does not).
+// Allocations of 2 MiB or more start on a 2 MiB boundary (those of 32 MiB or
+// more their colour's step past it: Note [Coloured arrays] in pool.h) and are
+// advised onto transparent huge pages where the kernel offers them (Note [Host
+// memory on huge pages] in host_memory.cpp; the log says once where it does not).
 //
 // Pinning goes through the Device: cudaHostRegister on the CUDA backend, mlock
 // on the Host backend. On the Host backend the memlock limit applies: a pool

@@ -45,14 +45,19 @@ namespace tz {
 // in the address space, and host blocks of 2 MiB or more start on a huge page
 // (Note [Host memory on huge pages]): left alone they would all alias. So
 // each array a kernel streams together gets its own colour, and the host
-// allocator starts a block of 2 MiB or more kColourStepBytes x colour past a
-// 2 MiB boundary. 68 KiB = 17 pages: a different 4 KiB page offset within
-// each 64 KiB and a different 64 KiB window, so partners fall in different
-// L2/L3 sets whatever the set count, while every block stays page-aligned
-// (O_DIRECT). The offset is cut from the 2 MiB slack the alignment maps
-// anyway: a coloured block costs no byte more than an uncoloured one.
+// allocator starts a block of kColourMinBytes or more kColourStepBytes x
+// colour past a 2 MiB boundary. 68 KiB = 17 pages: a different 4 KiB page
+// offset within each 64 KiB and a different 64 KiB window, so partners fall in
+// different L2/L3 sets whatever the set count, while every block stays
+// page-aligned (O_DIRECT). The offset is cut from the 2 MiB slack the
+// alignment maps anyway: a coloured block costs no byte more than an
+// uncoloured one. Below 32 MiB blocks are not coloured: the offset would keep
+// a smaller block off huge pages altogether (at 32 MiB it costs at most 340
+// KiB of them), and the 128 MiB strides that alias are far larger. A pool
+// reuses a cached block only for a request of the same colour.
 enum class Colour : unsigned { kMaster = 0, kGrad = 1, kExpAvg = 2, kExpAvgSq = 3, kParam16 = 4, kArrivingGrad = 5 };
 inline constexpr std::size_t kColourStepBytes = std::size_t{68} << 10;
+inline constexpr std::size_t kColourMinBytes = std::size_t{32} << 20;
 
 // Where a pool's blocks come from. deallocate() logs failures (it runs from
 // destructors) and never throws.
@@ -72,6 +77,9 @@ struct PoolOptions {
   std::uint64_t budget_bytes = 0;
   std::size_t granularity_bytes = 4096;
   double max_slack = 0.125;
+  // Whether the allocator places blocks by colour (the host pool's does):
+  // then a cached block of kColourMinBytes or more serves only its colour.
+  bool coloured = false;
 };
 
 struct PoolStats {
@@ -110,12 +118,13 @@ class PoolBlock {
 
  private:
   friend class MemoryPool;
-  PoolBlock(MemoryPool* pool, void* ptr, std::size_t size, std::size_t capacity)
-      : pool_(pool), ptr_(ptr), size_bytes_(size), capacity_bytes_(capacity) {}
+  PoolBlock(MemoryPool* pool, void* ptr, std::size_t size, std::size_t capacity, Colour colour)
+      : pool_(pool), ptr_(ptr), size_bytes_(size), capacity_bytes_(capacity), colour_(colour) {}
   MemoryPool* pool_ = nullptr;
   void* ptr_ = nullptr;
   std::size_t size_bytes_ = 0;
   std::size_t capacity_bytes_ = 0;
+  Colour colour_ = Colour::kMaster;  // as the pool keys its cache (Note [Coloured arrays])
 };
 
 class MemoryPool {
@@ -144,17 +153,26 @@ class MemoryPool {
   struct Pending {
     void* ptr;
     std::size_t capacity;
+    Colour colour;
     std::unique_ptr<Event> done;
   };
+  struct Cached {
+    void* ptr;
+    Colour colour;
+  };
 
-  void release(void* ptr, std::size_t capacity);
+  void release(void* ptr, std::size_t capacity, Colour colour);
+  // The colour a block of `capacity` is placed and cached by: kMaster unless the pool is coloured and the block large.
+  Colour effective_colour(std::size_t capacity, Colour colour) const {
+    return options_.coloured && capacity >= kColourMinBytes ? colour : Colour::kMaster;
+  }
   // With mu_ held:
   void reap_pending_locked();  // moves finished pending blocks to the cache, never blocks
   // Waits, with mu_ released, for every block pending now; then reaps.
   void wait_for_pending(std::unique_lock<std::mutex>& lock);
   std::uint64_t trim_locked();
   // A cached block of at least `capacity` within the slack: {ptr, its capacity}, or {nullptr, 0}.
-  std::pair<void*, std::size_t> take_cached_locked(std::size_t capacity);
+  std::pair<void*, std::size_t> take_cached_locked(std::size_t capacity, Colour colour);
   Status over_budget_locked(std::size_t request, std::size_t capacity) const;
   void note_in_use_locked(std::size_t capacity);
 
@@ -162,7 +180,7 @@ class MemoryPool {
   std::unique_ptr<RawAllocator> allocator_;
   Device* device_;
   mutable std::mutex mu_;
-  std::multimap<std::size_t, void*> cached_;     // capacity -> block
+  std::multimap<std::size_t, Cached> cached_;    // capacity -> block
   std::deque<Pending> pending_;
   std::vector<std::unique_ptr<Event>> spare_events_;
   PoolStats stats_;
