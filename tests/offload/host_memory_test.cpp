@@ -123,8 +123,11 @@ TEST(HostMemory, ColouredBlocksStartTheirColoursStepPastAHugePage) {
       std::memset(block->data(), static_cast<int>(c), block->size_bytes());  // every byte is mapped and writable
       blocks.push_back(std::move(*block));
     }
-    // What stays mapped is the blocks, not the 2 MiB each was cut from.
-    EXPECT_EQ(vm_size_bytes() - vm_before, 6 * kBlock);
+    // What stays mapped is the blocks, not the 2 MiB more each was cut from
+    // (12 MiB in all); under 1 MiB of slack for the test's own mallocs.
+    const std::uint64_t grown = vm_size_bytes() - vm_before;
+    EXPECT_GE(grown, 6 * kBlock);
+    EXPECT_LT(grown, 6 * kBlock + kMiB);
     // Pairwise distinct residues modulo 2 MiB, so modulo any larger power of two too.
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       for (std::size_t j = i + 1; j < blocks.size(); ++j) {
@@ -146,7 +149,7 @@ TEST(HostMemory, ColouredBlocksStartTheirColoursStepPastAHugePage) {
     small->reset();
     blocks.clear();
     (*pool)->trim();
-    EXPECT_EQ(vm_size_bytes(), vm_before) << "everything unmapped again";
+    EXPECT_LT(vm_size_bytes(), vm_before + kMiB) << "everything unmapped again";
   }
 }
 
