@@ -158,6 +158,8 @@ nb::dict report_dict(const tz::StepReport& r) {
   d["optimizer_seconds"] = r.optimizer_seconds;
   d["nvme_read_bytes"] = r.nvme_read_bytes;
   d["nvme_write_bytes"] = r.nvme_write_bytes;
+  d["nvme_read_busy_seconds"] = r.nvme_read_busy_seconds;
+  d["nvme_write_busy_seconds"] = r.nvme_write_busy_seconds;
   d["h2d_bytes"] = r.h2d_bytes;
   d["gather_bytes"] = r.gather_bytes;
   d["wait_nvme_seconds"] = r.wait_nvme_seconds;

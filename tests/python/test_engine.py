@@ -107,6 +107,8 @@ def test_reduce_grads_and_step_train(nvme_dir):
     assert report["stepped"] and report["step"] == 1
     assert report["grad_norm"] == pytest.approx(np.sqrt(8 * 16 + 4 * 8), rel=1e-6)
     assert report["nvme_write_bytes"] > 0, "offloaded states should stream through NVMe"
+    # The time a read (write) was in flight, for the rates (Note [Busy time]).
+    assert report["nvme_read_busy_seconds"] > 0 and report["nvme_write_busy_seconds"] > 0
     after = eng.master_params(0)
     np.testing.assert_allclose(after[0], before - 0.1, rtol=0, atol=1e-6)  # Adam's first step moves by lr
     np.testing.assert_array_equal(after[1], np.zeros(8, np.float32))       # zero gradient, no decay: unchanged
