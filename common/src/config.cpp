@@ -712,6 +712,7 @@ const Block& tiers_block() {
       budget_key("nvme_bytes", TZ_FIELD(tiers.nvme)),
       nvme_paths_key(),
       numa_key(),
+      bool_key("huge_pages", TZ_FIELD(tiers.huge_pages), AutoOk::kNo),
   }};
   return block;
 }

@@ -184,7 +184,8 @@ Status ZeroEngineImpl::make_stores() {
   const bool pinned = c.zero.offload_param.pin_memory || c.zero.offload_optimizer.pin_memory ||
                       device_->kind() == BackendKind::kCuda;
   TZ_ASSIGN_OR_RETURN(int numa, resolve_numa_node(*device_, c.tiers.numa_node));
-  TZ_ASSIGN_OR_RETURN(host_pool_, make_host_pool(*device_, budgets_.cpu_bytes, {.pinned = pinned, .numa_node = numa}));
+  TZ_ASSIGN_OR_RETURN(host_pool_, make_host_pool(*device_, budgets_.cpu_bytes,
+                                                 {.pinned = pinned, .numa_node = numa, .huge_pages = c.tiers.huge_pages}));
 
   const bool adagrad = c.optimizer.type == "Adagrad", lion = c.optimizer.type == "Lion";
   std::uint64_t nvme_bytes = 0;

@@ -456,6 +456,15 @@ TEST(Config, BfloatAliasAndNullDeviceAndNumaNumbers) {
   EXPECT_TRUE(c.tiers.cpu.is_auto);
 }
 
+// Note [Host memory on huge pages]: on unless the config says false; no "auto".
+TEST(Config, HugePagesAreOnUnlessTurnedOff) {
+  EXPECT_TRUE(parse_ok(R"({})").tiers.huge_pages);
+  EXPECT_FALSE(parse_ok(R"({"tierzero": {"tiers": {"huge_pages": false}}})").tiers.huge_pages);
+  EXPECT_TRUE(parse_ok(R"({"tierzero": {"tiers": {"huge_pages": true}}})").tiers.huge_pages);
+  expect_invalid(R"({"tierzero": {"tiers": {"huge_pages": "auto"}}})", {"tierzero.tiers.huge_pages", "true or false"});
+  expect_invalid(R"({"tierzero": {"tiers": {"huge_pages": 1}}})", {"tierzero.tiers.huge_pages"});
+}
+
 TEST(Config, WholeFloatsAreAcceptedForIntegerKeys) {
   Config c = parse_ok(R"({"zero_optimization": {"stage": 3.0, "sub_group_size": 5e8,
                           "offload_param": {"device": "cpu", "buffer_count": 4e0}}})");

@@ -185,6 +185,7 @@ struct TierConfig {
   ByteBudget nvme;
   std::vector<std::string> nvme_paths;   // tierzero.tiers.nvme_paths, in order
   std::optional<int> numa_node;          // nullopt = auto (nearest the GPU)
+  bool huge_pages = true;                // CPU-tier memory advised onto transparent huge pages (Note [Host memory on huge pages])
 };
 
 // DeepSpeed's three batch keys as the file gave them (none: absent or "auto").
