@@ -52,7 +52,29 @@ tz::Expected<std::vector<int>> parse_int_list(const std::string& flag, const std
 
 // ---------------------------------------------------------------- buffers
 
-void fault_in_by_pinning(char* data, std::size_t bytes);  // Note [First touch by pinning]
+namespace {
+
+// Note [First touch by pinning]: a registration with a throwaway engine
+// faults every page in; where the kernel refuses (memlock), the pages are left
+// to whoever touches them first, said once.
+void fault_in_by_pinning(char* data, std::size_t bytes) {
+  tz::Expected<std::unique_ptr<tz::nvme::IoEngine>> engine =
+      tz::nvme::IoEngine::create({.queue_depth = 1, .rings = 1});
+  if (!engine.ok()) {
+    TZ_LOG_ONCE_WARN("bench", "no I/O engine to fault buffers in with ({}); they are first touched by the fill",
+                     engine.status().message());
+    return;
+  }
+  tz::Expected<std::vector<void*>> chunks = register_chunks(**engine, data, bytes, std::size_t{1} << 20);
+  if (!chunks.ok()) {
+    TZ_LOG_ONCE_WARN("bench", "faulting buffers in by pinning: {}; they are first touched by the fill",
+                     chunks.status().message());
+    return;
+  }
+  unregister_chunks(**engine, *chunks);
+}
+
+}  // namespace
 
 tz::Expected<HostBuffer> HostBuffer::map(std::size_t bytes, bool hugepages) {
   constexpr std::size_t kAlign = std::size_t{2} << 20;
@@ -234,25 +256,6 @@ std::string PageCache::note() const {
                         std::string(kDropCaches) + "), writes end with fdatasync";
   return "buffered I/O; " + std::string(kDropCaches) +
          " is not writable here, so the buffered figures include the page cache";
-}
-
-// Note [First touch by pinning]: a registration with a throwaway engine
-// faults every page in; where the kernel refuses (memlock), the pages are left
-// to whoever touches them first, said once.
-void fault_in_by_pinning(char* data, std::size_t bytes) {
-  tz::Expected<std::unique_ptr<tz::nvme::IoEngine>> engine =
-      tz::nvme::IoEngine::create({.queue_depth = 1, .rings = 1});
-  if (!engine.ok()) {
-    TZ_LOG_ONCE_WARN("bench", "no I/O engine to fault buffers in with ({}); they are first touched by the fill",
-                     engine.status().message());
-    return;
-  }
-  tz::Expected<std::vector<void*>> chunks = register_chunks(**engine, data, bytes, std::size_t{1} << 20);
-  if (!chunks.ok()) {
-    TZ_LOG_ONCE_WARN("bench", "faulting buffers in by pinning: {}; they are first touched by the fill",
-                     chunks.status().message());
-  }
-  if (chunks.ok()) unregister_chunks(**engine, *chunks);
 }
 
 }  // namespace tzbench

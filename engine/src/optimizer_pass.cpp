@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 
 #include "host_collectives.h"
 #include "tierzero/kernels.h"
@@ -133,12 +134,7 @@ Expected<StepReport> ZeroEngineImpl::step() {
   report.cpu_budget_bytes = cpu.budget_bytes;
   device_pool_->reset_peak();
   host_pool_->reset_peak();
-  if (io_) {
-    const nvme::EngineStats io = io_->stats();
-    report.nvme_read_busy_seconds = static_cast<double>(io.read_busy_ns - std::exchange(read_busy_seen_ns_, io.read_busy_ns)) / 1e9;
-    report.nvme_write_busy_seconds =
-        static_cast<double>(io.write_busy_ns - std::exchange(write_busy_seen_ns_, io.write_busy_ns)) / 1e9;
-  }
+  std::tie(report.nvme_read_busy_seconds, report.nvme_write_busy_seconds) = take_io_busy_seconds();
   if (swap_) {
     const nvme::SwapStats nvme = swap_->stats();
     report.peak_nvme_bytes = nvme.peak_used_bytes;

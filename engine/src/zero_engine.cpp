@@ -230,11 +230,15 @@ Status ZeroEngineImpl::make_stores() {
 // The NVMe bytes and busy time the next step report counts start from here.
 void ZeroEngineImpl::reset_io_counters() {
   nvme_read_bytes_ = nvme_write_bytes_ = 0;
-  if (io_) {
-    const nvme::EngineStats io = io_->stats();
-    read_busy_seen_ns_ = io.read_busy_ns;
-    write_busy_seen_ns_ = io.write_busy_ns;
-  }
+  (void)take_io_busy_seconds();
+}
+
+std::pair<double, double> ZeroEngineImpl::take_io_busy_seconds() {
+  if (!io_) return {0, 0};
+  const nvme::EngineStats io = io_->stats();
+  const std::uint64_t read = io.read_busy_ns - std::exchange(read_busy_seen_ns_, io.read_busy_ns);
+  const std::uint64_t write = io.write_busy_ns - std::exchange(write_busy_seen_ns_, io.write_busy_ns);
+  return {static_cast<double>(read) / 1e9, static_cast<double>(write) / 1e9};
 }
 
 void ZeroEngineImpl::make_sub_groups() {

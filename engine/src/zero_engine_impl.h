@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <atomic>
@@ -247,6 +248,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::uint64_t pool_allocations_seen_ = 0;    // pools' backend allocations at the last report
   std::uint64_t read_busy_seen_ns_ = 0, write_busy_seen_ns_ = 0;  // io_'s busy clocks at the last report
   void reset_io_counters();  // after set-up and a checkpoint load: the next report counts from here
+  // Seconds with an NVMe read, and a write, in flight since the last call (Note [Busy time]).
+  std::pair<double, double> take_io_busy_seconds();
   std::unique_ptr<Stream> d2h_stream_;         // the grad thread's copies
   std::unique_ptr<Stream> comm_stream_;        // the comm thread's collectives (NCCL)
   static constexpr int kMaxPendingGrads = 3;

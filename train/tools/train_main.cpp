@@ -186,19 +186,27 @@ tz::Expected<std::int64_t> saved_warmup(const std::string& dir) {
   return j["tierzero_train"]["warmup_steps"].get<std::int64_t>();
 }
 
-Warmup resolve_warmup(const Flags& f, const tz::Config& config, const tz::train::GptConfig& gpt) {
+// In order: the config's scheduler block, --warmup-steps, the warm-up of the
+// run --resume continues, the default for the model.
+tz::Expected<Warmup> resolve_warmup(const Flags& f, const tz::Config& config, const tz::train::GptConfig& gpt) {
   const double lr = config.optimizer.lr;
   if (config.scheduler.type != tz::SchedulerType::kNone) {  // --warmup-steps is then 0 or absent (checked)
-    return {0, fmt::format("set by the config's scheduler block ({})", tz::scheduler_name(config.scheduler.type))};
+    return Warmup{0, fmt::format("set by the config's scheduler block ({})", tz::scheduler_name(config.scheduler.type))};
   }
   if (f.warmup_steps) {
-    return {*f.warmup_steps, *f.warmup_steps > 0 ? fmt::format("{:.3g}, warmed up linearly over {} steps "
-                                                               "(--warmup-steps)", lr, *f.warmup_steps)
-                                                 : fmt::format("{:.3g} from the first step (--warmup-steps 0)", lr)};
+    return Warmup{*f.warmup_steps, *f.warmup_steps > 0 ? fmt::format("{:.3g}, warmed up linearly over {} steps "
+                                                                     "(--warmup-steps)", lr, *f.warmup_steps)
+                                                       : fmt::format("{:.3g} from the first step (--warmup-steps 0)", lr)};
+  }
+  if (!f.resume_dir.empty()) {  // a resumed run keeps the warm-up it started with, not this run's default
+    TZ_ASSIGN_OR_RETURN(const std::int64_t saved, saved_warmup(f.resume_dir));
+    return Warmup{saved, saved > 0 ? fmt::format("{:.3g}, warmed up linearly over {} steps (as the resumed run was)",
+                                                 lr, saved)
+                                   : fmt::format("{:.3g}, no warm-up (as the resumed run had none)", lr)};
   }
   const std::int64_t steps = tz::train::default_warmup_steps(gpt, lr);
-  if (steps == 0) return {0, fmt::format("{:.3g} from the first step (no warm-up needed at this width and depth)", lr)};
-  return {steps, fmt::format("{:.3g}, warmed up linearly over {} steps, the default for {} layers x {} hidden at "
+  if (steps == 0) return Warmup{0, fmt::format("{:.3g} from the first step (no warm-up needed at this width and depth)", lr)};
+  return Warmup{steps, fmt::format("{:.3g}, warmed up linearly over {} steps, the default for {} layers x {} hidden at "
                              "this lr (ceil(lr x layers x hidden^2 / {:g}); --warmup-steps N to choose)",
                              lr, steps, gpt.layers, gpt.hidden, tz::train::kWarmupScale)};
 }
@@ -255,14 +263,7 @@ tz::Status Run::setup() {
   }
   TZ_TRY_CTX(tz::resolve_batch(config_, ranks.world_size), "--batch and the config's batch keys");
   TZ_ASSIGN_OR_RETURN(gpt_, gpt_config(f_, config_));
-  warmup_ = resolve_warmup(f_, config_, gpt_);
-  if (!f_.resume_dir.empty() && !f_.warmup_steps && config_.scheduler.type == tz::SchedulerType::kNone) {
-    // A resumed run keeps the warm-up it started with, not this run's default.
-    TZ_ASSIGN_OR_RETURN(const std::int64_t saved, saved_warmup(f_.resume_dir));
-    warmup_ = {saved, saved > 0 ? fmt::format("{:.3g}, warmed up linearly over {} steps (as the resumed run was)",
-                                              config_.optimizer.lr, saved)
-                                : fmt::format("{:.3g}, no warm-up (as the resumed run had none)", config_.optimizer.lr)};
-  }
+  TZ_ASSIGN_OR_RETURN(warmup_, resolve_warmup(f_, config_, gpt_));
   if (f_.data_path.empty()) {
     TZ_ASSIGN_OR_RETURN(f_.data_path, tz::train::default_corpus_path(exe_dir()));
   }
