@@ -25,6 +25,7 @@
 
 #include "bench_common.h"
 #include "tierzero/engine.h"
+#include "tierzero/testing/mlp.h"
 
 namespace {
 

@@ -435,12 +435,12 @@ class PyEngine {
 
   void agree(const std::string& value, const std::optional<std::string>& refusal, const std::string& what) {
     const tz::Status refused = refusal ? tz::invalid_argument("{}", *refusal) : tz::Status();
-    locked(*core_, [&] { return core_->engine->agree(value, refused, what); });
+    locked(*core_, [&] { return core_->engine->ranks().agree(value, refused, what); });
   }
 
   void broadcast(const WritableArg& data, int root) {
     const ArrayInfo info = check(data, ArraySpec{{DType::kAny}}, "Engine.broadcast()", "data");
-    locked(*core_, [&] { return core_->engine->broadcast(info.data, info.nbytes, root); });
+    locked(*core_, [&] { return core_->engine->ranks().broadcast(info.data, info.nbytes, root); });
   }
 
   nb::ndarray<nb::numpy, float> gather_master(std::size_t block) {

@@ -12,7 +12,7 @@ build=${1:-build}
 out=${2:-.gpu}
 mkdir -p "$out/bin" "$out/lib"
 rm -f "$out"/bin/* "$out"/lib/*
-bins=(tests/tierzero_kernels_tests tests/tierzero_offload_tests tests/tierzero_engine_tests tests/tierzero_train_tests
+bins=(tests/tierzero_kernels_tests tests/tierzero_offload_tests tests/tierzero_comm_tests tests/tierzero_engine_tests tests/tierzero_train_tests
       tests/tierzero_common_tests train/tierzero-train bench/tierzero-overlap-bench bench/tierzero-tiers
       bench/tierzero-nvme-bench common/tierzero-info offload/tierzero-estimate)
 for b in "${bins[@]}"; do

@@ -55,6 +55,7 @@ if [[ $parts == *" tests "* ]]; then
   run kernels_tests 300 "$bin/tierzero_kernels_tests"
   run offload_tests 300 "$bin/tierzero_offload_tests"
   run common_tests 300 "$bin/tierzero_common_tests"
+  run comm_nccl_tests 300 "$bin/tierzero_comm_tests" --gtest_filter='*Nccl*'
   run engine_cuda_tests 500 "$bin/tierzero_engine_tests" --gtest_filter='ZeroEngineCuda*:*Nccl*'
   run train_cuda_tests 500 "$bin/tierzero_train_tests" --gtest_filter='*Cuda*'
 fi

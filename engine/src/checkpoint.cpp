@@ -25,7 +25,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "host_collectives.h"
+#include "tierzero/comm/host_collectives.h"
 #include "tierzero/common/units.h"
 #include "tierzero/kernels.h"
 #include "zero_engine_impl.h"
@@ -198,38 +198,6 @@ Expected<nlohmann::json> read_json(const std::string& path) {
 }
 
 std::string hex(std::uint64_t x) { return fmt::format("{:016x}", x); }
-
-}  // namespace
-
-Status ZeroEngineImpl::barrier() { return comm_thread_->run([&] { return comm_->barrier(); }); }
-
-// Every rank says whether it succeeded; all learn whether all did.
-Status ZeroEngineImpl::agree(const Status& mine, std::string_view what) {
-  std::int64_t failed = mine.ok() ? 0 : 1;
-  TZ_TRY(comm_thread_->run([&] {
-    return detail::all_reduce_host(*comm_, *device_, *device_pool_, &failed, 1, DataType::kInt64, ReduceOp::kSum);
-  }));
-  if (!mine.ok()) return mine;
-  if (failed > 0) return io_error("{}: {} other rank(s) failed (see their errors)", what, failed);
-  return ok_status();
-}
-
-Status ZeroEngineImpl::agree_on_name(const std::string& name, std::string_view what, std::string_view noun,
-                                     std::string_view advice) {
-  // The largest and the smallest of the ranks' hashes (as max of h and of -h): equal when all ranks agree.
-  const auto h = static_cast<std::int64_t>(nvme::checksum(name.data(), name.size()) >> 2);
-  std::int64_t extremes[2] = {h, -h};
-  TZ_TRY(comm_thread_->run([&] {
-    return detail::all_reduce_host(*comm_, *device_, *device_pool_, extremes, 2, DataType::kInt64, ReduceOp::kMax);
-  }));
-  if (extremes[0] != -extremes[1]) {
-    return invalid_argument("{}: the ranks name different {} (this rank: '{}'); every rank must {}", what, noun, name,
-                            advice);
-  }
-  return ok_status();
-}
-
-namespace {
 
 std::string shape_text(const std::vector<std::int64_t>& shape) { return fmt::format("({})", fmt::join(shape, ", ")); }
 
@@ -434,7 +402,7 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
     TZ_TRY(check_tag(name));
   }
   const std::string final_dir = dir + "/" + name, partial = final_dir + ".partial";
-  TZ_TRY(agree_on_name(final_dir, "checkpoint"));
+  TZ_TRY(ranks_->agree_on(final_dir, "checkpoint", "checkpoints", "pass the same directory and tag"));
   TZ_TRY(agree(options.refusal, "checkpoint " + final_dir));  // before anything is written
   TZ_TRY(agree(comm_->rank() == 0 ? prepare_save(dir, final_dir, partial) : ok_status(), "checkpoint " + final_dir));
   TZ_TRY(agree(write_rank_files(partial), "checkpoint " + final_dir));
@@ -681,7 +649,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   detail::RankFile file;
   std::optional<std::string> client_state;
   // Everything is read and verified on every rank before any state is replaced.
-  TZ_TRY(agree_on_name(dir, "loading checkpoint"));
+  TZ_TRY(ranks_->agree_on(dir, "loading checkpoint", "checkpoints", "pass the same directory and tag"));
   TZ_TRY(agree(options.refusal, "loading checkpoint " + dir));
   const Status read = [&]() -> Status {
     TZ_TRY(read_manifest(dir, client_state));

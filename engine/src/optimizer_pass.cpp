@@ -14,7 +14,7 @@
 #include <limits>
 #include <tuple>
 
-#include "host_collectives.h"
+#include "tierzero/comm/host_collectives.h"
 #include "tierzero/kernels.h"
 #include "zero_engine_impl.h"
 

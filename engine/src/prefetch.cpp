@@ -3,7 +3,7 @@
 
 #include <condition_variable>
 
-#include "host_collectives.h"
+#include "tierzero/comm/host_collectives.h"
 
 namespace tz::detail {
 

@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "shard_store.h"
-#include "tierzero/engine/comm.h"
+#include "tierzero/comm/communicator.h"
 #include "tierzero/engine/zero.h"
 #include "trace.h"
 #include "workers.h"

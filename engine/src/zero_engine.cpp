@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "tierzero/kernels.h"
-#include "host_collectives.h"
+#include "tierzero/comm/host_collectives.h"
 #include "zero_engine_impl.h"
 
 namespace tz {
@@ -283,6 +283,9 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());
   comm_thread_ = std::make_unique<detail::TaskThread>("comm");
   grad_thread_ = std::make_unique<detail::TaskThread>("grad");
+  ranks_ = std::make_unique<RankAgreement>(*comm_, *device_, *device_pool_, [this](const std::function<Status()>& f) {
+    return comm_thread_->run(f);
+  });
   // Every rank must train the same model: one with other blocks would meet the
   // others' collectives with other sizes, and wait or read garbage. Checked
   // before any state is written.
@@ -292,12 +295,12 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
     for (const ParamLayout& p : b.params) described += fmt::format("{}({}),", p.name, fmt::join(p.shape, "x"));
     described += "]";
   }
-  TZ_TRY(agree_on_name(fmt::format("{} blocks, {} parameters, layout digest {:016x}", layout_.blocks.size(),
+  TZ_TRY(ranks_->agree_on(fmt::format("{} blocks, {} parameters, layout digest {:016x}", layout_.blocks.size(),
                                    layout_.param_numel, nvme::checksum(described.data(), described.size())),
                        "creating the engine", "models", "build the same model (block names, parameters, shapes)"));
   // Note [Initial values]: with kRankZero every rank takes part in the broadcasts.
   static constexpr std::string_view kInitialNames[] = {"kRankZero", "kSameOnEveryRank", "kSetLater"};
-  TZ_TRY(agree_on_name(fmt::format("initial_values = {}", kInitialNames[static_cast<int>(options_.initial_values)]),
+  TZ_TRY(ranks_->agree_on(fmt::format("initial_values = {}", kInitialNames[static_cast<int>(options_.initial_values)]),
                        "creating the engine", "initial values", "pass the same ZeroOptions::initial_values"));
   const std::uint64_t window =
       static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_prefetch_bucket_size, 0)) *
@@ -731,7 +734,7 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   // on one rank fails on all of them instead of leaving the others waiting
   // in the broadcast.
   const bool exists = block < layout_.blocks.size();
-  TZ_TRY(agree_on_name(fmt::format("block {}{} from rank {}", block, exists ? " (" + layout_.blocks[block].name + ")" : "",
+  TZ_TRY(ranks_->agree_on(fmt::format("block {}{} from rank {}", block, exists ? " (" + layout_.blocks[block].name + ")" : "",
                                    root),
                        "set_master", "blocks or roots", "pass the same block and root"));
   const Status checked = [&]() -> Status {
@@ -777,15 +780,6 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   }
   unset_[block] = false;
   return prefetcher_->reissue();
-}
-
-Status ZeroEngineImpl::broadcast(void* data, std::size_t bytes, int root) {
-  TZ_TRY(agree_on_name(fmt::format("{} bytes from rank {}", bytes, root), "broadcast", "sizes or roots",
-                       "pass the same size and root"));
-  if (root < 0 || root >= comm_->size()) {
-    return invalid_argument("broadcast: root rank {} is not one of the {} rank(s)", root, comm_->size());
-  }
-  return comm_thread_->run([&] { return detail::broadcast_host(*comm_, *device_, *device_pool_, data, bytes, root); });
 }
 
 std::string ZeroEngineImpl::describe() const {

@@ -86,11 +86,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   using ZeroEngine::set_master;
   Status set_master(std::size_t block, float* whole, std::size_t count, int root, const Status& refusal) override;
   bool has_values(std::size_t block) const override { return block < unset_.size() && !unset_[block]; }
-  Status agree(const std::string& value, const Status& refusal, std::string_view what) override {
-    TZ_TRY(agree(refusal, what));  // first, so a refusing rank reports its reason even when the values differ
-    return agree_on_name(value, what, "values", "do the same");
-  }
-  Status broadcast(void* data, std::size_t bytes, int root) override;
+  RankAgreement& ranks() override { return *ranks_; }
   std::string describe() const override;
   using ZeroEngine::load_checkpoint;
   using ZeroEngine::save_checkpoint;
@@ -160,12 +156,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status release_failure() const { return release_error_; }
 
   // --- checkpoints (checkpoint.cpp)
-  Status barrier();
   // Every rank passes its own result; all return an error if any rank failed.
-  Status agree(const Status& mine, std::string_view what);
-  // Every rank names the same `noun` (a checkpoint directory, a block); an error names this rank's otherwise.
-  Status agree_on_name(const std::string& name, std::string_view what, std::string_view noun = "checkpoints",
-                       std::string_view advice = "pass the same directory and tag");
+  Status agree(const Status& mine, std::string_view what) { return ranks_->agree(mine, what); }
   // Rank 0 makes `partial` ready for a save to `final_dir` (Note [Replacing a checkpoint]).
   Status prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial);
   Status write_rank_files(const std::string& dir);
@@ -194,6 +186,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   ZeroOptions options_;
   Communicator* comm_ = nullptr;
   std::unique_ptr<Communicator> own_comm_;
+  std::unique_ptr<RankAgreement> ranks_;      // over comm_, serialised on comm_thread_
   Device* device_ = nullptr;
   std::unique_ptr<Device> own_device_;
   std::unique_ptr<Stream> stream_;

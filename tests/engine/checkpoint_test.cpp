@@ -20,7 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../nvme/nvme_test_util.h"
-#include "engine_test_util.h"
+#include "tierzero/testing/engine.h"
 
 namespace tzt {
 namespace {

@@ -5,7 +5,7 @@
 // prefetcher does, the weights must come out bit for bit the same.
 #include <gtest/gtest.h>
 
-#include "engine_test_util.h"
+#include "tierzero/testing/engine.h"
 #include "../nvme/nvme_test_util.h"
 
 namespace tzt {

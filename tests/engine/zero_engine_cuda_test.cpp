@@ -8,7 +8,7 @@
 // Skips, saying why, without a GPU.
 #include <gtest/gtest.h>
 
-#include "engine_test_util.h"
+#include "tierzero/testing/engine.h"
 #include "tierzero/kernels.h"
 #include "../nvme/nvme_test_util.h"
 

@@ -8,7 +8,7 @@
 #include <chrono>
 
 #include "../nvme/nvme_test_util.h"
-#include "engine_test_util.h"
+#include "tierzero/testing/engine.h"
 #include "tierzero/kernels.h"
 
 namespace tzt {
@@ -197,42 +197,6 @@ auto failure_report(int rank) {
   return [rank](const char* what, const tz::Status& s) {
     std::fprintf(stderr, "rank %d, %s: %s\n", rank, what, s.to_string().c_str());
   };
-}
-
-// agree(): equal values pass; different values fail on every rank; one
-// rank's refusal fails it with its reason and the other with a count.
-// broadcast(): the root's bytes on every rank; different sizes refused.
-TEST(ZeroEngineRanks, AgreeAndBroadcastAreCollectives) {
-  TempDir dir;
-  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
-    const tz::Config config = rank_config(dir.path(), info.rank);
-    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-    if (!comm.ok()) return 1;
-    auto created = tz::ZeroEngine::create({.config = config, .comm = comm->get()}, tz::mlp::model(kMlp),
-                                          tz::mlp::init(kMlp));
-    if (!created.ok()) return 1;
-    tz::ZeroEngine& engine = **created;
-    const auto report = failure_report(info.rank);
-    if (tz::Status s = engine.agree("same", tz::Status(), "test"); !s.ok()) return report("equal", s), 2;
-    const tz::Status differ = engine.agree(info.rank == 0 ? "zero" : "one", tz::Status(), "test");
-    if (differ.code() != tz::ErrorCode::kInvalidArgument ||
-        differ.message().find("the ranks name different values") == std::string::npos) {
-      return report("different", differ), 3;
-    }
-    const tz::Status refused =
-        engine.agree("same", info.rank == 1 ? tz::invalid_argument("rank 1 says no") : tz::Status(), "test");
-    const std::string want = info.rank == 1 ? "rank 1 says no" : "test: 1 other rank(s) failed";
-    if (refused.ok() || refused.message().find(want) == std::string::npos) return report("refused", refused), 4;
-    std::vector<std::uint8_t> bytes(1000, static_cast<std::uint8_t>(info.rank + 10));
-    if (tz::Status s = engine.broadcast(bytes.data(), bytes.size(), 1); !s.ok()) return report("broadcast", s), 5;
-    if (bytes != std::vector<std::uint8_t>(1000, 11)) return 6;
-    const tz::Status sizes = engine.broadcast(bytes.data(), info.rank == 0 ? 10 : 20, 0);
-    if (sizes.message().find("the ranks name different sizes or roots") == std::string::npos) {
-      return report("sizes", sizes), 7;
-    }
-    return bytes == std::vector<std::uint8_t>(1000, 11) ? 0 : 8;
-  });
-  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
 // Ranks that pass different models (a shape differs) fail at creation,

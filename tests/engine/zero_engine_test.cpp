@@ -3,7 +3,7 @@
 // skips exactly its step; bad input and impossible placements are refused.
 #include <gtest/gtest.h>
 
-#include "engine_test_util.h"
+#include "tierzero/testing/engine.h"
 #include "tierzero/kernels.h"
 #include "../nvme/nvme_test_util.h"
 #include "../offload/faulty_device.h"

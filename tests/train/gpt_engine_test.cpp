@@ -2,7 +2,7 @@
 // NVMe: step by step the same losses and weights as the in-memory reference
 // for 20 steps; evaluation between steps reads the current weights and keeps
 // prefetching on; an engine of another model and bad tokens are refused.
-#include "../engine/engine_test_util.h"
+#include "tierzero/testing/engine.h"
 #include "../nvme/nvme_test_util.h"
 #include "tierzero/train.h"
 #include "train_test_util.h"

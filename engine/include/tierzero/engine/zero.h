@@ -60,7 +60,8 @@
 #include <string>
 #include <vector>
 
-#include "tierzero/engine/comm.h"
+#include "tierzero/comm/agreement.h"
+#include "tierzero/comm/communicator.h"
 #include "tierzero/engine/model.h"
 #include "tierzero/nvme.h"
 #include "tierzero/offload.h"
@@ -370,14 +371,10 @@ class ZeroEngine {
   Status set_master(std::size_t block, float* whole, std::size_t count, int root) {
     return set_master(block, whole, count, root, Status());
   }
-  // A collective check before work every rank must do alike: fails on every
-  // rank when the ranks' `value`s differ (kInvalidArgument quoting this
-  // rank's) or any rank passes a `refusal` (that rank fails with it, the
-  // others saying how many refused). `what` names the work in the messages.
-  virtual Status agree(const std::string& value, const Status& refusal, std::string_view what) = 0;
-  // Rank `root`'s `bytes` bytes at `data` (host memory) into every rank's
-  // `data`. A collective: every rank passes the same size and root.
-  virtual Status broadcast(void* data, std::size_t bytes, int root) = 0;
+  // The engine's ranks, for checks every rank must pass alike and small
+  // broadcasts (tierzero/comm/agreement.h); its collectives queue behind the
+  // engine's own, in one order on every rank.
+  virtual RankAgreement& ranks() = 0;
   // Human-readable: where each state class lives, the budgets and use.
   virtual std::string describe() const = 0;
 

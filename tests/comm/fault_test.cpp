@@ -10,8 +10,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm_test_util.h"
-#include "tierzero/engine/comm.h"
+#include "tierzero/testing/ranks.h"
+#include "tierzero/comm/communicator.h"
 
 namespace tz {
 namespace {

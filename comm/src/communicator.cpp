@@ -7,8 +7,8 @@
 #include <limits>
 #include <system_error>
 
-#include "comm_internal.h"
-#include "tierzero/engine/comm.h"
+#include "internal.h"
+#include "tierzero/comm/communicator.h"
 
 namespace tz {
 

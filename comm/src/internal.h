@@ -10,7 +10,7 @@
 #include <string>
 #include <string_view>
 
-#include "tierzero/engine/comm.h"
+#include "tierzero/comm/communicator.h"
 
 namespace tz::comm_detail {
 

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "comm_test_util.h"
-#include "tierzero/engine/comm.h"
+#include "tierzero/testing/ranks.h"
+#include "tierzero/comm/communicator.h"
 #include "tierzero/kernels.h"
 
 namespace tz {
@@ -93,7 +93,7 @@ TEST(NcclComm, OneRankCopiesInStreamOrder) {
 constexpr std::size_t kCount = 1 << 20;
 
 // bf16 all_reduce sum against the plain sum, tolerance as in
-// comm_gloo_test.cpp: one rounding to bf16 (u = 2^-8) for two ranks.
+// gloo_test.cpp: one rounding to bf16 (u = 2^-8) for two ranks.
 std::string check_bf16_sum(Communicator& comm, Device& device, Stream& stream, int rank) {
   std::vector<std::uint16_t> mine(kCount);
   for (std::size_t i = 0; i < kCount; ++i) {

@@ -31,8 +31,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm_internal.h"
-#include "comm_rendezvous.h"
+#include "internal.h"
+#include "rendezvous.h"
 #include "tierzero/common/checks.h"
 
 #include <gloo/rendezvous/store.h>

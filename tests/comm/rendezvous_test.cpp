@@ -1,4 +1,4 @@
-// The rendezvous (Note [Rendezvous runs] in engine/src/comm_rendezvous.cpp):
+// The rendezvous (Note [Rendezvous runs] in comm/src/rendezvous.cpp):
 // ranks that never arrive, stale files from a crashed job, two jobs on one
 // directory and port, and a clean run leaving nothing behind.
 #include <gtest/gtest.h>
@@ -8,8 +8,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm_test_util.h"
-#include "tierzero/engine/comm.h"
+#include "tierzero/testing/ranks.h"
+#include "tierzero/comm/communicator.h"
 
 namespace tz {
 namespace {

@@ -20,8 +20,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm_test_util.h"
-#include "tierzero/engine/comm.h"
+#include "tierzero/testing/ranks.h"
+#include "tierzero/comm/communicator.h"
 #include "tierzero/kernels.h"
 
 namespace tz {

@@ -25,7 +25,7 @@
 // otherwise steal each other's ranks. flock() works on local file systems
 // and on NFS (Linux maps it to NFS byte-range locks); a shared directory
 // across nodes must support it.
-#include "comm_rendezvous.h"
+#include "rendezvous.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -41,7 +41,7 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 
-#include "comm_internal.h"
+#include "internal.h"
 
 namespace tz::comm_detail {
 

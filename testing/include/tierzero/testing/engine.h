@@ -10,6 +10,7 @@
 #include <string>
 
 #include "tierzero/engine.h"
+#include "tierzero/testing/mlp.h"
 
 namespace tzt {
 

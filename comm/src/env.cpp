@@ -6,7 +6,7 @@
 #include <string>
 #include <string_view>
 
-#include "tierzero/engine/comm.h"
+#include "tierzero/comm/communicator.h"
 
 namespace tz {
 namespace {

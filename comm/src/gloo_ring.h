@@ -7,7 +7,7 @@
 #include <functional>
 #include <memory>
 
-#include "comm_reduce.h"
+#include "reduce.h"
 
 namespace gloo {
 class Context;
@@ -17,7 +17,7 @@ namespace tz::comm_detail {
 
 // Runs `call`, a Gloo call whose buffers live in the caller's frame; when it
 // throws, closes `context`'s connections before the exception (and with it
-// the buffers) leaves: Note [Buffers outlive the failure] in comm_gloo.cpp.
+// the buffers) leaves: Note [Buffers outlive the failure] in gloo.cpp.
 void close_on_failure(gloo::Context& context, const std::function<void()>& call);
 
 class RingReduceScatter {

@@ -1,6 +1,6 @@
 // The communicator's front door: names, rank discovery from the environment,
 // backend choice, argument checks and the single-rank communicator. The
-// multi-rank backends are tested in comm_gloo_test.cpp and comm_fault_test.cpp.
+// multi-rank backends are tested in gloo_test.cpp and fault_test.cpp.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "comm_test_util.h"
-#include "tierzero/engine/comm.h"
+#include "tierzero/testing/ranks.h"
+#include "tierzero/comm/communicator.h"
 
 namespace tz {
 namespace {

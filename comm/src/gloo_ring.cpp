@@ -20,7 +20,7 @@
 // reductions live in two block-sized scratch buffers (one is received into
 // while the other is sent), kept between calls so steady state allocates
 // nothing. Sums of bf16/fp16 round once per step, as NCCL's ring does.
-#include "comm_gloo_ring.h"
+#include "gloo_ring.h"
 
 #include <algorithm>
 #include <string>
@@ -96,7 +96,7 @@ void RingReduceScatter::step(const Step& s, std::size_t block_bytes, std::size_t
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> recvs;
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sends;
   // The event loop may still be failing the other segments' buffers when a
-  // wait throws: Note [Buffers outlive the failure] in comm_gloo.cpp.
+  // wait throws: Note [Buffers outlive the failure] in gloo.cpp.
   close_on_failure(*context_, [&] {
     for (std::size_t offset = 0; offset < block_bytes; offset += segment) {
       const std::size_t length = std::min(segment, block_bytes - offset);

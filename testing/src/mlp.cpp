@@ -1,8 +1,8 @@
-// The built-in MLP workload and its in-memory reference (tierzero/engine/mlp.h).
+// The built-in MLP workload and its in-memory reference (tierzero/testing/mlp.h).
 // Both run the same layer functions below on the same 16-bit-rounded
 // weights, so they differ only where the engine's reductions and fp32
 // optimizer round differently from the reference's double.
-#include "tierzero/engine/mlp.h"
+#include "tierzero/testing/mlp.h"
 
 #include <cmath>
 #include <algorithm>

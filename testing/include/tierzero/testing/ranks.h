@@ -37,7 +37,7 @@
 #include <thread>
 #include <vector>
 
-#include "tierzero/engine/comm.h"
+#include "tierzero/comm/communicator.h"
 
 namespace tz::test {
 

@@ -12,7 +12,7 @@
 
 #include <cstddef>
 
-#include "tierzero/engine/comm.h"
+#include "tierzero/comm/communicator.h"
 
 namespace tz::comm_detail {
 

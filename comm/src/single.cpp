@@ -2,7 +2,7 @@
 // nothing), so no network, rendezvous or library is involved.
 #include <cstring>
 
-#include "comm_internal.h"
+#include "internal.h"
 
 namespace tz::comm_detail {
 namespace {

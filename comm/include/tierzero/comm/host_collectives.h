@@ -3,7 +3,7 @@
 // is; NCCL needs a round trip through device memory.
 #pragma once
 
-#include "tierzero/engine/comm.h"
+#include "tierzero/comm/communicator.h"
 #include "tierzero/offload.h"
 
 namespace tz::detail {

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "tierzero/common.h"
-#include "tierzero/engine/comm.h"
+#include "tierzero/comm/communicator.h"
 
 namespace gloo::rendezvous {
 class Store;

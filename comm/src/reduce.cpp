@@ -1,4 +1,4 @@
-#include "comm_reduce.h"
+#include "reduce.h"
 
 #include <cmath>
 #include <cstdint>

@@ -65,10 +65,10 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
-#include "comm_gloo_ring.h"
-#include "comm_internal.h"
-#include "comm_reduce.h"
-#include "comm_rendezvous.h"
+#include "gloo_ring.h"
+#include "internal.h"
+#include "reduce.h"
+#include "rendezvous.h"
 
 namespace tz::comm_detail {
 namespace {
