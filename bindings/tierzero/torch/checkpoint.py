@@ -33,8 +33,8 @@ from .. import _core
 
 class _Checkpoints:
     """TorchEngine's save_checkpoint, load_checkpoint and export_safetensors, as DeepSpeed's engine takes
-    them. Uses the engine's _core, module, _slot (the trained parameters), _blocks, optimizer and step
-    counters."""
+    them, in place of tierzero.Engine's (the next class in TorchEngine's order). Uses the engine's _core,
+    module, _slot (the trained parameters), _blocks, optimizer and step counters."""
 
     def save_checkpoint(self, save_dir: Union[str, os.PathLike], tag: Any = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
@@ -94,7 +94,7 @@ class _Checkpoints:
         path, _ = self._core.load_checkpoint(load_dir, tag=tag, weights_only=bool(load_module_only), refusal=refusal,
                                              checked=True, client_state=blob)
         self._restore_module_state(decoded.get("module"))
-        self.global_steps = self._core.optimizer_steps
+        self.global_steps = self.optimizer_steps
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()  # checkpoints are at a boundary
         if self.optimizer is not None:
             self.optimizer._show_lr()  # the restored schedule's (or saved) rate for the next step
@@ -136,7 +136,7 @@ class _Checkpoints:
     def export_safetensors(self, path: Union[str, os.PathLike]) -> None:
         """The fp32 weights as one safetensors file, each tensor under its name in model.state_dict()
         (a tied parameter under its first owner's name); rank 0 writes it."""
-        self._core.export_safetensors(os.fspath(path), [b.names for b in self._blocks])
+        super().export_safetensors(path, [b.names for b in self._blocks])
 
 
 _STATE_FORMAT = "tierzero.torch checkpoint state 1"

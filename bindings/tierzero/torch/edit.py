@@ -70,7 +70,7 @@ def _write_blocks(writes: list, root: int, refusal: Optional[str]) -> None:
     fill(flat) write the edits into them (unless refused), and makes rank `root`'s result the block's
     weights. `refusal` goes into the first set_master, which then fails on every rank with nothing written."""
     for k, (engine, b, fill) in enumerate(writes):
-        flat = torch.from_numpy(engine._core.gather_master(b.index))
+        flat = torch.from_numpy(engine.gather_master(b.index))
         mine = refusal if k == 0 else None
         if refusal is None:
             try:
@@ -179,7 +179,7 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor
     if engine is None:
         return None
     b, i = engine._slot[param]
-    flat = torch.from_numpy(engine._core.gather_master(b.index))
+    flat = torch.from_numpy(engine.gather_master(b.index))
     return flat.as_strided(*b.views[i]).to(engine._torch_device, copy=True)
 
 

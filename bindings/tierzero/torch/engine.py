@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import _core, config_args
+from ..engine import Engine
 from .checkpoint import _Checkpoints
 from .edit import _ENGINES
 from .errors import _add_note, _refusal_text
@@ -58,8 +58,16 @@ from .rank0 import _frozen, _kept_digest, _take_rank0s_model
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TorchEngine(_Hooks, _Checkpoints):
-    """A torch module trained through tierzero's ZeRO engine. Made by initialize()."""
+class TorchEngine(_Hooks, _Checkpoints, Engine):
+    """A torch module trained through tierzero's ZeRO engine. Made by initialize().
+
+    A tierzero.Engine whose blocks are the model's modules: its facts (rank, world_size, loss_scale,
+    learning_rate, optimizer_steps, layout, describe(), the timeline) are tierzero.Engine's. What a torch
+    training loop calls is this class's, as DeepSpeed's engine takes it: engine(x), backward, step,
+    the checkpoints, device as a torch.device, and gradient_accumulation_steps() as a call. The block-level
+    calls (fetch, reduce_grads, set_master_params) are the module hooks' to make; edit weights through
+    GatheredParameters or safe_set_full_fp32_param.
+    """
 
     def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None):
         self.module = model
@@ -67,7 +75,7 @@ class TorchEngine(_Hooks, _Checkpoints):
         if not blocks:
             raise ValueError("tierzero.torch.initialize: the model has no parameters that require grad")
         on_meta, kept = self._create_agreed(model, config, init_fn, blocks)
-        layout = self._core.layout()
+        layout = self.layout
         if on_meta:
             _MetaMaker(self._core, model, blocks, layout, init_fn, self._dtype).run()
         else:
@@ -105,8 +113,8 @@ class TorchEngine(_Hooks, _Checkpoints):
             refusal, held = e, "refused"
         # No values at creation: every rank learns first whether the others are on the meta device or
         # refuse, then each block is set (rank 0's values) from the model, or as _MetaMaker makes it.
-        self._core = _core.Engine(blocks=specs, initial_values="later", **config_args(config))
-        self._dtype = _DTYPES[self._core.param_dtype]
+        super().__init__(config, specs, initial_values="later")
+        self._dtype = _DTYPES[self.param_dtype]
         try:
             if refusal is None and self._dtype == torch.float32:
                 self._check_dtypes(blocks)
@@ -133,7 +141,7 @@ class TorchEngine(_Hooks, _Checkpoints):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model (with the saved-tensor hooks of Note [Saved tensors])."""
         # Note [A forward that raised]: one rank only, where no other rank's collectives can be left unmatched
-        mark = self._core.fetch_mark() if self._core.world_size == 1 else None
+        mark = self.fetch_mark() if self.world_size == 1 else None
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
@@ -141,7 +149,7 @@ class TorchEngine(_Hooks, _Checkpoints):
             self._release_all()  # a forward that raised never ran the forward hooks of the modules it was in
             if mark is not None:
                 try:
-                    self._core.rewind_fetches(mark)
+                    self.rewind_fetches(mark)
                 except Exception as r:  # the forward's own error is the one to see
                     _add_note(e, f"tierzero.torch: rewinding the engine's fetches after it failed too: {r}")
             raise
@@ -150,7 +158,7 @@ class TorchEngine(_Hooks, _Checkpoints):
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), scaled by the engine's loss scale (fp16). Do not divide by the accumulation steps."""
-        scale = self._core.loss_scale
+        scale = self.loss_scale
         (loss * scale if scale != 1.0 else loss).backward()
         if self._callback_queued or any(b.arrived or b.backward_held for b in self._blocks):
             self._end_of_backward()
@@ -163,7 +171,7 @@ class TorchEngine(_Hooks, _Checkpoints):
         self._backward_pending = False
         if self.optimizer is not None:
             self.optimizer._take_lr()  # Note [Learning rate]
-        self.last_report = self._core.step()
+        self.last_report = super().step()
         self.global_steps = self.last_report["step"]
         self.micro_steps += 1
         if self.last_report["stepped"] or self.last_report["overflow"]:
@@ -175,10 +183,10 @@ class TorchEngine(_Hooks, _Checkpoints):
         return self.last_report
 
     # DeepSpeed's engine queries, for scripts and trainers that call them.
-    def gradient_accumulation_steps(self) -> int:
+    def gradient_accumulation_steps(self) -> int:  # a call here, as DeepSpeed's; tierzero.Engine's property
         """Micro-batches per optimizer step (derived from train_batch_size and the ranks where the config
         gives that instead, as DeepSpeed does)."""
-        return self._core.gradient_accumulation_steps
+        return super().gradient_accumulation_steps
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return self._core.train_micro_batch_size_per_gpu
@@ -207,7 +215,7 @@ class TorchEngine(_Hooks, _Checkpoints):
         (optimizer.param_groups[0]["lr"]: a torch scheduler's new rate counts from the next step)."""
         if self.optimizer is not None:
             return [self.optimizer._group_lr()]
-        return [self._core.learning_rate]
+        return [self.learning_rate]
 
     def train(self, mode: bool = True) -> "TorchEngine":
         self.module.train(mode)
@@ -221,7 +229,7 @@ class TorchEngine(_Hooks, _Checkpoints):
         """{qualified parameter name: fp32 CPU tensor}: the engine's master weights (a collective over ranks)."""
         out = {}
         for b in self._blocks:
-            flat = torch.from_numpy(self._core.gather_master(b.index))
+            flat = torch.from_numpy(self.gather_master(b.index))
             for view, name in zip(b.views, b.names):
                 out[name] = flat.as_strided(*view).clone()
         return out
@@ -229,7 +237,7 @@ class TorchEngine(_Hooks, _Checkpoints):
     def _full_values(self, b: _Block, slots: list) -> list:
         """The given parameters' current values in the model's dtype on its device, each a fresh tensor.
         A collective (Note [Editing weights])."""
-        flat = torch.from_numpy(self._core.gather_master(b.index))
+        flat = torch.from_numpy(self.gather_master(b.index))
         return [flat.as_strided(*b.views[i]).to(device=self._torch_device, dtype=self._dtype, copy=True)
                 for i in slots]
 
@@ -247,29 +255,14 @@ class TorchEngine(_Hooks, _Checkpoints):
                 p.data = weights[name].to(device=self._placeholder.device, dtype=self._dtype)
         return self.module
 
-    # ------------------------------------------------------------ facts
-    @property
-    def loss_scale(self) -> float:
-        return self._core.loss_scale
-
+    # ------------------------------------------------------------ facts (the rest are tierzero.Engine's)
     @property
     def device(self) -> torch.device:
         return self._placeholder.device
 
     @property
-    def rank(self) -> int:
-        return self._core.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._core.world_size
-
-    @property
     def block_names(self) -> list:
         return [b.name for b in self._blocks]
-
-    def describe(self) -> str:
-        return self._core.describe()
 
 
 def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = None,

@@ -217,6 +217,7 @@ class _Hooks:
             # On CUDA the module's kernels read the block on the current stream, and may still be queued when
             # its last view goes: the engine waits for that stream before reusing the buffer.
             stream = torch.cuda.current_stream(self._torch_device).cuda_stream if self._cuda else None
+            # _core itself on the hot paths (here and in _flush), not tierzero.Engine's wrappers of it
             gathered = self._core.fetch(b.index, stream=stream, evaluation=self._evaluating)
             self._gathered.add(gathered)
             flat = torch.from_dlpack(gathered.data)  # zero-copy; flat's storage keeps `gathered` alive

@@ -38,7 +38,7 @@ class EngineOptimizer(torch.optim.Optimizer):
     def __init__(self, engine: "TorchEngine", hyper: dict):
         params = [p for b in engine._blocks for p in b.params]
         defaults = {k: v for k, v in hyper.items() if k != "params"}
-        defaults["lr"] = engine._core.learning_rate
+        defaults["lr"] = engine.learning_rate
         super().__init__(params, defaults)
         self._engine_ref = weakref.ref(engine)
         self._fixed = {k: v for k, v in self.param_groups[0].items() if k not in ("params", "lr", "initial_lr")}
@@ -77,16 +77,16 @@ class EngineOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"EngineOptimizer: param_groups[0]['{k}'] changed from {v!r} to {group.get(k)!r}; "
                                  "only 'lr' can change after initialize (the rest is the config's optimizer block)")
         lr = self._group_lr()
-        core = self._engine()._core
-        if lr != core.learning_rate:
-            core.set_learning_rate(lr)
+        engine = self._engine()
+        if lr != engine.learning_rate:
+            engine.set_learning_rate(lr)
 
     def _group_lr(self) -> float:
         lr = self.param_groups[0]["lr"]
         return float(lr.item() if isinstance(lr, torch.Tensor) else lr)  # torch allows a tensor lr
 
     def _show_lr(self) -> None:
-        self.param_groups[0]["lr"] = self._engine()._core.learning_rate
+        self.param_groups[0]["lr"] = self._engine().learning_rate
 
 
 def _hyper_from_config(config: Any) -> dict:
