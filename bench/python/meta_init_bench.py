@@ -11,7 +11,7 @@ initialize() and the time initialize() took:
           exists in host memory at once, before the engine takes it
   meta    the model built under torch.device("meta") (no memory), then
           initialize() makes it one module at a time, straight into the
-          engine (Note [Models on the meta device] in bindings/tierzero/torch.py)
+          engine (Note [Models on the meta device] in bindings/tierzero/torch/meta.py)
 
 Both ways end with the same masters (the test suite checks it bit for bit);
 this measures what it costs to get there.

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Does freeing each block's memory back to the system (malloc_trim) matter when a model built on the meta device
-is made (Note [Models on the meta device] in bindings/tierzero/torch.py)?
+is made (Note [Models on the meta device] in bindings/tierzero/torch/meta.py)?
 
 Each way runs in its own process: --layers Linear(--width, --width) built under torch.device("meta"), made by
 tierzero.torch.initialize with the meta_init_bench.py config (parameters and optimizer on NVMe); "without" replaces
-tierzero.torch._malloc_trim by a no-op. Prints peak resident memory (ru_maxrss) after initialize().
+tierzero.torch.meta._malloc_trim by a no-op. Prints peak resident memory (ru_maxrss) after initialize().
 
     python3 bench/python/meta_trim_check.py --layers 40 --width 2048 --nvme-path /var/tmp/tzb
 """
@@ -27,7 +27,7 @@ def _child(trim: bool, layers: int, width: int, nvme: str) -> float:
     import tierzero.torch as tzt
 
     if not trim:
-        tzt._malloc_trim = lambda: None
+        tzt.meta._malloc_trim = lambda: None
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     tzt.initialize(model, _config(nvme))

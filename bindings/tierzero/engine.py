@@ -14,7 +14,8 @@ as the config says, and drives the step:
 
 Gathered arrays are views of the engine's device buffer; the buffer goes back
 to the engine when the last view is gone (Note [Gathered block lifetime] in
-bindings/engine.cpp). tierzero.torch drives all of this from module hooks.
+bindings/engine.cpp). tierzero.torch.TorchEngine is this class, driven from
+module hooks.
 """
 
 from __future__ import annotations
@@ -95,9 +96,8 @@ class Engine:
 
     def __init__(self, config: Any, blocks: Any, init: Optional[Sequence[Sequence[Any]]] = None, *,
                  initial_values: str = "rank0"):
-        self._blocks = _normalise_blocks(blocks)
         arrays = [] if init is None else [[_as_cpu_array(a) for a in block] for block in init]
-        self._core = _core.Engine(blocks=self._blocks, init=arrays, initial_values=initial_values,
+        self._core = _core.Engine(blocks=_normalise_blocks(blocks), init=arrays, initial_values=initial_values,
                                   **_config_kwargs(config))
         self._layout = self._core.layout()
 

@@ -22,8 +22,8 @@ A step is one kernel call per parameter, and with small tensors the Python
 around the call is most of the time (bench/RESULTS.md: torch's fused AdamW
 takes a whole group in one call). So the per-parameter path does only what
 it must: arrays go as DLPack capsules (Note [Capsules, not tensors] in
-torch.py); the checks that name a parameter run only when the kernel or the
-export refuses it (the kernel checks dtype, device, order and size itself);
+torch/hooks.py); the checks that name a parameter run only when the kernel or
+the export refuses it (the kernel checks dtype, device, order and size itself);
 the step counter, a 0-d float32 tensor in the state as torch keeps it, is
 read and written through a cached numpy view of it (a tensor += 1 and .item()
 cost ~2.3 us, the view ~0.1 us), and only after the kernel ran, so a refused

@@ -1,4 +1,4 @@
-"""tierzero.torch (bindings/tierzero/torch.py): torch models trained through the engine, against plain PyTorch."""
+"""tierzero.torch (bindings/tierzero/torch/): torch models trained through the engine, against plain PyTorch."""
 
 import copy
 import gc

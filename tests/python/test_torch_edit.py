@@ -1,4 +1,4 @@
-"""Reading and editing weights between steps (Note [Editing weights] in bindings/tierzero/torch.py):
+"""Reading and editing weights between steps (Note [Editing weights] in bindings/tierzero/torch/edit.py):
 tierzero.torch.GatheredParameters, safe_get_full_fp32_param and safe_set_full_fp32_param, as DeepSpeed's."""
 
 import copy

@@ -212,11 +212,11 @@ WORKER = textwrap.dedent("""
     except ValueError as e:
         assert "the ranks name different values" in str(e), str(e)
     # Reading the frozen tensors failing on rank 1 (before any collective): refused on both, neither waits.
-    real_digest = tzt._kept_digest
+    real_digest = tzt.engine._kept_digest  # where initialize() looks it up
     def failing_digest(named):
         raise KeyError("rank 1 cannot read its buffers")
     if {rank} == 1:
-        tzt._kept_digest = failing_digest
+        tzt.engine._kept_digest = failing_digest
     try:
         tzt.initialize(drawn(600), config)
         raise SystemExit("made though rank 1 failed")
@@ -224,7 +224,7 @@ WORKER = textwrap.dedent("""
         want = "cannot read its buffers" if {rank} == 1 else "tierzero.torch.initialize: 1 other rank(s) failed"
         assert isinstance(e, KeyError if {rank} == 1 else OSError) and want in str(e), (type(e), str(e))
     finally:
-        tzt._kept_digest = real_digest
+        tzt.engine._kept_digest = real_digest
     print("rank {rank}: a model in memory starts from rank 0's on both ranks")
 
     # tierzero.Engine made with no values: a block set from rank 0, the other rank passing None.

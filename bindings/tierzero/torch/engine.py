@@ -1,0 +1,307 @@
+"""TorchEngine: a torch model trained through tierzero's engine, and initialize(), which makes one.
+
+TorchEngine puts the pieces together: the model's blocks (model.py) go to an engine created once every
+rank agrees on what it holds, with rank 0's values (rank0.py) or made on the meta device (meta.py); the
+module hooks (hooks.py) run the model on the engine's memory; checkpoints are checkpoint.py's, and the
+optimizer initialize() returns is optimizer.py's.
+
+Note [A forward that raised]
+A forward that raises half-way (a batch the loop then skips, an interrupt)
+never runs the forward hooks of the modules it was in. engine(x) releases
+their gathered blocks, and rewinds the engine's record of this micro-batch's
+fetches to where the forward began (ZeroEngine::rewind_fetches), so the next
+forward follows the order the engine prefetches by and prefetching goes on
+as before. Without the rewind the next forward breaks that order, and
+prefetching pauses for two micro-batches while it is recorded again (Note [A
+trace that stops holding] in engine/src/prefetch.h). The rewind is for one
+rank only: with several, the rank that raised cannot know whether the others
+raised at the same point (a bad label on one rank's data raises on that rank
+alone), and rewinding alone would make it post the prefetch window's
+all-gathers where the others post other collectives. There every rank, having
+fetched alike, leaves the order at the same point of the next forward, and
+records it again together. (A rank that raises before its forward's last
+fetch leaves the others in that fetch's all-gather until the timeout, as in
+any data-parallel training.) model(x) called directly is not rewound either:
+its blocks go back at engine.step(), and the order is recorded again. A
+backward that raises is not rewound: the blocks it had finished keep the
+gradients they handed to the engine, as torch's .grad keeps them.
+
+Note [Model dtype]
+With the config's "bf16" or "fp16" block enabled, the engine trains 16-bit
+parameters against fp32 master weights, and initialize() casts the model to
+that dtype as DeepSpeed's does (model.to(dtype): frozen parameters and
+floating-point buffers too), so an fp32 model and a DeepSpeed config work
+unchanged. The masters start from the parameters' values before the cast: an
+fp32 model's exact weights, not their 16-bit rounding. The model's inputs are
+the caller's to cast, as with DeepSpeed. Without either block the engine
+trains fp32 parameters, and a trainable parameter of another dtype is refused
+by name (the engine would otherwise round or widen it silently).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from ..engine import Engine
+from .checkpoint import _Checkpoints
+from .edit import _ENGINES
+from .errors import _add_note, _refusal_text
+from .hooks import _Block, _Hooks
+from .meta import _check_meta, _MetaMaker
+from .model import _check_external, _collect_blocks
+from .optimizer import EngineOptimizer, _hyper_from_config
+from .rank0 import _frozen, _kept_digest, _take_rank0s_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchEngine(_Hooks, _Checkpoints, Engine):
+    """A torch module trained through tierzero's ZeRO engine. Made by initialize().
+
+    A tierzero.Engine whose blocks are the model's modules: its facts (rank, world_size, loss_scale,
+    learning_rate, optimizer_steps, layout, describe(), the timeline) are tierzero.Engine's. What a torch
+    training loop calls is this class's, as DeepSpeed's engine takes it: engine(x), backward, step,
+    the checkpoints, device as a torch.device, and gradient_accumulation_steps() as a call. The block-level
+    calls (fetch, reduce_grads, set_master_params) are the module hooks' to make; edit weights through
+    GatheredParameters or safe_set_full_fp32_param.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None):
+        self.module = model
+        blocks, self._module_blocks = _collect_blocks(model)
+        if not blocks:
+            raise ValueError("tierzero.torch.initialize: the model has no parameters that require grad")
+        on_meta, kept = self._create_agreed(model, config, init_fn, blocks)
+        layout = self.layout
+        if on_meta:
+            _MetaMaker(self._core, model, blocks, layout, init_fn, self._dtype).run()
+        else:
+            _take_rank0s_model(self._core, blocks, layout, kept)
+        self._start_gathering(blocks, layout)
+        self.last_report: dict = {}
+        self.global_steps = 0
+        self.micro_steps = 0  # engine.step() calls, as DeepSpeed's engine counts them
+        self._last_grad_norm: Optional[float] = None
+        self.optimizer: Optional[EngineOptimizer] = None  # set by initialize()
+        _ENGINES.add(self)  # Note [Editing weights]
+        self._install_hooks(model)
+        if self._dtype != torch.float32:
+            model.to(self._dtype)  # Note [Model dtype]: frozen parameters and floating buffers
+
+    def _create_agreed(self, model: torch.nn.Module, config: Any, init_fn: Any, blocks: list) -> tuple[bool, list]:
+        """Creates the engine, with no values, once every rank has agreed on what it holds. Returns (whether
+        the model is on the meta device, the frozen parameters and buffers to take rank 0's values of)."""
+        # In the engine a parameter is named within its block (the module): "h.0.attn" + "weight", as its
+        # messages and describe() show them; export_safetensors writes the qualified names.
+        specs = [(name, [(n.rpartition(".")[2], tuple(p.shape)) for n, p in zip(names, params)])
+                 for name, params, names in blocks]
+        # Everything that can be refused before the model changes is, on every rank alike (after the engine
+        # exists, through it): a refusal on one rank, or ranks that differ on whether the model is on the
+        # meta device, must not leave the others waiting in a collective it never starts.
+        on_meta, refusal, kept, held = False, None, [], "a model on the meta device"
+        try:
+            on_meta = _check_meta(model, init_fn)  # Note [Models on the meta device]
+            trained = {id(p) for _, params, _ in blocks for p in params}
+            _check_external(model, trained)
+            if not on_meta:
+                kept = _frozen(model, trained)
+                held = f"a model in memory, {_kept_digest(kept)}"  # Note [Rank 0's model]
+        except BaseException as e:  # noqa: BLE001 - an interrupt too; re-raised after the agreement
+            refusal, held = e, "refused"
+        # No values at creation: every rank learns first whether the others are on the meta device or
+        # refuse, then each block is set (rank 0's values) from the model, or as _MetaMaker makes it.
+        super().__init__(config, specs, initial_values="later")
+        self._dtype = _DTYPES[self.param_dtype]
+        try:
+            if refusal is None and self._dtype == torch.float32:
+                self._check_dtypes(blocks)
+        except ValueError as e:
+            refusal = e
+        try:
+            self._core.agree(held, refusal=_refusal_text(refusal), what="tierzero.torch.initialize")
+        except ValueError:
+            if refusal is not None:
+                raise refusal from None
+            raise
+        return on_meta, kept
+
+    def _check_dtypes(self, blocks: list) -> None:
+        """Note [Model dtype]: an fp32 config trains fp32 parameters; any other trainable dtype is refused."""
+        for _, params, names in blocks:
+            for n, p in zip(names, params):
+                if p.dtype != torch.float32:
+                    raise ValueError(f"tierzero.torch.initialize: parameter '{n}' is {p.dtype}, but the config trains "
+                                     "float32 parameters; enable the config's \"bf16\" (or \"fp16\") block to train "
+                                     "16-bit parameters with fp32 master weights, or convert the model (model.float())")
+
+    # ------------------------------------------------------------ the training loop
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the model (with the saved-tensor hooks of Note [Saved tensors])."""
+        # Note [A forward that raised]: one rank only, where no other rank's collectives can be left unmatched
+        mark = self.fetch_mark() if self.world_size == 1 else None
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self.module(*args, **kwargs)
+        except BaseException as e:
+            self._release_all()  # a forward that raised never ran the forward hooks of the modules it was in
+            if mark is not None:
+                try:
+                    self.rewind_fetches(mark)
+                except Exception as r:  # the forward's own error is the one to see
+                    _add_note(e, f"tierzero.torch: rewinding the engine's fetches after it failed too: {r}")
+            raise
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), scaled by the engine's loss scale (fp16). Do not divide by the accumulation steps."""
+        scale = self.loss_scale
+        (loss * scale if scale != 1.0 else loss).backward()
+        if self._callback_queued or any(b.arrived or b.backward_held for b in self._blocks):
+            self._end_of_backward()
+
+    def step(self) -> dict:
+        """Ends the micro-batch; the optimizer runs at the accumulation boundary. Returns the step report."""
+        # Blocks still gathered here (a forward without its backward) would keep showing the old
+        # parameters after the optimizer runs: let go of them first.
+        self._release_all()
+        self._backward_pending = False
+        if self.optimizer is not None:
+            self.optimizer._take_lr()  # Note [Learning rate]
+        self.last_report = super().step()
+        self.global_steps = self.last_report["step"]
+        self.micro_steps += 1
+        if self.last_report["stepped"] or self.last_report["overflow"]:
+            self._last_grad_norm = self.last_report["grad_norm"]
+        if self.optimizer is not None:
+            self.optimizer._show_lr()
+            if self.last_report["stepped"]:
+                self.optimizer._opt_called = True  # what torch's schedulers check: the optimizer stepped
+        return self.last_report
+
+    # DeepSpeed's engine queries, for scripts and trainers that call them.
+    def gradient_accumulation_steps(self) -> int:  # a call here, as DeepSpeed's; tierzero.Engine's property
+        """Micro-batches per optimizer step (derived from train_batch_size and the ranks where the config
+        gives that instead, as DeepSpeed does)."""
+        return super().gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._core.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        """train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks."""
+        return self._core.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the coming engine.step() runs the optimizer (the micro-batch in progress is the last of
+        its accumulation)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def was_step_applied(self) -> bool:
+        """Whether the last engine.step() updated the weights (False between boundaries and when fp16
+        overflowed)."""
+        return bool(self.last_report.get("stepped", False))
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The gradient norm of the last accumulation boundary (before clipping; inf or nan where fp16
+        overflowed), None before the first."""
+        return self._last_grad_norm
+
+    def get_lr(self) -> list:
+        """[the learning rate the next optimizer step will use], as DeepSpeed's engine.get_lr() gives it
+        (optimizer.param_groups[0]["lr"]: a torch scheduler's new rate counts from the next step)."""
+        if self.optimizer is not None:
+            return [self.optimizer._group_lr()]
+        return [self.learning_rate]
+
+    def train(self, mode: bool = True) -> "TorchEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "TorchEngine":
+        return self.train(False)
+
+
+    def master_state_dict(self) -> dict:
+        """{qualified parameter name: fp32 CPU tensor}: the engine's master weights (a collective over ranks)."""
+        out = {}
+        for b in self._blocks:
+            flat = torch.from_numpy(self.gather_master(b.index))
+            for view, name in zip(b.views, b.names):
+                out[name] = flat.as_strided(*view).clone()
+        return out
+
+    def _full_values(self, b: _Block, slots: list) -> list:
+        """The given parameters' current values in the model's dtype on its device, each a fresh tensor.
+        A collective (Note [Editing weights])."""
+        flat = torch.from_numpy(self.gather_master(b.index))
+        return [flat.as_strided(*b.views[i]).to(device=self._torch_device, dtype=self._dtype, copy=True)
+                for i in slots]
+
+    def detach_module(self) -> torch.nn.Module:
+        """Removes the hooks and puts the master weights back into the parameters; the engine is done after it."""
+        weights = self.master_state_dict()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for module in self.module.modules():
+            module.__dict__.pop("_tierzero_engine", None)
+        _ENGINES.discard(self)
+        for b in self._blocks:
+            for p, name in zip(b.params, b.names):
+                p.data = weights[name].to(device=self._placeholder.device, dtype=self._dtype)
+        return self.module
+
+    # ------------------------------------------------------------ facts (the rest are tierzero.Engine's)
+    @property
+    def device(self) -> torch.device:
+        return self._placeholder.device
+
+    @property
+    def block_names(self) -> list:
+        return [b.name for b in self._blocks]
+
+
+def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = None,
+               model_parameters: Any = None, lr_scheduler: Any = None,
+               init_fn: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
+    """(engine, optimizer) for `model`, as deepspeed.initialize returns them.
+
+    config: a path to a DeepSpeed-style JSON file, or a dict. The engine's
+    optimizer is the config's "optimizer" block (Adam, AdamW, Adagrad, Lion);
+    passing a torch optimizer is refused, since its states would live outside
+    the engine's tiers. model_parameters is accepted for DeepSpeed
+    compatibility and must be None or the model's parameters. Learning-rate
+    schedules: the config's "scheduler" block, or a torch scheduler built on
+    the returned optimizer (Note [Learning rate]); lr_scheduler= is refused.
+    A model built on the meta device (with torch.device("meta")) is made one
+    module at a time, straight into the engine, never whole in memory (Note
+    [Models on the meta device]); init_fn(module) initialises each module's
+    tensors, in place of its reset_parameters().
+    """
+    if config is None:
+        raise ValueError("tierzero.torch.initialize: config= is required (a path or a dict)")
+    if optimizer is not None:
+        raise ValueError("tierzero.torch.initialize: the engine steps its own optimizer (the config's \"optimizer\" "
+                         "block, on its tiers); pass optimizer=None")
+    if lr_scheduler is not None:
+        raise ValueError("tierzero.torch.initialize: lr_scheduler= is not taken; use the config's \"scheduler\" block "
+                         "(WarmupLR, WarmupDecayLR, WarmupCosineLR), or build a torch scheduler on the returned "
+                         "optimizer and call its step() after engine.step()")
+    if model_parameters is not None:
+        given = {id(p) for p in model_parameters}
+        if given != {id(p) for p in model.parameters() if p.requires_grad}:
+            raise ValueError("tierzero.torch.initialize: model_parameters must be the model's trainable parameters")
+    if isinstance(config, (str, os.PathLike)):
+        config = os.fspath(config)
+    engine = TorchEngine(model, config, init_fn)
+    engine.optimizer = EngineOptimizer(engine, _hyper_from_config(config))
+    return engine, engine.optimizer
+
+
+def _live_gathered(engine: TorchEngine) -> int:
+    """How many gathered blocks are alive (held by parameters, autograd or user views). For tests."""
+    return len(engine._gathered)
