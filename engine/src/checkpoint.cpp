@@ -254,7 +254,7 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   // Aligned, so the writer takes the states straight from it (Note [Checkpoint files bypass the page cache]).
   TZ_ASSIGN_OR_RETURN(AlignedFloats memory, aligned_floats(largest_shard_numel()));
   float* const buffer = memory.get();
-  const detail::ShardStore* const stores[3] = {master_.get(), exp_avg_.get(), exp_avg_sq_.get()};
+  const TieredStore* const stores[3] = {master_.get(), exp_avg_.get(), exp_avg_sq_.get()};
   std::uint64_t offset = 0;
   TZ_ASSIGN_OR_RETURN(FileWriter out, FileWriter::open(bin));
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
@@ -690,7 +690,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
 
 Status ZeroEngineImpl::put_rank_file(const detail::RankFile& file) {
   TZ_ASSIGN_OR_RETURN(AlignedFloats buffer, aligned_floats(largest_shard_numel()));
-  detail::ShardStore* const stores[3] = {master_.get(), exp_avg_.get(), exp_avg_sq_.get()};
+  TieredStore* const stores[3] = {master_.get(), exp_avg_.get(), exp_avg_sq_.get()};
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     const std::string& name = layout_.blocks[b].name;
     for (int k = 0; k < 3; ++k) {

@@ -116,8 +116,8 @@ Expected<StepReport> ZeroEngineImpl::step() {
   TZ_TRY(prefetcher_->end_micro_batch());
   report.step = step_;
   const detail::StageWaits waits = prefetcher_->take_waits();
-  report.nvme_read_bytes = nvme_read_bytes_.exchange(0) + waits.nvme_read_bytes;
-  report.nvme_write_bytes = nvme_write_bytes_.exchange(0);
+  report.nvme_read_bytes = nvme_traffic_.read_bytes.exchange(0);
+  report.nvme_write_bytes = nvme_traffic_.write_bytes.exchange(0);
   report.h2d_bytes = waits.h2d_bytes;
   report.gather_bytes = waits.gather_bytes;
   report.wait_nvme_seconds = waits.nvme;
@@ -145,30 +145,28 @@ Expected<StepReport> ZeroEngineImpl::step() {
 
 // Where a state of `block` is while its sub-group steps: its own memory, or
 // its place in the staging set (blocks of a group lie one after another).
-void* ZeroEngineImpl::state_ptr(const detail::ShardStore* store, std::size_t block, StagingSet& set) {
+void* ZeroEngineImpl::state_ptr(const TieredStore* store, std::size_t block, StagingSet& set) {
   if (store == nullptr) return nullptr;
-  if (store->tier() != Tier::kNvme) return store->memory(block);
+  if (store->resident()) return store->memory(block);
   return static_cast<char*>(set.area.at(store).data()) + offset_in_group_[block] * store->elem_bytes();
 }
 
 std::vector<nvme::IoFuture> ZeroEngineImpl::read_sub_group(std::size_t group, StagingSet& set) {
   std::vector<nvme::IoFuture> reads;
-  for (const detail::ShardStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get(), grad_.get()}) {
-    if (store == nullptr || store->tier() != Tier::kNvme) continue;
+  for (const TieredStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get(), grad_.get()}) {
+    if (store == nullptr || store->resident()) continue;
     for (std::size_t b : sub_groups_[group]) {
       reads.push_back(store->read(b, state_ptr(store, b, set)));
-      nvme_read_bytes_ += store->shard_bytes(b);
     }
   }
   return reads;
 }
 
 Status ZeroEngineImpl::write_sub_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes) {
-  for (const detail::ShardStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get()}) {
-    if (store == nullptr || store->tier() != Tier::kNvme) continue;
+  for (const TieredStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get()}) {
+    if (store == nullptr || store->resident()) continue;
     for (std::size_t b : sub_groups_[group]) {
       writes.push_back(store->write(b, state_ptr(store, b, set)));
-      nvme_write_bytes_ += store->shard_bytes(b);
     }
   }
   // The new parameters to their tier: the 16-bit copy-out (in place when
@@ -181,7 +179,6 @@ Status ZeroEngineImpl::write_sub_group(std::size_t group, StagingSet& set, std::
     if (fp32 && param16_->tier() == Tier::kCpu) std::memcpy(param16_->memory(b), out, bytes);
     if (param16_->tier() == Tier::kNvme) {
       writes.push_back(param16_->write(b, out));
-      nvme_write_bytes_ += bytes;
     } else if (param16_->tier() == Tier::kGpu) {
       TZ_TRY(device_->copy_async(param16_->memory(b), out, bytes, *stream_));
     }
@@ -260,8 +257,8 @@ Status ZeroEngineImpl::optimizer_pass(double grad_scale) {
     // set per group.
     staging_.resize(std::min<std::size_t>(3, sub_groups_.size()));
     for (StagingSet& set : staging_) {
-      for (const detail::ShardStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get(), grad_.get()}) {
-        if (store == nullptr || store->tier() != Tier::kNvme) continue;
+      for (const TieredStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get(), grad_.get()}) {
+        if (store == nullptr || store->resident()) continue;
         TZ_ASSIGN_OR_RETURN(set.area[store], host_pool_->allocate(sub_group_max_numel_ * 4, store->colour()));
       }
       if (param16_->tier() != Tier::kCpu && param_type_ != ElemType::kFp32) {

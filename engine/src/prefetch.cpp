@@ -97,10 +97,6 @@ std::shared_ptr<Prefetcher::Entry> Prefetcher::issue(std::size_t block, void* wh
       e->fail(std::move(staging).status().with_context(fmt::format("staging {} from NVMe", name)));
     } else {
       e->staging = std::move(*staging);
-      {
-        std::lock_guard<std::mutex> lock(waits_mu_);
-        waits_.nvme_read_bytes += bytes;
-      }
       deps_.param16->read(block, e->staging.data(), [this, e, name](const Status& s, const nvme::IoResult&) {
         e->t_read_done = Clock::now();
         deps_.timeline->record(Track::kNvme, name, e->t_issue, e->t_read_done);

@@ -37,7 +37,6 @@
 #include <mutex>
 #include <vector>
 
-#include "shard_store.h"
 #include "tierzero/comm/communicator.h"
 #include "tierzero/engine/zero.h"
 #include "trace.h"
@@ -52,7 +51,7 @@ struct PrefetchDeps {
   Stream* comm_stream = nullptr;    // collectives run here (NCCL); synchronised before a gather counts as done
   MemoryPool* device_pool = nullptr;
   MemoryPool* host_pool = nullptr;
-  ShardStore* param16 = nullptr;
+  TieredStore* param16 = nullptr;
   const ModelLayout* layout = nullptr;
   ElemType param_type = ElemType::kBf16;
   Timeline* timeline = nullptr;
@@ -62,7 +61,7 @@ struct PrefetchDeps {
 struct StageWaits {
   double nvme = 0, h2d = 0, gather = 0;
   std::uint64_t fetches = 0, prefetched = 0;
-  std::uint64_t nvme_read_bytes = 0, h2d_bytes = 0, gather_bytes = 0;
+  std::uint64_t h2d_bytes = 0, gather_bytes = 0;  // NVMe bytes: the stores count them (NvmeTraffic)
 };
 
 class Prefetcher {

@@ -207,12 +207,13 @@ Status ZeroEngineImpl::make_stores() {
     TZ_ASSIGN_OR_RETURN(swap_, nvme::SwapStore::create({.paths = paths, .capacity_bytes = capacity,
                                                         .allow_buffered = c.aio.allow_buffered_io}, io_));
   }
-  auto make = [&](StateClass cls, std::size_t elem_bytes,
-                  Colour colour) -> Expected<std::unique_ptr<detail::ShardStore>> {
-    return detail::ShardStore::create({.state = cls, .tier = plan_.tier_of(cls), .elem_bytes = elem_bytes,
-                                       .colour = colour, .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
-                                       .swap = swap_.get()},
-                                      layout_);
+  std::vector<ShardSpec> shards;
+  for (const BlockLayout& b : layout_.blocks) shards.push_back({.name = b.name, .numel = b.shard_numel});
+  auto make = [&](StateClass cls, std::size_t elem_bytes, Colour colour) -> Expected<std::unique_ptr<TieredStore>> {
+    return TieredStore::create({.state = cls, .tier = plan_.tier_of(cls), .elem_bytes = elem_bytes, .colour = colour,
+                                .device = device_, .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+                                .swap = swap_.get(), .traffic = &nvme_traffic_},
+                               shards);
   };
   // Note [Coloured arrays]: the five arrays one optimizer kernel streams each get their own colour.
   TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, elem_type_bytes(param_type_), Colour::kParam16));
@@ -229,7 +230,7 @@ Status ZeroEngineImpl::make_stores() {
 
 // The NVMe bytes and busy time the next step report counts start from here.
 void ZeroEngineImpl::reset_io_counters() {
-  nvme_read_bytes_ = nvme_write_bytes_ = 0;
+  nvme_traffic_.reset();
   (void)take_io_busy_seconds();
 }
 
@@ -384,46 +385,6 @@ Status ZeroEngineImpl::prewarm_grad_pools() {
 // ---------------------------------------------------------------- movement
 
 Status ZeroEngineImpl::sync() { return device_->synchronize_stream(*stream_); }
-
-Status ZeroEngineImpl::put(detail::ShardStore& store, std::size_t block, const void* host) {
-  const std::size_t bytes = store.shard_bytes(block);
-  switch (store.tier()) {
-    case Tier::kGpu:
-      TZ_TRY(device_->copy_async(store.memory(block), host, bytes, *stream_));
-      return sync();
-    case Tier::kCpu:
-      std::memcpy(store.memory(block), host, bytes);
-      return ok_status();
-    case Tier::kNvme: {
-      // O_DIRECT wants aligned memory: go through a pool block.
-      TZ_ASSIGN_OR_RETURN(PoolBlock staging, host_pool_->allocate(bytes));
-      std::memcpy(staging.data(), host, bytes);
-      nvme_write_bytes_ += bytes;
-      return store.write(block, staging.data()).wait();
-    }
-  }
-  return ok_status();
-}
-
-Status ZeroEngineImpl::get(const detail::ShardStore& store, std::size_t block, void* host) {
-  const std::size_t bytes = store.shard_bytes(block);
-  switch (store.tier()) {
-    case Tier::kGpu:
-      TZ_TRY(device_->copy_async(host, store.memory(block), bytes, *stream_));
-      return sync();
-    case Tier::kCpu:
-      std::memcpy(host, store.memory(block), bytes);
-      return ok_status();
-    case Tier::kNvme: {
-      TZ_ASSIGN_OR_RETURN(PoolBlock staging, host_pool_->allocate(bytes));
-      TZ_TRY(store.read(block, staging.data()).wait());
-      nvme_read_bytes_ += bytes;
-      std::memcpy(host, staging.data(), bytes);
-      return ok_status();
-    }
-  }
-  return ok_status();
-}
 
 Status ZeroEngineImpl::check_values_set(std::size_t block, std::string_view what) const {
   if (!unset_[block]) return ok_status();
@@ -658,7 +619,6 @@ Status ZeroEngineImpl::accumulate(std::size_t block, const void* d_shard, bool f
     acc = acc_staging.as<float>();
     if (!first) {
       TZ_TRY(grad_->read(block, acc).wait());
-      nvme_read_bytes_ += grad_->shard_bytes(block);
     }
   }
   Expected<cpu_adam::GradStats> stats =
@@ -666,7 +626,6 @@ Status ZeroEngineImpl::accumulate(std::size_t block, const void* d_shard, bool f
   TZ_TRY_CTX(stats, "accumulating the gradients of {}", b.name);
   if (grad_->tier() == Tier::kNvme) {
     TZ_TRY(grad_->write(block, acc).wait());
-    nvme_write_bytes_ += grad_->shard_bytes(block);
   }
   grad_sum_squares_[block] = stats->sum_squares;
   grad_non_finite_[block] = stats->non_finite;

@@ -15,7 +15,6 @@
 
 #include "loss_scaler.h"
 #include "prefetch.h"
-#include "shard_store.h"
 #include "trace.h"
 #include "workers.h"
 #include "tierzero/common/handles.h"
@@ -113,7 +112,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // state class that lives on NVMe (and the 16-bit copy-out when the
   // parameters do not live in CPU memory), room for the largest sub-group.
   struct StagingSet {
-    std::map<const detail::ShardStore*, PoolBlock> area;  // per NVMe-resident store
+    std::map<const TieredStore*, PoolBlock> area;  // per NVMe-resident store
     PoolBlock param16;
   };
 
@@ -128,9 +127,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // --- data movement
   Status sync();
   // Host bytes into a store's shard of `block` / the shard into host bytes,
-  // whatever its tier. `host` is ordinary host memory.
-  Status put(detail::ShardStore& store, std::size_t block, const void* host);
-  Status get(const detail::ShardStore& store, std::size_t block, void* host);
+  // whatever its tier (on stream_). `host` is ordinary host memory.
+  Status put(TieredStore& store, std::size_t block, const void* host) { return store.put(block, host, *stream_); }
+  Status get(const TieredStore& store, std::size_t block, void* host) { return store.get(block, host, *stream_); }
   // This rank's shard of `block`'s fp32 master weights, and the 16-bit
   // parameters as the optimizer's copy-out writes them: the masters rounded.
   Status put_weights(std::size_t block, const float* shard);
@@ -180,7 +179,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status step_sub_group(std::size_t group, StagingSet& set, double grad_scale);
   std::vector<nvme::IoFuture> read_sub_group(std::size_t group, StagingSet& set);
   Status write_sub_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes);
-  void* state_ptr(const detail::ShardStore* store, std::size_t block, StagingSet& set);
+  void* state_ptr(const TieredStore* store, std::size_t block, StagingSet& set);
   cpu_adam::Hyper hyper() const;
 
   ZeroOptions options_;
@@ -204,7 +203,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::unique_ptr<MemoryPool> host_pool_;
   std::shared_ptr<nvme::IoEngine> io_;
   std::unique_ptr<nvme::SwapStore> swap_;
-  std::unique_ptr<detail::ShardStore> param16_, grad_, master_, exp_avg_, exp_avg_sq_;
+  std::unique_ptr<TieredStore> param16_, grad_, master_, exp_avg_, exp_avg_sq_;
   std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
   std::vector<bool> unset_;                    // blocks with no values yet (Note [Initial values])
   std::map<void*, PoolBlock> live_;            // gathered buffers handed out
@@ -237,7 +236,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::vector<StagingSet> staging_;            // min(3, sub-groups) sets (optimizer_pass)
   int micro_ = 0;
   std::int64_t step_ = 0;
-  std::atomic<std::uint64_t> nvme_read_bytes_{0}, nvme_write_bytes_{0};  // since the last step report
+  NvmeTraffic nvme_traffic_;                   // every store's NVMe bytes since the last step report
   std::uint64_t pool_allocations_seen_ = 0;    // pools' backend allocations at the last report
   std::uint64_t read_busy_seen_ns_ = 0, write_busy_seen_ns_ = 0;  // io_'s busy clocks at the last report
   void reset_io_counters();  // after set-up and a checkpoint load: the next report counts from here

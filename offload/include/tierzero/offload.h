@@ -4,6 +4,7 @@
 //   pool.h         MemoryPool: budgeted caching allocator with {current, peak} stats
 //   host_memory.h  pinned, NUMA-placed host memory; pool factories per tier
 //   planner.h      placement planner: which tier holds each state class
+//   tiered_store.h TieredStore: one state's shards on the gpu, cpu or nvme tier
 //
 // Include this header; the parts are split by concern so each reads on its own.
 #pragma once
@@ -12,3 +13,4 @@
 #include "tierzero/offload/host_memory.h"
 #include "tierzero/offload/planner.h"
 #include "tierzero/offload/pool.h"
+#include "tierzero/offload/tiered_store.h"

@@ -1,0 +1,117 @@
+// TieredStore on its own (no engine): a shard put on each tier comes back
+// byte for byte; only NVMe moves count as NVMe traffic, and every byte they
+// move is counted; a pool over its budget and NVMe out of room fail naming
+// the state, the block and the tier; NVMe extents are freed with the store.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "../nvme/nvme_test_util.h"
+#include "tierzero/offload.h"
+
+namespace tz {
+namespace {
+
+std::vector<std::uint8_t> random_bytes(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::uint8_t> v(n);
+  for (auto& x : v) x = static_cast<std::uint8_t>(rng());
+  return v;
+}
+
+struct Tiers {
+  std::unique_ptr<Device> device = create_host_device();
+  std::unique_ptr<Stream> stream = device->create_stream().value();
+  std::unique_ptr<MemoryPool> device_pool = make_device_pool(*device, 8 << 20).value();
+  std::unique_ptr<MemoryPool> host_pool = make_host_pool(*device, 8 << 20, {}).value();
+  tzt::TempDir dir;
+  std::unique_ptr<nvme::SwapStore> swap =
+      nvme::SwapStore::create({.paths = {dir.path()}, .capacity_bytes = 4 << 20, .allow_buffered = true}).value();
+  NvmeTraffic traffic;
+
+  TieredStoreArgs args(Tier tier) {
+    return {.state = StateClass::kMaster, .tier = tier, .elem_bytes = 4, .device = device.get(),
+            .device_pool = device_pool.get(), .host_pool = host_pool.get(), .swap = swap.get(), .traffic = &traffic};
+  }
+};
+
+const std::vector<ShardSpec> kShards = {{"layer0", 1024}, {"layer1", 4096}, {"layer2", 2048}};
+
+TEST(TieredStore, EveryTierGivesBackWhatWasPut) {
+  for (Tier tier : {Tier::kGpu, Tier::kCpu, Tier::kNvme}) {
+    SCOPED_TRACE(tier_name(tier));
+    Tiers t;
+    auto store = TieredStore::create(t.args(tier), kShards);
+    ASSERT_TRUE(store.ok()) << store.status().to_string();
+    TieredStore& s = **store;
+    EXPECT_EQ(s.blocks(), 3u);
+    EXPECT_EQ(s.total_bytes(), (1024u + 4096 + 2048) * 4);
+    EXPECT_EQ(s.resident(), tier != Tier::kNvme);
+    EXPECT_EQ(s.memory(1) != nullptr, tier != Tier::kNvme);
+    for (std::size_t b = 0; b < 3; ++b) {
+      const auto bytes = random_bytes(s.shard_bytes(b), 100 + b);
+      ASSERT_TRUE(s.put(b, bytes.data(), *t.stream).ok());
+    }
+    for (std::size_t b = 0; b < 3; ++b) {
+      std::vector<std::uint8_t> back(s.shard_bytes(b));
+      ASSERT_TRUE(s.get(b, back.data(), *t.stream).ok());
+      EXPECT_EQ(back, random_bytes(s.shard_bytes(b), 100 + b)) << "block " << b;
+    }
+    const std::uint64_t moved = tier == Tier::kNvme ? s.total_bytes() : 0;
+    EXPECT_EQ(t.traffic.write_bytes, moved);
+    EXPECT_EQ(t.traffic.read_bytes, moved);
+  }
+}
+
+// The asynchronous NVMe path the optimizer pass and the prefetcher use is
+// counted too, and reads what put() wrote.
+TEST(TieredStore, NvmeReadsAndWritesAreCounted) {
+  Tiers t;
+  auto store = TieredStore::create(t.args(Tier::kNvme), kShards);
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  TieredStore& s = **store;
+  tzt::AlignedBuffer buf(s.shard_bytes(1));
+  buf.fill_random(7);
+  ASSERT_TRUE(s.write(1, buf.data()).wait().ok());
+  tzt::AlignedBuffer back(s.shard_bytes(1));
+  ASSERT_TRUE(s.read(1, back.data()).wait().ok());
+  EXPECT_EQ(std::memcmp(back.data(), buf.data(), buf.size()), 0);
+  EXPECT_EQ(t.traffic.write_bytes, s.shard_bytes(1));
+  EXPECT_EQ(t.traffic.read_bytes, s.shard_bytes(1));
+  t.traffic.reset();
+  EXPECT_EQ(t.traffic.read_bytes + t.traffic.write_bytes, 0u);
+}
+
+TEST(TieredStore, APoolOverItsBudgetNamesTheStateBlockAndTier) {
+  Tiers t;
+  const std::vector<ShardSpec> big = {{"small", 1024}, {"huge", std::uint64_t{4} << 20}};  // 16 MiB > 8 MiB
+  auto store = TieredStore::create(t.args(Tier::kCpu), big);
+  ASSERT_FALSE(store.ok());
+  const std::string message = store.status().to_string();
+  EXPECT_NE(message.find("master shard of huge"), std::string::npos) << message;
+  EXPECT_NE(message.find("on the cpu tier"), std::string::npos) << message;
+}
+
+TEST(TieredStore, NvmeOutOfRoomNamesTheBlockAndFreesWithTheStore) {
+  Tiers t;
+  const std::uint64_t before = t.swap->stats().used_bytes;
+  {
+    auto fits = TieredStore::create(t.args(Tier::kNvme), kShards);
+    ASSERT_TRUE(fits.ok()) << fits.status().to_string();
+    EXPECT_GT(t.swap->stats().used_bytes, before);
+  }
+  EXPECT_EQ(t.swap->stats().used_bytes, before);  // extents freed with the store
+  const std::vector<ShardSpec> big = {{"first", 1024}, {"too_big", std::uint64_t{2} << 20}};  // 8 MiB > 4 MiB
+  auto store = TieredStore::create(t.args(Tier::kNvme), big);
+  ASSERT_FALSE(store.ok());
+  const std::string message = store.status().to_string();
+  EXPECT_NE(message.find("master shard of too_big"), std::string::npos) << message;
+  EXPECT_NE(message.find("on NVMe"), std::string::npos) << message;
+  EXPECT_EQ(t.swap->stats().used_bytes, before);  // the first block's extent went back too
+}
+
+}  // namespace
+}  // namespace tz
