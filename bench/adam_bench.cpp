@@ -1189,7 +1189,7 @@ tz::Status run(const Flags& flags) {
         {"torch", torch_json},
         {"torch_unavailable_reason", torch_reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(torch_reason)},
         {"targets", targets}};
-    if (!tzbench::write_file(flags.json_path, out.dump(2) + "\n")) return tz::io_error("writing {}", flags.json_path);
+    TZ_TRY(tz::write_file_durably(flags.json_path, out.dump(2) + "\n"));
     std::printf("\nwrote %s\n", flags.json_path.c_str());
   }
   return tz::ok_status();

@@ -37,14 +37,6 @@ inline std::string writable_file(std::string& path) {
   return {};
 }
 
-// A results file written whole; false when it could not be.
-inline bool write_file(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text;
-  out.close();
-  return static_cast<bool>(out);
-}
-
 inline double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }

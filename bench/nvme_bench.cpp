@@ -335,7 +335,7 @@ tz::Status run_modes(const Flags& f, tzbench::Context& ctx, nlohmann::json& out)
 }
 
 tz::Status write_json(const std::string& path, const nlohmann::json& out) {
-  if (!tzbench::write_file(path, out.dump(2) + "\n")) return tz::io_error("writing {}", path);
+  TZ_TRY(tz::write_file_durably(path, out.dump(2) + "\n"));
   std::printf("\nwrote %s\n", path.c_str());
   return tz::ok_status();
 }

@@ -223,7 +223,7 @@ tz::Status run(const Flags& f) {
                                 {"layers", f.layers}, {"hidden", f.hidden}, {"compute_ms", f.compute_ms},
                                 {"placement", f.placement}, {"synthetic", f.synthetic}, {"backend", f.backend}, {"steps", steps},
                                 {"median_ratio_to_critical_path", ratio}, {"median_wait_fraction", wait}};
-    if (!tzbench::write_file(f.json_path, out.dump(2) + "\n")) return tz::io_error("writing {}", f.json_path);
+    TZ_TRY(tz::write_file_durably(f.json_path, out.dump(2) + "\n"));
     std::printf("wrote %s\n", f.json_path.c_str());
   }
   return tz::ok_status();

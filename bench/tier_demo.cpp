@@ -188,7 +188,7 @@ tz::Status run(const Options& opt) {
                           {"device_pool", pool_json(dev)}, {"host_pool", pool_json(host)},
                           {"steady_state_allocations", steady_allocations},
                           {"plan", plan.ok() ? plan->summary : plan.status().message()}};
-    if (!tzbench::write_file(opt.json_path, out.dump(2) + "\n")) return tz::io_error("writing {}", opt.json_path);
+    TZ_TRY(tz::write_file_durably(opt.json_path, out.dump(2) + "\n"));
   }
   if (steady_allocations != 0) return tz::internal_error("pools allocated {} times after warm-up", steady_allocations);
   return tz::ok_status();

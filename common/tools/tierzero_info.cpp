@@ -11,13 +11,13 @@
 #include <fmt/format.h>
 
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "tierzero/common/config.h"
+#include "tierzero/common/durable_file.h"
 #include "tierzero/common/probe.h"
 
 namespace tz {
@@ -120,11 +120,8 @@ bool write_json(const nlohmann::json& json, const std::string& file) {
     std::fputs(text.c_str(), stdout);
     return true;
   }
-  std::ofstream out(file);
-  out << text;
-  out.close();
-  if (!out) {
-    fmt::print(stderr, "tierzero-info: cannot write JSON to {}\n", file);
+  if (const tz::Status written = tz::write_file_durably(file, text); !written.ok()) {
+    fmt::print(stderr, "tierzero-info: cannot write the JSON report: {}\n", written.message());
     return false;
   }
   return true;

@@ -40,18 +40,6 @@ constexpr int kFormatVersion = 1;
 // A block's fp32 states, in the order the rank file holds them.
 const char* const kStateNames[3] = {"master", "exp_avg", "exp_avg_sq"};
 
-Status write_all(int fd, const void* data, std::size_t bytes, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::write(fd, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return errno_status(errno, "writing " + path);
-    p += n;
-    bytes -= static_cast<std::size_t>(n);
-  }
-  return ok_status();
-}
-
 // Note [Checkpoint files bypass the page cache]
 // A checkpoint's states are gigabytes written once and not read back soon.
 // Written through the page cache, the kernel's copy into it set the pace: on
@@ -138,20 +126,6 @@ Expected<AlignedFloats> aligned_floats(std::uint64_t n) {
   AlignedFloats memory(static_cast<float*>(std::aligned_alloc(FileWriter::kAlign, bytes)), &std::free);
   if (memory == nullptr) return out_of_memory("checkpoint: no memory for a {}-byte state buffer", bytes);
   return memory;
-}
-
-// Writes `text` to path (created or truncated), fsyncs and closes it.
-Status write_text_durably(const std::string& path, const std::string& text) {
-  TZ_ASSIGN_OR_RETURN(UniqueFd fd, open_file(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC));
-  TZ_TRY(write_all(fd.get(), text.data(), text.size(), path));
-  TZ_SYSCALL_CHECK(::fsync(fd.get()));
-  return fd.close();
-}
-
-Status fsync_dir(const std::string& dir) {
-  TZ_ASSIGN_OR_RETURN(UniqueFd fd, open_file(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  TZ_SYSCALL_CHECK(::fsync(fd.get()));
-  return fd.close();
 }
 
 // A whole file. Errors name the path (a directory where a file should be is
@@ -285,7 +259,7 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
                                                     {"good_steps", ls.good_steps}}},
                                    {"file", fs::path(bin).filename().string()}, {"bytes", offset},
                                    {"blocks", blocks}};
-  return write_text_durably(fmt::format("{}/rank-{}.json", dir, rank), manifest.dump(1));
+  return write_file_synced(fmt::format("{}/rank-{}.json", dir, rank), manifest.dump(1));
 }
 
 std::uint64_t ZeroEngineImpl::largest_shard_numel() const {
@@ -343,7 +317,7 @@ Status publish(const std::string& partial, const std::string& final_dir) {
   TZ_TRY(exchange(partial, final_dir));
   // The exchange is durable before the replaced checkpoint's files go: after
   // a power loss <tag> is the new checkpoint or the whole old one.
-  TZ_TRY(fsync_dir(fs::path(final_dir).parent_path().string()));
+  TZ_TRY(sync_directory(fs::path(final_dir).parent_path().string()));
   fs::remove_all(partial, ec);  // the replaced checkpoint
   if (ec) TZ_LOG_WARN("engine", "checkpoint: the replaced checkpoint {} could not be removed: {}", partial, ec.message());
   return ok_status();
@@ -414,20 +388,17 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
                                  {"blocks", layout_.blocks.size()}, {"stage", stage_}};
       if (options.client_state) {
         const std::string& bytes = *options.client_state;
-        TZ_TRY(write_text_durably(partial + "/" + kClientStateFile, bytes));
+        TZ_TRY(write_file_synced(partial + "/" + kClientStateFile, bytes));
         manifest["client_state"] = {{"file", kClientStateFile}, {"bytes", bytes.size()},
                                     {"xxh3", hex(nvme::checksum(bytes.data(), bytes.size()))}};
       }
-      TZ_TRY(write_text_durably(partial + "/manifest.json", manifest.dump(1)));
-      TZ_TRY(fsync_dir(partial));
+      TZ_TRY(write_file_synced(partial + "/manifest.json", manifest.dump(1)));
+      TZ_TRY(sync_directory(partial));
       TZ_TRY(publish(partial, final_dir));  // Note [Replacing a checkpoint]
       if (options.save_latest) {
-        TZ_TRY(write_text_durably(dir + "/latest.tmp", name));
-        if (std::rename((dir + "/latest.tmp").c_str(), (dir + "/latest").c_str()) != 0) {
-          return errno_status(errno, "checkpoint: pointing " + dir + "/latest at " + name);
-        }
+        return write_file_durably(dir + "/latest", name).with_context("checkpoint: pointing latest at " + name);
       }
-      return fsync_dir(dir);
+      return sync_directory(dir);
     }();
   }
   TZ_TRY(agree(published, "checkpoint " + final_dir));
@@ -779,7 +750,7 @@ Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::ve
   // Rank 0 writes path.tmp; after a failure of its own it stops writing but
   // goes on gathering, so the other ranks are not left in a collective alone.
   const bool writer = comm_->rank() == 0;
-  const std::string tmp = path + ".tmp";
+  const std::string tmp = durable_temp_path(path);
   Cleanup remove_tmp([&] {
     if (writer) ::unlink(tmp.c_str());  // nothing partial left behind
   });
@@ -805,9 +776,8 @@ Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::ve
   if (writer && written.ok()) {
     written = [&]() -> Status {
       TZ_TRY(out->finish());
-      if (std::rename(tmp.c_str(), path.c_str()) != 0) return errno_status(errno, "renaming " + tmp + " to " + path);
-      remove_tmp.cancel();
-      return ok_status();
+      remove_tmp.cancel();  // replace_file_durably removes it on failure
+      return replace_file_durably(tmp, path);
     }();
   }
   return agree(written, "exporting " + path);

@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include <cstdio>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -61,18 +59,9 @@ Status Timeline::write_json(const std::string& path) const {
                         {"ts", ts}, {"dur", dur}});
     }
   }
-  // Written to a temporary name and renamed: a reader never sees half a file.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
-    if (!out) {
-      std::remove(tmp.c_str());
-      return io_error("writing the trace {}", tmp);
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) return errno_status(errno, "renaming the trace to " + path);
-  return ok_status();
+  // A reader never sees half a file.
+  return write_file_durably(path, nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump())
+      .with_context("writing the trace");
 }
 
 }  // namespace tz::detail

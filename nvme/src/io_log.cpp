@@ -12,7 +12,6 @@
 // (--replay), so the comparison with fio is on the pattern training makes,
 // not only on the sequential one. fio's version 2 format carries no times:
 // both sides replay as fast as their queue depth allows.
-#include <cstdio>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -22,33 +21,19 @@
 namespace tz::nvme {
 
 Status write_fio_iolog(const std::string& path, const std::vector<IoLogEntry>& entries) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!out) return errno_status(errno, fmt::format("creating the I/O log {}", tmp));
-    out << "fio version 2 iolog\n";
-    std::map<std::string, bool> opened;
-    for (const IoLogEntry& e : entries) {
-      if (!opened.emplace(e.path, true).second) continue;
-      out << e.path << " add\n";
-    }
-    for (const auto& [file, unused] : opened) out << file << " open\n";
-    for (const IoLogEntry& e : entries) {
-      out << e.path << (e.op == IoOp::kRead ? " read " : " write ") << e.offset << ' ' << e.length << '\n';
-    }
-    for (const auto& [file, unused] : opened) out << file << " close\n";
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      return io_error("writing the I/O log {}: failed", tmp);
-    }
+  std::ostringstream out;
+  out << "fio version 2 iolog\n";
+  std::map<std::string, bool> opened;
+  for (const IoLogEntry& e : entries) {
+    if (!opened.emplace(e.path, true).second) continue;
+    out << e.path << " add\n";
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    return errno_status(err, fmt::format("renaming {} to {}", tmp, path));
+  for (const auto& [file, unused] : opened) out << file << " open\n";
+  for (const IoLogEntry& e : entries) {
+    out << e.path << (e.op == IoOp::kRead ? " read " : " write ") << e.offset << ' ' << e.length << '\n';
   }
-  return ok_status();
+  for (const auto& [file, unused] : opened) out << file << " close\n";
+  return write_file_durably(path, out.view()).with_context("writing the I/O log");
 }
 
 Expected<std::vector<IoLogEntry>> read_fio_iolog(const std::string& path) {

@@ -13,7 +13,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -268,9 +267,8 @@ int run(const Options& o) {
   }
   fmt::print("{}", tz::format_plan(*plan, in));
   if (!o.json_path.empty()) {
-    std::ofstream out(o.json_path);
-    out << plan_json(*plan, in, *budgets).dump(2) << '\n';
-    if (!out) return fail(tz::io_error("cannot write --json {}", o.json_path), kExitBadArgs);
+    tz::Status written = tz::write_file_durably(o.json_path, plan_json(*plan, in, *budgets).dump(2) + "\n");
+    if (!written.ok()) return fail(written.with_context("--json"), kExitBadArgs);
   }
   return 0;
 }

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <map>
 
 namespace tz::tool {
@@ -153,10 +152,7 @@ tz::Status write_png(const std::string& path, int width, int height, const std::
   append_chunk(png, "IHDR", header);
   append_chunk(png, "IDAT", packed);
   append_chunk(png, "IEND", "");
-  std::ofstream out(path, std::ios::binary);
-  out.write(png.data(), static_cast<std::streamsize>(png.size()));
-  if (!out) return tz::io_error("PNG {}: could not write {} bytes", path, png.size());
-  return tz::ok_status();
+  return tz::write_file_durably(path, png);
 }
 
 tz::Status write_line_chart(const Chart& chart, const std::string& path) {

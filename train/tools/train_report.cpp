@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 
 #include "png.h"
 
@@ -38,14 +37,6 @@ double mean_loss(const std::vector<StepRecord>& steps, bool first, std::size_t n
   double sum = 0;
   for (std::size_t i = 0; i < n; ++i) sum += steps[first ? i : steps.size() - 1 - i].loss;
   return n > 0 ? sum / static_cast<double>(n) : 0;
-}
-
-Status write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text;
-  out.flush();
-  if (!out) return io_error("writing {}: failed", path);
-  return ok_status();
 }
 
 }  // namespace
@@ -185,7 +176,7 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                       {"read_busy_seconds_per_step", rates.read_busy_s},
                       {"write_busy_seconds_per_step", rates.write_busy_s},
                       {"over", "the steady-state steps: their bytes over the time a read (write) was in flight"}}}};
-  return write_text(path, out.dump(1) + "\n");
+  return write_file_durably(path, out.dump(1) + "\n");
 }
 
 Status write_csv(const std::string& path, const std::vector<StepRecord>& steps, const std::vector<EvalRecord>& evals) {
@@ -200,7 +191,7 @@ Status write_csv(const std::string& path, const std::vector<StepRecord>& steps, 
     text += fmt::format("{},{:.10g},{},{:.4f},{:.1f}\n", r.step + 1, r.loss, val, r.seconds,
                         static_cast<double>(r.tokens) / r.seconds);
   }
-  return write_text(path, text);
+  return write_file_durably(path, text);
 }
 
 Status write_plot(const std::string& path, const RunInfo& info, const std::vector<StepRecord>& steps,
