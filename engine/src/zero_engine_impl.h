@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "checkpoint_files.h"
 #include "loss_scaler.h"
 #include "prefetch.h"
 #include "trace.h"
@@ -23,25 +24,6 @@
 #include "tierzero/nvme.h"
 
 namespace tz {
-namespace detail {
-
-// This rank's part of a checkpoint, checked against the model and verified
-// (checkpoint.cpp, Note [Streamed checkpoints]).
-struct SavedState {
-  std::uint64_t offset = 0, bytes = 0;  // in the rank's .bin file
-  std::string xxh3;
-};
-struct RankFile {
-  std::string bin;                                // rank-<r>.bin
-  UniqueFd fd;                                    // open for reading
-  UniqueFd direct_fd;                             // and with O_DIRECT, where the file system allows it
-  std::vector<std::optional<SavedState>> states;  // [b * 3 + k]: master, exp_avg, exp_avg_sq; set where loaded
-  std::int64_t step = 0;
-  LossScaler::State scaler{};
-  std::optional<double> saved_lr;  // set_learning_rate()'s before the save; none when never called
-};
-
-}  // namespace detail
 
 class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser {
  public:
@@ -165,7 +147,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // verifies every state the load needs (Note [Streamed checkpoints]).
   // weights_only: the masters alone are needed (and the optimizer may differ).
   Status read_rank_files(const std::string& dir, bool weights_only, detail::RankFile& file);
-  Status read_rank_files_json(const std::string& dir, bool weights_only, detail::RankFile& file);
   // Puts every state `file` holds into its store, each read and verified again.
   Status put_rank_file(const detail::RankFile& file);
   void restore_progress(std::int64_t step, const detail::LossScaler::State& scaler,
