@@ -14,13 +14,14 @@
 // lists them): AdamW 28, +2 for the 16-bit copy-out.
 //
 // Where python3 imports torch, torch.optim.AdamW (fused=True, and the default)
-// is timed on the same sizes and thread counts and the ratio printed.
+// is timed on the same sizes and thread counts and the ratio printed
+// (adam_bench_torch.cpp).
 //
-// Prints a table (stdout), a progress line (stderr), and writes JSON (--json).
+// Prints a table (stdout), a progress line (stderr), and writes JSON (--json);
+// the tables and the JSON are adam_bench_report.cpp's.
 //
 //   tierzero-adam-bench --sizes 200M --threads 1,2 --repeats 5 --json /tmp/adam_bench.json
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/info.h>
@@ -38,68 +39,24 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <map>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "adam_stream.h"
-#include "bench_common.h"
-#include "tierzero/cpu_adam.h"
-#include "tierzero/offload.h"
+#include "adam_bench.h"
+#include "adam_bench_report.h"
+#include "adam_bench_torch.h"
 
+namespace tzbench::adam {
 namespace {
 
-namespace ca = tz::cpu_adam;
-using tzbench::Clock;
-using tzbench::Pattern;
-using tzbench::Progress;
-using tzbench::build_summary;
-using tzbench::cpu_model;
-using tzbench::median;
-using tzbench::seconds_since;
-using tzbench::split_list;
-
-// Gradients are stored as a mixed-precision run leaves them, scaled up by the
-// loss scale; every kernel multiplies them by its inverse (the unscale).
-constexpr double kGradScale = 1.0 / 4096;
-// Headroom left in MemAvailable beyond the arrays.
-constexpr std::uint64_t kHeadroomBytes = std::uint64_t{512} << 20;
 // Bytes the bench maps per parameter: p, g (fp32), g (bf16), m, v, p16.
 constexpr std::uint64_t kBytesPerParamMapped = 4 + 4 + 2 + 4 + 4 + 2;
 
-struct Flags {
-  std::string sizes = "200M";
-  std::string threads = "1,all";
-  std::string simd = "best";
-  std::string kernels = "all";
-  int repeats = 5;
-  std::string json_path;
-  std::size_t tile_elems = 0;
-  bool hugepages = true;
-  bool torch = true;
-  std::string python = "python3";
-  bool plain_copy_limit = false;
-  bool whole_step = true;
-  std::string layouts = "separate";  // more than "separate": the layout comparison (Note [Layout rows])
-};
-
 // ---------------------------------------------------------------- kernels
-
-enum class Kind : std::uint8_t { kStep, kGradArrival };
-
-struct KernelSpec {
-  std::string name;
-  Kind kind;
-  ca::Algorithm algorithm;  // kStep
-  bool copy_out;            // kStep: bf16 copy of the new parameter
-  ca::DType grad_dtype;
-  Pattern pattern;
-};
 
 std::vector<KernelSpec> all_kernels() {
   using A = ca::Algorithm;
@@ -455,23 +412,6 @@ struct Config {
   int threads = 0;                     // as the optimizer resolved it
 };
 
-struct Row {
-  KernelSpec kernel;
-  std::size_t n = 0;
-  int threads = 0;
-  std::string simd;
-  std::size_t tile = 0;  // limit-loop tile, elements
-  std::vector<double> kernel_s, limit_s;
-  double kernel_median = 0, limit_median = 0;
-  double pair_ratio_median = 0;  // median over repetitions of limit/kernel, for the record
-
-  double bytes() const { return tzbench::pattern_bytes_per_param(kernel.pattern) * static_cast<double>(n); }
-  double ns_per_param() const { return kernel_median / static_cast<double>(n) * 1e9; }
-  double gbps() const { return bytes() / kernel_median / 1e9; }
-  double limit_gbps() const { return bytes() / limit_median / 1e9; }
-  double fraction() const { return limit_median / kernel_median; }
-};
-
 // As the library runs its tiles (optimizer.cpp, run_tiles): in the calling
 // thread, in order, with one thread; else one task per tile in the arena.
 double time_limit(Config& c, Pattern pattern, const tzbench::StreamArrays& s, std::size_t n, std::size_t tile,
@@ -565,17 +505,6 @@ tz::Status measure(Config& c, const std::vector<KernelSpec>& kernels, const Arra
 
 // ---------------------------------------------------------------- layouts
 
-struct LayoutRow {
-  std::string layout;
-  KernelSpec kernel;
-  std::size_t n = 0;
-  int threads = 0;
-  std::string simd;
-  std::vector<double> kernel_s, limit_s;
-  double kernel_median = 0, limit_median = 0;
-  double vs_separate = 0;  // the separate layout's kernel median / this one's (>= 0.9: within 10%)
-};
-
 tz::Expected<std::vector<std::string>> parse_layouts(const std::string& text) {
   std::vector<std::string> out;
   for (const std::string& item : split_list(text)) {
@@ -625,28 +554,6 @@ tz::Status measure_layouts(Config& c, const std::vector<KernelSpec>& kernels, co
   return tz::ok_status();
 }
 
-nlohmann::json print_layouts(const std::vector<LayoutRow>& rows) {
-  nlohmann::json out = nlohmann::json::array();
-  if (rows.empty()) return out;
-  std::printf("\nlayouts (Note [Layout rows]): the same kernels on arrays placed differently, rounds alternating; "
-              "vs separate = the separate layout's time / this one's (>= 0.90: within 10%%)\n");
-  std::printf("%-18s %-11s %7s %7s %-7s %9s %8s %11s %9s %12s\n", "layout", "kernel", "size", "threads", "simd",
-              "ns/param", "GB/s", "limit GB/s", "fraction", "vs separate");
-  for (const LayoutRow& r : rows) {
-    const double n = static_cast<double>(r.n), bytes = tzbench::pattern_bytes_per_param(r.kernel.pattern) * n;
-    std::printf("%-18s %-11s %7s %7d %-7s %9.3f %8.2f %11.2f %9.3f %12.3f\n", r.layout.c_str(), r.kernel.name.c_str(),
-                tz::format_count(n).c_str(), r.threads, r.simd.c_str(), r.kernel_median / n * 1e9,
-                bytes / r.kernel_median / 1e9, bytes / r.limit_median / 1e9, r.limit_median / r.kernel_median,
-                r.vs_separate);
-    out.push_back({{"layout", r.layout}, {"kernel", r.kernel.name}, {"size", r.n}, {"threads", r.threads},
-                   {"simd", r.simd}, {"kernel_seconds", r.kernel_s}, {"limit_seconds", r.limit_s},
-                   {"kernel_median_s", r.kernel_median}, {"limit_median_s", r.limit_median},
-                   {"fraction_of_limit", r.limit_median / r.kernel_median}, {"vs_separate", r.vs_separate},
-                   {"within_10_percent", r.vs_separate >= 0.9}});
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------- whole step
 
 // The whole per-step optimizer work of a bf16 mixed-precision step, as the
@@ -654,17 +561,7 @@ nlohmann::json print_layouts(const std::vector<LayoutRow>& rows) {
 // the fp32 gradient buffer in the pass that also yields its squared norm; the
 // clip coefficient follows from the norm (max norm 1, torch's formula); one
 // fused AdamW pass applies it and writes the bf16 copy. 6 + 30 = 36 B/param.
-// torch's "whole" variant (kTorchScript) does the same work its own way.
-constexpr double kMaxGradNorm = 1.0;
-
-struct WholeRow {
-  std::size_t n = 0;
-  int threads = 0;
-  std::string simd;
-  std::vector<double> seconds;
-  double median_s = 0;
-  double clip = 0;  // the last clip coefficient, for the record
-};
+// torch's "whole" variant (kTorchScript, adam_bench_torch.cpp) does the same work its own way.
 
 tz::Expected<double> time_whole_step(Config& c, const Arrays& a, std::int64_t& step, double& clip) {
   const auto start = Clock::now();
@@ -694,231 +591,41 @@ tz::Status measure_whole_step(Config& c, const Arrays& a, int repeats, std::int6
   return tz::ok_status();
 }
 
-// ---------------------------------------------------------------- torch
-
-constexpr const char* kTorchScript = R"PY(
-# tierzero-adam-bench's torch side. argv: n, thread counts (comma list), repeats.
-# "fused" and "default": median time of optimizer.step() over one flat fp32
-# parameter. "whole": the whole per-step optimizer work of a bf16
-# mixed-precision step as a torch user writes it: the bf16 gradient (scaled by
-# 4096) lands in the fp32 .grad, GradScaler.unscale_ (unscale + inf check),
-# clip_grad_norm_(1.0), scaler.step with fused AdamW, and the bf16 copy of the
-# new parameter.
-import json, statistics, sys, time
-import torch
-n, threads, repeats = int(sys.argv[1]), [int(t) for t in sys.argv[2].split(",")], int(sys.argv[3])
-print(json.dumps({"torch_version": torch.__version__}), flush=True)
-g = torch.Generator().manual_seed(0)
-for variant in ("fused", "default", "whole"):
-    for t in threads:
-        torch.set_num_threads(t)
-        try:
-            p = torch.nn.Parameter(torch.rand(n, generator=g) * 2 - 1)
-            p.grad = (torch.rand(n, generator=g) * 2 - 1) * 1e-3
-            kw = {} if variant == "default" else {"fused": True}
-            opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kw)
-            if variant == "whole":
-                g16 = ((torch.rand(n, generator=g) * 8 - 4)).bfloat16()
-                p16 = torch.empty(n, dtype=torch.bfloat16)
-                scaler = torch.amp.GradScaler("cpu", init_scale=4096.0, growth_interval=10**9)
-                def work():
-                    scaler.scale(torch.ones(()))  # what scaler.scale(loss) does before backward
-                    p.grad.copy_(g16)
-                    scaler.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_([p], 1.0, foreach=True)
-                    scaler.step(opt)
-                    scaler.update()
-                    p16.copy_(p.detach())
-            else:
-                work = opt.step
-            work()  # warm-up: creates and touches the state
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                work()
-                times.append(time.perf_counter() - start)
-            print(json.dumps({"variant": variant, "threads": t, "seconds": times,
-                              "median_s": statistics.median(times)}), flush=True)
-            del opt, p, work
-        except Exception as e:  # e.g. fused=True unsupported on CPU in this torch
-            print(json.dumps({"variant": variant, "threads": t, "error": f"{type(e).__name__}: {e}"}), flush=True)
-)PY";
-
-// "" when `python -c "import torch"` works, else why not.
-std::string torch_unavailable_reason(const std::string& python) {
-  const std::string command = python + " -c 'import torch' >/dev/null 2>&1";
-  const int rc = std::system(command.c_str());
-  if (rc == 0) return "";
-  return fmt::format("'{} -c \"import torch\"' failed (exit status {})", python,
-                     WIFEXITED(rc) ? WEXITSTATUS(rc) : -1);
-}
-
-// Runs the script for one size; returns its JSON lines (one per variant and
-// thread count, plus the version line).
-tz::Expected<std::vector<nlohmann::json>> run_torch(const std::string& python, std::size_t n,
-                                                    const std::vector<int>& threads, int repeats) {
-  char path[] = "/tmp/tierzero-adam-bench-torch-XXXXXX.py";
-  const int fd = ::mkstemps(path, 3);
-  if (fd < 0) return tz::errno_status(errno, "creating the torch script");
-  const std::size_t len = std::strlen(kTorchScript);
-  const bool written = ::write(fd, kTorchScript, len) == static_cast<ssize_t>(len);
-  ::close(fd);
-  if (!written) {
-    ::unlink(path);
-    return tz::io_error("writing the torch script {}", path);
-  }
-  std::string thread_list;
-  for (int t : threads) thread_list += (thread_list.empty() ? "" : ",") + std::to_string(t);
-  const std::string command = fmt::format("{} {} {} {} {}", python, path, n, thread_list, repeats);
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) {
-    ::unlink(path);
-    return tz::errno_status(errno, "starting " + command);
-  }
-  std::vector<nlohmann::json> lines;
-  std::string line;
-  char buf[4096];
-  while (std::fgets(buf, sizeof(buf), pipe) != nullptr) {
-    line += buf;
-    if (line.empty() || line.back() != '\n') continue;
-    if (line.front() == '{') {
-      nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (!j.is_discarded()) lines.push_back(std::move(j));
-    }
-    line.clear();
-  }
-  const int rc = ::pclose(pipe);
-  ::unlink(path);
-  if (rc != 0 && lines.size() <= 1) return tz::internal_error("'{}' failed (status {})", command, rc);
-  return lines;
-}
-
-// ---------------------------------------------------------------- output
-
-struct TorchMedians {  // of one (size, threads); 0 where not measured
-  double fused = 0, dflt = 0, whole = 0;
-};
-
-// The whole-step table; returns its JSON. With torch, the speedup is
-// torch's time over ours (> 1: tierzero faster).
-nlohmann::json print_whole_step(const std::vector<WholeRow>& rows,
-                                const std::map<std::pair<std::size_t, int>, TorchMedians>& torch) {
-  nlohmann::json out = nlohmann::json::array();
-  if (rows.empty()) return out;
-  std::printf("\nwhole optimizer step, bf16 mixed precision (gradient arrival + unscale, norm, clip to %.0f, AdamW, "
-              "bf16 copy; ours: 2 passes, 36 B/param); torch: GradScaler.unscale_, clip_grad_norm_, fused AdamW, "
-              "copy_\n",
-              kMaxGradNorm);
-  std::printf("%7s %7s %-7s %12s %9s %13s %9s\n", "size", "threads", "simd", "ours ns/p", "GB/s", "torch ns/p",
-              "speedup");
-  for (const WholeRow& r : rows) {
-    auto it = torch.find({r.n, r.threads});
-    const double t = it == torch.end() ? 0 : it->second.whole;
-    const double n = static_cast<double>(r.n);
-    std::printf("%7s %7d %-7s %12.3f %9.2f %13s %9s\n", tz::format_count(n).c_str(), r.threads, r.simd.c_str(),
-                r.median_s / n * 1e9, 36 * n / r.median_s / 1e9,
-                t > 0 ? fmt::format("{:.3f}", t / n * 1e9).c_str() : "-",
-                t > 0 ? fmt::format("{:.2f}x", t / r.median_s).c_str() : "-");
-    out.push_back({{"size", r.n}, {"threads", r.threads}, {"simd", r.simd}, {"seconds", r.seconds},
-                   {"median_s", r.median_s}, {"last_clip_coefficient", r.clip},
-                   {"torch_median_s", t > 0 ? nlohmann::json(t) : nlohmann::json(nullptr)},
-                   {"speedup_over_torch", t > 0 ? nlohmann::json(t / r.median_s) : nlohmann::json(nullptr)}});
-  }
-  return out;
-}
-
-const Row* find_row(const std::vector<Row>& rows, std::size_t n, int threads, const std::string& simd,
-                    const std::string& kernel) {
-  for (const Row& r : rows) {
-    if (r.n == n && r.threads == threads && r.simd == simd && r.kernel.name == kernel) return &r;
-  }
-  return nullptr;
-}
-
-void print_table(const std::vector<Row>& rows) {
-  std::printf("%-13s %7s %7s %-7s %9s %8s %11s %9s %9s\n", "kernel", "size", "threads", "simd", "ns/param", "GB/s",
-              "limit GB/s", "fraction", "pairwise");
-  for (const Row& r : rows) {
-    std::printf("%-13s %7s %7d %-7s %9.3f %8.2f %11.2f %9.3f %9.3f\n", r.kernel.name.c_str(),
-                tz::format_count(static_cast<double>(r.n)).c_str(), r.threads, r.simd.c_str(), r.ns_per_param(),
-                r.gbps(), r.limit_gbps(), r.fraction(), r.pair_ratio_median);
-  }
-  std::printf("fraction = limit median / kernel median; pairwise = median over rounds of limit / kernel "
-              "(robust to drift)\n");
-}
-
-struct CopyCost {
-  std::string algorithm;
-  std::size_t n;
-  int threads;
-  std::string simd;
-  double plain_s, copy_s, cost, limit_cost;
-  double pairwise;  // median over rounds of (copy - plain) / plain, the two measured in the same round
-};
-
-std::vector<CopyCost> copy_costs(const std::vector<Row>& rows) {
-  std::vector<CopyCost> out;
-  for (const Row& plain : rows) {
-    if (plain.kernel.kind != Kind::kStep || plain.kernel.copy_out) continue;
-    const Row* copy = find_row(rows, plain.n, plain.threads, plain.simd, plain.kernel.name + "+bf16");
-    if (copy == nullptr) continue;
-    std::vector<double> per_round;
-    for (std::size_t i = 0; i < std::min(plain.kernel_s.size(), copy->kernel_s.size()); ++i) {
-      per_round.push_back((copy->kernel_s[i] - plain.kernel_s[i]) / plain.kernel_s[i]);
-    }
-    out.push_back({plain.kernel.name, plain.n, plain.threads, plain.simd, plain.kernel_median, copy->kernel_median,
-                   (copy->kernel_median - plain.kernel_median) / plain.kernel_median,
-                   (copy->limit_median - plain.limit_median) / plain.limit_median, median(per_round)});
-  }
-  return out;
-}
-
-nlohmann::json row_json(const Row& r) {
-  return {{"kernel", r.kernel.name},
-          {"kind", r.kernel.kind == Kind::kStep ? "step" : "grad_arrival"},
-          {"algorithm", r.kernel.kind == Kind::kStep ? nlohmann::json(ca::algorithm_name(r.kernel.algorithm))
-                                                     : nlohmann::json(nullptr)},
-          {"copy_out", r.kernel.copy_out ? "bf16" : "none"},
-          {"grad_dtype", ca::dtype_name(r.kernel.grad_dtype)},
-          {"size", r.n},
-          {"threads", r.threads},
-          {"simd", r.simd},
-          {"bytes_per_param", tzbench::pattern_bytes_per_param(r.kernel.pattern)},
-          {"limit_tile_elems", r.tile},
-          {"kernel_seconds", r.kernel_s},
-          {"limit_seconds", r.limit_s},
-          {"kernel_median_s", r.kernel_median},
-          {"limit_median_s", r.limit_median},
-          {"ns_per_param", r.ns_per_param()},
-          {"gbps", r.gbps()},
-          {"limit_gbps", r.limit_gbps()},
-          {"fraction_of_limit", r.fraction()},
-          {"fraction_of_limit_pairwise_median", r.pair_ratio_median}};
-}
-
 // ---------------------------------------------------------------- run
 
-tz::Status run(const Flags& flags) {
-  TZ_ASSIGN_OR_RETURN(std::vector<std::size_t> sizes, parse_sizes(flags.sizes));
-  TZ_ASSIGN_OR_RETURN(std::vector<int> thread_list, parse_threads(flags.threads));
-  TZ_ASSIGN_OR_RETURN(auto simd_list, parse_simd_list(flags.simd));
-  TZ_ASSIGN_OR_RETURN(std::vector<KernelSpec> kernels, parse_kernels(flags.kernels));
-  TZ_ASSIGN_OR_RETURN(std::vector<std::string> layouts, parse_layouts(flags.layouts));
+// What the flags ask for, parsed and checked against each other.
+struct Plan {
+  std::vector<std::size_t> sizes;
+  std::vector<int> threads;  // 0 = all
+  std::vector<std::optional<ca::Simd>> simd;
+  std::vector<KernelSpec> kernels;
+  std::vector<std::string> layouts;        // "separate" first
   std::vector<KernelSpec> layout_kernels;  // the Adam steps among --kernels
-  for (const KernelSpec& k : kernels) {
+};
+
+tz::Expected<Plan> parse_plan(const Flags& flags) {
+  Plan plan;
+  TZ_ASSIGN_OR_RETURN(plan.sizes, parse_sizes(flags.sizes));
+  TZ_ASSIGN_OR_RETURN(plan.threads, parse_threads(flags.threads));
+  TZ_ASSIGN_OR_RETURN(plan.simd, parse_simd_list(flags.simd));
+  TZ_ASSIGN_OR_RETURN(plan.kernels, parse_kernels(flags.kernels));
+  TZ_ASSIGN_OR_RETURN(plan.layouts, parse_layouts(flags.layouts));
+  for (const KernelSpec& k : plan.kernels) {
     if (k.kind == Kind::kStep && (k.algorithm == ca::Algorithm::kAdamW || k.algorithm == ca::Algorithm::kAdam)) {
-      layout_kernels.push_back(k);
+      plan.layout_kernels.push_back(k);
     }
   }
-  if (layouts.size() > 1 && layout_kernels.empty()) {
+  if (plan.layouts.size() > 1 && plan.layout_kernels.empty()) {
     return tz::invalid_argument("--layouts compares the Adam kernels; --kernels {} has none", flags.kernels);
   }
   if (flags.tile_elems % 16 != 0) {
     return tz::invalid_argument("--tile-elems {}: must be a multiple of 16 (64 bytes of fp32)", flags.tile_elems);
   }
+  return plan;
+}
 
-  // Refuse what does not fit before touching anything.
-  TZ_ASSIGN_OR_RETURN(tz::HostMemoryReading mem, tz::read_host_memory());
+// Refuses what does not fit before touching anything.
+tz::Status check_sizes_fit(const std::vector<std::size_t>& sizes, const tz::HostMemoryReading& mem) {
   for (std::size_t n : sizes) {
     const std::uint64_t need = kBytesPerParamMapped * n;
     if (need + kHeadroomBytes > mem.available_bytes) {
@@ -929,18 +636,23 @@ tz::Status run(const Flags& flags) {
           tz::format_bytes(kHeadroomBytes), tz::format_bytes(mem.available_bytes));
     }
   }
+  return tz::ok_status();
+}
 
-  // TBB's workers, as many as the largest arena asks for (by default TBB caps
-  // them at the CPU count; this applies to the library's arenas and ours alike).
+// TBB's workers, as many as the largest arena asks for (by default TBB caps
+// them at the CPU count; this applies to the library's arenas and ours alike).
+std::size_t max_workers(const std::vector<int>& thread_list) {
   int max_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (int t : thread_list) max_threads = std::max(max_threads, t);
-  tbb::global_control workers(tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(max_threads));
+  return static_cast<std::size_t>(max_threads);
+}
 
-  // One optimizer and one limit arena per (threads, simd).
+// One optimizer and one limit arena per (threads, simd), each pair once as resolved.
+tz::Expected<std::vector<Config>> make_configs(const Flags& flags, const Plan& plan) {
   std::vector<Config> configs;
   std::vector<std::pair<int, std::string>> seen;
-  for (int t : thread_list) {
-    for (const std::optional<ca::Simd>& simd : simd_list) {
+  for (int t : plan.threads) {
+    for (const std::optional<ca::Simd>& simd : plan.simd) {
       Config c;
       c.threads_requested = t;
       c.simd_requested = simd;
@@ -954,21 +666,35 @@ tz::Status run(const Flags& flags) {
       configs.push_back(std::move(c));
     }
   }
-  std::vector<int> resolved_threads;
-  for (const Config& c : configs) {
-    if (std::find(resolved_threads.begin(), resolved_threads.end(), c.threads) == resolved_threads.end()) {
-      resolved_threads.push_back(c.threads);
-    }
-  }
-  auto widest = std::max_element(configs.begin(), configs.end(),
-                                 [](const Config& a, const Config& b) { return a.threads < b.threads; });
+  return configs;
+}
 
-  const std::string model = cpu_model();
-  const std::string thp = read_first_line("/sys/kernel/mm/transparent_hugepage/enabled");
+std::vector<int> resolved_threads(const std::vector<Config>& configs) {
+  std::vector<int> out;
+  for (const Config& c : configs) {
+    if (std::find(out.begin(), out.end(), c.threads) == out.end()) out.push_back(c.threads);
+  }
+  return out;
+}
+
+// The configuration with the most threads: its arena maps and fills the arrays.
+const Config& widest(const std::vector<Config>& configs) {
+  return *std::max_element(configs.begin(), configs.end(),
+                           [](const Config& a, const Config& b) { return a.threads < b.threads; });
+}
+
+Machine read_machine(const tz::HostMemoryReading& mem) {
+  return {.cpu_model = cpu_model(),
+          .thp = read_first_line("/sys/kernel/mm/transparent_hugepage/enabled"),
+          .affinity_cpus = affinity_cpus(),
+          .mem = mem};
+}
+
+void print_header(const Flags& flags, const Machine& machine) {
   std::printf("%s\n", build_summary().c_str());
-  std::printf("cpu: %s, %d CPUs online (%d in affinity), MemAvailable %s, THP %s%s\n", model.c_str(),
-              static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)), affinity_cpus(),
-              tz::format_bytes(mem.available_bytes).c_str(), thp.c_str(),
+  std::printf("cpu: %s, %d CPUs online (%d in affinity), MemAvailable %s, THP %s%s\n", machine.cpu_model.c_str(),
+              static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)), machine.affinity_cpus,
+              tz::format_bytes(machine.mem.available_bytes).c_str(), machine.thp.c_str(),
               flags.hugepages ? " (arrays madvise'd)" : " (no madvise)");
   std::printf("limit loops: %s, %s stores for the 16-bit copy, tiles as the library's (%s); %d timed repeats after "
               "1 warm-up, medians; grad scale 1/%g\n\n",
@@ -976,230 +702,84 @@ tz::Status run(const Flags& flags) {
               flags.tile_elems != 0 ? fmt::format("{} elements", flags.tile_elems).c_str() : "L2-sized",
               flags.repeats, 1 / kGradScale);
   std::fflush(stdout);
+}
 
-  const std::string torch_reason = flags.torch ? torch_unavailable_reason(flags.python) : "disabled by --no-torch";
-  nlohmann::json torch_json = nullptr;
-  nlohmann::json torch_runs = nlohmann::json::array();
-
-  Progress progress;
-  std::vector<Row> rows;
-  std::int64_t step = 0;
-  std::map<std::pair<std::size_t, int>, TorchMedians> torch_medians;  // (n, threads)
-  std::vector<WholeRow> whole_rows;
-  for (std::size_t n : sizes) {
-    const std::string size_name = tz::format_count(static_cast<double>(n));
-    {
-      progress.show("size {}: mapping and filling {} with {} threads", size_name,
-                    tz::format_bytes(kBytesPerParamMapped * n), widest->threads);
-      TZ_ASSIGN_OR_RETURN(Arrays arrays, make_arrays(n, "separate", flags.hugepages, *widest->arena,
-                                                     limit_tile(Pattern::kAdam, flags.tile_elems)));
-      for (Config& c : configs) {
-        const std::string where = fmt::format("size {}, {} thread{}, {}", size_name, c.threads,
-                                              c.threads == 1 ? "" : "s", ca::simd_name(c.opt->simd()));
-        TZ_TRY(measure(c, kernels, arrays, flags, step, progress, where, rows));
-        if (flags.whole_step) TZ_TRY(measure_whole_step(c, arrays, flags.repeats, step, progress, where, whole_rows));
-      }
-    }  // arrays unmapped before torch runs
-    if (torch_reason.empty()) {
-      TZ_ASSIGN_OR_RETURN(tz::HostMemoryReading now, tz::read_host_memory());
-      // p, grad, two moments, and the default implementation's temporaries.
-      if (std::uint64_t{24} * n + kHeadroomBytes > now.available_bytes) {
-        torch_runs.push_back({{"size", n}, {"error", "skipped: not enough MemAvailable for 24 B/param"}});
-        continue;
-      }
-      progress.show("size {}: torch.optim.AdamW", size_name);
-      tz::Expected<std::vector<nlohmann::json>> lines = run_torch(flags.python, n, resolved_threads, flags.repeats);
-      if (!lines.ok()) {
-        torch_runs.push_back({{"size", n}, {"error", lines.status().message()}});
-        continue;
-      }
-      for (nlohmann::json& j : *lines) {
-        if (j.contains("torch_version")) {
-          torch_json["version"] = j["torch_version"];
-          continue;
-        }
-        j["size"] = n;
-        if (j.contains("median_s")) {
-          auto& slot = torch_medians[{n, j["threads"].get<int>()}];
-          const double median_s = j["median_s"].get<double>();
-          if (j["variant"] == "fused") slot.fused = median_s;
-          if (j["variant"] == "default") slot.dflt = median_s;
-          if (j["variant"] == "whole") slot.whole = median_s;
-        }
-        torch_runs.push_back(j);
-      }
-    }
-  }
-  std::vector<LayoutRow> layout_rows;
-  for (std::size_t n : layouts.size() > 1 ? sizes : std::vector<std::size_t>{}) {
-    // Every layout's arrays at once (aliased ones rounded up to 128 MiB each).
-    TZ_ASSIGN_OR_RETURN(tz::HostMemoryReading now, tz::read_host_memory());
-    const std::uint64_t need = layouts.size() * (6 * tz::align_up(n * 4, kAliasBytes));
-    if (need + kHeadroomBytes > now.available_bytes) {
-      return tz::out_of_memory("--layouts at size {}: {} layouts need up to {} of arrays, MemAvailable is {}; use a "
-                               "smaller --sizes", n, layouts.size(), tz::format_bytes(need),
-                               tz::format_bytes(now.available_bytes));
-    }
-    std::vector<Arrays> placed;
-    for (const std::string& layout : layouts) {
-      progress.show("size {}: mapping and filling the {} layout", tz::format_count(static_cast<double>(n)), layout);
-      TZ_ASSIGN_OR_RETURN(Arrays a, make_arrays(n, layout, flags.hugepages, *widest->arena,
-                                                limit_tile(Pattern::kAdam, flags.tile_elems)));
-      placed.push_back(std::move(a));
-    }
-    for (Config& c : configs) TZ_TRY(measure_layouts(c, layout_kernels, placed, flags, step, progress, layout_rows));
-  }
-  progress.done();
-
-  // The tables.
-  print_table(rows);
-  const std::vector<CopyCost> costs = copy_costs(rows);
-  if (!costs.empty()) {
-    std::printf("\nbf16 copy-out cost, (t_copy - t_plain) / t_plain of the medians; pairwise: median over rounds; "
-                "limit: the same for the limit loops (Adam 30 vs 28 B: +7.1%%; Adagrad, Lion 22 vs 20 B: +10%%)\n");
-    std::printf("%-9s %7s %7s %-7s %14s %14s %8s %9s %8s\n", "algorithm", "size", "threads", "simd", "plain ns/param",
-                "copy ns/param", "cost", "pairwise", "limit");
-    for (const CopyCost& c : costs) {
-      std::printf("%-9s %7s %7d %-7s %14.3f %14.3f %7.1f%% %8.1f%% %7.1f%%\n", c.algorithm.c_str(),
-                  tz::format_count(static_cast<double>(c.n)).c_str(), c.threads, c.simd.c_str(),
-                  c.plain_s / static_cast<double>(c.n) * 1e9, c.copy_s / static_cast<double>(c.n) * 1e9,
-                  100 * c.cost, 100 * c.pairwise, 100 * c.limit_cost);
-    }
-  }
-
-  // torch.
-  nlohmann::json torch_compare = nlohmann::json::array();
-  if (!torch_reason.empty()) {
-    std::printf("\nPyTorch: not importable, torch.optim.AdamW not timed (%s)\n", torch_reason.c_str());
-  } else {
-    std::printf("\ntorch.optim.AdamW (torch %s) vs tierzero adamw, fp32, same size and threads; ours/torch = time "
-                "ratio (< 1: tierzero faster)\n",
-                torch_json.value("version", std::string("?")).c_str());
-    std::printf("%7s %7s %-7s %12s %12s %12s %11s %13s\n", "size", "threads", "simd", "ours ns/p", "fused ns/p",
-                "default ns/p", "ours/fused", "ours/default");
-    for (const Row& r : rows) {
-      if (r.kernel.name != "adamw") continue;
-      auto it = torch_medians.find({r.n, r.threads});
-      const double fused = it == torch_medians.end() ? 0 : it->second.fused;
-      const double dflt = it == torch_medians.end() ? 0 : it->second.dflt;
-      auto ns = [&](double s) { return s > 0 ? fmt::format("{:.3f}", s / static_cast<double>(r.n) * 1e9) : "-"; };
-      auto ratio = [&](double s) { return s > 0 ? fmt::format("{:.3f}", r.kernel_median / s) : "-"; };
-      std::printf("%7s %7d %-7s %12.3f %12s %12s %11s %13s\n", tz::format_count(static_cast<double>(r.n)).c_str(),
-                  r.threads, r.simd.c_str(), r.ns_per_param(), ns(fused).c_str(), ns(dflt).c_str(),
-                  ratio(fused).c_str(), ratio(dflt).c_str());
-      torch_compare.push_back({{"size", r.n}, {"threads", r.threads}, {"simd", r.simd},
-                               {"ours_median_s", r.kernel_median},
-                               {"torch_fused_median_s", fused > 0 ? nlohmann::json(fused) : nlohmann::json(nullptr)},
-                               {"torch_default_median_s", dflt > 0 ? nlohmann::json(dflt) : nlohmann::json(nullptr)},
-                               {"ours_over_fused", fused > 0 ? nlohmann::json(r.kernel_median / fused) : nlohmann::json(nullptr)},
-                               {"ours_over_default", dflt > 0 ? nlohmann::json(r.kernel_median / dflt) : nlohmann::json(nullptr)}});
-    }
-    torch_json["runs"] = torch_runs;
-    torch_json["compare"] = torch_compare;
-  }
-
-  const nlohmann::json whole_json = print_whole_step(whole_rows, torch_medians);
-  const nlohmann::json layouts_json = print_layouts(layout_rows);
-
-  // Issue #4's targets, at 2 threads where measured (else the most threads measured).
-  const int target_threads = std::find(resolved_threads.begin(), resolved_threads.end(), 2) != resolved_threads.end()
-                                 ? 2
-                                 : *std::max_element(resolved_threads.begin(), resolved_threads.end());
-  nlohmann::json targets = nlohmann::json::array();
-  std::printf("\ntargets (issue #4) at %d thread%s:\n", target_threads, target_threads == 1 ? "" : "s");
-  for (const Row& r : rows) {
-    if (r.threads != target_threads) continue;
-    if (r.kernel.name == "adamw" || r.kernel.kind == Kind::kGradArrival) {
-      const bool met = r.fraction() >= 0.9;
-      std::printf("  %-10s size %-6s %-7s fraction of limit %.3f (pairwise %.3f), target >= 0.90: %s\n",
-                  r.kernel.name.c_str(), tz::format_count(static_cast<double>(r.n)).c_str(), r.simd.c_str(),
-                  r.fraction(), r.pair_ratio_median, met ? "met" : "MISSED");
-      targets.push_back({{"target", r.kernel.name + " fraction_of_limit >= 0.9"}, {"size", r.n}, {"threads", r.threads},
-                         {"simd", r.simd}, {"value", r.fraction()}, {"met", met}});
-    }
-  }
-  for (const CopyCost& c : costs) {
-    if (c.threads != target_threads || c.algorithm != "adamw") continue;
-    const bool met = c.cost <= 0.08;
-    std::printf("  %-10s size %-6s %-7s bf16 copy-out cost %+.1f%% (pairwise %+.1f%%), target <= 8%%: %s\n",
-                "adamw+bf16", tz::format_count(static_cast<double>(c.n)).c_str(), c.simd.c_str(), 100 * c.cost,
-                100 * c.pairwise, met ? "met" : "MISSED");
-    targets.push_back({{"target", "adamw bf16 copy-out cost <= 0.08"}, {"size", c.n}, {"threads", c.threads},
-                       {"simd", c.simd}, {"value", c.cost}, {"met", met}});
-  }
-  for (const nlohmann::json& w : whole_json) {
-    if (w["threads"] != target_threads || w["speedup_over_torch"].is_null()) continue;
-    const double speedup = w["speedup_over_torch"].get<double>();
-    const bool met = speedup >= 1.3;
-    std::printf("  %-10s size %-6s %-7s %.2fx torch's whole step, aim >= 1.3x: %s\n", "whole-step",
-                tz::format_count(static_cast<double>(w["size"].get<std::size_t>())).c_str(),
-                w["simd"].get<std::string>().c_str(), speedup, met ? "met" : "MISSED");
-    targets.push_back({{"target", "whole step speedup over torch >= 1.3"}, {"size", w["size"]},
-                       {"threads", w["threads"]}, {"simd", w["simd"]}, {"value", speedup}, {"met", met}});
-  }
-
-  if (!flags.json_path.empty()) {
-    nlohmann::json cost_json = nlohmann::json::array();
-    for (const CopyCost& c : costs) {
-      cost_json.push_back({{"algorithm", c.algorithm}, {"size", c.n}, {"threads", c.threads}, {"simd", c.simd},
-                           {"plain_median_s", c.plain_s}, {"copy_median_s", c.copy_s}, {"cost", c.cost},
-                           {"cost_pairwise_median", c.pairwise}, {"limit_cost", c.limit_cost}});
-    }
-    nlohmann::json result_json = nlohmann::json::array();
-    for (const Row& r : rows) result_json.push_back(row_json(r));
-    nlohmann::json variants = nlohmann::json::array();
-    for (ca::Simd s : ca::compiled_variants()) {
-      variants.push_back({{"simd", ca::simd_name(s)}, {"cpu_supports", ca::cpu_supports(s)}});
-    }
-    if (!torch_reason.empty()) torch_json = nullptr;
-    nlohmann::json out = {
-        {"benchmark", "tierzero-adam-bench"},
-        {"build", build_summary()},
-        {"machine",
-         {{"cpu_model", model},
-          {"nproc", ::sysconf(_SC_NPROCESSORS_ONLN)},
-          {"affinity_cpus", affinity_cpus()},
-          {"mem_total_bytes", mem.total_bytes},
-          {"mem_available_bytes", mem.available_bytes},
-          {"transparent_hugepage", thp},
-          {"simd_best_supported", ca::simd_name(ca::best_supported())},
-          {"simd_compiled", variants},
-          {"limit_loop_isa", tzbench::stream_isa()}}},
-        {"config",
-         {{"sizes", sizes},
-          {"threads_requested", flags.threads},
-          {"threads", resolved_threads},
-          {"simd_requested", flags.simd},
-          {"kernels", flags.kernels},
-          {"repeats", flags.repeats},
-          {"warmup", 1},
-          {"tile_elems_flag", flags.tile_elems},
-          {"limit_copy_stores", flags.plain_copy_limit ? "plain" : "non-temporal"},
-          {"tbb_numa_nodes", tbb::info::numa_nodes().size()},
-          {"hugepages_madvise", flags.hugepages},
-          {"grad_scale", kGradScale},
-          {"statistic",
-           "1 warm-up round, then `repeats` rounds; each round runs limit, kernel for every kernel in turn; "
-           "fraction_of_limit = limit median / kernel median; *_pairwise_median: median over rounds of the "
-           "per-round ratio"}}},
-        {"results", result_json},
-        {"copy_out_cost", cost_json},
-        {"whole_step", whole_json},
-        {"layouts", layouts_json},
-        {"torch", torch_json},
-        {"torch_unavailable_reason", torch_reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(torch_reason)},
-        {"targets", targets}};
-    TZ_TRY(tz::write_file_durably(flags.json_path, out.dump(2) + "\n"));
-    std::printf("\nwrote %s\n", flags.json_path.c_str());
+// The kernels (and the whole step) of every configuration on one size's
+// arrays, which are unmapped on return, before torch runs on the same size.
+tz::Status measure_size(std::size_t n, const Flags& flags, const Plan& plan, std::vector<Config>& configs,
+                        std::int64_t& step, Progress& progress, Results& out) {
+  const std::string size_name = tz::format_count(static_cast<double>(n));
+  const Config& filler = widest(configs);
+  progress.show("size {}: mapping and filling {} with {} threads", size_name,
+                tz::format_bytes(kBytesPerParamMapped * n), filler.threads);
+  TZ_ASSIGN_OR_RETURN(Arrays arrays, make_arrays(n, "separate", flags.hugepages, *filler.arena,
+                                                 limit_tile(Pattern::kAdam, flags.tile_elems)));
+  for (Config& c : configs) {
+    const std::string where = fmt::format("size {}, {} thread{}, {}", size_name, c.threads,
+                                          c.threads == 1 ? "" : "s", ca::simd_name(c.opt->simd()));
+    TZ_TRY(measure(c, plan.kernels, arrays, flags, step, progress, where, out.rows));
+    if (flags.whole_step) TZ_TRY(measure_whole_step(c, arrays, flags.repeats, step, progress, where, out.whole_rows));
   }
   return tz::ok_status();
 }
 
+// Note [Layout rows] for one size: every layout's arrays at once (aliased
+// ones rounded up to 128 MiB each), refused where they do not fit.
+tz::Status measure_layouts_of_size(std::size_t n, const Flags& flags, const Plan& plan, std::vector<Config>& configs,
+                                   std::int64_t& step, Progress& progress, std::vector<LayoutRow>& out) {
+  TZ_ASSIGN_OR_RETURN(tz::HostMemoryReading now, tz::read_host_memory());
+  const std::uint64_t need = plan.layouts.size() * (6 * tz::align_up(n * 4, kAliasBytes));
+  if (need + kHeadroomBytes > now.available_bytes) {
+    return tz::out_of_memory("--layouts at size {}: {} layouts need up to {} of arrays, MemAvailable is {}; use a "
+                             "smaller --sizes", n, plan.layouts.size(), tz::format_bytes(need),
+                             tz::format_bytes(now.available_bytes));
+  }
+  std::vector<Arrays> placed;
+  for (const std::string& layout : plan.layouts) {
+    progress.show("size {}: mapping and filling the {} layout", tz::format_count(static_cast<double>(n)), layout);
+    TZ_ASSIGN_OR_RETURN(Arrays a, make_arrays(n, layout, flags.hugepages, *widest(configs).arena,
+                                              limit_tile(Pattern::kAdam, flags.tile_elems)));
+    placed.push_back(std::move(a));
+  }
+  for (Config& c : configs) TZ_TRY(measure_layouts(c, plan.layout_kernels, placed, flags, step, progress, out));
+  return tz::ok_status();
+}
+
+tz::Status run(const Flags& flags) {
+  TZ_ASSIGN_OR_RETURN(const Plan plan, parse_plan(flags));
+  TZ_ASSIGN_OR_RETURN(const tz::HostMemoryReading mem, tz::read_host_memory());
+  TZ_TRY(check_sizes_fit(plan.sizes, mem));
+  tbb::global_control workers(tbb::global_control::max_allowed_parallelism, max_workers(plan.threads));
+  TZ_ASSIGN_OR_RETURN(std::vector<Config> configs, make_configs(flags, plan));
+  const Machine machine = read_machine(mem);
+  print_header(flags, machine);
+
+  Results results{.sizes = plan.sizes,
+                  .threads = resolved_threads(configs),
+                  .torch_reason = flags.torch ? torch_unavailable_reason(flags.python) : "disabled by --no-torch"};
+  Progress progress;
+  std::int64_t step = 0;  // every kernel's step count, across sizes and configurations
+  for (std::size_t n : plan.sizes) {
+    TZ_TRY(measure_size(n, flags, plan, configs, step, progress, results));
+    if (results.torch_reason.empty()) {
+      TZ_TRY(time_torch(flags.python, n, results.threads, flags.repeats, progress, results.torch));
+    }
+  }
+  if (plan.layouts.size() > 1) {
+    for (std::size_t n : plan.sizes) {
+      TZ_TRY(measure_layouts_of_size(n, flags, plan, configs, step, progress, results.layout_rows));
+    }
+  }
+  progress.done();
+  return report(flags, machine, results);
+}
+
 }  // namespace
+}  // namespace tzbench::adam
 
 int main(int argc, char** argv) {
   CLI::App app{"tierzero-adam-bench: the CPU optimizers against the memory-bandwidth limit of their access patterns"};
-  Flags flags;
+  tzbench::adam::Flags flags;
   app.add_option("--sizes", flags.sizes, "parameter counts, comma-separated (e.g. 100M,200M,1B)")
       ->capture_default_str();
   app.add_option("--threads", flags.threads, "thread counts, comma-separated; 'all' = every CPU of the NUMA node")
@@ -1233,7 +813,7 @@ int main(int argc, char** argv) {
                "do not time the whole mixed-precision optimizer step (gradient arrival, norm, clip, step, bf16 copy)");
   app.add_option("--python", flags.python, "Python interpreter for the torch comparison")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  tz::Status status = run(flags);
+  tz::Status status = tzbench::adam::run(flags);
   if (!status.ok()) {
     std::fprintf(stderr, "tierzero-adam-bench: %s\n", status.message().c_str());
     return status.code() == tz::ErrorCode::kInvalidArgument ? 2 : 1;

@@ -145,6 +145,88 @@ std::vector<std::string> fio_replay_args(const std::string& fio, const EngineCon
   return a;
 }
 
+// The directory of each of the log's files (round-robin over --path), each
+// directory checked for room for the files it gets.
+tz::Expected<std::vector<std::string>> scratch_dirs(const Setup& s, const Pattern& p) {
+  std::vector<std::string> dirs;
+  for (std::size_t i = 0; i < p.logged_files.size(); ++i) dirs.push_back(s.dirs[i % s.dirs.size()]);
+  for (const std::string& dir : s.dirs) {
+    const auto here = static_cast<std::uint64_t>(std::count(dirs.begin(), dirs.end(), dir));
+    TZ_TRY(check_free_space(dir, here * p.file_bytes, "the replay's scratch files"));
+  }
+  return dirs;
+}
+
+// Every byte written once, so the replay's reads reach the device.
+tz::Status fill_scratch_files(const EngineConfig& c, const ScratchFiles& files, std::uint64_t file_bytes,
+                              HostBuffer& pool) {
+  Pattern fill;
+  for (std::size_t f = 0; f < files.paths().size(); ++f) {
+    for (std::uint64_t at = 0; at < file_bytes; at += c.block_bytes) {
+      fill.pieces.push_back({tz::nvme::IoOp::kWrite, "", at, std::min<std::uint64_t>(c.block_bytes, file_bytes - at)});
+      fill.file_index.push_back(f);
+    }
+  }
+  TZ_TRY_CTX(replay_ours(c, files, fill, 1, pool).status(), "writing the replay's scratch files");
+  return tz::ok_status();
+}
+
+// What one replay run is: the pattern, its files and buffers, the passes a run makes.
+struct Replay {
+  const EngineConfig& config;
+  const Pattern& pattern;
+  const ScratchFiles& files;
+  HostBuffer& pool;
+  int loops = 0;
+  double run_bytes = 0;              // the log's bytes x loops
+  std::string fio_log_path;          // "": no fio comparison
+};
+
+// The ours/fio pairs: each pair one run of ours, then (with --compare-fio) one of fio's.
+struct Pairs {
+  nlohmann::json rows = nlohmann::json::array();
+  std::vector<double> ours_gbps, fio_gbps, ratios;
+};
+
+// fio's time for the run; its rate as the log's bytes over that time (its
+// io_bytes is kept beside: fio's count of a replay can differ).
+tz::Status fio_side(const Setup& s, const Replay& r, Pairs& out, nlohmann::json& row) {
+  TZ_ASSIGN_OR_RETURN(FioResult f, run_fio_with([&](const std::string& output) {
+    return fio_replay_args(s.fio, r.config, r.fio_log_path, s.hugepages, output);
+  }, s.hugepages));
+  const double fio_s = f.aggregate_gbps > 0 ? static_cast<double>(f.io_bytes) / (f.aggregate_gbps * 1e9) : 0;
+  const double g = fio_s > 0 ? r.run_bytes / fio_s / 1e9 : 0;
+  out.fio_gbps.push_back(g);
+  out.ratios.push_back(g > 0 ? out.ours_gbps.back() / g : 0);
+  row.update({{"fio_seconds", fio_s}, {"fio_gbps", g}, {"fio_reported_io_bytes", f.io_bytes},
+              {"fio_reported_gbps", f.aggregate_gbps}, {"ours_over_fio", out.ratios.back()},
+              {"fio_command", f.command}});
+  return tz::ok_status();
+}
+
+tz::Expected<Pairs> measure_pairs(Context& ctx, const Replay& r) {
+  const Setup& s = ctx.setup;
+  Pairs out;
+  for (int pair = 0; pair < s.pairs; ++pair) {
+    ctx.progress.show("replay: pair {}/{}", pair + 1, s.pairs);
+    TZ_ASSIGN_OR_RETURN(double ours_s, replay_ours(r.config, r.files, r.pattern, r.loops, r.pool));
+    nlohmann::json row = {{"ours_seconds", ours_s}, {"ours_gbps", r.run_bytes / ours_s / 1e9}};
+    out.ours_gbps.push_back(r.run_bytes / ours_s / 1e9);
+    if (!r.fio_log_path.empty()) TZ_TRY(fio_side(s, r, out, row));
+    out.rows.push_back(row);
+  }
+  ctx.progress.done();
+  return out;
+}
+
+void print_replay_table(const Pairs& pairs, bool compare_fio) {
+  std::printf("%-8s %10s %10s %10s\n", "replay", "ours GB/s", "fio GB/s", "ours/fio");
+  std::printf("%-8s %10.3f %10s %10s\n", "median", median(pairs.ours_gbps),
+              compare_fio ? fmt::format("{:.3f}", median(pairs.fio_gbps)).c_str() : "-",
+              compare_fio ? fmt::format("{:.3f}", median(pairs.ratios)).c_str() : "-");
+  std::printf("GB/s = the log's bytes x passes over each run's time; ours/fio = median of the per-pair ratios\n");
+}
+
 }  // namespace
 
 tz::Expected<nlohmann::json> run_replay(Context& ctx, const std::string& log_path, int loops, bool compare_fio) {
@@ -152,35 +234,22 @@ tz::Expected<nlohmann::json> run_replay(Context& ctx, const std::string& log_pat
   const EngineConfig& c = s.base;
   TZ_ASSIGN_OR_RETURN(std::vector<IoLogEntry> log, tz::nvme::read_fio_iolog(log_path));
   TZ_ASSIGN_OR_RETURN(Pattern p, cut(log, c.block_bytes));
-  std::vector<std::string> dirs;
-  for (std::size_t i = 0; i < p.logged_files.size(); ++i) dirs.push_back(s.dirs[i % s.dirs.size()]);
-  for (const std::string& dir : s.dirs) {
-    const auto here = static_cast<std::uint64_t>(std::count(dirs.begin(), dirs.end(), dir));
-    TZ_TRY(check_free_space(dir, here * p.file_bytes, "the replay's scratch files"));
-  }
+  TZ_ASSIGN_OR_RETURN(std::vector<std::string> dirs, scratch_dirs(s, p));
   ctx.progress.show("replay: {} file(s) of {}", dirs.size(), tz::format_bytes(p.file_bytes));
   TZ_ASSIGN_OR_RETURN(ScratchFiles files, ScratchFiles::create(dirs, p.file_bytes, "replay"));
   const std::size_t slots = static_cast<std::size_t>(c.queue_depth) * static_cast<std::size_t>(c.rings);
   TZ_ASSIGN_OR_RETURN(HostBuffer pool, HostBuffer::map(std::max(slots, std::size_t{8}) * c.block_bytes, s.hugepages));
   pool.fill_random(7);
-  {  // Every byte written once, so the replay's reads reach the device.
-    Pattern fill;
-    for (std::size_t f = 0; f < files.paths().size(); ++f) {
-      for (std::uint64_t at = 0; at < p.file_bytes; at += c.block_bytes) {
-        fill.pieces.push_back({tz::nvme::IoOp::kWrite, "", at, std::min<std::uint64_t>(c.block_bytes, p.file_bytes - at)});
-        fill.file_index.push_back(f);
-      }
-    }
-    TZ_TRY_CTX(replay_ours(c, files, fill, 1, pool).status(), "writing the replay's scratch files");
-  }
+  TZ_TRY(fill_scratch_files(c, files, p.file_bytes, pool));
   const double pass_bytes = static_cast<double>(p.read_bytes + p.write_bytes);
   if (loops <= 0) loops = static_cast<int>(std::max(1.0, std::ceil(static_cast<double>(std::uint64_t{2} << 30) / pass_bytes)));
-  const double run_bytes = pass_bytes * loops;
-  const std::string fio_log_path = files.paths().front() + ".iolog";
+  const Replay replay{.config = c, .pattern = p, .files = files, .pool = pool, .loops = loops,
+                      .run_bytes = pass_bytes * loops,
+                      .fio_log_path = compare_fio ? files.paths().front() + ".iolog" : ""};
   std::optional<RemovedAtExit> fio_log;
   if (compare_fio) {
-    fio_log.emplace(fio_log_path);
-    TZ_TRY(write_fio_log(fio_log_path, p, files, loops));
+    fio_log.emplace(replay.fio_log_path);
+    TZ_TRY(write_fio_log(replay.fio_log_path, p, files, loops));
   }
   std::printf("\nreplay of %s: %zu requests (%s read, %s written a pass) in %zu file(s), cut into %zu pieces of at "
               "most %s; %d pass(es) a run; ours %s with %zu pieces in flight%s\n",
@@ -188,35 +257,8 @@ tz::Expected<nlohmann::json> run_replay(Context& ctx, const std::string& log_pat
               tz::format_bytes(p.write_bytes).c_str(), p.logged_files.size(), p.pieces.size(),
               tz::format_bytes(c.block_bytes).c_str(), loops, c.label().c_str(), slots,
               compare_fio ? "; fio read_iolog, iodepth the same, alternating" : "");
-  nlohmann::json pairs = nlohmann::json::array();
-  std::vector<double> ours_gbps, fio_gbps, ratios;
-  for (int pair = 0; pair < s.pairs; ++pair) {
-    ctx.progress.show("replay: pair {}/{}", pair + 1, s.pairs);
-    TZ_ASSIGN_OR_RETURN(double ours_s, replay_ours(c, files, p, loops, pool));
-    nlohmann::json row = {{"ours_seconds", ours_s}, {"ours_gbps", run_bytes / ours_s / 1e9}};
-    ours_gbps.push_back(run_bytes / ours_s / 1e9);
-    if (compare_fio) {
-      TZ_ASSIGN_OR_RETURN(FioResult f, run_fio_with([&](const std::string& out) {
-        return fio_replay_args(s.fio, c, fio_log_path, s.hugepages, out);
-      }, s.hugepages));
-      // fio's time for the run; its rate as the log's bytes over that time
-      // (its io_bytes is printed beside: fio's count of a replay can differ).
-      const double fio_s = f.aggregate_gbps > 0 ? static_cast<double>(f.io_bytes) / (f.aggregate_gbps * 1e9) : 0;
-      const double g = fio_s > 0 ? run_bytes / fio_s / 1e9 : 0;
-      fio_gbps.push_back(g);
-      ratios.push_back(g > 0 ? ours_gbps.back() / g : 0);
-      row.update({{"fio_seconds", fio_s}, {"fio_gbps", g}, {"fio_reported_io_bytes", f.io_bytes},
-                  {"fio_reported_gbps", f.aggregate_gbps}, {"ours_over_fio", ratios.back()},
-                  {"fio_command", f.command}});
-    }
-    pairs.push_back(row);
-  }
-  ctx.progress.done();
-  std::printf("%-8s %10s %10s %10s\n", "replay", "ours GB/s", "fio GB/s", "ours/fio");
-  std::printf("%-8s %10.3f %10s %10s\n", "median", median(ours_gbps),
-              compare_fio ? fmt::format("{:.3f}", median(fio_gbps)).c_str() : "-",
-              compare_fio ? fmt::format("{:.3f}", median(ratios)).c_str() : "-");
-  std::printf("GB/s = the log's bytes x passes over each run's time; ours/fio = median of the per-pair ratios\n");
+  TZ_ASSIGN_OR_RETURN(Pairs pairs, measure_pairs(ctx, replay));
+  print_replay_table(pairs, compare_fio);
   return nlohmann::json{{"log", log_path},
                         {"requests", log.size()},
                         {"pieces", p.pieces.size()},
@@ -225,10 +267,10 @@ tz::Expected<nlohmann::json> run_replay(Context& ctx, const std::string& log_pat
                         {"passes_per_run", loops},
                         {"config", config_json(c)},
                         {"pieces_in_flight", slots},
-                        {"pairs", pairs},
-                        {"ours_gbps_median", median(ours_gbps)},
-                        {"fio_gbps_median", compare_fio ? nlohmann::json(median(fio_gbps)) : nlohmann::json(nullptr)},
-                        {"ours_over_fio_median", compare_fio ? nlohmann::json(median(ratios)) : nlohmann::json(nullptr)}};
+                        {"pairs", pairs.rows},
+                        {"ours_gbps_median", median(pairs.ours_gbps)},
+                        {"fio_gbps_median", compare_fio ? nlohmann::json(median(pairs.fio_gbps)) : nlohmann::json(nullptr)},
+                        {"ours_over_fio_median", compare_fio ? nlohmann::json(median(pairs.ratios)) : nlohmann::json(nullptr)}};
 }
 
 }  // namespace tzbench

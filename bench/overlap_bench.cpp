@@ -137,6 +137,137 @@ struct StepRow {
   std::uint64_t prefetched = 0, fetches = 0;
 };
 
+// One step's wall time and the engine's report; the timeline is recorded
+// from step 1 on (step 0 records the trace, on demand).
+struct TimedStep {
+  double total_s = 0;
+  tz::StepReport report;
+};
+
+tz::Expected<TimedStep> time_step(tz::ZeroEngine& engine, const Flags& f, const tz::mlp::MlpConfig& mlp,
+                                  const tz::mlp::ComputeHook& hook, int step) {
+  engine.clear_timeline();
+  engine.record_timeline(step > 0);
+  const auto start = Clock::now();
+  if (f.synthetic) {
+    TZ_TRY(synthetic_micro_batch(engine, hook));
+  } else {
+    TZ_TRY(tz::mlp::train_micro_batch(engine, mlp, tz::mlp::make_batch(mlp, 0, 0, step), hook).status());
+  }
+  TZ_ASSIGN_OR_RETURN(tz::StepReport r, engine.step());
+  const double total = std::chrono::duration<double>(Clock::now() - start).count();
+  engine.record_timeline(false);
+  return TimedStep{.total_s = total, .report = r};
+}
+
+// The step's critical path: compute's busy time, or a transfer stage's where
+// that is longer (the optimizer runs after forward+backward, so it is left out).
+StepRow step_row(int step, const TimedStep& t, std::map<std::string, double> busy) {
+  const tz::StepReport& r = t.report;
+  StepRow row{.step = step, .forward_backward_s = t.total_s - r.optimizer_seconds, .optimizer_s = r.optimizer_seconds};
+  row.busy = std::move(busy);
+  row.compute_s = row.busy["compute"];
+  row.critical_s = row.compute_s;
+  row.critical_stage = "compute";
+  for (const auto& [name, secs] : row.busy) {
+    if (name == "compute" || name == "optimizer") continue;
+    if (secs > row.critical_s) {
+      row.critical_s = secs;
+      row.critical_stage = name;
+    }
+  }
+  row.wait_nvme_s = r.wait_nvme_seconds;
+  row.wait_h2d_s = r.wait_h2d_seconds;
+  row.wait_gather_s = r.wait_gather_seconds;
+  row.wait_s = r.wait_nvme_seconds + r.wait_h2d_seconds + r.wait_gather_seconds;
+  row.prefetched = r.prefetched;
+  row.fetches = r.fetches;
+  return row;
+}
+
+void print_step_header() {
+  std::printf("%4s %10s %10s %10s %10s %9s %-16s %8s %8s %8s %8s %6s\n", "step", "fwd+bwd s", "compute s",
+              "critical s", "ratio", "optim s", "busiest stage", "wait %", "nvme", "h2d", "gather", "pref");
+}
+
+void print_step_row(const StepRow& row) {
+  std::printf("%4d %10.3f %10.3f %10.3f %10.3f %9.3f %-16s %7.1f%% %8.3f %8.3f %8.3f %3llu/%llu\n", row.step,
+              row.forward_backward_s, row.compute_s, row.critical_s, row.forward_backward_s / row.critical_s,
+              row.optimizer_s, row.critical_stage.substr(0, 16).c_str(), 100 * row.wait_s / row.forward_backward_s,
+              row.wait_nvme_s, row.wait_h2d_s, row.wait_gather_s, static_cast<unsigned long long>(row.prefetched),
+              static_cast<unsigned long long>(row.fetches));
+}
+
+// Every step, a row printed for each measured one (step 0 records the trace
+// and is not measured); the last step's trace goes to --trace.
+tz::Expected<std::vector<StepRow>> measure_steps(tz::ZeroEngine& engine, const Flags& f,
+                                                 const tz::mlp::MlpConfig& mlp) {
+  const auto compute = std::chrono::microseconds(static_cast<std::int64_t>(f.compute_ms * 1000));
+  const tz::mlp::ComputeHook hook = [&](std::size_t, bool) { std::this_thread::sleep_for(compute); };
+  const std::string tmp_trace = f.nvme_path + "/overlap-step.json";
+  std::vector<StepRow> rows;
+  print_step_header();
+  for (int step = 0; step < f.steps; ++step) {
+    TZ_ASSIGN_OR_RETURN(const TimedStep t, time_step(engine, f, mlp, hook, step));
+    if (step == 0) continue;
+    TZ_TRY(engine.write_timeline(tmp_trace));
+    const StepRow row = step_row(step, t, busy_seconds(tmp_trace));
+    print_step_row(row);
+    if (!f.trace_path.empty() && step == f.steps - 1) TZ_TRY(engine.write_timeline(f.trace_path));
+    rows.push_back(row);
+  }
+  std::filesystem::remove(tmp_trace);
+  return rows;
+}
+
+// Medians over the measured steps of forward+backward / critical path and of
+// the fraction of forward+backward that compute waited.
+struct Summary {
+  double ratio = 0, wait = 0;
+};
+
+Summary summarize(const std::vector<StepRow>& rows) {
+  std::vector<double> ratios, waits;
+  for (const StepRow& r : rows) {
+    ratios.push_back(r.forward_backward_s / r.critical_s);
+    waits.push_back(r.wait_s / r.forward_backward_s);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  std::sort(waits.begin(), waits.end());
+  return {.ratio = ratios[ratios.size() / 2], .wait = waits[waits.size() / 2]};
+}
+
+void print_summary(const Flags& f, const std::vector<StepRow>& rows, const Summary& sum) {
+  std::printf("\nmedian over %zu steps: forward+backward / critical path = %.3f (target <= 1.15: %s); "
+              "compute waited %.1f%% of it (target < 10%%: %s)\n",
+              rows.size(), sum.ratio, sum.ratio <= 1.15 ? "met" : "MISSED", 100 * sum.wait,
+              sum.wait < 0.10 ? "met" : "MISSED");
+  std::printf("busy seconds per stage in the last step:");
+  for (const auto& [name, secs] : rows.back().busy) std::printf("  %s %.3f", name.c_str(), secs);
+  std::printf("\n");
+  if (!f.trace_path.empty()) std::printf("Chrome trace of step %d: %s\n", rows.back().step, f.trace_path.c_str());
+}
+
+tz::Status write_json(const Flags& f, const std::string& engine_description, const std::vector<StepRow>& rows,
+                      const Summary& sum) {
+  nlohmann::json steps = nlohmann::json::array();
+  for (const StepRow& r : rows) {
+    steps.push_back({{"step", r.step}, {"forward_backward_s", r.forward_backward_s}, {"optimizer_s", r.optimizer_s},
+                     {"compute_s", r.compute_s}, {"busy_s", r.busy}, {"critical_s", r.critical_s},
+                     {"critical_stage", r.critical_stage}, {"wait_s", r.wait_s}, {"wait_nvme_s", r.wait_nvme_s},
+                     {"wait_h2d_s", r.wait_h2d_s}, {"wait_gather_s", r.wait_gather_s},
+                     {"prefetched", r.prefetched}, {"fetches", r.fetches}});
+  }
+  const nlohmann::json out = {{"benchmark", "tierzero-overlap-bench"}, {"engine", engine_description},
+                              {"layers", f.layers}, {"hidden", f.hidden}, {"compute_ms", f.compute_ms},
+                              {"placement", f.placement}, {"synthetic", f.synthetic}, {"backend", f.backend},
+                              {"steps", steps}, {"median_ratio_to_critical_path", sum.ratio},
+                              {"median_wait_fraction", sum.wait}};
+  TZ_TRY(tz::write_file_durably(f.json_path, out.dump(2) + "\n"));
+  std::printf("wrote %s\n", f.json_path.c_str());
+  return tz::ok_status();
+}
+
 tz::Status run(const Flags& f) {
   std::filesystem::create_directories(f.nvme_path);
   TZ_ASSIGN_OR_RETURN(tz::Config config, make_config(f));
@@ -147,85 +278,11 @@ tz::Status run(const Flags& f) {
   std::printf("model: %d layers x (%d x %d + %d) = %s parameters; simulated compute %.1f ms per block and direction\n\n",
               f.layers, f.hidden, f.hidden, f.hidden,
               tz::format_count(static_cast<double>(engine->layout().param_numel)).c_str(), f.compute_ms);
-  const auto compute = std::chrono::microseconds(static_cast<std::int64_t>(f.compute_ms * 1000));
-  const tz::mlp::ComputeHook hook = [&](std::size_t, bool) { std::this_thread::sleep_for(compute); };
-  const std::string tmp_trace = f.nvme_path + "/overlap-step.json";
-  std::vector<StepRow> rows;
-  std::printf("%4s %10s %10s %10s %10s %9s %-16s %8s %8s %8s %8s %6s\n", "step", "fwd+bwd s", "compute s",
-              "critical s", "ratio", "optim s", "busiest stage", "wait %", "nvme", "h2d", "gather", "pref");
-  for (int step = 0; step < f.steps; ++step) {
-    engine->clear_timeline();
-    engine->record_timeline(step > 0);  // step 0 records the trace, on demand
-    const auto start = Clock::now();
-    if (f.synthetic) {
-      TZ_TRY(synthetic_micro_batch(*engine, hook));
-    } else {
-      TZ_TRY(tz::mlp::train_micro_batch(*engine, mlp, tz::mlp::make_batch(mlp, 0, 0, step), hook).status());
-    }
-    TZ_ASSIGN_OR_RETURN(tz::StepReport r, engine->step());
-    const double total = std::chrono::duration<double>(Clock::now() - start).count();
-    engine->record_timeline(false);
-    if (step == 0) continue;
-    StepRow row{.step = step, .forward_backward_s = total - r.optimizer_seconds, .optimizer_s = r.optimizer_seconds};
-    TZ_TRY(engine->write_timeline(tmp_trace));
-    row.busy = busy_seconds(tmp_trace);
-    row.compute_s = row.busy["compute"];
-    row.critical_s = row.compute_s;
-    row.critical_stage = "compute";
-    for (const auto& [name, secs] : row.busy) {
-      if (name == "compute" || name == "optimizer") continue;
-      if (secs > row.critical_s) {
-        row.critical_s = secs;
-        row.critical_stage = name;
-      }
-    }
-    row.wait_nvme_s = r.wait_nvme_seconds;
-    row.wait_h2d_s = r.wait_h2d_seconds;
-    row.wait_gather_s = r.wait_gather_seconds;
-    row.wait_s = r.wait_nvme_seconds + r.wait_h2d_seconds + r.wait_gather_seconds;
-    row.prefetched = r.prefetched;
-    row.fetches = r.fetches;
-    std::printf("%4d %10.3f %10.3f %10.3f %10.3f %9.3f %-16s %7.1f%% %8.3f %8.3f %8.3f %3llu/%llu\n", step,
-                row.forward_backward_s, row.compute_s, row.critical_s, row.forward_backward_s / row.critical_s,
-                row.optimizer_s, row.critical_stage.substr(0, 16).c_str(), 100 * row.wait_s / row.forward_backward_s,
-                row.wait_nvme_s, row.wait_h2d_s, row.wait_gather_s,
-                static_cast<unsigned long long>(row.prefetched), static_cast<unsigned long long>(row.fetches));
-    if (!f.trace_path.empty() && step == f.steps - 1) TZ_TRY(engine->write_timeline(f.trace_path));
-    rows.push_back(row);
-  }
-  std::filesystem::remove(tmp_trace);
+  TZ_ASSIGN_OR_RETURN(const std::vector<StepRow> rows, measure_steps(*engine, f, mlp));
   if (rows.empty()) return tz::invalid_argument("--steps must be at least 2 (step 0 records the trace)");
-  std::vector<double> ratios, waits;
-  for (const StepRow& r : rows) {
-    ratios.push_back(r.forward_backward_s / r.critical_s);
-    waits.push_back(r.wait_s / r.forward_backward_s);
-  }
-  std::sort(ratios.begin(), ratios.end());
-  std::sort(waits.begin(), waits.end());
-  const double ratio = ratios[ratios.size() / 2], wait = waits[waits.size() / 2];
-  std::printf("\nmedian over %zu steps: forward+backward / critical path = %.3f (target <= 1.15: %s); "
-              "compute waited %.1f%% of it (target < 10%%: %s)\n",
-              rows.size(), ratio, ratio <= 1.15 ? "met" : "MISSED", 100 * wait, wait < 0.10 ? "met" : "MISSED");
-  std::printf("busy seconds per stage in the last step:");
-  for (const auto& [name, secs] : rows.back().busy) std::printf("  %s %.3f", name.c_str(), secs);
-  std::printf("\n");
-  if (!f.trace_path.empty()) std::printf("Chrome trace of step %d: %s\n", rows.back().step, f.trace_path.c_str());
-  if (!f.json_path.empty()) {
-    nlohmann::json steps = nlohmann::json::array();
-    for (const StepRow& r : rows) {
-      steps.push_back({{"step", r.step}, {"forward_backward_s", r.forward_backward_s}, {"optimizer_s", r.optimizer_s},
-                       {"compute_s", r.compute_s}, {"busy_s", r.busy}, {"critical_s", r.critical_s},
-                       {"critical_stage", r.critical_stage}, {"wait_s", r.wait_s}, {"wait_nvme_s", r.wait_nvme_s},
-                       {"wait_h2d_s", r.wait_h2d_s}, {"wait_gather_s", r.wait_gather_s},
-                       {"prefetched", r.prefetched}, {"fetches", r.fetches}});
-    }
-    const nlohmann::json out = {{"benchmark", "tierzero-overlap-bench"}, {"engine", engine->describe()},
-                                {"layers", f.layers}, {"hidden", f.hidden}, {"compute_ms", f.compute_ms},
-                                {"placement", f.placement}, {"synthetic", f.synthetic}, {"backend", f.backend}, {"steps", steps},
-                                {"median_ratio_to_critical_path", ratio}, {"median_wait_fraction", wait}};
-    TZ_TRY(tz::write_file_durably(f.json_path, out.dump(2) + "\n"));
-    std::printf("wrote %s\n", f.json_path.c_str());
-  }
+  const Summary sum = summarize(rows);
+  print_summary(f, rows, sum);
+  if (!f.json_path.empty()) TZ_TRY(write_json(f, engine->describe(), rows, sum));
   return tz::ok_status();
 }
 

@@ -82,7 +82,7 @@ def median_ms(fn, warmup: int, repeats: int) -> float:
     return statistics.median(samples) * 1e3
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modules", type=int, default=200)
     ap.add_argument("--width", type=int, default=16)
@@ -93,7 +93,73 @@ def main() -> None:
                     help="torch threads (1: no BLAS thread wake-ups in the tiny products, which only add noise)")
     ap.add_argument("--profile", action="store_true", help="profile the tierzero forward+backward")
     ap.add_argument("--json")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def alternating_rounds(args, torch_step, tz_fwd_bwd, engine) -> dict:
+    """Median ms of plain torch, tierzero forward+backward and engine.step(), and the per-module overhead.
+
+    Rounds alternate plain torch and tierzero (forward+backward, then step, timed apart: step() must
+    follow every micro-batch), so the machine's drift hits both alike; the overhead is the median of
+    the rounds' differences.
+    """
+    for _ in range(args.warmup):
+        torch_step()
+    tt, fb, st = [], [], []
+    for _ in range(args.repeats):
+        s = time.perf_counter()
+        torch_step()
+        a = time.perf_counter()
+        tz_fwd_bwd()
+        m = time.perf_counter()
+        engine.step()
+        e = time.perf_counter()
+        tt.append(a - s)
+        fb.append(m - a)
+        st.append(e - m)
+    t_torch, t_fb, t_st = (statistics.median(v) * 1e3 for v in (tt, fb, st))
+    diffs = sorted((f - t) / args.modules * 1e6 for f, t in zip(fb, tt))
+    return {"torch_ms": t_torch, "tierzero_fwd_bwd_ms": t_fb, "tierzero_step_ms": t_st,
+            "overhead_us_per_module": statistics.median(diffs),
+            "overhead_quartiles_us": (diffs[len(diffs) // 4], diffs[(3 * len(diffs)) // 4])}
+
+
+def print_table(args, r: dict) -> None:
+    print(f"{args.modules} x Linear({args.width}, {args.width}) + tanh, batch {args.batch}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; median of {args.repeats} alternating rounds")
+    print(f"{'':<34}{'ms':>9}{'us/module':>11}")
+    for label, key in (("torch forward+backward", "torch_ms"), ("tierzero forward+backward", "tierzero_fwd_bwd_ms"),
+                       ("tierzero engine.step()", "tierzero_step_ms"),
+                       ("tierzero whole micro-batch", "tierzero_micro_batch_ms")):
+        print(f"{label:<34}{r[key]:>9.2f}{r[key] / args.modules * 1e3:>11.1f}")
+    quartiles = r["overhead_quartiles_us"]
+    print(f"overhead of tierzero.torch per module (forward+backward): {r['overhead_us_per_module']:.1f} us "
+          f"(quartiles of the rounds {quartiles[0]:.1f} .. {quartiles[1]:.1f})")
+
+
+def profile(tz_step) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        tz_step()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+def write_json(path: str, args, r: dict, calls: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"modules": args.modules, "width": args.width, "batch": args.batch, "torch_ms": r["torch_ms"],
+                   "tierzero_fwd_bwd_ms": r["tierzero_fwd_bwd_ms"], "tierzero_step_ms": r["tierzero_step_ms"],
+                   "tierzero_micro_batch_ms": r["tierzero_micro_batch_ms"],
+                   "overhead_us_per_module": r["overhead_us_per_module"],
+                   "overhead_quartiles_us": r["overhead_quartiles_us"],
+                   "threads": torch.get_num_threads(), "repeats": args.repeats, "torch": torch.__version__,
+                   "engine_calls": calls},
+                  f, indent=2)
+
+
+def main() -> None:
+    args = parse_args()
     tierzero.set_log_level("warn")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -115,54 +181,16 @@ def main() -> None:
         engine.step()
 
     t_tz = median_ms(tz_step, args.warmup, args.repeats)  # with step: the engine's micro-batch boundary
-    for _ in range(args.warmup):
-        torch_step()
-    # Rounds alternate plain torch and tierzero (forward+backward, then step, timed apart: step() must
-    # follow every micro-batch), so the machine's drift hits both alike; the overhead is the median of
-    # the rounds' differences.
-    tt, fb, st = [], [], []
-    for _ in range(args.repeats):
-        s = time.perf_counter()
-        torch_step()
-        a = time.perf_counter()
-        tz_fwd_bwd()
-        m = time.perf_counter()
-        engine.step()
-        e = time.perf_counter()
-        tt.append(a - s)
-        fb.append(m - a)
-        st.append(e - m)
-    t_torch, t_fb, t_st = (statistics.median(v) * 1e3 for v in (tt, fb, st))
-    diffs = sorted((f - t) / args.modules * 1e6 for f, t in zip(fb, tt))
-    per_module_us = statistics.median(diffs)
-    quartiles = (diffs[len(diffs) // 4], diffs[(3 * len(diffs)) // 4])
-    print(f"{args.modules} x Linear({args.width}, {args.width}) + tanh, batch {args.batch}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; median of {args.repeats} alternating rounds")
-    print(f"{'':<34}{'ms':>9}{'us/module':>11}")
-    print(f"{'torch forward+backward':<34}{t_torch:>9.2f}{t_torch / args.modules * 1e3:>11.1f}")
-    print(f"{'tierzero forward+backward':<34}{t_fb:>9.2f}{t_fb / args.modules * 1e3:>11.1f}")
-    print(f"{'tierzero engine.step()':<34}{t_st:>9.2f}{t_st / args.modules * 1e3:>11.1f}")
-    print(f"{'tierzero whole micro-batch':<34}{t_tz:>9.2f}{t_tz / args.modules * 1e3:>11.1f}")
-    print(f"overhead of tierzero.torch per module (forward+backward): {per_module_us:.1f} us "
-          f"(quartiles of the rounds {quartiles[0]:.1f} .. {quartiles[1]:.1f})")
+    result = alternating_rounds(args, torch_step, tz_fwd_bwd, engine)
+    result["tierzero_micro_batch_ms"] = t_tz
+    print_table(args, result)
     calls = engine_calls(args.modules, args.width)
     print(f"engine calls alone: fetch on demand {calls['fetch_us']:.1f} us, reduce_grads {calls['reduce_us']:.1f} us "
           f"(median over {calls['calls']} calls)")
     if args.profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(5):
-            tz_step()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        profile(tz_step)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"modules": args.modules, "width": args.width, "batch": args.batch, "torch_ms": t_torch,
-                       "tierzero_fwd_bwd_ms": t_fb, "tierzero_step_ms": t_st, "tierzero_micro_batch_ms": t_tz,
-                       "overhead_us_per_module": per_module_us, "overhead_quartiles_us": quartiles,
-                       "threads": torch.get_num_threads(), "repeats": args.repeats, "torch": torch.__version__,
-                       "engine_calls": calls},
-                      f, indent=2)
+        write_json(args.json, args, result, calls)
 
 
 if __name__ == "__main__":
