@@ -20,6 +20,7 @@
 #include "tierzero/common/handles.h"
 #include "tierzero/common/log.h"
 #include "tierzero/common/units.h"
+#include "tierzero/nvme/limits.h"  // Note [Config key ranges]
 
 namespace tz {
 
@@ -42,6 +43,22 @@ constexpr std::int64_t kMaxInt = std::numeric_limits<std::int64_t>::max();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr std::int64_t kMaxNumaNode = 1023;  // Linux: at most 2^NODES_SHIFT = 1024 nodes
 
+// Note [Config key ranges]
+// A key's range belongs to the code that consumes the value: the I/O engine
+// refuses an aio.queue_depth above its limit whatever the loader allowed, and
+// a loader that allows more (it once took 32768 against the engine's 4096,
+// and 1024 rings against 64) lets a config load and then fail at engine
+// creation, far from the file. So the consumer declares each limit once, in
+// a header of its own module that includes nothing (nvme/limits/tierzero/
+// nvme/limits.h), its own checks use it, and this loader includes that
+// header too, through a private include directory of just that folder.
+// common thereby sees the constants and nothing else of nvme: it neither
+// links against nor calls into a module above it. (A consumer registering
+// its ranges with the loader at run time would keep even the include
+// pointing down, but static registration in static libraries is dropped by
+// the linker unless every binary references it.) tests/common/config_test.cpp
+// checks that each limit is accepted and the next value refused.
+//
 // Note [Config schema]
 // Every JSON object tierzero reads is a Block: a list of keys, each with a
 // setter that checks the value and writes it into Config. A key without a
@@ -309,8 +326,11 @@ Key block_size_key() {
   return {"block_size", [](ParseState& st, const Json& v, const std::string& path) -> Status {
             if (is_auto(v)) return ok_status();
             TZ_ASSIGN_OR_RETURN(std::int64_t n, as_integer(st, v, path, "an integer or \"auto\""));
-            if (n <= 0 || n % 4096 != 0 || n > static_cast<std::int64_t>(kGiB)) {
-              return range_error(st, path, v, "a positive multiple of 4096, at most 1 GiB = 1073741824");
+            constexpr auto kAlign = static_cast<std::int64_t>(nvme::kBlockSizeAlignBytes);
+            constexpr auto kMax = static_cast<std::int64_t>(nvme::kMaxBlockSizeBytes);  // Note [Config key ranges]
+            if (n <= 0 || n % kAlign != 0 || n > kMax) {
+              return range_error(st, path, v,
+                                 fmt::format("a positive multiple of {}, at most {} GiB = {}", kAlign, kMax / kGiB, kMax));
             }
             st.config.aio.block_size = n;
             return ok_status();
@@ -679,9 +699,10 @@ const Block& aio_block() {
   static const Block block = [] {
     Block b{{
         block_size_key(),
-        int_key("queue_depth", TZ_FIELD(aio.queue_depth), 1, 32768),
-        int_key("intra_op_parallelism", TZ_FIELD(aio.intra_op_parallelism), 1, 1024),
-        int_key("thread_count", TZ_FIELD(aio.intra_op_parallelism), 1, 1024),  // older DeepSpeed name
+        // Note [Config key ranges]
+        int_key("queue_depth", TZ_FIELD(aio.queue_depth), 1, nvme::kMaxQueueDepth),
+        int_key("intra_op_parallelism", TZ_FIELD(aio.intra_op_parallelism), 1, nvme::kMaxRings),
+        int_key("thread_count", TZ_FIELD(aio.intra_op_parallelism), 1, nvme::kMaxRings),  // older DeepSpeed name
         bool_key("single_submit", TZ_FIELD(aio.single_submit)),
         bool_key("overlap_events", TZ_FIELD(aio.overlap_events)),
     }};

@@ -102,8 +102,8 @@ struct ZeroConfig {
 // The `aio` block, plus tierzero.aio.
 struct AioConfig {
   std::int64_t block_size = 1'048'576;   // bytes per I/O request; multiple of 4096
-  int queue_depth = 8;                   // requests in flight per ring, 1..32768
-  int intra_op_parallelism = 1;          // rings/threads per request, 1..1024
+  int queue_depth = 8;                   // requests in flight per ring, 1..4096 (nvme::kMaxQueueDepth)
+  int intra_op_parallelism = 1;          // rings/threads per request, 1..64 (nvme::kMaxRings)
   bool single_submit = false;
   bool overlap_events = true;
   // ours
