@@ -420,6 +420,42 @@ Key legacy_offload_key(std::string_view name, std::string ParseState::*slot) {
           }};
 }
 
+// Note [Overlap events]
+// DeepSpeed's aio.overlap_events: true (its default) refills the queue as
+// each request completes; false submits queue_depth requests and waits for
+// all of them before submitting more. tierzero's rings always refill as
+// requests complete: the first behaviour, never less busy than the second.
+// false is accepted, so a DeepSpeed config loads as it is, with a warning
+// that names the key and what to lower instead; nothing stores it.
+Key overlap_events_key() {
+  return {"overlap_events", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (is_auto(v)) return ok_status();
+            if (!v.is_boolean()) return type_error(st, path, v, "true, false or \"auto\"");
+            if (!v.get<bool>()) {
+              TZ_LOG_WARN("config",
+                          "{}: {}: false is not honoured: tierzero's I/O rings always submit a new request as one "
+                          "completes (DeepSpeed's overlap_events: true); to keep fewer requests in flight, lower "
+                          "aio.queue_depth",
+                          st.config.source, path);
+            }
+            return ok_status();
+          }};
+}
+
+// tierzero.aio.auto_tune: nothing tunes the I/O at start-up (the sweep is a
+// benchmark run, minutes long, that belongs before training, not in it), so
+// true is refused with what to run instead; false is what tierzero does.
+Key auto_tune_key() {
+  return {"auto_tune", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (!v.is_boolean()) return type_error(st, path, v, "true or false");
+            if (!v.get<bool>()) return ok_status();
+            return key_error(st, path,
+                             "true is not supported: tierzero does not tune its I/O at start-up; run "
+                             "`tierzero-nvme-bench --path DIR --tune` once for each NVMe path and put the aio block "
+                             "it prints (block_size, queue_depth, intra_op_parallelism) into the config");
+          }};
+}
+
 void ignore(Block& block, std::initializer_list<std::string_view> names) {
   for (std::string_view name : names) block.keys.push_back({name, nullptr});
 }
@@ -704,7 +740,7 @@ const Block& aio_block() {
         int_key("intra_op_parallelism", TZ_FIELD(aio.intra_op_parallelism), 1, nvme::kMaxRings),
         int_key("thread_count", TZ_FIELD(aio.intra_op_parallelism), 1, nvme::kMaxRings),  // older DeepSpeed name
         bool_key("single_submit", TZ_FIELD(aio.single_submit)),
-        bool_key("overlap_events", TZ_FIELD(aio.overlap_events)),
+        overlap_events_key(),  // Note [Overlap events]
     }};
     ignore(b, {"use_gds"});
     return b;
@@ -740,7 +776,7 @@ const Block& tiers_block() {
 
 const Block& tierzero_aio_block() {
   static const Block block{{
-      bool_key("auto_tune", TZ_FIELD(aio.auto_tune), AutoOk::kNo),
+      auto_tune_key(),
       bool_key("sqpoll", TZ_FIELD(aio.sqpoll), AutoOk::kNo),
       bool_key("fixed_buffers", TZ_FIELD(aio.fixed_buffers), AutoOk::kNo),
       bool_key("allow_buffered_io", TZ_FIELD(aio.allow_buffered_io), AutoOk::kNo),

@@ -124,7 +124,6 @@ TEST(Config, SharedZeroInfinityFixtureLoadsUnchanged) {
   EXPECT_EQ(c.aio.queue_depth, 8);
   EXPECT_EQ(c.aio.intra_op_parallelism, 1);
   EXPECT_FALSE(c.aio.single_submit);
-  EXPECT_TRUE(c.aio.overlap_events);
   EXPECT_EQ(c.placement, PlacementMode::kDeepSpeed);
   EXPECT_EQ(c.backend, BackendChoice::kAuto);
   EXPECT_EQ(c.all_nvme_paths(), std::vector<std::string>{"/local_nvme"});
@@ -409,7 +408,6 @@ TEST(Config, TierzeroBlockWithStripedNvmePathsAndByteStrings) {
   EXPECT_EQ(c.aio.block_size, 8 * 1'048'576);
   EXPECT_EQ(c.aio.queue_depth, 64);
   EXPECT_EQ(c.aio.intra_op_parallelism, 4);
-  EXPECT_TRUE(c.aio.auto_tune);
   EXPECT_TRUE(c.aio.sqpoll);
   EXPECT_TRUE(c.aio.fixed_buffers);
   EXPECT_FALSE(c.aio.allow_buffered_io);
@@ -577,6 +575,31 @@ TEST(Config, AioRangesAreTheIoEnginesLimits) {
     expect_invalid(fmt::format(R"({{"aio": {{"{}": {}}}}})", l.key, over),
                    {fmt::format("aio.{}", l.key), over, std::to_string(l.limit)});
   }
+}
+
+TEST(Config, AutoTuneTrueIsRefusedNamingTheTuneSweepToRun) {
+  expect_invalid(R"({"tierzero": {"aio": {"auto_tune": true}}})",
+                 {"tierzero.aio.auto_tune", "not supported", "tierzero-nvme-bench --path DIR --tune"});
+  expect_invalid(R"({"tierzero": {"aio": {"auto_tune": "auto"}}})", {"tierzero.aio.auto_tune", "true or false"});
+  Config c = parse_ok(R"({"tierzero": {"aio": {"auto_tune": false}}})");
+  EXPECT_TRUE(c.ignored_keys.empty());
+}
+
+// Note [Overlap events]: DeepSpeed's false (submit a batch, wait for all of
+// it) is not what the rings do; it loads, with a warning naming the key.
+TEST(Config, OverlapEventsFalseLoadsWithAWarningNamingTheKey) {
+  ASSERT_TRUE(log::configure("info"));
+  testing::internal::CaptureStderr();
+  Config off = parse_ok(R"({"aio": {"overlap_events": false}})");
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("aio.overlap_events: false is not honoured"), std::string::npos) << err;
+  EXPECT_NE(err.find("lower aio.queue_depth"), std::string::npos) << err;
+  testing::internal::CaptureStderr();
+  Config on = parse_ok(R"({"aio": {"overlap_events": true}})");
+  parse_ok(R"({"aio": {"overlap_events": "auto"}})");
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("overlap_events"), std::string::npos) << err;
+  expect_invalid(R"({"aio": {"overlap_events": 0}})", {"aio.overlap_events", "true, false"});
 }
 
 TEST(Config, BetasMustBeAPair) {

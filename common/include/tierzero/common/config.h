@@ -17,8 +17,7 @@
 //       "nvme_paths": ["/nvme0/tz", "/nvme1/tz"],   // striped
 //       "numa_node": "auto"                  // or a node number for pinned memory
 //     },
-//     "aio": { "auto_tune": false, "sqpoll": false, "fixed_buffers": true,
-//              "allow_buffered_io": false }
+//     "aio": { "sqpoll": false, "fixed_buffers": true, "allow_buffered_io": false }
 //   }
 //
 // Rules (docs/configuration.md lists every key):
@@ -105,9 +104,8 @@ struct AioConfig {
   int queue_depth = 8;                   // requests in flight per ring, 1..4096 (nvme::kMaxQueueDepth)
   int intra_op_parallelism = 1;          // rings/threads per request, 1..64 (nvme::kMaxRings)
   bool single_submit = false;
-  bool overlap_events = true;
-  // ours
-  bool auto_tune = false;                // sweep block size/depth at start-up
+  // overlap_events: not stored; its rings always overlap (Note [Overlap events] in config.cpp).
+  // ours (tierzero.aio; auto_tune: true is refused, false changes nothing)
   bool sqpoll = false;                   // IORING_SETUP_SQPOLL
   bool fixed_buffers = true;             // register staging buffers with the ring
   bool allow_buffered_io = false;        // fall back to buffered I/O where O_DIRECT is refused
