@@ -20,6 +20,7 @@
 #include "tierzero/common/handles.h"
 #include "tierzero/common/log.h"
 #include "tierzero/common/units.h"
+#include "tierzero/nvme/limits.h"  // Note [Config key ranges]
 
 namespace tz {
 
@@ -42,6 +43,22 @@ constexpr std::int64_t kMaxInt = std::numeric_limits<std::int64_t>::max();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr std::int64_t kMaxNumaNode = 1023;  // Linux: at most 2^NODES_SHIFT = 1024 nodes
 
+// Note [Config key ranges]
+// A key's range belongs to the code that consumes the value: the I/O engine
+// refuses an aio.queue_depth above its limit whatever the loader allowed, and
+// a loader that allows more (it once took 32768 against the engine's 4096,
+// and 1024 rings against 64) lets a config load and then fail at engine
+// creation, far from the file. So the consumer declares each limit once, in
+// a header of its own module that includes nothing (nvme/limits/tierzero/
+// nvme/limits.h), its own checks use it, and this loader includes that
+// header too, through a private include directory of just that folder.
+// common thereby sees the constants and nothing else of nvme: it neither
+// links against nor calls into a module above it. (A consumer registering
+// its ranges with the loader at run time would keep even the include
+// pointing down, but static registration in static libraries is dropped by
+// the linker unless every binary references it.) tests/common/config_test.cpp
+// checks that each limit is accepted and the next value refused.
+//
 // Note [Config schema]
 // Every JSON object tierzero reads is a Block: a list of keys, each with a
 // setter that checks the value and writes it into Config. A key without a
@@ -309,8 +326,11 @@ Key block_size_key() {
   return {"block_size", [](ParseState& st, const Json& v, const std::string& path) -> Status {
             if (is_auto(v)) return ok_status();
             TZ_ASSIGN_OR_RETURN(std::int64_t n, as_integer(st, v, path, "an integer or \"auto\""));
-            if (n <= 0 || n % 4096 != 0 || n > static_cast<std::int64_t>(kGiB)) {
-              return range_error(st, path, v, "a positive multiple of 4096, at most 1 GiB = 1073741824");
+            constexpr auto kAlign = static_cast<std::int64_t>(nvme::kBlockSizeAlignBytes);
+            constexpr auto kMax = static_cast<std::int64_t>(nvme::kMaxBlockSizeBytes);  // Note [Config key ranges]
+            if (n <= 0 || n % kAlign != 0 || n > kMax) {
+              return range_error(st, path, v,
+                                 fmt::format("a positive multiple of {}, at most {} GiB = {}", kAlign, kMax / kGiB, kMax));
             }
             st.config.aio.block_size = n;
             return ok_status();
@@ -397,6 +417,42 @@ Key legacy_offload_key(std::string_view name, std::string ParseState::*slot) {
             if (!v.is_boolean()) return type_error(st, path, v, "true or false");
             if (v.get<bool>()) st.*slot = path;
             return ok_status();
+          }};
+}
+
+// Note [Overlap events]
+// DeepSpeed's aio.overlap_events: true (its default) refills the queue as
+// each request completes; false submits queue_depth requests and waits for
+// all of them before submitting more. tierzero's rings always refill as
+// requests complete: the first behaviour, never less busy than the second.
+// false is accepted, so a DeepSpeed config loads as it is, with a warning
+// that names the key and what to lower instead; nothing stores it.
+Key overlap_events_key() {
+  return {"overlap_events", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (is_auto(v)) return ok_status();
+            if (!v.is_boolean()) return type_error(st, path, v, "true, false or \"auto\"");
+            if (!v.get<bool>()) {
+              TZ_LOG_WARN("config",
+                          "{}: {}: false is not honoured: tierzero's I/O rings always submit a new request as one "
+                          "completes (DeepSpeed's overlap_events: true); to keep fewer requests in flight, lower "
+                          "aio.queue_depth",
+                          st.config.source, path);
+            }
+            return ok_status();
+          }};
+}
+
+// tierzero.aio.auto_tune: nothing tunes the I/O at start-up (the sweep is a
+// benchmark run, minutes long, that belongs before training, not in it), so
+// true is refused with what to run instead; false is what tierzero does.
+Key auto_tune_key() {
+  return {"auto_tune", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (!v.is_boolean()) return type_error(st, path, v, "true or false");
+            if (!v.get<bool>()) return ok_status();
+            return key_error(st, path,
+                             "true is not supported: tierzero does not tune its I/O at start-up; run "
+                             "`tierzero-nvme-bench --path DIR --tune` once for each NVMe path and put the aio block "
+                             "it prints (block_size, queue_depth, intra_op_parallelism) into the config");
           }};
 }
 
@@ -679,11 +735,12 @@ const Block& aio_block() {
   static const Block block = [] {
     Block b{{
         block_size_key(),
-        int_key("queue_depth", TZ_FIELD(aio.queue_depth), 1, 32768),
-        int_key("intra_op_parallelism", TZ_FIELD(aio.intra_op_parallelism), 1, 1024),
-        int_key("thread_count", TZ_FIELD(aio.intra_op_parallelism), 1, 1024),  // older DeepSpeed name
+        // Note [Config key ranges]
+        int_key("queue_depth", TZ_FIELD(aio.queue_depth), 1, nvme::kMaxQueueDepth),
+        int_key("intra_op_parallelism", TZ_FIELD(aio.intra_op_parallelism), 1, nvme::kMaxRings),
+        int_key("thread_count", TZ_FIELD(aio.intra_op_parallelism), 1, nvme::kMaxRings),  // older DeepSpeed name
         bool_key("single_submit", TZ_FIELD(aio.single_submit)),
-        bool_key("overlap_events", TZ_FIELD(aio.overlap_events)),
+        overlap_events_key(),  // Note [Overlap events]
     }};
     ignore(b, {"use_gds"});
     return b;
@@ -719,7 +776,7 @@ const Block& tiers_block() {
 
 const Block& tierzero_aio_block() {
   static const Block block{{
-      bool_key("auto_tune", TZ_FIELD(aio.auto_tune), AutoOk::kNo),
+      auto_tune_key(),
       bool_key("sqpoll", TZ_FIELD(aio.sqpoll), AutoOk::kNo),
       bool_key("fixed_buffers", TZ_FIELD(aio.fixed_buffers), AutoOk::kNo),
       bool_key("allow_buffered_io", TZ_FIELD(aio.allow_buffered_io), AutoOk::kNo),

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "tierzero/common.h"
@@ -17,7 +18,9 @@ class LossScaler {
  public:
   explicit LossScaler(const PrecisionConfig& p) : p_(p) {
     dynamic_ = p.fp16 && p.loss_scale == 0;
-    scale_ = !p.fp16 ? 1.0 : dynamic_ ? static_cast<double>(std::int64_t{1} << p.initial_scale_power) : p.loss_scale;
+    // ldexp, not 1 << power: the config allows powers up to 63, and 1 << 63
+    // in an int64 is negative.
+    scale_ = !p.fp16 ? 1.0 : dynamic_ ? std::ldexp(1.0, p.initial_scale_power) : p.loss_scale;
     hysteresis_left_ = p.hysteresis;
   }
 

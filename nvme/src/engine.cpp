@@ -83,14 +83,16 @@ using detail::Piece;
 using detail::RequestState;
 
 Status validate(const EngineOptions& o) {
-  if (o.block_size_bytes == 0 || o.block_size_bytes % 4096 != 0 || o.block_size_bytes > (std::size_t{1} << 30)) {
-    return invalid_argument("aio block_size = {} must be a multiple of 4096 in [4096, 1 GiB]", o.block_size_bytes);
+  if (o.block_size_bytes == 0 || o.block_size_bytes % kBlockSizeAlignBytes != 0 ||
+      o.block_size_bytes > kMaxBlockSizeBytes) {
+    return invalid_argument("aio block_size = {} must be a multiple of {} in [{}, {}]", o.block_size_bytes,
+                            kBlockSizeAlignBytes, kBlockSizeAlignBytes, kMaxBlockSizeBytes);
   }
-  if (o.queue_depth < 1 || o.queue_depth > 4096) {
-    return invalid_argument("aio queue_depth = {} is outside [1, 4096]", o.queue_depth);
+  if (o.queue_depth < 1 || o.queue_depth > kMaxQueueDepth) {
+    return invalid_argument("aio queue_depth = {} is outside [1, {}]", o.queue_depth, kMaxQueueDepth);
   }
-  if (o.rings < 1 || o.rings > 64) {
-    return invalid_argument("aio intra_op_parallelism (rings) = {} is outside [1, 64]", o.rings);
+  if (o.rings < 1 || o.rings > kMaxRings) {
+    return invalid_argument("aio intra_op_parallelism (rings) = {} is outside [1, {}]", o.rings, kMaxRings);
   }
   if (o.fixed_buffer_slot_bytes == 0 || o.fixed_buffer_slot_bytes % 4096 != 0 ||
       o.fixed_buffer_slot_bytes > detail::kMaxFixedBufferSlotBytes) {

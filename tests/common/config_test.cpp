@@ -13,6 +13,7 @@
 
 #include "tierzero/common/log.h"
 #include "tierzero/common/units.h"
+#include "tierzero/nvme/limits.h"
 
 namespace tz {
 namespace {
@@ -123,7 +124,6 @@ TEST(Config, SharedZeroInfinityFixtureLoadsUnchanged) {
   EXPECT_EQ(c.aio.queue_depth, 8);
   EXPECT_EQ(c.aio.intra_op_parallelism, 1);
   EXPECT_FALSE(c.aio.single_submit);
-  EXPECT_TRUE(c.aio.overlap_events);
   EXPECT_EQ(c.placement, PlacementMode::kDeepSpeed);
   EXPECT_EQ(c.backend, BackendChoice::kAuto);
   EXPECT_EQ(c.all_nvme_paths(), std::vector<std::string>{"/local_nvme"});
@@ -408,7 +408,6 @@ TEST(Config, TierzeroBlockWithStripedNvmePathsAndByteStrings) {
   EXPECT_EQ(c.aio.block_size, 8 * 1'048'576);
   EXPECT_EQ(c.aio.queue_depth, 64);
   EXPECT_EQ(c.aio.intra_op_parallelism, 4);
-  EXPECT_TRUE(c.aio.auto_tune);
   EXPECT_TRUE(c.aio.sqpoll);
   EXPECT_TRUE(c.aio.fixed_buffers);
   EXPECT_FALSE(c.aio.allow_buffered_io);
@@ -538,8 +537,8 @@ TEST(Config, OutOfRangeValuesNameTheAllowedRange) {
   expect_invalid(R"({"zero_optimization": {"stage": 4}})", {"zero_optimization.stage", "4", "0..3"});
   expect_invalid(R"({"aio": {"block_size": 1000}})", {"aio.block_size", "1000", "multiple of 4096"});
   expect_invalid(R"({"aio": {"block_size": 2147483648}})", {"aio.block_size", "1 GiB"});
-  expect_invalid(R"({"aio": {"queue_depth": 0}})", {"aio.queue_depth", "0", "1..32768"});
-  expect_invalid(R"({"aio": {"intra_op_parallelism": 2000}})", {"aio.intra_op_parallelism", "1..1024"});
+  expect_invalid(R"({"aio": {"queue_depth": 0}})", {"aio.queue_depth", "0", "1..4096"});
+  expect_invalid(R"({"aio": {"intra_op_parallelism": 2000}})", {"aio.intra_op_parallelism", "1..64"});
   expect_invalid(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1.5}}})",
                  {"zero_optimization.offload_optimizer.ratio", "1.5", "(0, 1]"});
   expect_invalid(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0}}})", {"optimizer.params.lr", "> 0"});
@@ -552,6 +551,55 @@ TEST(Config, OutOfRangeValuesNameTheAllowedRange) {
   expect_invalid(R"({"fp16": {"hysteresis": 1e10}})", {"fp16.hysteresis", "1..2147483647"});
   expect_invalid(R"({"zero_optimization": {"stage3_max_live_parameters": -1}})",
                  {"zero_optimization.stage3_max_live_parameters", "-1", ">= 0"});
+}
+
+// Note [Config key ranges]: each limit is the consuming code's own constant,
+// so the loader takes the limit itself and refuses the next value, naming the
+// key, the value and the range.
+TEST(Config, AioRangesAreTheIoEnginesLimits) {
+  const struct {
+    std::string_view key;
+    std::int64_t limit;
+    std::int64_t step;  // the next value a key of this kind could take
+  } limits[] = {
+      {"queue_depth", nvme::kMaxQueueDepth, 1},
+      {"intra_op_parallelism", nvme::kMaxRings, 1},
+      {"thread_count", nvme::kMaxRings, 1},
+      {"block_size", static_cast<std::int64_t>(nvme::kMaxBlockSizeBytes),
+       static_cast<std::int64_t>(nvme::kBlockSizeAlignBytes)},
+  };
+  for (const auto& l : limits) {
+    SCOPED_TRACE(l.key);
+    EXPECT_TRUE(parse_config(fmt::format(R"({{"aio": {{"{}": {}}}}})", l.key, l.limit), "ok.json").ok());
+    const std::string over = std::to_string(l.limit + l.step);
+    expect_invalid(fmt::format(R"({{"aio": {{"{}": {}}}}})", l.key, over),
+                   {fmt::format("aio.{}", l.key), over, std::to_string(l.limit)});
+  }
+}
+
+TEST(Config, AutoTuneTrueIsRefusedNamingTheTuneSweepToRun) {
+  expect_invalid(R"({"tierzero": {"aio": {"auto_tune": true}}})",
+                 {"tierzero.aio.auto_tune", "not supported", "tierzero-nvme-bench --path DIR --tune"});
+  expect_invalid(R"({"tierzero": {"aio": {"auto_tune": "auto"}}})", {"tierzero.aio.auto_tune", "true or false"});
+  Config c = parse_ok(R"({"tierzero": {"aio": {"auto_tune": false}}})");
+  EXPECT_TRUE(c.ignored_keys.empty());
+}
+
+// Note [Overlap events]: DeepSpeed's false (submit a batch, wait for all of
+// it) is not what the rings do; it loads, with a warning naming the key.
+TEST(Config, OverlapEventsFalseLoadsWithAWarningNamingTheKey) {
+  ASSERT_TRUE(log::configure("info"));
+  testing::internal::CaptureStderr();
+  Config off = parse_ok(R"({"aio": {"overlap_events": false}})");
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("aio.overlap_events: false is not honoured"), std::string::npos) << err;
+  EXPECT_NE(err.find("lower aio.queue_depth"), std::string::npos) << err;
+  testing::internal::CaptureStderr();
+  Config on = parse_ok(R"({"aio": {"overlap_events": true}})");
+  parse_ok(R"({"aio": {"overlap_events": "auto"}})");
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("overlap_events"), std::string::npos) << err;
+  expect_invalid(R"({"aio": {"overlap_events": 0}})", {"aio.overlap_events", "true, false"});
 }
 
 TEST(Config, BetasMustBeAPair) {

@@ -603,6 +603,25 @@ TEST(IoEngine, BadOptionsAreRefusedByName) {
   EXPECT_NE(e.status().message().find("fixed_buffer_slot_bytes"), std::string::npos);
 }
 
+// The config loader's aio ranges are these same constants (Note [Config key
+// ranges]): a config at the limits loads and makes an engine; one past them
+// the engine refuses, as the loader does (tests/common/config_test.cpp).
+TEST(IoEngine, TheLimitsAreAcceptedAndTheNextValuesRefused) {
+  auto config = tz::parse_config(fmt::format(R"({{"aio": {{"block_size": {}, "queue_depth": {},
+                                                          "intra_op_parallelism": {}}}}})",
+                                             tz::nvme::kMaxBlockSizeBytes, tz::nvme::kMaxQueueDepth,
+                                             tz::nvme::kMaxRings));
+  ASSERT_TRUE(config.ok()) << config.status().to_string();
+  EngineOptions o = EngineOptions::from_config(config->aio);
+  o.backend = IoBackend::kThreads;  // 64 rings of 4097 io_uring entries would take locked memory
+  EXPECT_TRUE(IoEngine::create(o).ok());
+  for (EngineOptions over : {EngineOptions{.block_size_bytes = tz::nvme::kMaxBlockSizeBytes + 4096},
+                             EngineOptions{.queue_depth = tz::nvme::kMaxQueueDepth + 1},
+                             EngineOptions{.rings = tz::nvme::kMaxRings + 1}}) {
+    EXPECT_FALSE(IoEngine::create(over).ok());
+  }
+}
+
 TEST(IoEngine, OptionsFollowTheAioConfigBlock) {
   auto config = tz::parse_config(R"({"aio": {"block_size": 262144, "queue_depth": 16, "intra_op_parallelism": 2,
                                              "single_submit": true}})");

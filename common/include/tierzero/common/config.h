@@ -17,8 +17,7 @@
 //       "nvme_paths": ["/nvme0/tz", "/nvme1/tz"],   // striped
 //       "numa_node": "auto"                  // or a node number for pinned memory
 //     },
-//     "aio": { "auto_tune": false, "sqpoll": false, "fixed_buffers": true,
-//              "allow_buffered_io": false }
+//     "aio": { "sqpoll": false, "fixed_buffers": true, "allow_buffered_io": false }
 //   }
 //
 // Rules (docs/configuration.md lists every key):
@@ -102,12 +101,11 @@ struct ZeroConfig {
 // The `aio` block, plus tierzero.aio.
 struct AioConfig {
   std::int64_t block_size = 1'048'576;   // bytes per I/O request; multiple of 4096
-  int queue_depth = 8;                   // requests in flight per ring, 1..32768
-  int intra_op_parallelism = 1;          // rings/threads per request, 1..1024
+  int queue_depth = 8;                   // requests in flight per ring, 1..4096 (nvme::kMaxQueueDepth)
+  int intra_op_parallelism = 1;          // rings/threads per request, 1..64 (nvme::kMaxRings)
   bool single_submit = false;
-  bool overlap_events = true;
-  // ours
-  bool auto_tune = false;                // sweep block size/depth at start-up
+  // overlap_events: not stored; its rings always overlap (Note [Overlap events] in config.cpp).
+  // ours (tierzero.aio; auto_tune: true is refused, false changes nothing)
   bool sqpoll = false;                   // IORING_SETUP_SQPOLL
   bool fixed_buffers = true;             // register staging buffers with the ring
   bool allow_buffered_io = false;        // fall back to buffered I/O where O_DIRECT is refused

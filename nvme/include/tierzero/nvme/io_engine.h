@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "tierzero/common.h"
+#include "tierzero/nvme/limits.h"
 
 namespace tz::nvme {
 
@@ -90,9 +91,9 @@ struct Fault {
 using FaultInjector = std::function<Fault(const PieceInfo&)>;
 
 struct EngineOptions {
-  std::size_t block_size_bytes = 1 << 20;  // aio.block_size: largest piece; a multiple of 4096
-  int queue_depth = 8;                     // aio.queue_depth: pieces in flight per ring, 1..4096
-  int rings = 1;                           // aio.intra_op_parallelism: rings (each with a thread), 1..64
+  std::size_t block_size_bytes = 1 << 20;  // aio.block_size: largest piece; a multiple of 4096, <= 1 GiB
+  int queue_depth = 8;                     // aio.queue_depth: pieces in flight per ring, 1..kMaxQueueDepth
+  int rings = 1;                           // aio.intra_op_parallelism: rings (each with a thread), 1..kMaxRings
   bool single_submit = false;              // aio.single_submit: one io_uring_enter per piece
   bool sqpoll = false;                     // IORING_SETUP_SQPOLL (a kernel thread polls each ring)
   bool fixed_buffers = true;               // use registered buffers for memory given to register_buffer()
