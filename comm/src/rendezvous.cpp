@@ -42,6 +42,7 @@
 #include <gloo/rendezvous/prefix_store.h>
 
 #include "internal.h"
+#include "tierzero/common/durable_file.h"
 
 namespace tz::comm_detail {
 
@@ -79,15 +80,6 @@ std::string make_run_id() {
   std::random_device random;
   const std::uint64_t bits = (static_cast<std::uint64_t>(random()) << 32) | random();
   return fmt::format("{:016x}-pid{}", bits, ::getpid());
-}
-
-Status write_all(int fd, std::string_view text, const std::string& path) {
-  while (!text.empty()) {
-    TZ_SYSCALL(n, ::write(fd, text.data(), text.size()));
-    if (n == 0) return io_error("writing {}: no progress", path);
-    text.remove_prefix(static_cast<std::size_t>(n));
-  }
-  return ok_status();
 }
 
 Expected<std::string> read_all(int fd, const std::string& path) {
@@ -134,7 +126,7 @@ Expected<UniqueFd> publish_run(const std::string& path, const std::string& run_i
   if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     return errno_status(errno, fmt::format("flock {} (the rendezvous directory must support file locks)", tmp));
   }
-  TZ_TRY(write_all(fd.get(), run_id, tmp));
+  TZ_TRY(write_all(fd.get(), run_id.data(), run_id.size(), tmp));  // common/durable_file.h
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     return errno_status(errno, fmt::format("rename {} -> {}", tmp, path));
   }

@@ -1,6 +1,7 @@
 #include "tierzero/common/durable_file.h"
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -73,16 +74,47 @@ TEST_F(DurableFileTest, AMissingDirectoryIsAnErrorNamingThePathAndErrno) {
   EXPECT_EQ(names(), std::vector<std::string>{});
 }
 
+// write_file_durably as an unprivileged user. Root (CAP_DAC_OVERRIDE) writes
+// into a read-only directory all the same, so as root the write runs in a
+// child that first becomes nobody (uid and gid 65534), and its Status comes
+// back through a pipe.
+Status write_unprivileged(const std::string& target, const std::string& text) {
+  if (::geteuid() != 0) return write_file_durably(target, text);
+  int fds[2];
+  if (::pipe(fds) != 0) return Status(ErrorCode::kInternal, "pipe failed");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::string report = "setuid failed";
+    if (::setgid(65534) == 0 && ::setuid(65534) == 0) {
+      const Status s = write_file_durably(target, text);
+      report = std::to_string(static_cast<int>(s.code())) + "\n" + s.message();
+    }
+    (void)!::write(fds[1], report.data(), report.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string report;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) report.append(buf, static_cast<std::size_t>(n));
+  ::close(fds[0]);
+  int wstatus = 0;
+  ::waitpid(pid, &wstatus, 0);
+  const std::size_t eol = report.find('\n');
+  if (eol == std::string::npos) return Status(ErrorCode::kInternal, "the unprivileged child said: " + report);
+  return Status(static_cast<ErrorCode>(std::stoi(report.substr(0, eol))), report.substr(eol + 1));
+}
+
 TEST_F(DurableFileTest, AReadOnlyDirectoryIsAnErrorAndTheOldContentStays) {
   ASSERT_TRUE(write_file_durably(path("out"), "old").ok());
-  fs::permissions(dir_, fs::perms::owner_read | fs::perms::owner_exec, fs::perm_options::replace);
-  const Status s = write_file_durably(path("out"), "new");
+  // r-x for everyone: the unprivileged writer can reach the file, not add one beside it.
+  fs::permissions(dir_, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read | fs::perms::group_exec |
+                            fs::perms::others_read | fs::perms::others_exec,
+                  fs::perm_options::replace);
+  const Status s = write_unprivileged(path("out"), "new");
   fs::permissions(dir_, fs::perms::owner_all, fs::perm_options::replace);
-  EXPECT_EQ(read_all(path("out")), s.ok() ? "new" : "old");
-  EXPECT_EQ(names(), std::vector<std::string>{"out"});  // no temporary file either way
-  // root (CAP_DAC_OVERRIDE) writes into a read-only directory all the same,
-  // so only an unprivileged run can see the refusal.
-  if (::geteuid() == 0) GTEST_SKIP() << "running as root: directory permissions do not bite";
+  EXPECT_EQ(read_all(path("out")), "old");
+  EXPECT_EQ(names(), std::vector<std::string>{"out"});  // no temporary file
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), ErrorCode::kPermissionDenied);
   EXPECT_TRUE(contains(s.message(), path("out"))) << s.message();
