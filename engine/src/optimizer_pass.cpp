@@ -50,8 +50,7 @@ Status ZeroEngineImpl::zero_stale_grads() {
     if (grad_fresh_[b]) continue;
     const std::vector<float> zeros(layout_.blocks[b].shard_numel, 0.0F);
     TZ_TRY(put(*grad_, b, zeros.data()));  // whatever the tier: device memory, CPU memory or NVMe
-    grad_sum_squares_[b] = 0;
-    grad_non_finite_[b] = false;
+    grads_->set_zero(b);
   }
   return ok_status();
 }
@@ -60,8 +59,8 @@ Status ZeroEngineImpl::zero_stale_grads() {
 Expected<bool> ZeroEngineImpl::global_norm(double& norm) {
   double local[2] = {0, 0};
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-    local[0] += grad_sum_squares_[b];
-    local[1] += grad_non_finite_[b] ? 1 : 0;
+    local[0] += grads_->sum_squares(b);
+    local[1] += grads_->non_finite(b) ? 1 : 0;
   }
   TZ_TRY_CTX(comm_thread_->run([&] {
                return detail::all_reduce_host(*comm_, *device_, *device_pool_, local, 2, DataType::kFloat64,
@@ -255,7 +254,7 @@ Status ZeroEngineImpl::optimizer_pass(double grad_scale) {
     // nothing. Three sets keep the pipeline full (reading the next group,
     // stepping this one, writing the last); a model of fewer groups needs one
     // set per group.
-    staging_.resize(std::min<std::size_t>(3, sub_groups_.size()));
+    staging_.resize(std::min<std::size_t>(kStagingSets, sub_groups_.size()));
     for (StagingSet& set : staging_) {
       for (const TieredStore* store : {master_.get(), exp_avg_.get(), exp_avg_sq_.get(), grad_.get()}) {
         if (store == nullptr || store->resident()) continue;

@@ -277,13 +277,17 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   TZ_ASSIGN_OR_RETURN(cpu_opt_, cpu_adam::CpuOptimizer::create({}));
   make_sub_groups();
   const std::size_t blocks = layout_.blocks.size();
-  grad_sum_squares_.assign(blocks, 0);
-  grad_non_finite_.assign(blocks, false);
   grad_fresh_.assign(blocks, false);
   TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
   TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());
   comm_thread_ = std::make_unique<detail::TaskThread>("comm");
   grad_thread_ = std::make_unique<detail::TaskThread>("grad");
+  grads_ = std::make_unique<detail::GradientPath>(detail::GradientPathDeps{
+      .device = device_, .comm = comm_, .comm_thread = comm_thread_.get(), .grad_thread = grad_thread_.get(),
+      .comm_stream = comm_stream_.get(), .d2h_stream = d2h_stream_.get(), .device_pool = device_pool_.get(),
+      .host_pool = host_pool_.get(), .grad = grad_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_,
+      .grad_type = grad_type_, .stage = stage_, .gradient_accumulation_steps = gas_, .on_device = gpu_optimizer_,
+      .timeline = &timeline_});
   ranks_ = std::make_unique<RankAgreement>(*comm_, *device_, *device_pool_, [this](const std::function<Status()>& f) {
     return comm_thread_->run(f);
   });
@@ -314,7 +318,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
                            .timeline = &timeline_},
       window);
   TZ_TRY(init_states(init));
-  TZ_TRY(prewarm_grad_pools());
+  TZ_TRY(grads_->prewarm());
   reset_io_counters();  // step reports count steps, not set-up
   TZ_LOG_INFO("engine", "{}", describe());
   return ok_status();
@@ -358,28 +362,6 @@ Status ZeroEngineImpl::init_states(const ParamInit& init) {
     TZ_TRY(agree(written, what));
   }
   return gather_persistent();
-}
-
-// The gradient path frees its buffers on worker threads, so how many are live
-// at once varies with timing up to the backpressure bound. Caching that many
-// of each size now keeps later steps from ever meeting a new high-water mark
-// (and allocating) at a random step.
-Status ZeroEngineImpl::prewarm_grad_pools() {
-  std::map<std::uint64_t, std::uint64_t> seen;  // whole_numel -> shard_numel
-  for (const BlockLayout& b : layout_.blocks) seen.emplace(b.whole_numel, b.shard_numel);
-  const std::size_t gbytes = elem_type_bytes(grad_type_);
-  std::vector<PoolBlock> held;
-  for (const auto& [whole, shard] : seen) {
-    for (int i = 0; i < kMaxPendingGrads + 1; ++i) {
-      TZ_ASSIGN_OR_RETURN(PoolBlock g, device_pool_->allocate(whole * gbytes));
-      held.push_back(std::move(g));
-    }
-    for (int i = 0; stage_ >= 2 && i < kMaxPendingGrads; ++i) {
-      TZ_ASSIGN_OR_RETURN(PoolBlock d, device_pool_->allocate(shard * gbytes));
-      held.push_back(std::move(d));
-    }
-  }
-  return ok_status();  // `held` returns every block to its pool's cache
 }
 
 // ---------------------------------------------------------------- movement
@@ -506,160 +488,14 @@ Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
   return g;
 }
 
-// Queued in call order on the comm thread (Note [Collective order]); the
-// device-to-host copy and the fp32 accumulation follow on the grad thread,
-// so backward goes on while gradients drain. step() waits for both.
 Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   if (!grads.valid()) return invalid_argument("reduce_grads: an empty gradient buffer");
   TZ_TRY(release_failure());
-  TZ_TRY(comm_thread_->error());
-  TZ_TRY(grad_thread_->error());
+  TZ_TRY(grads_->error());
   const std::size_t block = grads.block();
   const bool first = !grad_fresh_[block];
   grad_fresh_[block] = true;
-  // Backpressure: at most kMaxPendingGrads blocks' gradients in flight, so a
-  // gradient path slower than backward holds a bounded number of buffers.
-  {
-    std::unique_lock<std::mutex> lock(grads_mu_);
-    grads_cv_.wait(lock, [&] { return grads_pending_ < kMaxPendingGrads; });
-    ++grads_pending_;
-  }
-  // Released when the last task holding it is done (or dropped on an error).
-  std::shared_ptr<void> pending(nullptr, [this](void*) {
-    {
-      std::lock_guard<std::mutex> lock(grads_mu_);
-      --grads_pending_;
-    }
-    grads_cv_.notify_all();
-  });
-  auto held = std::make_shared<GradBlock>(std::move(grads));
-  // The fp32 accumulation of the reduced shard, on the grad thread; d_shard,
-  // where there is one, holds the shard (else it lies in `held`).
-  auto accumulate_later = [this, held, block, first, pending](const void* shard, std::shared_ptr<PoolBlock> d_shard) {
-    std::function<Status()> task = [this, held, d_shard, shard, block, first, pending]() -> Status {
-      const auto begin = std::chrono::steady_clock::now();
-      Status s = accumulate(block, shard, first);
-      timeline_.record(detail::Track::kGrad, layout_.blocks[block].name, begin, std::chrono::steady_clock::now());
-      return s;
-    };
-    if (cheap_accumulate(block)) {
-      grad_thread_->run_inline_or_post(std::move(task));  // reduce_grads reports its failure at once
-    } else {
-      grad_thread_->post(std::move(task));
-    }
-  };
-  // Note [Single-rank reduce]
-  // With one rank the reduced gradient is the buffer as the caller filled it
-  // (a reduce-scatter over one rank is a copy, an all-reduce nothing), and
-  // there is no order of collectives to keep with peers. So the buffer goes
-  // straight to the grad thread, saving a thread hand-off and, at stages 2
-  // and 3, a device copy of the whole block per reduce_grads.
-  if (comm_->size() == 1) {
-    accumulate_later(held->data(), nullptr);
-    return grad_thread_->error();
-  }
-  comm_thread_->post([this, held, block, accumulate_later]() -> Status {
-    if (Status prior = comm_thread_->error(); !prior.ok()) return prior;  // see Prefetcher::post_gather
-    const BlockLayout& b = layout_.blocks[block];
-    const std::size_t shard_bytes = b.shard_numel * elem_type_bytes(grad_type_);
-    const auto start = std::chrono::steady_clock::now();
-    // Stages 2 and 3 reduce-scatter; stages 0 and 1 all-reduce the whole
-    // buffer and keep their part, as DeepSpeed does.
-    auto d_shard = std::make_shared<PoolBlock>();
-    const void* shard = nullptr;
-    if (stage_ >= 2) {
-      TZ_ASSIGN_OR_RETURN(*d_shard, device_pool_->allocate(shard_bytes));
-      TZ_TRY_CTX(comm_->reduce_scatter(held->data(), d_shard->data(), b.shard_numel, data_type_of(grad_type_),
-                                       ReduceOp::kSum, comm_stream_.get()),
-                 "reduce-scattering the gradients of {}", b.name);
-      shard = d_shard->data();
-    } else {
-      TZ_TRY_CTX(comm_->all_reduce(held->data(), b.whole_numel, data_type_of(grad_type_), ReduceOp::kSum,
-                                   comm_stream_.get()),
-                 "all-reducing the gradients of {}", b.name);
-      shard = static_cast<const char*>(held->data()) + static_cast<std::uint64_t>(comm_->rank()) * shard_bytes;
-    }
-    TZ_TRY(device_->synchronize_stream(*comm_stream_));  // NCCL only enqueues
-    timeline_.record(detail::Track::kComm, "reduce-scatter " + b.name, start, std::chrono::steady_clock::now());
-    accumulate_later(shard, d_shard);
-    return ok_status();
-  });
-  return ok_status();
-}
-
-// Note [Cheap accumulations run inline]
-// With one rank on the Host backend and the fp32 gradient accumulator in
-// memory, accumulating a small block's gradients is a few microseconds of
-// arithmetic on the CPU, less than waking the grad thread for it (with the
-// Note [Single-rank reduce] hand-off gone too, a tiny block's reduce_grads
-// from Python went from ~15 to ~7 us; bench/RESULTS.md). Such an
-// accumulation runs on the calling thread when the grad thread is idle
-// (TaskThread::run_inline_or_post keeps the order); a large block, an NVMe
-// accumulator or a GPU's copies still go to the grad thread, where they
-// overlap with backward.
-bool ZeroEngineImpl::cheap_accumulate(std::size_t block) const {
-  constexpr std::uint64_t kInlineBytes = 64 * 1024;
-  return comm_->size() == 1 && device_->kind() == BackendKind::kHost && !gpu_optimizer_ &&
-         grad_->tier() != Tier::kNvme && grad_->shard_bytes(block) <= kInlineBytes;
-}
-
-Status ZeroEngineImpl::accumulate(std::size_t block, const void* d_shard, bool first) {
-  if (gpu_optimizer_) return accumulate_on_device(block, d_shard, first);
-  const BlockLayout& b = layout_.blocks[block];
-  const std::size_t shard_bytes = b.shard_numel * elem_type_bytes(grad_type_);
-  TZ_ASSIGN_OR_RETURN(PoolBlock host, host_pool_->allocate(shard_bytes, Colour::kArrivingGrad));
-  TZ_TRY(device_->copy_async(host.data(), d_shard, shard_bytes, *d2h_stream_));
-  TZ_TRY(device_->synchronize_stream(*d2h_stream_));
-  // The mean over ranks and micro-batches, accumulated in fp32 on the grad tier.
-  const double scale = 1.0 / (static_cast<double>(comm_->size()) * gas_);
-  PoolBlock acc_staging;
-  float* acc = static_cast<float*>(grad_->memory(block));
-  if (grad_->tier() == Tier::kNvme) {
-    TZ_ASSIGN_OR_RETURN(acc_staging, host_pool_->allocate(grad_->shard_bytes(block), Colour::kGrad));
-    acc = acc_staging.as<float>();
-    if (!first) {
-      TZ_TRY(grad_->read(block, acc).wait());
-    }
-  }
-  Expected<cpu_adam::GradStats> stats =
-      cpu_opt_->accumulate_grad(acc, host.data(), cpu_dtype_of(grad_type_), b.shard_numel, first, scale);
-  TZ_TRY_CTX(stats, "accumulating the gradients of {}", b.name);
-  if (grad_->tier() == Tier::kNvme) {
-    TZ_TRY(grad_->write(block, acc).wait());
-  }
-  grad_sum_squares_[block] = stats->sum_squares;
-  grad_non_finite_[block] = stats->non_finite;
-  return ok_status();
-}
-
-// Note [GPU optimizer]
-// With every state class on the GPU (CUDA), nothing leaves the device: the
-// reduced shard is added into the fp32 gradient accumulator by a kernel on
-// the grad thread's stream, whose squared norm (the deterministic
-// multi-tensor kernel) comes back as one double per block for the global
-// norm; step() runs the Adam kernel over each block's shard with the 16-bit
-// copy-out. The arithmetic is the CPU optimizer's (one fma per accumulated
-// element, Adam in fp32 with double bias corrections), so the engine matches
-// the same in-memory reference on either path.
-Status ZeroEngineImpl::accumulate_on_device(std::size_t block, const void* d_shard, bool first) {
-  const BlockLayout& b = layout_.blocks[block];
-  const double scale = 1.0 / (static_cast<double>(comm_->size()) * gas_);
-  const kernels::GradFormat format = grad_type_ == ElemType::kFp32   ? kernels::GradFormat::kFp32
-                                     : grad_type_ == ElemType::kBf16 ? kernels::GradFormat::kBf16
-                                                                     : kernels::GradFormat::kFp16;
-  auto* acc = static_cast<float*>(grad_->memory(block));
-  void* stream = d2h_stream_->native_handle();
-  TZ_TRY_CTX(kernels::accumulate_grad_cuda(acc, d_shard, format, b.shard_numel, first, static_cast<float>(scale), stream),
-             "accumulating the gradients of {} on the GPU", b.name);
-  TZ_ASSIGN_OR_RETURN(PoolBlock d_norm, device_pool_->allocate(sizeof(double)));
-  const kernels::TensorRef shard{acc, b.shard_numel};
-  TZ_TRY_CTX(kernels::squared_norms_cuda(&shard, 1, d_norm.as<double>(), stream), "the gradient norm of {}", b.name);
-  double sum_squares = 0;
-  TZ_TRY(device_->copy_async(&sum_squares, d_norm.data(), sizeof(double), *d2h_stream_));
-  TZ_TRY(device_->synchronize_stream(*d2h_stream_));
-  grad_sum_squares_[block] = sum_squares;
-  grad_non_finite_[block] = !std::isfinite(sum_squares);
-  return ok_status();
+  return grads_->reduce(block, std::move(grads.buffer_), first);  // gradient_path.h
 }
 
 Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {

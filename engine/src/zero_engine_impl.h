@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "checkpoint_files.h"
+#include "gradient_path.h"
 #include "loss_scaler.h"
 #include "prefetch.h"
 #include "trace.h"
@@ -104,7 +105,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status make_stores();
   Status init_states(const ParamInit& init);
   void make_sub_groups();
-  Status prewarm_grad_pools();
 
   // --- data movement
   Status sync();
@@ -122,14 +122,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // Gathers every persistent block's 16-bit parameters; with unset_too, also
   // those of blocks still marked unset (a load that has just written them).
   Status gather_persistent(bool unset_too = false);
-  // The gradient path of one block after its reduce-scatter: device to host,
-  // accumulate in fp32 on the grad tier (the grad thread).
-  Status accumulate(std::size_t block, const void* d_shard, bool first);
-  // The same on the GPU optimizer's path: the shard into the device-resident
-  // fp32 accumulator, and its squared norm (Note [GPU optimizer]).
-  Status accumulate_on_device(std::size_t block, const void* d_shard, bool first);
-  // Whether `block`'s accumulation may run on the caller (Note [Cheap accumulations run inline]).
-  bool cheap_accumulate(std::size_t block) const;
   void release(std::size_t block, void* data) override;
   Status release_after(std::size_t block, void* data, Stream* stream, void* native) override;
   void end_compute(std::size_t block, void* data);  // the timeline's compute span, fetch to release
@@ -208,8 +200,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // applies when resuming a run that never set one.
   bool lr_set_by_caller_ = false;
 
-  std::vector<double> grad_sum_squares_;       // per block, of the accumulated shard (loss-scaled)
-  std::vector<bool> grad_non_finite_;
   std::vector<bool> grad_fresh_;               // reduced in this accumulation window
   std::vector<std::vector<std::size_t>> sub_groups_;
   std::vector<std::uint64_t> offset_in_group_;  // per block: elements before it in its sub-group
@@ -225,11 +215,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::pair<double, double> take_io_busy_seconds();
   std::unique_ptr<Stream> d2h_stream_;         // the grad thread's copies
   std::unique_ptr<Stream> comm_stream_;        // the comm thread's collectives (NCCL)
-  static constexpr int kMaxPendingGrads = 3;
-  std::mutex grads_mu_;
-  std::condition_variable grads_cv_;
-  int grads_pending_ = 0;                      // guarded by grads_mu_
   detail::Timeline timeline_;
+  // Before the threads: destroyed after them, so no queued task outlives it.
+  std::unique_ptr<detail::GradientPath> grads_;
   // Declared last: destroyed first, so no task outlives what it uses.
   std::unique_ptr<detail::TaskThread> grad_thread_;
   std::unique_ptr<detail::TaskThread> comm_thread_;
@@ -239,7 +227,5 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
 // fp32 values in the parameter type (rounded to nearest even for 16-bit).
 std::vector<std::uint8_t> to_param_type(const float* src, std::size_t n, ElemType type);
 
-// The cpu_adam dtype of an element type.
-cpu_adam::DType cpu_dtype_of(ElemType type);
 
 }  // namespace tz

@@ -191,19 +191,21 @@ void add_gpu_extras(const PlanInput& in, Plan& plan) {
            fmt::format("gathered {}, current + prefetch ({} B x {} elem)", params_name(b), b,
                        format_count(static_cast<double>(live))),
            b * live);
-  // The whole gradient of the block in backward, and up to three more waiting
-  // for their reduce-scatter (the engine's backpressure bound, kMaxPendingGrads
-  // in engine/src/zero_engine_impl.h), each with its reduced shard.
+  // The whole gradient of the block in backward, and up to kMaxPendingGrads
+  // more waiting for their reduce-scatter (the gradient path's backpressure
+  // bound), each with its reduced shard.
   // ZeroEngine.ThePoolsStayWithinThePlan measures it.
   const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
   const std::uint64_t shard = largest / ranks;
+  const std::uint64_t pending = kMaxPendingGrads;
   add_item(gpu,
-           fmt::format("gradients: the block in backward + 3 pending, whole ({} B x 4 x {} elem)", b,
-                       format_count(static_cast<double>(largest))),
-           4 * b * largest);
+           fmt::format("gradients: the block in backward + {} pending, whole ({} B x {} x {} elem)", pending, b,
+                       pending + 1, format_count(static_cast<double>(largest))),
+           (pending + 1) * b * largest);
   add_item(gpu,
-           fmt::format("their reduced shards (3 x {} B x {} elem)", b, format_count(static_cast<double>(shard))),
-           3 * b * shard);
+           fmt::format("their reduced shards ({} x {} B x {} elem)", pending, b,
+                       format_count(static_cast<double>(shard))),
+           pending * b * shard);
 }
 
 void add_cpu_extras(const PlanInput& in, Plan& plan) {
@@ -229,7 +231,7 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
   // shard, copied down in the parameters' type (and accumulated in fp32
   // staging when the accumulators live on NVMe).
   const std::uint64_t group = l.largest_sub_group_numel;
-  const std::uint64_t sets = std::min<std::uint64_t>(3, l.sub_groups);
+  const std::uint64_t sets = std::min<std::uint64_t>(kStagingSets, l.sub_groups);
   std::uint64_t nvme_elem_bytes = 0;
   std::string names;
   for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) {

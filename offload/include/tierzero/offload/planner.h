@@ -59,6 +59,14 @@
 namespace tz {
 
 enum class Tier : std::uint8_t { kGpu, kCpu, kNvme };
+// The engine's pipeline depths, which the planner budgets memory for. One
+// owner, read by both: the engine's gradient path (engine/src/gradient_path.h)
+// and optimizer pass (engine/src/optimizer_pass.cpp), and this planner.
+// Gradient blocks past backward and not yet accumulated, at most:
+inline constexpr int kMaxPendingGrads = 3;
+// Optimizer sub-groups staged at once: reading the next, stepping one, writing the last.
+inline constexpr int kStagingSets = 3;
+
 inline constexpr std::size_t kNumTiers = 3;
 enum class StateClass : std::uint8_t { kParam16, kGrad, kMaster, kMoments };
 inline constexpr std::size_t kNumStateClasses = 4;

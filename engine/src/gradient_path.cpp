@@ -1,0 +1,202 @@
+#include "gradient_path.h"
+
+#include <chrono>
+#include <cmath>
+#include <map>
+
+#include "tierzero/kernels.h"
+
+namespace tz::detail {
+
+GradientPath::GradientPath(const GradientPathDeps& deps)
+    : deps_(deps), sum_squares_(deps.layout->blocks.size(), 0), non_finite_(deps.layout->blocks.size(), false) {}
+
+std::size_t GradientPath::shard_bytes(std::size_t block) const {
+  return deps_.layout->blocks[block].shard_numel * elem_type_bytes(deps_.grad_type);
+}
+
+Status GradientPath::error() const {
+  TZ_TRY(deps_.comm_thread->error());
+  return deps_.grad_thread->error();
+}
+
+Status GradientPath::wait() {
+  TZ_TRY(deps_.comm_thread->wait_idle());
+  return deps_.grad_thread->wait_idle();
+}
+
+// Queued in call order on the comm thread (Note [Collective order]); the
+// device-to-host copy and the fp32 accumulation follow on the grad thread,
+// so backward goes on while gradients drain.
+Status GradientPath::reduce(std::size_t block, PoolBlock whole, bool first) {
+  TZ_TRY(error());
+  // Backpressure: at most kMaxPendingGrads blocks' gradients in flight.
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return pending_ < kMaxPendingGrads; });
+    ++pending_;
+  }
+  // Released when the last task holding it is done (or dropped on an error).
+  std::shared_ptr<void> pending(nullptr, [this](void*) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --pending_;
+    }
+    cv_.notify_all();
+  });
+  auto held = std::make_shared<PoolBlock>(std::move(whole));
+  // Note [Single-rank reduce]
+  // With one rank the reduced gradient is the buffer as the caller filled it
+  // (a reduce-scatter over one rank is a copy, an all-reduce nothing), and
+  // there is no order of collectives to keep with peers. So the buffer goes
+  // straight to the grad thread, saving a thread hand-off and, at stages 2
+  // and 3, a device copy of the whole block per reduce_grads.
+  if (deps_.comm->size() == 1) {
+    accumulate_later(block, first, held, held->data(), std::move(pending));
+    return deps_.grad_thread->error();
+  }
+  deps_.comm_thread->post([this, block, first, held, pending]() -> Status {
+    return reduce_on_comm_thread(block, first, held, pending);
+  });
+  return ok_status();
+}
+
+Status GradientPath::reduce_on_comm_thread(std::size_t block, bool first, std::shared_ptr<PoolBlock> whole,
+                                           std::shared_ptr<void> pending) {
+  if (Status prior = deps_.comm_thread->error(); !prior.ok()) return prior;  // see Prefetcher::post_gather
+  const BlockLayout& b = deps_.layout->blocks[block];
+  const DataType type = data_type_of(deps_.grad_type);
+  const auto start = std::chrono::steady_clock::now();
+  // Stages 2 and 3 reduce-scatter; stages 0 and 1 all-reduce the whole
+  // buffer and keep their part, as DeepSpeed does.
+  auto d_shard = std::make_shared<PoolBlock>();
+  const void* shard = nullptr;
+  if (deps_.stage >= 2) {
+    TZ_ASSIGN_OR_RETURN(*d_shard, deps_.device_pool->allocate(shard_bytes(block)));
+    TZ_TRY_CTX(deps_.comm->reduce_scatter(whole->data(), d_shard->data(), b.shard_numel, type, ReduceOp::kSum,
+                                          deps_.comm_stream),
+               "reduce-scattering the gradients of {}", b.name);
+    shard = d_shard->data();
+  } else {
+    TZ_TRY_CTX(deps_.comm->all_reduce(whole->data(), b.whole_numel, type, ReduceOp::kSum, deps_.comm_stream),
+               "all-reducing the gradients of {}", b.name);
+    shard = static_cast<const char*>(whole->data()) + static_cast<std::uint64_t>(deps_.comm->rank()) * shard_bytes(block);
+  }
+  TZ_TRY(deps_.device->synchronize_stream(*deps_.comm_stream));  // NCCL only enqueues
+  deps_.timeline->record(Track::kComm, "reduce-scatter " + b.name, start, std::chrono::steady_clock::now());
+  // The reduced shard lives in d_shard (stages 2-3) or in the whole buffer.
+  std::shared_ptr<void> keep = std::make_shared<std::pair<std::shared_ptr<PoolBlock>, std::shared_ptr<PoolBlock>>>(
+      std::move(whole), std::move(d_shard));
+  accumulate_later(block, first, std::move(keep), shard, std::move(pending));
+  return ok_status();
+}
+
+// The fp32 accumulation of the reduced shard at `shard`, on the grad thread;
+// `keep` holds the memory it lies in until then.
+void GradientPath::accumulate_later(std::size_t block, bool first, std::shared_ptr<void> keep, const void* shard,
+                                    std::shared_ptr<void> pending) {
+  std::function<Status()> task = [this, block, first, keep, shard, pending]() -> Status {
+    const auto begin = std::chrono::steady_clock::now();
+    Status s = deps_.on_device ? accumulate_on_device(block, shard, first) : accumulate(block, shard, first);
+    deps_.timeline->record(Track::kGrad, deps_.layout->blocks[block].name, begin, std::chrono::steady_clock::now());
+    return s;
+  };
+  if (cheap(block)) {
+    deps_.grad_thread->run_inline_or_post(std::move(task));  // reduce() reports its failure at once
+  } else {
+    deps_.grad_thread->post(std::move(task));
+  }
+}
+
+// Note [Cheap accumulations run inline]
+// With one rank on the Host backend and the fp32 gradient accumulator in
+// memory, accumulating a small block's gradients is a few microseconds of
+// arithmetic on the CPU, less than waking the grad thread for it (with the
+// Note [Single-rank reduce] hand-off gone too, a tiny block's reduce_grads
+// from Python went from ~15 to ~7 us; bench/RESULTS.md). Such an
+// accumulation runs on the calling thread when the grad thread is idle
+// (TaskThread::run_inline_or_post keeps the order); a large block, an NVMe
+// accumulator or a GPU's copies still go to the grad thread, where they
+// overlap with backward.
+bool GradientPath::cheap(std::size_t block) const {
+  constexpr std::uint64_t kInlineBytes = 64 * 1024;
+  return deps_.comm->size() == 1 && deps_.device->kind() == BackendKind::kHost && !deps_.on_device &&
+         deps_.grad->resident() && deps_.grad->shard_bytes(block) <= kInlineBytes;
+}
+
+Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool first) {
+  const BlockLayout& b = deps_.layout->blocks[block];
+  TZ_ASSIGN_OR_RETURN(PoolBlock host, deps_.host_pool->allocate(shard_bytes(block), Colour::kArrivingGrad));
+  TZ_TRY(deps_.device->copy_async(host.data(), d_shard, shard_bytes(block), *deps_.d2h_stream));
+  TZ_TRY(deps_.device->synchronize_stream(*deps_.d2h_stream));
+  // The mean over ranks and micro-batches, accumulated in fp32 on the grad tier.
+  const double scale = 1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps);
+  TieredStore& grad = *deps_.grad;
+  PoolBlock acc_staging;
+  float* acc = static_cast<float*>(grad.memory(block));
+  if (!grad.resident()) {
+    TZ_ASSIGN_OR_RETURN(acc_staging, deps_.host_pool->allocate(grad.shard_bytes(block), Colour::kGrad));
+    acc = acc_staging.as<float>();
+    if (!first) TZ_TRY(grad.read(block, acc).wait());
+  }
+  Expected<cpu_adam::GradStats> stats =
+      deps_.cpu_opt->accumulate_grad(acc, host.data(), cpu_dtype_of(deps_.grad_type), b.shard_numel, first, scale);
+  TZ_TRY_CTX(stats, "accumulating the gradients of {}", b.name);
+  if (!grad.resident()) TZ_TRY(grad.write(block, acc).wait());
+  sum_squares_[block] = stats->sum_squares;
+  non_finite_[block] = stats->non_finite;
+  return ok_status();
+}
+
+// Note [GPU optimizer]
+// With every state class on the GPU (CUDA), nothing leaves the device: the
+// reduced shard is added into the fp32 gradient accumulator by a kernel on
+// the grad thread's stream, whose squared norm (the deterministic
+// multi-tensor kernel) comes back as one double per block for the global
+// norm; step() runs the Adam kernel over each block's shard with the 16-bit
+// copy-out. The arithmetic is the CPU optimizer's (one fma per accumulated
+// element, Adam in fp32 with double bias corrections), so the engine matches
+// the same in-memory reference on either path.
+Status GradientPath::accumulate_on_device(std::size_t block, const void* d_shard, bool first) {
+  const BlockLayout& b = deps_.layout->blocks[block];
+  const double scale = 1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps);
+  const kernels::GradFormat format = deps_.grad_type == ElemType::kFp32   ? kernels::GradFormat::kFp32
+                                     : deps_.grad_type == ElemType::kBf16 ? kernels::GradFormat::kBf16
+                                                                          : kernels::GradFormat::kFp16;
+  auto* acc = static_cast<float*>(deps_.grad->memory(block));
+  void* stream = deps_.d2h_stream->native_handle();
+  TZ_TRY_CTX(kernels::accumulate_grad_cuda(acc, d_shard, format, b.shard_numel, first, static_cast<float>(scale), stream),
+             "accumulating the gradients of {} on the GPU", b.name);
+  TZ_ASSIGN_OR_RETURN(PoolBlock d_norm, deps_.device_pool->allocate(sizeof(double)));
+  const kernels::TensorRef shard{acc, b.shard_numel};
+  TZ_TRY_CTX(kernels::squared_norms_cuda(&shard, 1, d_norm.as<double>(), stream), "the gradient norm of {}", b.name);
+  double sum_squares = 0;
+  TZ_TRY(deps_.device->copy_async(&sum_squares, d_norm.data(), sizeof(double), *deps_.d2h_stream));
+  TZ_TRY(deps_.device->synchronize_stream(*deps_.d2h_stream));
+  sum_squares_[block] = sum_squares;
+  non_finite_[block] = !std::isfinite(sum_squares);
+  return ok_status();
+}
+
+// The path frees its buffers on worker threads, so how many are live at once
+// varies with timing up to the backpressure bound. Caching that many of each
+// size now keeps later steps from ever meeting a new high-water mark.
+Status GradientPath::prewarm() {
+  std::map<std::uint64_t, std::uint64_t> seen;  // whole_numel -> shard_numel
+  for (const BlockLayout& b : deps_.layout->blocks) seen.emplace(b.whole_numel, b.shard_numel);
+  const std::size_t gbytes = elem_type_bytes(deps_.grad_type);
+  std::vector<PoolBlock> held;
+  for (const auto& [whole, shard] : seen) {
+    for (int i = 0; i < kMaxPendingGrads + 1; ++i) {
+      TZ_ASSIGN_OR_RETURN(PoolBlock g, deps_.device_pool->allocate(whole * gbytes));
+      held.push_back(std::move(g));
+    }
+    for (int i = 0; deps_.stage >= 2 && i < kMaxPendingGrads; ++i) {
+      TZ_ASSIGN_OR_RETURN(PoolBlock d, deps_.device_pool->allocate(shard * gbytes));
+      held.push_back(std::move(d));
+    }
+  }
+  return ok_status();  // `held` returns every block to its pool's cache
+}
+
+}  // namespace tz::detail

@@ -1,0 +1,104 @@
+// GradientPath: a block's gradients from backward to the fp32 accumulator.
+//
+//   reduce-scatter (stages 2-3; all-reduce at 0-1)  on the comm thread, in call order (Note [Collective order])
+//   device-to-host copy of this rank's shard        on the grad thread
+//   fp32 accumulation (mean over ranks and micro-batches) with its squared norm
+//
+// The accumulator is the grad TieredStore (CPU memory, NVMe, or with the GPU
+// optimizer the GPU, where a kernel accumulates and nothing leaves the
+// device: Note [GPU optimizer]). Backward goes on while gradients drain; at
+// most kMaxPendingGrads blocks are in flight (planner.h), so a path slower
+// than backward holds a bounded number of buffers. wait() is the step's
+// barrier; sum_squares()/non_finite() then give each block's contribution to
+// the global norm.
+//
+// Threads: reduce() and wait() on the training thread; the work runs on the
+// comm and grad TaskThreads the engine owns (shared with the prefetcher's
+// gathers, so every rank issues collectives in one order).
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "trace.h"
+#include "workers.h"
+#include "tierzero/comm/communicator.h"
+#include "tierzero/cpu_adam.h"
+#include "tierzero/engine/zero.h"
+#include "tierzero/offload.h"
+
+namespace tz {
+// The cpu_adam dtype of an element type (zero_engine.cpp).
+cpu_adam::DType cpu_dtype_of(ElemType type);
+}  // namespace tz
+
+namespace tz::detail {
+
+struct GradientPathDeps {
+  Device* device = nullptr;
+  Communicator* comm = nullptr;
+  TaskThread* comm_thread = nullptr;
+  TaskThread* grad_thread = nullptr;
+  Stream* comm_stream = nullptr;      // the collectives (NCCL)
+  Stream* d2h_stream = nullptr;       // the grad thread's copies and kernels
+  MemoryPool* device_pool = nullptr;  // reduced shards
+  MemoryPool* host_pool = nullptr;    // arriving shards; NVMe accumulator staging
+  TieredStore* grad = nullptr;        // the fp32 accumulator
+  cpu_adam::CpuOptimizer* cpu_opt = nullptr;
+  const ModelLayout* layout = nullptr;
+  ElemType grad_type = ElemType::kBf16;
+  int stage = 3;
+  int gradient_accumulation_steps = 1;
+  bool on_device = false;             // the GPU optimizer's path: accumulate on the GPU
+  Timeline* timeline = nullptr;
+};
+
+class GradientPath {
+ public:
+  explicit GradientPath(const GradientPathDeps& deps);
+
+  // Takes `whole` (the block's gradient, whole_numel in grad_type, device
+  // memory) through the path; first: the first micro-batch of the window for
+  // this block (the accumulator starts from it rather than adding to it).
+  // Returns once queued; a failure shows in a later call or in wait().
+  Status reduce(std::size_t block, PoolBlock whole, bool first);
+  // Every reduce() so far done; the first failure, if any.
+  Status wait();
+  // The comm or grad thread's failure so far.
+  Status error() const;
+
+  // Of the accumulated shard of `block` (loss-scaled), after wait().
+  double sum_squares(std::size_t block) const { return sum_squares_[block]; }
+  bool non_finite(std::size_t block) const { return non_finite_[block]; }
+  // A block no reduce() reached this window: its accumulator holds zeros.
+  void set_zero(std::size_t block) {
+    sum_squares_[block] = 0;
+    non_finite_[block] = false;
+  }
+
+  // Caches the device pool blocks the path can hold at once, so later steps
+  // never meet a new high-water mark (and allocate) at a random step.
+  Status prewarm();
+
+ private:
+  void accumulate_later(std::size_t block, bool first, std::shared_ptr<void> keep, const void* shard,
+                        std::shared_ptr<void> pending);
+  Status reduce_on_comm_thread(std::size_t block, bool first, std::shared_ptr<PoolBlock> whole,
+                               std::shared_ptr<void> pending);
+  bool cheap(std::size_t block) const;
+  Status accumulate(std::size_t block, const void* d_shard, bool first);
+  Status accumulate_on_device(std::size_t block, const void* d_shard, bool first);
+  std::size_t shard_bytes(std::size_t block) const;
+
+  GradientPathDeps deps_;
+  std::vector<double> sum_squares_;
+  std::vector<bool> non_finite_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int pending_ = 0;  // guarded by mu_
+};
+
+}  // namespace tz::detail
