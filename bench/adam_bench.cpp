@@ -60,7 +60,7 @@ constexpr std::uint64_t kBytesPerParamMapped = 4 + 4 + 2 + 4 + 4 + 2;
 
 std::vector<KernelSpec> all_kernels() {
   using A = ca::Algorithm;
-  using D = ca::DType;
+  using D = tz::DType;
   return {
       {"adamw", Kind::kStep, A::kAdamW, false, D::kFp32, Pattern::kAdam},
       {"adamw+bf16", Kind::kStep, A::kAdamW, true, D::kFp32, Pattern::kAdamCopy},
@@ -439,7 +439,7 @@ double time_limit(Config& c, Pattern pattern, const tzbench::StreamArrays& s, st
 tz::Expected<double> time_kernel(Config& c, const KernelSpec& k, const Arrays& a, std::int64_t& step) {
   const auto start = Clock::now();
   if (k.kind == Kind::kStep) {
-    ca::Spans spans{.n = a.n, .param = a.p.as<float>(), .grad = a.g.as<const void>(), .grad_dtype = ca::DType::kFp32};
+    ca::Spans spans{.n = a.n, .param = a.p.as<float>(), .grad = a.g.as<const void>(), .grad_dtype = tz::DType::kFp32};
     switch (k.algorithm) {
       case ca::Algorithm::kAdam:
       case ca::Algorithm::kAdamW:
@@ -451,11 +451,11 @@ tz::Expected<double> time_kernel(Config& c, const KernelSpec& k, const Arrays& a
     }
     if (k.copy_out) {
       spans.param16 = a.p16.as<void>();
-      spans.param16_dtype = ca::DType::kBf16;
+      spans.param16_dtype = tz::DType::kBf16;
     }
     TZ_TRY_CTX(c.opt->step(hyper_for(k.algorithm), {.step = ++step, .grad_scale = kGradScale}, spans), "{}", k.name);
   } else {
-    const void* grad = k.grad_dtype == ca::DType::kFp32 ? a.g.as<const void>() : a.g16.as<const void>();
+    const void* grad = k.grad_dtype == tz::DType::kFp32 ? a.g.as<const void>() : a.g16.as<const void>();
     tz::Expected<ca::GradStats> stats =
         c.opt->accumulate_grad(a.m.as<float>(), grad, k.grad_dtype, a.n, /*overwrite=*/false, kGradScale);
     TZ_TRY_CTX(stats, "{}", k.name);
@@ -566,13 +566,13 @@ tz::Status measure_layouts(Config& c, const std::vector<KernelSpec>& kernels, co
 tz::Expected<double> time_whole_step(Config& c, const Arrays& a, std::int64_t& step, double& clip) {
   const auto start = Clock::now();
   TZ_ASSIGN_OR_RETURN(const ca::GradStats stats,
-                      c.opt->accumulate_grad(a.g.as<float>(), a.g16.as<const void>(), ca::DType::kBf16, a.n,
+                      c.opt->accumulate_grad(a.g.as<float>(), a.g16.as<const void>(), tz::DType::kBf16, a.n,
                                              /*overwrite=*/true, kGradScale));
   if (stats.non_finite) return tz::internal_error("whole step: the gradient went non-finite");
   clip = std::min(1.0, kMaxGradNorm / (std::sqrt(stats.sum_squares) + 1e-6));
-  ca::Spans spans{.n = a.n, .param = a.p.as<float>(), .grad = a.g.as<const void>(), .grad_dtype = ca::DType::kFp32,
+  ca::Spans spans{.n = a.n, .param = a.p.as<float>(), .grad = a.g.as<const void>(), .grad_dtype = tz::DType::kFp32,
                   .exp_avg = a.m.as<void>(), .exp_avg_sq = a.v.as<void>(), .param16 = a.p16.as<void>(),
-                  .param16_dtype = ca::DType::kBf16};
+                  .param16_dtype = tz::DType::kBf16};
   TZ_TRY_CTX(c.opt->step(hyper_for(ca::Algorithm::kAdamW), {.step = ++step, .grad_scale = clip}, spans),
              "whole step");
   return seconds_since(start);

@@ -48,7 +48,7 @@ struct KernelSpec {
   Kind kind;
   ca::Algorithm algorithm;  // kStep
   bool copy_out;            // kStep: bf16 copy of the new parameter
-  ca::DType grad_dtype;
+  tz::DType grad_dtype;
   Pattern pattern;
 };
 

@@ -58,7 +58,7 @@ tz::Status synthetic_micro_batch(tz::ZeroEngine& engine, const tz::mlp::ComputeH
     TZ_ASSIGN_OR_RETURN(tz::GatheredBlock p, engine.fetch(b));
     hook(b, true);
     TZ_ASSIGN_OR_RETURN(tz::GradBlock g, engine.grad_buffer(b));
-    const std::size_t bytes = engine.layout().blocks[b].used_numel * tz::elem_type_bytes(g.type());
+    const std::size_t bytes = engine.layout().blocks[b].used_numel * tz::dtype_bytes(g.type());
     if (engine.device().kind() == tz::BackendKind::kHost) {
       std::memset(g.data(), 0x3c, bytes);  // bf16 ~0.0115
     } else {

@@ -32,7 +32,7 @@ std::string wanted_dtypes(const ArraySpec& spec) {
   std::string out;
   for (std::size_t i = 0; i < spec.dtypes.size(); ++i) {
     if (i > 0) out += i + 1 == spec.dtypes.size() ? " or " : ", ";
-    out += dtype_name(spec.dtypes[i]);
+    out += numpy_name(spec.dtypes[i]);
   }
   return out;
 }
@@ -65,33 +65,38 @@ std::string shape_text(const nb::ndarray<nb::ro>& a) {
 
 }  // namespace
 
-const char* dtype_name(DType dtype) {
+const char* numpy_name(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat16: return "float16";
-    case DType::kUInt8: return "uint8";
-    case DType::kAny: return "any dtype";
+    case DType::kFp32: return "float32";
+    case DType::kBf16: return "bfloat16";
+    case DType::kFp16: return "float16";
+    case DType::kFp64: return "float64";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    case DType::kUint8: return "uint8";
   }
   return "?";
 }
 
 nb::dlpack::dtype dlpack_dtype(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return nb::dtype<float>();
-    case DType::kBFloat16: return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
-    case DType::kFloat16: return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
-    case DType::kUInt8:
-    case DType::kAny: break;
+    case DType::kFp32: return nb::dtype<float>();
+    case DType::kBf16: return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+    case DType::kFp16: return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+    case DType::kFp64: return nb::dtype<double>();
+    case DType::kInt32: return nb::dtype<std::int32_t>();
+    case DType::kInt64: return nb::dtype<std::int64_t>();
+    case DType::kUint8: break;
   }
   return nb::dtype<std::uint8_t>();
 }
 
-DType dtype_of(const nb::dlpack::dtype& d) {
-  for (DType t : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kUInt8}) {
+std::optional<DType> dtype_of(const nb::dlpack::dtype& d) {
+  for (DType t : {DType::kFp32, DType::kBf16, DType::kFp16, DType::kFp64, DType::kInt32, DType::kInt64,
+                  DType::kUint8}) {
     if (d == dlpack_dtype(t)) return t;
   }
-  return DType::kAny;
+  return std::nullopt;
 }
 
 std::string describe_dtype(const nb::dlpack::dtype& d) {
@@ -116,9 +121,9 @@ std::string describe_device(int device_type, int device_id) {
 }
 
 ArrayInfo check(const InArray& a, const ArraySpec& spec, const char* where, const std::string& arg) {
-  const DType dt = dtype_of(a.dtype());
-  bool dtype_ok = false;
-  for (DType want : spec.dtypes) dtype_ok = dtype_ok || want == DType::kAny || want == dt;
+  const std::optional<DType> dt = dtype_of(a.dtype());
+  bool dtype_ok = spec.dtypes.empty();
+  for (DType want : spec.dtypes) dtype_ok = dtype_ok || want == dt;
   if (!dtype_ok) {
     refuse(PyExc_TypeError, fmt::format("{}: argument '{}' must be {}; got {}", where, arg, wanted_dtypes(spec),
                                         describe_dtype(a.dtype())));

@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,17 +54,19 @@ struct WritableArg {
 // device or dtype (numpy has no bfloat16 and no CUDA memory).
 using ExportArray = nb::ndarray<nb::array_api>;
 
-enum class DType : std::uint8_t { kFloat32, kBFloat16, kFloat16, kUInt8, kAny };
-const char* dtype_name(DType dtype);
+// Element types are tz::DType (tierzero/common/dtype.h); Python names them as
+// numpy and torch do ("float32", "bfloat16", ...).
+using tz::DType;
+const char* numpy_name(DType dtype);
 nb::dlpack::dtype dlpack_dtype(DType dtype);
-// The DType of an array, kAny when it is none of the named ones.
-DType dtype_of(const nb::dlpack::dtype& dtype);
+// The DType of an array; none when it is not one tierzero has.
+std::optional<DType> dtype_of(const nb::dlpack::dtype& dtype);
 std::string describe_dtype(const nb::dlpack::dtype& dtype);  // "float64", "int32", ...
 
 enum class DeviceKind : std::uint8_t { kCpu, kCuda, kAny };
 
 struct ArraySpec {
-  std::vector<DType> dtypes;       // allowed (kAny: any)
+  std::vector<DType> dtypes;       // allowed; empty: any
   int ndim = -1;                   // -1: any
   bool contiguous = true;          // C order (any shape with contiguous elements)
   DeviceKind device = DeviceKind::kCpu;
@@ -75,7 +78,7 @@ struct ArrayInfo {
   void* data = nullptr;
   std::size_t numel = 0;
   std::size_t nbytes = 0;
-  DType dtype = DType::kAny;
+  std::optional<DType> dtype;      // none: a dtype tierzero has no name for (allowed where any is)
   int device_type = 1;             // DLPack device type (1 CPU, 2 CUDA)
   int device_id = 0;
 };

@@ -19,18 +19,12 @@ namespace {
 
 namespace ca = tz::cpu_adam;
 
-ca::DType to_cpu_dtype(DType d) {
-  switch (d) {
-    case DType::kBFloat16: return ca::DType::kBf16;
-    case DType::kFloat16: return ca::DType::kFp16;
-    default: return ca::DType::kFp32;
-  }
 }
 
-const ArraySpec kFp32{{DType::kFloat32}};
-const ArraySpec kGrad{{DType::kFloat32, DType::kBFloat16, DType::kFloat16}};
-const ArraySpec kMoment{{DType::kFloat32, DType::kBFloat16}};
-const ArraySpec kHalf{{DType::kBFloat16, DType::kFloat16}};
+const ArraySpec kFp32{{DType::kFp32}};
+const ArraySpec kGrad{{DType::kFp32, DType::kBf16, DType::kFp16}};
+const ArraySpec kMoment{{DType::kFp32, DType::kBf16}};
+const ArraySpec kHalf{{DType::kBf16, DType::kFp16}};
 
 // One state array: checked, and its element count matched against the param's.
 void* state(const std::optional<WritableArg>& a, const ArraySpec& spec, const char* arg, std::size_t n,
@@ -42,7 +36,7 @@ void* state(const std::optional<WritableArg>& a, const ArraySpec& spec, const ch
                                                   arg, info.numel, n).c_str());
     throw nb::python_error();
   }
-  if (dtype) *dtype = info.dtype;
+  if (dtype) *dtype = *info.dtype;  // one of spec.dtypes
   return info.data;
 }
 
@@ -71,18 +65,18 @@ class PyCpuOptimizer {
       throw nb::python_error();
     }
     ca::Spans s{.n = p.numel, .param = static_cast<float*>(p.data), .grad = g.data,
-                .grad_dtype = to_cpu_dtype(g.dtype)};
-    DType m_dtype = DType::kFloat32, v_dtype = DType::kFloat32, h_dtype = DType::kBFloat16;
+                .grad_dtype = *g.dtype};
+    DType m_dtype = DType::kFp32, v_dtype = DType::kFp32, h_dtype = DType::kBf16;
     s.exp_avg = state(exp_avg, kMoment, "exp_avg", p.numel, &m_dtype);
     s.exp_avg_sq = state(exp_avg_sq, kMoment, "exp_avg_sq", p.numel, &v_dtype);
     if (s.exp_avg && s.exp_avg_sq && m_dtype != v_dtype) {
       PyErr_SetString(PyExc_TypeError, "CpuOptimizer.step(): 'exp_avg' and 'exp_avg_sq' must have the same dtype");
       throw nb::python_error();
     }
-    s.moment_dtype = to_cpu_dtype(s.exp_avg ? m_dtype : v_dtype);
+    s.moment_dtype = s.exp_avg ? m_dtype : v_dtype;
     s.max_exp_avg_sq = static_cast<float*>(state(max_exp_avg_sq, kFp32, "max_exp_avg_sq", p.numel));
     s.param16 = state(param16, kHalf, "param16", p.numel, &h_dtype);
-    s.param16_dtype = to_cpu_dtype(h_dtype);
+    s.param16_dtype = h_dtype;
     tz::Status status;
     {
       nb::gil_scoped_release release;
@@ -101,7 +95,7 @@ class PyCpuOptimizer {
     }
     tz::Expected<ca::GradStats> stats = [&] {
       nb::gil_scoped_release release;
-      return opt_->accumulate_grad(static_cast<float*>(a.data), g.data, to_cpu_dtype(g.dtype), a.numel, overwrite,
+      return opt_->accumulate_grad(static_cast<float*>(a.data), g.data, *g.dtype, a.numel, overwrite,
                                    scale);
     }();
     const ca::GradStats s = value_or_raise(std::move(stats));

@@ -76,14 +76,6 @@ auto locked(EngineCore& core, Fn&& fn) {
   }
 }
 
-DType dtype_of(tz::ElemType t) {
-  switch (t) {
-    case tz::ElemType::kFp32: return DType::kFloat32;
-    case tz::ElemType::kBf16: return DType::kBFloat16;
-    case tz::ElemType::kFp16: return DType::kFloat16;
-  }
-  return DType::kFloat32;
-}
 
 class PyGathered {
  public:
@@ -110,7 +102,7 @@ class PyGathered {
   // A view of [offset, offset + numel) with `shape`, owned by this object (Note [Gathered block lifetime]).
   ExportArray view(std::uint64_t offset, const std::vector<std::int64_t>& shape) {
     std::vector<std::size_t> dims(shape.begin(), shape.end());
-    char* base = static_cast<char*>(block_.data()) + offset * tz::elem_type_bytes(block_.type());
+    char* base = static_cast<char*>(block_.data()) + offset * tz::dtype_bytes(block_.type());
     return ExportArray(base, dims.size(), dims.data(), nb::find(this), nullptr, dlpack_dtype(dtype_of(block_.type())),
                     core_->dl_device_type, core_->dl_device_id);
   }
@@ -213,7 +205,7 @@ std::vector<std::vector<const float*>> init_pointers(const BlockList& blocks, co
     raise_status(tz::invalid_argument("Engine(): 'init' has {} blocks; 'blocks' has {}", init.size(), blocks.size()));
   }
   std::vector<std::vector<const float*>> out(blocks.size());
-  const ArraySpec spec{{DType::kFloat32}};
+  const ArraySpec spec{{DType::kFp32}};
   for (std::size_t b = 0; b < blocks.size(); ++b) {
     const auto& params = blocks[b].second;
     out[b].assign(params.size(), nullptr);
@@ -332,7 +324,7 @@ std::optional<void*> caller_stream(const EngineCore& core, std::optional<std::in
 tz::Status reduce_from(EngineCore& core, std::size_t block, const std::vector<std::optional<ArrayInfo>>& grads,
                        std::optional<void*> producer) {
   TZ_ASSIGN_OR_RETURN(tz::GradBlock g, core.engine->grad_buffer(block));
-  const std::size_t bytes = tz::elem_type_bytes(g.type());
+  const std::size_t bytes = tz::dtype_bytes(g.type());
   const tz::BlockLayout& b = core.engine->layout().blocks[block];
   // On the Host backend "device" memory is host memory: a memcpy, not a
   // round trip through the backend's copy thread (tens of microseconds per
@@ -427,7 +419,7 @@ class PyEngine {
   // A copy of `whole` goes in: a non-root rank's values are replaced by root's, but the caller's array is
   // left as it was.
   void set_master(std::size_t block, const InArray& whole, int root, const std::optional<std::string>& refusal) {
-    const ArrayInfo info = check(whole, ArraySpec{{DType::kFloat32}}, "Engine.set_master()", "whole");
+    const ArrayInfo info = check(whole, ArraySpec{{DType::kFp32}}, "Engine.set_master()", "whole");
     std::vector<float> values(static_cast<const float*>(info.data), static_cast<const float*>(info.data) + info.numel);
     const tz::Status refused = refusal ? tz::invalid_argument("{}", *refusal) : tz::Status();
     locked(*core_, [&] { return core_->engine->set_master(block, values.data(), values.size(), root, refused); });
@@ -439,7 +431,7 @@ class PyEngine {
   }
 
   void broadcast(const WritableArg& data, int root) {
-    const ArrayInfo info = check(data, ArraySpec{{DType::kAny}}, "Engine.broadcast()", "data");
+    const ArrayInfo info = check(data, ArraySpec{}, "Engine.broadcast()", "data");
     locked(*core_, [&] { return core_->engine->ranks().broadcast(info.data, info.nbytes, root); });
   }
 
@@ -635,8 +627,8 @@ void bind_engine(nb::module_& m) {
            nb::arg("lr"),
            "Sets the optimizer's learning rate for the next steps (finite, >= 0); refused when the config has a "
            "scheduler block. Checkpoints carry it once set.")
-      .def_prop_ro("param_dtype", [](PyEngine& e) { return dtype_name(dtype_of(e.engine().param_type())); })
-      .def_prop_ro("grad_dtype", [](PyEngine& e) { return dtype_name(dtype_of(e.engine().grad_type())); })
+      .def_prop_ro("param_dtype", [](PyEngine& e) { return numpy_name(e.engine().param_type()); })
+      .def_prop_ro("grad_dtype", [](PyEngine& e) { return numpy_name(e.engine().grad_type()); })
       .def_prop_ro("device", [](PyEngine& e) { return describe_device(e.core().dl_device_type, e.core().dl_device_id); })
       .def_prop_ro("rank", [](PyEngine& e) { return e.engine().rank(); })
       .def_prop_ro("world_size", [](PyEngine& e) { return e.engine().world_size(); });

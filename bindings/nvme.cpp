@@ -31,7 +31,7 @@ namespace {
 
 namespace nv = tz::nvme;
 
-const ArraySpec kBytes{{DType::kAny}, -1, true, DeviceKind::kCpu};
+const ArraySpec kBytes{{}, -1, true, DeviceKind::kCpu};  // any dtype
 
 class PyIoFuture {
  public:

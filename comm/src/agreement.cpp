@@ -15,7 +15,7 @@ Status RankAgreement::barrier() { return run([&] { return comm_.barrier(); }); }
 Status RankAgreement::agree(const Status& mine, std::string_view what) {
   std::int64_t failed = mine.ok() ? 0 : 1;
   TZ_TRY(run([&] {
-    return detail::all_reduce_host(comm_, device_, device_pool_, &failed, 1, DataType::kInt64, ReduceOp::kSum);
+    return detail::all_reduce_host(comm_, device_, device_pool_, &failed, 1, DType::kInt64, ReduceOp::kSum);
   }));
   if (!mine.ok()) return mine;
   if (failed > 0) return io_error("{}: {} other rank(s) failed (see their errors)", what, failed);
@@ -29,7 +29,7 @@ Status RankAgreement::agree_on(const std::string& value, std::string_view what, 
   const auto h = static_cast<std::int64_t>(XXH3_64bits(value.data(), value.size()) >> 2);
   std::int64_t extremes[2] = {h, -h};
   TZ_TRY(run([&] {
-    return detail::all_reduce_host(comm_, device_, device_pool_, extremes, 2, DataType::kInt64, ReduceOp::kMax);
+    return detail::all_reduce_host(comm_, device_, device_pool_, extremes, 2, DType::kInt64, ReduceOp::kMax);
   }));
   if (extremes[0] != -extremes[1]) {
     return invalid_argument("{}: the ranks name different {} (this rank: '{}'); every rank must {}", what, noun, value,

@@ -21,31 +21,6 @@ std::string_view comm_backend_name(CommBackend backend) {
   return "unknown";
 }
 
-std::string_view data_type_name(DataType type) {
-  switch (type) {
-    case DataType::kFloat32: return "fp32";
-    case DataType::kBFloat16: return "bf16";
-    case DataType::kFloat16: return "fp16";
-    case DataType::kFloat64: return "fp64";
-    case DataType::kInt32: return "int32";
-    case DataType::kInt64: return "int64";
-    case DataType::kUint8: return "uint8";
-  }
-  return "unknown";
-}
-
-std::size_t data_type_bytes(DataType type) {
-  switch (type) {
-    case DataType::kFloat32: return 4;
-    case DataType::kBFloat16: return 2;
-    case DataType::kFloat16: return 2;
-    case DataType::kFloat64: return 8;
-    case DataType::kInt32: return 4;
-    case DataType::kInt64: return 8;
-    case DataType::kUint8: return 1;
-  }
-  return 0;  // not a DataType: the collectives refuse it
-}
 
 namespace comm_detail {
 namespace {
@@ -57,11 +32,11 @@ bool ranges_overlap(const void* a, std::size_t a_bytes, const void* b, std::size
 }
 
 // Shared by the checks of collectives that take `size() * count` elements on one side.
-Status check_common(std::string_view op, const void* a, const void* b, std::size_t count, DataType type,
+Status check_common(std::string_view op, const void* a, const void* b, std::size_t count, DType type,
                     int rank, int size) {
-  const std::size_t element_bytes = data_type_bytes(type);
+  const std::size_t element_bytes = dtype_bytes(type);
   if (element_bytes == 0) {
-    return invalid_argument("{}: DataType {} is not a data type", describe_call(op, count, type, rank, size),
+    return invalid_argument("{}: DType {} is not a data type", describe_call(op, count, type, rank, size),
                             static_cast<int>(type));
   }
   if (count > std::numeric_limits<std::size_t>::max() / element_bytes / static_cast<std::size_t>(size)) {
@@ -74,7 +49,7 @@ Status check_common(std::string_view op, const void* a, const void* b, std::size
   return ok_status();
 }
 
-Status check_op(std::string_view op, ReduceOp reduce, std::size_t count, DataType type, int rank, int size) {
+Status check_op(std::string_view op, ReduceOp reduce, std::size_t count, DType type, int rank, int size) {
   if (reduce != ReduceOp::kSum && reduce != ReduceOp::kMax && reduce != ReduceOp::kMin) {
     return invalid_argument("{}: ReduceOp {} is not a reduction", describe_call(op, count, type, rank, size),
                             static_cast<int>(reduce));
@@ -103,14 +78,14 @@ std::string file_name_safe(std::string_view text) {
   return out;
 }
 
-std::string describe_call(std::string_view op, std::size_t count, DataType type, int rank, int size) {
-  return fmt::format("{} of {} {} (rank {} of {})", op, count, data_type_name(type), rank, size);
+std::string describe_call(std::string_view op, std::size_t count, DType type, int rank, int size) {
+  return fmt::format("{} of {} {} (rank {} of {})", op, count, dtype_name(type), rank, size);
 }
 
-Status check_all_gather(const void* send, const void* recv, std::size_t count, DataType type, int rank,
+Status check_all_gather(const void* send, const void* recv, std::size_t count, DType type, int rank,
                         int size) {
   TZ_TRY(check_common("all_gather", send, recv, count, type, rank, size));
-  const std::size_t shard_bytes = count * data_type_bytes(type);
+  const std::size_t shard_bytes = count * dtype_bytes(type);
   const auto* own_slot = static_cast<const std::byte*>(recv) + static_cast<std::size_t>(rank) * shard_bytes;
   if (send != own_slot && ranges_overlap(send, shard_bytes, recv, shard_bytes * static_cast<std::size_t>(size))) {
     return invalid_argument("{}: send overlaps recv but is not recv + rank * count (the only in-place form)",
@@ -119,11 +94,11 @@ Status check_all_gather(const void* send, const void* recv, std::size_t count, D
   return ok_status();
 }
 
-Status check_reduce_scatter(const void* send, const void* recv, std::size_t count, DataType type, ReduceOp op,
+Status check_reduce_scatter(const void* send, const void* recv, std::size_t count, DType type, ReduceOp op,
                             int rank, int size) {
   TZ_TRY(check_common("reduce_scatter", send, recv, count, type, rank, size));
   TZ_TRY(check_op("reduce_scatter", op, count, type, rank, size));
-  const std::size_t shard_bytes = count * data_type_bytes(type);
+  const std::size_t shard_bytes = count * dtype_bytes(type);
   const auto* own_shard = static_cast<const std::byte*>(send) + static_cast<std::size_t>(rank) * shard_bytes;
   if (recv != own_shard && ranges_overlap(recv, shard_bytes, send, shard_bytes * static_cast<std::size_t>(size))) {
     return invalid_argument("{}: recv overlaps send but is not send + rank * count (the only in-place form)",
@@ -132,16 +107,16 @@ Status check_reduce_scatter(const void* send, const void* recv, std::size_t coun
   return ok_status();
 }
 
-Status check_all_reduce(const void* buf, std::size_t count, DataType type, ReduceOp op, int rank, int size) {
+Status check_all_reduce(const void* buf, std::size_t count, DType type, ReduceOp op, int rank, int size) {
   TZ_TRY(check_common("all_reduce", buf, buf, count, type, rank, size));
   return check_op("all_reduce", op, count, type, rank, size);
 }
 
 Status check_broadcast(const void* buf, std::size_t bytes, int root, int rank, int size) {
-  TZ_TRY(check_common("broadcast", buf, buf, bytes, DataType::kUint8, rank, size));
+  TZ_TRY(check_common("broadcast", buf, buf, bytes, DType::kUint8, rank, size));
   if (root < 0 || root >= size) {
     return invalid_argument("{}: root {} is not a rank (0..{})",
-                            describe_call("broadcast", bytes, DataType::kUint8, rank, size), root, size - 1);
+                            describe_call("broadcast", bytes, DType::kUint8, rank, size), root, size - 1);
   }
   return ok_status();
 }

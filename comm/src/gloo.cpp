@@ -237,10 +237,10 @@ class GlooCommunicator final : public Communicator {
     return fmt::format("gloo over tcp ({}), rank {} of {}", label_, rank(), size());
   }
 
-  Status all_gather(const void* send, void* recv, std::size_t count, DataType type, Stream*) override {
+  Status all_gather(const void* send, void* recv, std::size_t count, DType type, Stream*) override {
     TZ_TRY(check_all_gather(send, recv, count, type, rank(), size()));
     if (count == 0) return ok_status();
-    const std::size_t shard_bytes = count * data_type_bytes(type);
+    const std::size_t shard_bytes = count * dtype_bytes(type);
     auto* out = static_cast<std::uint8_t*>(recv);
     auto* in = static_cast<std::uint8_t*>(const_cast<void*>(send));  // Gloo only reads it
     return run(describe_call("all_gather", count, type, rank(), size()), [&] {
@@ -252,22 +252,22 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  Status reduce_scatter(const void* send, void* recv, std::size_t count, DataType type, ReduceOp op,
+  Status reduce_scatter(const void* send, void* recv, std::size_t count, DType type, ReduceOp op,
                         Stream*) override {
     TZ_TRY(check_reduce_scatter(send, recv, count, type, op, rank(), size()));
     if (count == 0) return ok_status();
     return run(describe_call("reduce_scatter", count, type, rank(), size()), [&] {
-      ring_.run(static_cast<const std::byte*>(send), static_cast<std::byte*>(recv), count, data_type_bytes(type),
+      ring_.run(static_cast<const std::byte*>(send), static_cast<std::byte*>(recv), count, dtype_bytes(type),
                 reduce_function(type, op));
     });
   }
 
-  Status all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op, Stream*) override {
+  Status all_reduce(void* buf, std::size_t count, DType type, ReduceOp op, Stream*) override {
     TZ_TRY(check_all_reduce(buf, count, type, op, rank(), size()));
     if (count == 0) return ok_status();
     return run(describe_call("all_reduce", count, type, rank(), size()), [&] {
       gloo::AllreduceOptions opts(context_);
-      with_element_type(data_type_bytes(type), [&](auto element) {
+      with_element_type(dtype_bytes(type), [&](auto element) {
         opts.setOutput(static_cast<decltype(element)*>(buf), count);
       });
       opts.setReduceFunction(reduce_function(type, op));

@@ -32,15 +32,15 @@ Expected<std::unique_ptr<Communicator>> create_gloo_communicator(const ResolvedC
 Expected<std::unique_ptr<Communicator>> create_nccl_communicator(const ResolvedCommOptions& options);
 
 // "all_gather of 1000 bf16 (rank 1 of 4)": how every error names a collective.
-std::string describe_call(std::string_view op, std::size_t count, DataType type, int rank, int size);
+std::string describe_call(std::string_view op, std::size_t count, DType type, int rank, int size);
 
 // Argument checks (InvalidArgument naming the collective, count and rank).
 // Counts are elements; null pointers are allowed only with count 0.
-Status check_all_gather(const void* send, const void* recv, std::size_t count, DataType type, int rank,
+Status check_all_gather(const void* send, const void* recv, std::size_t count, DType type, int rank,
                         int size);
-Status check_reduce_scatter(const void* send, const void* recv, std::size_t count, DataType type, ReduceOp op,
+Status check_reduce_scatter(const void* send, const void* recv, std::size_t count, DType type, ReduceOp op,
                             int rank, int size);
-Status check_all_reduce(const void* buf, std::size_t count, DataType type, ReduceOp op, int rank, int size);
+Status check_all_reduce(const void* buf, std::size_t count, DType type, ReduceOp op, int rank, int size);
 Status check_broadcast(const void* buf, std::size_t bytes, int root, int rank, int size);
 
 std::string_view reduce_op_name(ReduceOp op);  // "sum" | "max" | "min"

@@ -59,15 +59,15 @@ struct CudaStreamDestroy {
 };
 using UniqueCudaStream = std::unique_ptr<CUstream_st, CudaStreamDestroy>;
 
-ncclDataType_t nccl_type(DataType type) {
+ncclDataType_t nccl_type(DType type) {
   switch (type) {
-    case DataType::kFloat32: return ncclFloat32;
-    case DataType::kBFloat16: return ncclBfloat16;
-    case DataType::kFloat16: return ncclFloat16;
-    case DataType::kFloat64: return ncclFloat64;
-    case DataType::kInt32: return ncclInt32;
-    case DataType::kInt64: return ncclInt64;
-    case DataType::kUint8: return ncclUint8;
+    case DType::kFp32: return ncclFloat32;
+    case DType::kBf16: return ncclBfloat16;
+    case DType::kFp16: return ncclFloat16;
+    case DType::kFp64: return ncclFloat64;
+    case DType::kInt32: return ncclInt32;
+    case DType::kInt64: return ncclInt64;
+    case DType::kUint8: return ncclUint8;
   }
   return ncclUint8;  // unreachable: the checks refuse other values
 }
@@ -194,14 +194,14 @@ class NcclCommunicator final : public Communicator {
     return fmt::format("nccl {} on {}, rank {} of {}", version, device_name_, rank_, size_);
   }
 
-  Status all_gather(const void* send, void* recv, std::size_t count, DataType type, Stream* stream) override {
+  Status all_gather(const void* send, void* recv, std::size_t count, DType type, Stream* stream) override {
     TZ_TRY(check_all_gather(send, recv, count, type, rank_, size_));
     return enqueue(describe_call("all_gather", count, type, rank_, size_), count, stream,
                    [&](ncclComm_t comm, cudaStream_t s) {
                      return ncclAllGather(send, recv, count, nccl_type(type), comm, s);
                    });
   }
-  Status reduce_scatter(const void* send, void* recv, std::size_t count, DataType type, ReduceOp op,
+  Status reduce_scatter(const void* send, void* recv, std::size_t count, DType type, ReduceOp op,
                         Stream* stream) override {
     TZ_TRY(check_reduce_scatter(send, recv, count, type, op, rank_, size_));
     return enqueue(describe_call("reduce_scatter", count, type, rank_, size_), count, stream,
@@ -209,7 +209,7 @@ class NcclCommunicator final : public Communicator {
                      return ncclReduceScatter(send, recv, count, nccl_type(type), nccl_op(op), comm, s);
                    });
   }
-  Status all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op, Stream* stream) override {
+  Status all_reduce(void* buf, std::size_t count, DType type, ReduceOp op, Stream* stream) override {
     TZ_TRY(check_all_reduce(buf, count, type, op, rank_, size_));
     return enqueue(describe_call("all_reduce", count, type, rank_, size_), count, stream,
                    [&](ncclComm_t comm, cudaStream_t s) {

@@ -89,15 +89,15 @@ ReduceFn for_op(ReduceOp op) {
 
 }  // namespace
 
-ReduceFn reduce_function(DataType type, ReduceOp op) {
+ReduceFn reduce_function(DType type, ReduceOp op) {
   switch (type) {
-    case DataType::kFloat32: return for_op<Native<float>>(op);
-    case DataType::kBFloat16: return for_op<Bf16>(op);
-    case DataType::kFloat16: return for_op<Fp16>(op);
-    case DataType::kFloat64: return for_op<Native<double>>(op);
-    case DataType::kInt32: return for_op<Native<std::int32_t>>(op);
-    case DataType::kInt64: return for_op<Native<std::int64_t>>(op);
-    case DataType::kUint8: return for_op<Native<std::uint8_t>>(op);
+    case DType::kFp32: return for_op<Native<float>>(op);
+    case DType::kBf16: return for_op<Bf16>(op);
+    case DType::kFp16: return for_op<Fp16>(op);
+    case DType::kFp64: return for_op<Native<double>>(op);
+    case DType::kInt32: return for_op<Native<std::int32_t>>(op);
+    case DType::kInt64: return for_op<Native<std::int64_t>>(op);
+    case DType::kUint8: return for_op<Native<std::uint8_t>>(op);
   }
   return nullptr;
 }

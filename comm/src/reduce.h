@@ -1,4 +1,4 @@
-// Element-wise reductions for the CPU collectives, one per (DataType, ReduceOp).
+// Element-wise reductions for the CPU collectives, one per (DType, ReduceOp).
 //
 //   out[i] = a[i] op b[i], i < n
 //
@@ -19,6 +19,6 @@ namespace tz::comm_detail {
 using ReduceFn = void (*)(void* out, const void* a, const void* b, std::size_t n);
 
 // nullptr for a value outside the enums (the callers check first).
-ReduceFn reduce_function(DataType type, ReduceOp op);
+ReduceFn reduce_function(DType type, ReduceOp op);
 
 }  // namespace tz::comm_detail

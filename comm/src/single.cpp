@@ -19,16 +19,16 @@ class SingleRankCommunicator final : public Communicator {
                        device_ ? device_->name() : std::string("host memory"));
   }
 
-  Status all_gather(const void* send, void* recv, std::size_t count, DataType type, Stream* stream) override {
+  Status all_gather(const void* send, void* recv, std::size_t count, DType type, Stream* stream) override {
     TZ_TRY(check_all_gather(send, recv, count, type, 0, 1));
     return copy("all_gather", recv, send, count, type, stream);
   }
-  Status reduce_scatter(const void* send, void* recv, std::size_t count, DataType type, ReduceOp op,
+  Status reduce_scatter(const void* send, void* recv, std::size_t count, DType type, ReduceOp op,
                         Stream* stream) override {
     TZ_TRY(check_reduce_scatter(send, recv, count, type, op, 0, 1));
     return copy("reduce_scatter", recv, send, count, type, stream);
   }
-  Status all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op, Stream*) override {
+  Status all_reduce(void* buf, std::size_t count, DType type, ReduceOp op, Stream*) override {
     return check_all_reduce(buf, count, type, op, 0, 1);  // the reduction of one buffer is itself
   }
   Status broadcast(void* buf, std::size_t bytes, int root, Stream*) override {
@@ -39,8 +39,8 @@ class SingleRankCommunicator final : public Communicator {
  private:
   // CUDA memory is copied in stream order, as NCCL would; host memory at once,
   // as Gloo would (Gloo ignores the stream).
-  Status copy(std::string_view op, void* dst, const void* src, std::size_t count, DataType type, Stream* stream) {
-    const std::size_t bytes = count * data_type_bytes(type);
+  Status copy(std::string_view op, void* dst, const void* src, std::size_t count, DType type, Stream* stream) {
+    const std::size_t bytes = count * dtype_bytes(type);
     if (bytes == 0 || dst == src) return ok_status();
     if (device_ != nullptr && device_->kind() == BackendKind::kCuda) {
       if (stream == nullptr) {

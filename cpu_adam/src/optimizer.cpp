@@ -32,7 +32,6 @@ std::size_t l2_cache_bytes() {
   return l2 > 0 ? static_cast<std::size_t>(l2) : std::size_t{1} << 20;
 }
 
-std::size_t dtype_bytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
 
 class CpuOptimizerImpl final : public CpuOptimizer {
  public:

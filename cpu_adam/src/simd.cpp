@@ -109,15 +109,6 @@ Simd best_supported() {
   return best;
 }
 
-std::string_view dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kFp32: return "fp32";
-    case DType::kBf16: return "bf16";
-    case DType::kFp16: return "fp16";
-  }
-  return "unknown";
-}
-
 std::string_view algorithm_name(Algorithm algorithm) {
   switch (algorithm) {
     case Algorithm::kAdam: return "adam";

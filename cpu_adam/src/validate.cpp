@@ -74,7 +74,6 @@ Status check_grad_dtype(std::string_view name, DType dtype) {
   return invalid_argument("{} = {} is not a dtype (fp32, bf16 or fp16)", name, static_cast<int>(dtype));
 }
 
-std::size_t dtype_bytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
 
 }  // namespace
 

@@ -12,7 +12,7 @@ GradientPath::GradientPath(const GradientPathDeps& deps)
     : deps_(deps), sum_squares_(deps.layout->blocks.size(), 0), non_finite_(deps.layout->blocks.size(), false) {}
 
 std::size_t GradientPath::shard_bytes(std::size_t block) const {
-  return deps_.layout->blocks[block].shard_numel * elem_type_bytes(deps_.grad_type);
+  return deps_.layout->blocks[block].shard_numel * dtype_bytes(deps_.grad_type);
 }
 
 Status GradientPath::error() const {
@@ -65,7 +65,7 @@ Status GradientPath::reduce_on_comm_thread(std::size_t block, bool first, std::s
                                            std::shared_ptr<void> pending) {
   if (Status prior = deps_.comm_thread->error(); !prior.ok()) return prior;  // see Prefetcher::post_gather
   const BlockLayout& b = deps_.layout->blocks[block];
-  const DataType type = data_type_of(deps_.grad_type);
+  const DType type = (deps_.grad_type);
   const auto start = std::chrono::steady_clock::now();
   // Stages 2 and 3 reduce-scatter; stages 0 and 1 all-reduce the whole
   // buffer and keep their part, as DeepSpeed does.
@@ -140,7 +140,7 @@ Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool fir
     if (!first) TZ_TRY(grad.read(block, acc).wait());
   }
   Expected<cpu_adam::GradStats> stats =
-      deps_.cpu_opt->accumulate_grad(acc, host.data(), cpu_dtype_of(deps_.grad_type), b.shard_numel, first, scale);
+      deps_.cpu_opt->accumulate_grad(acc, host.data(), (deps_.grad_type), b.shard_numel, first, scale);
   TZ_TRY_CTX(stats, "accumulating the gradients of {}", b.name);
   if (!grad.resident()) TZ_TRY(grad.write(block, acc).wait());
   sum_squares_[block] = stats->sum_squares;
@@ -160,12 +160,9 @@ Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool fir
 Status GradientPath::accumulate_on_device(std::size_t block, const void* d_shard, bool first) {
   const BlockLayout& b = deps_.layout->blocks[block];
   const double scale = 1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps);
-  const kernels::GradFormat format = deps_.grad_type == ElemType::kFp32   ? kernels::GradFormat::kFp32
-                                     : deps_.grad_type == ElemType::kBf16 ? kernels::GradFormat::kBf16
-                                                                          : kernels::GradFormat::kFp16;
   auto* acc = static_cast<float*>(deps_.grad->memory(block));
   void* stream = deps_.d2h_stream->native_handle();
-  TZ_TRY_CTX(kernels::accumulate_grad_cuda(acc, d_shard, format, b.shard_numel, first, static_cast<float>(scale), stream),
+  TZ_TRY_CTX(kernels::accumulate_grad_cuda(acc, d_shard, deps_.grad_type, b.shard_numel, first, static_cast<float>(scale), stream),
              "accumulating the gradients of {} on the GPU", b.name);
   TZ_ASSIGN_OR_RETURN(PoolBlock d_norm, deps_.device_pool->allocate(sizeof(double)));
   const kernels::TensorRef shard{acc, b.shard_numel};
@@ -184,7 +181,7 @@ Status GradientPath::accumulate_on_device(std::size_t block, const void* d_shard
 Status GradientPath::prewarm() {
   std::map<std::uint64_t, std::uint64_t> seen;  // whole_numel -> shard_numel
   for (const BlockLayout& b : deps_.layout->blocks) seen.emplace(b.whole_numel, b.shard_numel);
-  const std::size_t gbytes = elem_type_bytes(deps_.grad_type);
+  const std::size_t gbytes = dtype_bytes(deps_.grad_type);
   std::vector<PoolBlock> held;
   for (const auto& [whole, shard] : seen) {
     for (int i = 0; i < kMaxPendingGrads + 1; ++i) {

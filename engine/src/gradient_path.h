@@ -30,11 +30,6 @@
 #include "tierzero/engine/zero.h"
 #include "tierzero/offload.h"
 
-namespace tz {
-// The cpu_adam dtype of an element type (zero_engine.cpp).
-cpu_adam::DType cpu_dtype_of(ElemType type);
-}  // namespace tz
-
 namespace tz::detail {
 
 struct GradientPathDeps {
@@ -49,7 +44,7 @@ struct GradientPathDeps {
   TieredStore* grad = nullptr;        // the fp32 accumulator
   cpu_adam::CpuOptimizer* cpu_opt = nullptr;
   const ModelLayout* layout = nullptr;
-  ElemType grad_type = ElemType::kBf16;
+  DType grad_type = DType::kBf16;
   int stage = 3;
   int gradient_accumulation_steps = 1;
   bool on_device = false;             // the GPU optimizer's path: accumulate on the GPU

@@ -63,7 +63,7 @@ Expected<bool> ZeroEngineImpl::global_norm(double& norm) {
     local[1] += grads_->non_finite(b) ? 1 : 0;
   }
   TZ_TRY_CTX(comm_thread_->run([&] {
-               return detail::all_reduce_host(*comm_, *device_, *device_pool_, local, 2, DataType::kFloat64,
+               return detail::all_reduce_host(*comm_, *device_, *device_pool_, local, 2, DType::kFp64,
                                               ReduceOp::kSum);
              }),
              "all-reducing the gradient norm");
@@ -170,11 +170,11 @@ Status ZeroEngineImpl::write_sub_group(std::size_t group, StagingSet& set, std::
   }
   // The new parameters to their tier: the 16-bit copy-out (in place when
   // they live in CPU memory), or with fp32 parameters the master weights.
-  const bool fp32 = param_type_ == ElemType::kFp32;
+  const bool fp32 = param_type_ == DType::kFp32;
   for (std::size_t b : sub_groups_[group]) {
     const std::size_t bytes = param16_->shard_bytes(b);
     void* out = fp32 ? state_ptr(master_.get(), b, set)
-                     : static_cast<char*>(set.param16.data()) + offset_in_group_[b] * elem_type_bytes(param_type_);
+                     : static_cast<char*>(set.param16.data()) + offset_in_group_[b] * dtype_bytes(param_type_);
     if (fp32 && param16_->tier() == Tier::kCpu) std::memcpy(param16_->memory(b), out, bytes);
     if (param16_->tier() == Tier::kNvme) {
       writes.push_back(param16_->write(b, out));
@@ -190,25 +190,25 @@ Status ZeroEngineImpl::step_sub_group(std::size_t group, StagingSet& set, double
   const cpu_adam::Hyper h = hyper();
   for (std::size_t b : sub_groups_[group]) {
     const std::uint64_t n = layout_.blocks[b].shard_numel;
-    void* param16 = param_type_ == ElemType::kFp32 ? nullptr  // written from the master weights
+    void* param16 = param_type_ == DType::kFp32 ? nullptr  // written from the master weights
                     : param16_->tier() == Tier::kCpu
                         ? param16_->memory(b)
-                        : static_cast<char*>(set.param16.data()) + offset_in_group_[b] * elem_type_bytes(param_type_);
+                        : static_cast<char*>(set.param16.data()) + offset_in_group_[b] * dtype_bytes(param_type_);
     const cpu_adam::Spans spans{.n = n,
                                 .param = static_cast<float*>(state_ptr(master_.get(), b, set)),
                                 .grad = state_ptr(grad_.get(), b, set),
-                                .grad_dtype = cpu_adam::DType::kFp32,
+                                .grad_dtype = DType::kFp32,
                                 .exp_avg = state_ptr(exp_avg_.get(), b, set),
                                 .exp_avg_sq = state_ptr(exp_avg_sq_.get(), b, set),
                                 .param16 = param16,
-                                .param16_dtype = param16 != nullptr ? cpu_dtype_of(param_type_) : cpu_adam::DType::kBf16};
+                                .param16_dtype = param16 != nullptr ? (param_type_) : DType::kBf16};
     TZ_TRY_CTX(cpu_opt_->step(h, {.step = step_, .grad_scale = grad_scale}, spans), "stepping {}",
                layout_.blocks[b].name);
   }
   return ok_status();
 }
 
-// Note [GPU optimizer] (zero_engine.cpp): Adam on the device-resident shards.
+// Note [GPU optimizer] (gradient_path.cpp): Adam on the device-resident shards.
 Status ZeroEngineImpl::gpu_optimizer_pass(double grad_scale) {
   const cpu_adam::Hyper c = hyper();
   const kernels::AdamHyper h{.lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps,
@@ -232,10 +232,10 @@ Status ZeroEngineImpl::gpu_optimizer_pass(double grad_scale) {
                                  .grad = static_cast<const float*>(grad_->memory(b)),
                                  .exp_avg = static_cast<float*>(exp_avg_->memory(b)),
                                  .exp_avg_sq = static_cast<float*>(exp_avg_sq_->memory(b)),
-                                 .param16 = param_type_ == ElemType::kBf16 ? param16 : nullptr};
+                                 .param16 = param_type_ == DType::kBf16 ? param16 : nullptr};
     TZ_TRY_CTX(kernels::adam_step_cuda(t, n, h, stream), "stepping {} on the GPU", layout_.blocks[b].name);
-    if (param_type_ == ElemType::kFp16) TZ_TRY(kernels::cast_fp32_to_fp16_cuda(master, param16, n, stream));
-    if (param_type_ == ElemType::kFp32) TZ_TRY(device_->copy_async(param16, master, n * 4, *stream_));
+    if (param_type_ == DType::kFp16) TZ_TRY(kernels::cast_fp32_to_fp16_cuda(master, param16, n, stream));
+    if (param_type_ == DType::kFp32) TZ_TRY(device_->copy_async(param16, master, n * 4, *stream_));
     if (!params_on_gpu) {
       TZ_TRY(device_->copy_async(h_out.data(), param16, param16_->shard_bytes(b), *stream_));
       TZ_TRY(sync());
@@ -260,8 +260,8 @@ Status ZeroEngineImpl::optimizer_pass(double grad_scale) {
         if (store == nullptr || store->resident()) continue;
         TZ_ASSIGN_OR_RETURN(set.area[store], host_pool_->allocate(sub_group_max_numel_ * 4, store->colour()));
       }
-      if (param16_->tier() != Tier::kCpu && param_type_ != ElemType::kFp32) {
-        TZ_ASSIGN_OR_RETURN(set.param16, host_pool_->allocate(sub_group_max_numel_ * elem_type_bytes(param_type_),
+      if (param16_->tier() != Tier::kCpu && param_type_ != DType::kFp32) {
+        TZ_ASSIGN_OR_RETURN(set.param16, host_pool_->allocate(sub_group_max_numel_ * dtype_bytes(param_type_),
                                                               Colour::kParam16));
       }
     }

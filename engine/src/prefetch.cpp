@@ -173,7 +173,7 @@ Status Prefetcher::gather(const std::shared_ptr<Entry>& e) {
   void* slot = static_cast<char*>(e->whole) + static_cast<std::uint64_t>(deps_.comm->rank()) * bytes;
   const auto start = Clock::now();
   if (s.ok()) {
-    s = deps_.comm->all_gather(slot, e->whole, b.shard_numel, data_type_of(deps_.param_type), deps_.comm_stream);
+    s = deps_.comm->all_gather(slot, e->whole, b.shard_numel, (deps_.param_type), deps_.comm_stream);
   }
   // NCCL only enqueues: the block is ready when the stream is done with it.
   // One rank's gather enqueues nothing (the shard is the block), and waiting
@@ -228,7 +228,7 @@ Status Prefetcher::wait_ready(Entry& e, Clock::time_point start) {
 Status Prefetcher::top_up() {
   std::uint64_t in_flight_bytes = 0;
   for (const auto& e : in_flight_) in_flight_bytes += deps_.layout->blocks[e->block].whole_numel;
-  const std::size_t elem = elem_type_bytes(deps_.param_type);
+  const std::size_t elem = dtype_bytes(deps_.param_type);
   in_flight_bytes *= elem;
   while (issued_until_ < trace_.size()) {
     const std::size_t block = trace_[issued_until_];
@@ -273,7 +273,7 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block, bool traced) {
     diverged_at_ = this_pass_.size() - 1;
     drain();
   }
-  const std::uint64_t bytes = deps_.layout->blocks[block].whole_numel * elem_type_bytes(deps_.param_type);
+  const std::uint64_t bytes = deps_.layout->blocks[block].whole_numel * dtype_bytes(deps_.param_type);
   Expected<PoolBlock> whole = deps_.device_pool->allocate(bytes);
   TZ_TRY_CTX(whole, "gathering {}", deps_.layout->blocks[block].name);
   void* data = whole->data();
@@ -337,7 +337,7 @@ Status Prefetcher::close_pass() {
     auto hash = static_cast<std::int64_t>(h >> 1);
     std::int64_t both[2] = {hash, -hash};
     TZ_TRY(deps_.comm_thread->run([&] {
-      return all_reduce_host(*deps_.comm, *deps_.device, *deps_.device_pool, both, 2, DataType::kInt64, ReduceOp::kMax);
+      return all_reduce_host(*deps_.comm, *deps_.device, *deps_.device_pool, both, 2, DType::kInt64, ReduceOp::kMax);
     }));
     if (both[0] != hash || -both[1] != hash) {
       TZ_LOG_ONCE_WARN("engine", "ranks recorded different block orders in a micro-batch: prefetching is off, "

@@ -53,7 +53,7 @@ struct PrefetchDeps {
   MemoryPool* host_pool = nullptr;
   TieredStore* param16 = nullptr;
   const ModelLayout* layout = nullptr;
-  ElemType param_type = ElemType::kBf16;
+  DType param_type = DType::kBf16;
   Timeline* timeline = nullptr;
 };
 

@@ -7,11 +7,11 @@
 
 namespace tz {
 
-float round_through(float x, ElemType type) {
+float round_through(float x, DType type) {
   switch (type) {
-    case ElemType::kFp32: return x;
-    case ElemType::kBf16: return kernels::bf16_to_fp32(kernels::fp32_to_bf16(x));
-    case ElemType::kFp16: return kernels::fp16_to_fp32(kernels::fp32_to_fp16(x));
+    case DType::kFp32: return x;
+    case DType::kBf16: return kernels::bf16_to_fp32(kernels::fp32_to_bf16(x));
+    case DType::kFp16: return kernels::fp16_to_fp32(kernels::fp32_to_fp16(x));
   }
   return x;
 }
@@ -19,7 +19,7 @@ float round_through(float x, ElemType type) {
 ReferenceStates::ReferenceStates(const std::vector<BlockSpec>& model, const ParamInit& init, const Config& config,
                                  int world_size)
     : config_(config) {
-  param_type_ = config.precision.fp16 ? ElemType::kFp16 : config.precision.bf16 ? ElemType::kBf16 : ElemType::kFp32;
+  param_type_ = config.precision.fp16 ? DType::kFp16 : config.precision.bf16 ? DType::kBf16 : DType::kFp32;
   layout_ = ModelLayout::make(model, world_size, 0).value();
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     const BlockLayout& block = layout_.blocks[b];

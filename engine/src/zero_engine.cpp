@@ -11,41 +11,12 @@
 
 namespace tz {
 
-std::string_view elem_type_name(ElemType type) {
+std::vector<std::uint8_t> to_param_type(const float* src, std::size_t n, DType type) {
+  std::vector<std::uint8_t> out(n * dtype_bytes(type));
   switch (type) {
-    case ElemType::kFp32: return "fp32";
-    case ElemType::kBf16: return "bf16";
-    case ElemType::kFp16: return "fp16";
-  }
-  return "?";
-}
-
-std::size_t elem_type_bytes(ElemType type) { return type == ElemType::kFp32 ? 4 : 2; }
-
-DataType data_type_of(ElemType type) {
-  switch (type) {
-    case ElemType::kFp32: return DataType::kFloat32;
-    case ElemType::kBf16: return DataType::kBFloat16;
-    case ElemType::kFp16: return DataType::kFloat16;
-  }
-  return DataType::kFloat32;
-}
-
-cpu_adam::DType cpu_dtype_of(ElemType type) {
-  switch (type) {
-    case ElemType::kFp32: return cpu_adam::DType::kFp32;
-    case ElemType::kBf16: return cpu_adam::DType::kBf16;
-    case ElemType::kFp16: return cpu_adam::DType::kFp16;
-  }
-  return cpu_adam::DType::kFp32;
-}
-
-std::vector<std::uint8_t> to_param_type(const float* src, std::size_t n, ElemType type) {
-  std::vector<std::uint8_t> out(n * elem_type_bytes(type));
-  switch (type) {
-    case ElemType::kFp32: std::memcpy(out.data(), src, n * 4); break;
-    case ElemType::kBf16: kernels::cast_fp32_to_bf16_cpu(src, reinterpret_cast<std::uint16_t*>(out.data()), n); break;
-    case ElemType::kFp16: kernels::cast_fp32_to_fp16_cpu(src, reinterpret_cast<std::uint16_t*>(out.data()), n); break;
+    case DType::kFp32: std::memcpy(out.data(), src, n * 4); break;
+    case DType::kBf16: kernels::cast_fp32_to_bf16_cpu(src, reinterpret_cast<std::uint16_t*>(out.data()), n); break;
+    case DType::kFp16: kernels::cast_fp32_to_fp16_cpu(src, reinterpret_cast<std::uint16_t*>(out.data()), n); break;
   }
   return out;
 }
@@ -86,11 +57,11 @@ Status GatheredBlock::give_back_after(Stream* stream, void* native) {
 }
 
 void* GatheredBlock::param(std::size_t i) const {
-  return static_cast<char*>(data_) + layout_->params.at(i).offset * elem_type_bytes(type_);
+  return static_cast<char*>(data_) + layout_->params.at(i).offset * dtype_bytes(type_);
 }
 
 void* GradBlock::grad(std::size_t i) const {
-  return static_cast<char*>(buffer_.data()) + layout_->params.at(i).offset * elem_type_bytes(type_);
+  return static_cast<char*>(buffer_.data()) + layout_->params.at(i).offset * dtype_bytes(type_);
 }
 
 // ---------------------------------------------------------------- creation
@@ -192,7 +163,7 @@ Status ZeroEngineImpl::make_stores() {
   for (std::size_t s = 0; s < kNumStateClasses; ++s) {
     if (plan_.tier[s] != Tier::kNvme) continue;
     // The parameters are 16-bit, or fp32 when neither bf16 nor fp16 is on.
-    nvme_bytes += state_elem_bytes(static_cast<StateClass>(s), elem_type_bytes(param_type_)) * layout_.shard_numel;
+    nvme_bytes += state_elem_bytes(static_cast<StateClass>(s), dtype_bytes(param_type_)) * layout_.shard_numel;
   }
   if (nvme_bytes > 0) {
     const std::vector<std::string> paths = c.all_nvme_paths();
@@ -216,7 +187,7 @@ Status ZeroEngineImpl::make_stores() {
                                shards);
   };
   // Note [Coloured arrays]: the five arrays one optimizer kernel streams each get their own colour.
-  TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, elem_type_bytes(param_type_), Colour::kParam16));
+  TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, dtype_bytes(param_type_), Colour::kParam16));
   TZ_ASSIGN_OR_RETURN(grad_, make(StateClass::kGrad, 4, Colour::kGrad));
   TZ_ASSIGN_OR_RETURN(master_, make(StateClass::kMaster, 4, Colour::kMaster));
   if (!adagrad) {
@@ -262,7 +233,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   const Config& c = options_.config;
   stage_ = c.zero.stage;
   // Neither fp16 nor bf16: fp32 training, as in DeepSpeed.
-  param_type_ = c.precision.fp16 ? ElemType::kFp16 : c.precision.bf16 ? ElemType::kBf16 : ElemType::kFp32;
+  param_type_ = c.precision.fp16 ? DType::kFp16 : c.precision.bf16 ? DType::kBf16 : DType::kFp32;
   grad_type_ = options_.grad_type.value_or(param_type_);
   TZ_TRY(make_device_and_comm());
   TZ_TRY(resolve_batch(options_.config, comm_->size()));  // Note [Batch keys] (common/src/config.cpp)
@@ -309,7 +280,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
                        "creating the engine", "initial values", "pass the same ZeroOptions::initial_values"));
   const std::uint64_t window =
       static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_prefetch_bucket_size, 0)) *
-      elem_type_bytes(param_type_);
+      dtype_bytes(param_type_);
   prefetcher_ = std::make_unique<detail::Prefetcher>(
       detail::PrefetchDeps{.device = device_, .comm = comm_, .comm_thread = comm_thread_.get(),
                            .comm_stream = comm_stream_.get(),
@@ -353,7 +324,7 @@ Status ZeroEngineImpl::init_states(const ParamInit& init) {
       if (exp_avg_) TZ_TRY(put(*exp_avg_, b, zeros.data()));
       if (exp_avg_sq_) TZ_TRY(put(*exp_avg_sq_, b, zeros.data()));
       if (block.persistent) {
-        TZ_ASSIGN_OR_RETURN(persistent_[b], device_pool_->allocate(block.whole_numel * elem_type_bytes(param_type_)));
+        TZ_ASSIGN_OR_RETURN(persistent_[b], device_pool_->allocate(block.whole_numel * dtype_bytes(param_type_)));
       }
       return ok_status();
     }();
@@ -475,7 +446,7 @@ Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
   g.block_ = block;
   g.type_ = grad_type_;
   g.layout_ = &b;
-  TZ_ASSIGN_OR_RETURN(g.buffer_, device_pool_->allocate(b.whole_numel * elem_type_bytes(grad_type_)));
+  TZ_ASSIGN_OR_RETURN(g.buffer_, device_pool_->allocate(b.whole_numel * dtype_bytes(grad_type_)));
   if (device_->kind() == BackendKind::kHost) {
     // Host "device" memory is host memory, and a block from the pool has no
     // stream work pending: a round trip through the stream thread would only
@@ -512,11 +483,11 @@ Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {
       void* d_mine = static_cast<char*>(d.data()) + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel * 4;
       TZ_TRY(device_->copy_async(d_mine, mine, b.shard_numel * 4, *stream_));
       TZ_TRY(comm_thread_->run(
-          [&] { return comm_->all_gather(d_mine, d.data(), b.shard_numel, DataType::kFloat32, stream_.get()); }));
+          [&] { return comm_->all_gather(d_mine, d.data(), b.shard_numel, DType::kFp32, stream_.get()); }));
       TZ_TRY(device_->copy_async(whole.data(), d.data(), whole.size() * 4, *stream_));
       TZ_TRY(sync());
     } else {
-      TZ_TRY(comm_thread_->run([&] { return comm_->all_gather(mine, whole.data(), b.shard_numel, DataType::kFloat32); }));
+      TZ_TRY(comm_thread_->run([&] { return comm_->all_gather(mine, whole.data(), b.shard_numel, DType::kFp32); }));
     }
   }
   return whole;
@@ -590,7 +561,7 @@ std::string ZeroEngineImpl::describe() const {
                                 stage_, comm_->size(), comm_->describe(), layout_.blocks.size(),
                                 format_count(static_cast<double>(layout_.param_numel)),
                                 format_count(static_cast<double>(layout_.shard_numel)), padded,
-                                elem_type_name(param_type_), elem_type_name(grad_type_), device_->name());
+                                dtype_name(param_type_), dtype_name(grad_type_), device_->name());
   for (std::size_t s = 0; s < kNumStateClasses; ++s) {
     out += fmt::format("; {} on {}", state_class_name(static_cast<StateClass>(s)), tier_name(plan_.tier[s]));
   }

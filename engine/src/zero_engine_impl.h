@@ -59,8 +59,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   double learning_rate() const override { return scheduled_lr(options_.config.scheduler, base_lr_, step_); }
   const ModelLayout& layout() const override { return layout_; }
   const Plan& plan() const override { return plan_; }
-  ElemType param_type() const override { return param_type_; }
-  ElemType grad_type() const override { return grad_type_; }
+  DType param_type() const override { return param_type_; }
+  DType grad_type() const override { return grad_type_; }
   Device& device() override { return *device_; }
   int rank() const override { return comm_->rank(); }
   int world_size() const override { return comm_->size(); }
@@ -168,8 +168,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   ResolvedBudgets budgets_;
   int stage_ = 3;
   int gas_ = 1;
-  ElemType param_type_ = ElemType::kBf16;
-  ElemType grad_type_ = ElemType::kBf16;
+  DType param_type_ = DType::kBf16;
+  DType grad_type_ = DType::kBf16;
   bool gpu_optimizer_ = false;   // CUDA, and every state class on the GPU: Adam runs there
 
   std::unique_ptr<MemoryPool> device_pool_;
@@ -225,7 +225,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
 };
 
 // fp32 values in the parameter type (rounded to nearest even for 16-bit).
-std::vector<std::uint8_t> to_param_type(const float* src, std::size_t n, ElemType type);
+std::vector<std::uint8_t> to_param_type(const float* src, std::size_t n, DType type);
 
 
 }  // namespace tz

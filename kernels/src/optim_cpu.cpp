@@ -38,18 +38,18 @@ Status adam_step_cpu(const AdamTensors& t, std::size_t n, const AdamHyper& h) {
   return ok_status();
 }
 
-void accumulate_grad_cpu(float* acc, const void* grad, GradFormat format, std::size_t n, bool overwrite, float scale) {
+void accumulate_grad_cpu(float* acc, const void* grad, DType format, std::size_t n, bool overwrite, float scale) {
   const auto* g16 = static_cast<const std::uint16_t*>(grad);
   for (std::size_t i = 0; i < n; ++i) {
-    const float g = format == GradFormat::kFp32   ? static_cast<const float*>(grad)[i]
-                    : format == GradFormat::kBf16 ? bf16_to_fp32(g16[i])
+    const float g = format == DType::kFp32   ? static_cast<const float*>(grad)[i]
+                    : format == DType::kBf16 ? bf16_to_fp32(g16[i])
                                                   : fp16_to_fp32(g16[i]);
     acc[i] = std::fma(scale, g, overwrite ? 0.0F : acc[i]);
   }
 }
 
 #if !defined(TIERZERO_WITH_CUDA)
-Status accumulate_grad_cuda(float*, const void*, GradFormat, std::size_t, bool, float, void*) {
+Status accumulate_grad_cuda(float*, const void*, DType, std::size_t, bool, float, void*) {
   return unavailable("accumulate_grad_cuda: built without CUDA (-DTIERZERO_CUDA=OFF)");
 }
 Status unscale_cuda(float*, std::size_t, float, int*, void*) {

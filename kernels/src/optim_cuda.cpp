@@ -31,8 +31,14 @@ Status adam_step_cuda(const AdamTensors& d_t, std::size_t n, const AdamHyper& h,
   return ok_status();
 }
 
-Status accumulate_grad_cuda(float* d_acc, const void* d_grad, GradFormat format, std::size_t n, bool overwrite,
+Status accumulate_grad_cuda(float* d_acc, const void* d_grad, DType format, std::size_t n, bool overwrite,
                             float scale, void* cuda_stream) {
+  // The launch takes the format as its ordinal: 0 fp32, 1 bf16, 2 fp16.
+  static_assert(static_cast<int>(DType::kFp32) == 0 && static_cast<int>(DType::kBf16) == 1 &&
+                static_cast<int>(DType::kFp16) == 2);
+  if (format != DType::kFp32 && format != DType::kBf16 && format != DType::kFp16) {
+    return invalid_argument("accumulate_grad_cuda: gradients in {}; fp32, bf16 or fp16 only", dtype_name(format));
+  }
   TZ_CUDA_CHECK(launch::accumulate_grad(d_acc, d_grad, static_cast<int>(format), n, overwrite, scale,
                                         static_cast<cudaStream_t>(cuda_stream)));
   return ok_status();

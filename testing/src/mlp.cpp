@@ -21,20 +21,20 @@ float uniform(std::uint64_t key) {  // [-1, 1)
   return static_cast<float>(static_cast<double>(splitmix64(key) >> 11) * 0x1p-53 * 2.0 - 1.0);
 }
 
-float to_float(const void* p, std::size_t i, ElemType type) {
+float to_float(const void* p, std::size_t i, DType type) {
   switch (type) {
-    case ElemType::kFp32: return static_cast<const float*>(p)[i];
-    case ElemType::kBf16: return kernels::bf16_to_fp32(static_cast<const std::uint16_t*>(p)[i]);
-    case ElemType::kFp16: return kernels::fp16_to_fp32(static_cast<const std::uint16_t*>(p)[i]);
+    case DType::kFp32: return static_cast<const float*>(p)[i];
+    case DType::kBf16: return kernels::bf16_to_fp32(static_cast<const std::uint16_t*>(p)[i]);
+    case DType::kFp16: return kernels::fp16_to_fp32(static_cast<const std::uint16_t*>(p)[i]);
   }
   return 0;
 }
 
-void store_as(void* p, std::size_t i, float x, ElemType type) {
+void store_as(void* p, std::size_t i, float x, DType type) {
   switch (type) {
-    case ElemType::kFp32: static_cast<float*>(p)[i] = x; break;
-    case ElemType::kBf16: static_cast<std::uint16_t*>(p)[i] = kernels::fp32_to_bf16(x); break;
-    case ElemType::kFp16: static_cast<std::uint16_t*>(p)[i] = kernels::fp32_to_fp16(x); break;
+    case DType::kFp32: static_cast<float*>(p)[i] = x; break;
+    case DType::kBf16: static_cast<std::uint16_t*>(p)[i] = kernels::fp32_to_bf16(x); break;
+    case DType::kFp16: static_cast<std::uint16_t*>(p)[i] = kernels::fp32_to_fp16(x); break;
   }
 }
 
@@ -42,7 +42,7 @@ struct Weights {
   std::vector<float> w, b;  // (H, H) row-major out x in, (H)
 };
 
-Weights weights_from(const void* w, const void* b, int h, ElemType type) {
+Weights weights_from(const void* w, const void* b, int h, DType type) {
   Weights out;
   out.w.resize(static_cast<std::size_t>(h) * h);
   out.b.resize(h);
@@ -183,19 +183,19 @@ class HostStaging {
 Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, const Batch& batch,
                                    const ComputeHook& hook, bool inject_inf) {
   const int h = cfg.hidden, layers = cfg.layers;
-  const ElemType pt = engine.param_type(), gt = engine.grad_type();
+  const DType pt = engine.param_type(), gt = engine.grad_type();
   const ModelLayout& layout = engine.layout();
   TZ_ASSIGN_OR_RETURN(HostStaging staging, HostStaging::create(engine));
   // Parameter i of block l, as the host sees it.
   auto param_at = [&](const void* base, std::size_t l, std::size_t i) {
-    return static_cast<const char*>(base) + layout.blocks[l].params[i].offset * elem_type_bytes(pt);
+    return static_cast<const char*>(base) + layout.blocks[l].params[i].offset * dtype_bytes(pt);
   };
   std::vector<std::vector<float>> acts(layers + 1);
   acts[0] = batch.x;
   for (int l = 0; l < layers; ++l) {
     TZ_ASSIGN_OR_RETURN(GatheredBlock p, engine.fetch(l));
     if (hook) hook(l, false);
-    TZ_ASSIGN_OR_RETURN(const void* w, staging.params(p, layout.blocks[l].whole_numel * elem_type_bytes(pt)));
+    TZ_ASSIGN_OR_RETURN(const void* w, staging.params(p, layout.blocks[l].whole_numel * dtype_bytes(pt)));
     layer_forward(acts[l], weights_from(param_at(w, l, 0), param_at(w, l, 1), h, pt), acts[l + 1], cfg.batch, h,
                   l + 1 < layers);
   }
@@ -204,14 +204,14 @@ Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, con
   for (int l = layers - 1; l >= 0; --l) {
     TZ_ASSIGN_OR_RETURN(GatheredBlock p, engine.fetch(l));
     if (hook) hook(l, true);
-    TZ_ASSIGN_OR_RETURN(const void* pw, staging.params(p, layout.blocks[l].whole_numel * elem_type_bytes(pt)));
+    TZ_ASSIGN_OR_RETURN(const void* pw, staging.params(p, layout.blocks[l].whole_numel * dtype_bytes(pt)));
     const Weights w = weights_from(param_at(pw, l, 0), param_at(pw, l, 1), h, pt);
     std::vector<float> dw(static_cast<std::size_t>(h) * h, 0.0F), db(h, 0.0F), dx;
     layer_backward(acts[l], acts[l + 1], w, dy, dw, db, dx, cfg.batch, h, l + 1 < layers);
     TZ_ASSIGN_OR_RETURN(GradBlock g, engine.grad_buffer(l));
-    char* gbase = static_cast<char*>(staging.grads(g, layout.blocks[l].whole_numel * elem_type_bytes(gt)));
-    void* gw = gbase + layout.blocks[l].params[0].offset * elem_type_bytes(gt);
-    void* gb = gbase + layout.blocks[l].params[1].offset * elem_type_bytes(gt);
+    char* gbase = static_cast<char*>(staging.grads(g, layout.blocks[l].whole_numel * dtype_bytes(gt)));
+    void* gw = gbase + layout.blocks[l].params[0].offset * dtype_bytes(gt);
+    void* gb = gbase + layout.blocks[l].params[1].offset * dtype_bytes(gt);
     for (std::size_t i = 0; i < dw.size(); ++i) store_as(gw, i, dw[i], gt);
     for (int i = 0; i < h; ++i) store_as(gb, i, db[i], gt);
     if (inject_inf && l == layers - 1) store_as(gw, 0, std::numeric_limits<float>::infinity(), gt);
@@ -224,7 +224,7 @@ Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, con
 
 // ---------------------------------------------------------------- reference
 
-Reference::Reference(const MlpConfig& cfg, const Config& config, int world_size, std::optional<ElemType> grad_type)
+Reference::Reference(const MlpConfig& cfg, const Config& config, int world_size, std::optional<DType> grad_type)
     : cfg_(cfg), world_(world_size), states_(model(cfg), init(cfg), config, world_size) {
   grad_type_ = grad_type.value_or(states_.param_type());
 }
@@ -235,7 +235,7 @@ double Reference::train_step(std::int64_t step) {
   const double loss_scale = states_.loss_scale();
   const int gas = states_.gradient_accumulation_steps();
   const ModelLayout& layout = states_.layout();
-  const ElemType param_type = states_.param_type();
+  const DType param_type = states_.param_type();
   // The weights as the engine hands them out: fp32 master rounded to 16 bits.
   std::vector<Weights> weights(layers);
   for (int l = 0; l < layers; ++l) {

@@ -50,15 +50,15 @@ TEST(CommNames, BackendsAndDataTypes) {
   EXPECT_EQ(comm_backend_name(CommBackend::kAuto), "auto");
   EXPECT_EQ(comm_backend_name(CommBackend::kGloo), "gloo");
   EXPECT_EQ(comm_backend_name(CommBackend::kNccl), "nccl");
-  const std::vector<std::pair<DataType, std::size_t>> sizes = {
-      {DataType::kFloat32, 4}, {DataType::kBFloat16, 2}, {DataType::kFloat16, 2}, {DataType::kFloat64, 8},
-      {DataType::kInt32, 4},   {DataType::kInt64, 8},    {DataType::kUint8, 1}};
+  const std::vector<std::pair<DType, std::size_t>> sizes = {
+      {DType::kFp32, 4}, {DType::kBf16, 2}, {DType::kFp16, 2}, {DType::kFp64, 8},
+      {DType::kInt32, 4},   {DType::kInt64, 8},    {DType::kUint8, 1}};
   for (const auto& [type, bytes] : sizes) {
-    EXPECT_EQ(data_type_bytes(type), bytes) << data_type_name(type);
-    EXPECT_NE(data_type_name(type), "unknown");
+    EXPECT_EQ(dtype_bytes(type), bytes) << dtype_name(type);
+    EXPECT_NE(dtype_name(type), "unknown");
   }
-  EXPECT_EQ(data_type_name(DataType::kBFloat16), "bf16");
-  EXPECT_EQ(data_type_bytes(static_cast<DataType>(99)), 0u);
+  EXPECT_EQ(dtype_name(DType::kBf16), "bf16");
+  EXPECT_EQ(dtype_bytes(static_cast<DType>(99)), 0u);
 }
 
 TEST(RankInfoFromEnv, DefaultsToRankZeroOfOne) {
@@ -226,17 +226,17 @@ TEST(SingleRank, CollectivesAreCopies) {
   Communicator& comm = **created;
   std::vector<float> send = {1.5F, -2.0F, 3.25F};
   std::vector<float> recv(3, 0.0F);
-  ASSERT_TRUE(comm.all_gather(send.data(), recv.data(), 3, DataType::kFloat32).ok());
+  ASSERT_TRUE(comm.all_gather(send.data(), recv.data(), 3, DType::kFp32).ok());
   EXPECT_EQ(recv, send);
   std::fill(recv.begin(), recv.end(), 0.0F);
-  ASSERT_TRUE(comm.reduce_scatter(send.data(), recv.data(), 3, DataType::kFloat32, ReduceOp::kSum).ok());
+  ASSERT_TRUE(comm.reduce_scatter(send.data(), recv.data(), 3, DType::kFp32, ReduceOp::kSum).ok());
   EXPECT_EQ(recv, send);
-  ASSERT_TRUE(comm.all_reduce(send.data(), 3, DataType::kFloat32, ReduceOp::kMax).ok());
+  ASSERT_TRUE(comm.all_reduce(send.data(), 3, DType::kFp32, ReduceOp::kMax).ok());
   EXPECT_EQ(send, (std::vector<float>{1.5F, -2.0F, 3.25F}));
   ASSERT_TRUE(comm.broadcast(send.data(), sizeof(float) * 3, 0).ok());
-  ASSERT_TRUE(comm.all_gather(send.data(), send.data(), 3, DataType::kFloat32).ok());  // in place
+  ASSERT_TRUE(comm.all_gather(send.data(), send.data(), 3, DType::kFp32).ok());  // in place
   EXPECT_TRUE(comm.barrier().ok());
-  EXPECT_TRUE(comm.all_gather(nullptr, nullptr, 0, DataType::kInt64).ok());
+  EXPECT_TRUE(comm.all_gather(nullptr, nullptr, 0, DType::kInt64).ok());
 }
 
 TEST(SingleRank, RefusesBadArguments) {
@@ -247,15 +247,15 @@ TEST(SingleRank, RefusesBadArguments) {
   Status bad_root = comm.broadcast(buf.data(), 4, 1);
   EXPECT_EQ(bad_root.code(), ErrorCode::kInvalidArgument);
   EXPECT_NE(bad_root.message().find("root 1"), std::string::npos) << bad_root.message();
-  Status null_buffer = comm.all_reduce(nullptr, 4, DataType::kFloat32, ReduceOp::kSum);
+  Status null_buffer = comm.all_reduce(nullptr, 4, DType::kFp32, ReduceOp::kSum);
   EXPECT_EQ(null_buffer.code(), ErrorCode::kInvalidArgument);
   EXPECT_NE(null_buffer.message().find("all_reduce of 4 fp32 (rank 0 of 1)"), std::string::npos)
       << null_buffer.message();
-  Status overlap = comm.all_gather(buf.data() + 1, buf.data(), 4, DataType::kFloat32);
+  Status overlap = comm.all_gather(buf.data() + 1, buf.data(), 4, DType::kFp32);
   EXPECT_EQ(overlap.code(), ErrorCode::kInvalidArgument) << overlap.to_string();
-  EXPECT_EQ(comm.all_reduce(buf.data(), 4, static_cast<DataType>(42), ReduceOp::kSum).code(),
+  EXPECT_EQ(comm.all_reduce(buf.data(), 4, static_cast<DType>(42), ReduceOp::kSum).code(),
             ErrorCode::kInvalidArgument);
-  EXPECT_EQ(comm.all_reduce(buf.data(), 4, DataType::kFloat32, static_cast<ReduceOp>(7)).code(),
+  EXPECT_EQ(comm.all_reduce(buf.data(), 4, DType::kFp32, static_cast<ReduceOp>(7)).code(),
             ErrorCode::kInvalidArgument);
 }
 

@@ -39,10 +39,10 @@ struct Workload {
                                       recv(kCount * static_cast<std::size_t>(world), 0.0F) {}
   Status issue(Communicator& comm) {
     switch (collective) {
-      case Collective::kAllReduce: return comm.all_reduce(send.data(), kCount, DataType::kFloat32, ReduceOp::kSum);
-      case Collective::kAllGather: return comm.all_gather(send.data(), recv.data(), kCount, DataType::kFloat32);
+      case Collective::kAllReduce: return comm.all_reduce(send.data(), kCount, DType::kFp32, ReduceOp::kSum);
+      case Collective::kAllGather: return comm.all_gather(send.data(), recv.data(), kCount, DType::kFp32);
       case Collective::kReduceScatter:
-        return comm.reduce_scatter(send.data(), recv.data(), kCount, DataType::kFloat32, ReduceOp::kSum);
+        return comm.reduce_scatter(send.data(), recv.data(), kCount, DType::kFp32, ReduceOp::kSum);
       case Collective::kBroadcast: return comm.broadcast(send.data(), kCount * sizeof(float), 0);
     }
     return internal_error("unknown collective");

@@ -32,7 +32,7 @@ using test::uniform;
 
 struct Fp32 {
   using T = float;
-  static constexpr DataType kType = DataType::kFloat32;
+  static constexpr DType kType = DType::kFp32;
   static constexpr bool kInteger = false;
   static constexpr double kUnitRoundoff = 0x1.0p-24;
   static T make(std::uint64_t seed, int rank, std::uint64_t i) { return static_cast<float>(uniform(seed, rank, i)); }
@@ -40,7 +40,7 @@ struct Fp32 {
 };
 struct Bf16 {
   using T = std::uint16_t;
-  static constexpr DataType kType = DataType::kBFloat16;
+  static constexpr DType kType = DType::kBf16;
   static constexpr bool kInteger = false;  // stored as uint16_t bits, reduced as a float
   static constexpr double kUnitRoundoff = 0x1.0p-8;
   static T make(std::uint64_t seed, int rank, std::uint64_t i) {
@@ -50,7 +50,7 @@ struct Bf16 {
 };
 struct Int64 {
   using T = std::int64_t;
-  static constexpr DataType kType = DataType::kInt64;
+  static constexpr DType kType = DType::kInt64;
   static constexpr bool kInteger = true;
   static constexpr double kUnitRoundoff = 0.0;
   static T make(std::uint64_t seed, int rank, std::uint64_t i) { return static_cast<T>(mix(seed, rank, i)); }
@@ -133,7 +133,7 @@ struct RankCheck {
     return mix(seed, static_cast<int>(count), fnv1a(what.data(), what.size()));
   }
   std::string label(std::string_view what, std::size_t count) const {
-    return fmt::format("{} {} count {} world {}", what, data_type_name(Tr::kType), count, world);
+    return fmt::format("{} {} count {} world {}", what, dtype_name(Tr::kType), count, world);
   }
   void report(std::string_view what, std::size_t count, const ErrorStats& stats) const {
     if (rank == 0 && world > 1 && count == kCounts[std::size(kCounts) - 1] && Tr::kUnitRoundoff > 0) {
@@ -196,7 +196,7 @@ struct RankCheck {
     // Replicas must not drift apart: every rank holds the same bits.
     std::int64_t mine = static_cast<std::int64_t>(fnv1a(buf.data(), buf.size() * sizeof(T)));
     std::vector<std::int64_t> all(static_cast<std::size_t>(world));
-    st = comm.all_gather(&mine, all.data(), 1, DataType::kInt64);
+    st = comm.all_gather(&mine, all.data(), 1, DType::kInt64);
     if (!st.ok()) return fmt::format("{}: gathering result hashes: {}", what, st.to_string());
     for (int r = 0; r < world; ++r) {
       if (all[static_cast<std::size_t>(r)] != mine) return fmt::format("{}: rank {}'s result differs", what, r);
@@ -241,11 +241,11 @@ struct RankCheck {
 
 struct CollectiveCase {
   int world;
-  DataType type;
+  DType type;
 };
 
 std::string case_name(const ::testing::TestParamInfo<CollectiveCase>& info) {
-  return fmt::format("World{}_{}", info.param.world, data_type_name(info.param.type));
+  return fmt::format("World{}_{}", info.param.world, dtype_name(info.param.type));
 }
 
 class GlooCollectives : public ::testing::TestWithParam<CollectiveCase> {};
@@ -262,8 +262,8 @@ TEST_P(GlooCollectives, MatchThePlainReference) {
     Communicator& comm = **created;
     if (comm.rank() != rank || comm.size() != world) return "wrong rank or size: " + comm.describe();
     switch (type) {
-      case DataType::kFloat32: return RankCheck<Fp32>{comm, seed, rank, world}.all();
-      case DataType::kBFloat16: return RankCheck<Bf16>{comm, seed, rank, world}.all();
+      case DType::kFp32: return RankCheck<Fp32>{comm, seed, rank, world}.all();
+      case DType::kBf16: return RankCheck<Bf16>{comm, seed, rank, world}.all();
       default: return RankCheck<Int64>{comm, seed, rank, world}.all();
     }
   });
@@ -271,11 +271,11 @@ TEST_P(GlooCollectives, MatchThePlainReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldsAndTypes, GlooCollectives,
-                         ::testing::Values(CollectiveCase{1, DataType::kFloat32}, CollectiveCase{1, DataType::kBFloat16},
-                                           CollectiveCase{1, DataType::kInt64}, CollectiveCase{2, DataType::kFloat32},
-                                           CollectiveCase{2, DataType::kBFloat16}, CollectiveCase{2, DataType::kInt64},
-                                           CollectiveCase{4, DataType::kFloat32}, CollectiveCase{4, DataType::kBFloat16},
-                                           CollectiveCase{4, DataType::kInt64}),
+                         ::testing::Values(CollectiveCase{1, DType::kFp32}, CollectiveCase{1, DType::kBf16},
+                                           CollectiveCase{1, DType::kInt64}, CollectiveCase{2, DType::kFp32},
+                                           CollectiveCase{2, DType::kBf16}, CollectiveCase{2, DType::kInt64},
+                                           CollectiveCase{4, DType::kFp32}, CollectiveCase{4, DType::kBf16},
+                                           CollectiveCase{4, DType::kInt64}),
                          case_name);
 
 // bf16 sums round to nearest, ties to even, once per addition: with 1.0 and
@@ -291,7 +291,7 @@ TEST(GlooCollectives, Bf16SumRoundsToNearestEvenAndOtherTypesReduce) {
     Communicator& comm = **created;
     std::vector<std::uint16_t> bf16 = rank == 0 ? std::vector<std::uint16_t>{0x3F80, 0x3F81, 0xBF80}
                                                 : std::vector<std::uint16_t>{0x3B80, 0x3B80, 0x3F80};
-    if (Status st = comm.all_reduce(bf16.data(), 3, DataType::kBFloat16, ReduceOp::kSum); !st.ok()) {
+    if (Status st = comm.all_reduce(bf16.data(), 3, DType::kBf16, ReduceOp::kSum); !st.ok()) {
       return st.to_string();
     }
     if (bf16 != std::vector<std::uint16_t>{0x3F80, 0x3F82, 0x0000}) {
@@ -299,22 +299,22 @@ TEST(GlooCollectives, Bf16SumRoundsToNearestEvenAndOtherTypesReduce) {
     }
     // fp16: 1 + 2^-11 is a tie at 1.0 (fp16 has 11 significant bits) -> 1.0.
     std::vector<std::uint16_t> fp16 = {rank == 0 ? std::uint16_t{0x3C00} : std::uint16_t{0x1000}};
-    if (Status st = comm.all_reduce(fp16.data(), 1, DataType::kFloat16, ReduceOp::kSum); !st.ok()) {
+    if (Status st = comm.all_reduce(fp16.data(), 1, DType::kFp16, ReduceOp::kSum); !st.ok()) {
       return st.to_string();
     }
     if (fp16[0] != 0x3C00) return fmt::format("fp16 1 + 2^-11 = {:#06x}, want 0x3c00", fp16[0]);
     std::int32_t i32[2] = {rank == 0 ? 2147483647 : 1, -rank};
-    if (Status st = comm.all_reduce(i32, 2, DataType::kInt32, ReduceOp::kSum); !st.ok()) return st.to_string();
+    if (Status st = comm.all_reduce(i32, 2, DType::kInt32, ReduceOp::kSum); !st.ok()) return st.to_string();
     if (i32[0] != -2147483647 - 1 || i32[1] != -1) return fmt::format("int32 sums {} {}", i32[0], i32[1]);
     double f64[2] = {rank + 0.5, -1.0 * rank};
-    if (Status st = comm.all_reduce(f64, 2, DataType::kFloat64, ReduceOp::kMin); !st.ok()) return st.to_string();
+    if (Status st = comm.all_reduce(f64, 2, DType::kFp64, ReduceOp::kMin); !st.ok()) return st.to_string();
     if (f64[0] != 0.5 || f64[1] != -1.0) return fmt::format("fp64 mins {} {}", f64[0], f64[1]);
     std::uint8_t u8[2] = {static_cast<std::uint8_t>(200 + rank), 7};
-    if (Status st = comm.all_reduce(u8, 2, DataType::kUint8, ReduceOp::kSum); !st.ok()) return st.to_string();
+    if (Status st = comm.all_reduce(u8, 2, DType::kUint8, ReduceOp::kSum); !st.ok()) return st.to_string();
     if (u8[0] != static_cast<std::uint8_t>(401) || u8[1] != 14) return fmt::format("uint8 sums {} {}", u8[0], u8[1]);
     // A NaN must survive max (an overflow flag must not vanish).
     float nan_max[1] = {rank == 0 ? std::nanf("") : 1.0F};
-    if (Status st = comm.all_reduce(nan_max, 1, DataType::kFloat32, ReduceOp::kMax); !st.ok()) return st.to_string();
+    if (Status st = comm.all_reduce(nan_max, 1, DType::kFp32, ReduceOp::kMax); !st.ok()) return st.to_string();
     if (!std::isnan(nan_max[0])) return fmt::format("max(NaN, 1) = {}", nan_max[0]);
     return "";
   });
@@ -353,7 +353,7 @@ TEST(GlooCollectives, CallsFromSeveralThreadsAreSerialised) {
       for (int t = 0; t < 2; ++t) {
         threads.emplace_back([&] {
           std::vector<std::int64_t> v(4096, 1);
-          Status st = comm.all_reduce(v.data(), v.size(), DataType::kInt64, ReduceOp::kSum);
+          Status st = comm.all_reduce(v.data(), v.size(), DType::kInt64, ReduceOp::kSum);
           std::lock_guard lock(error_mu);
           if (!st.ok()) error = st.to_string();
           else if (v[0] != 2 || v[4095] != 2) error = fmt::format("sum {} {}", v[0], v[4095]);
@@ -383,7 +383,7 @@ TEST(GlooCollectives, RanksFromTorchrunEnvironment) {
     auto created = create_communicator({.ranks = *ranks, .timeout = std::chrono::seconds(30)});
     if (!created.ok()) return created.status().to_string();
     std::int64_t v = rank + 1;
-    if (Status st = (*created)->all_reduce(&v, 1, DataType::kInt64, ReduceOp::kSum); !st.ok()) {
+    if (Status st = (*created)->all_reduce(&v, 1, DType::kInt64, ReduceOp::kSum); !st.ok()) {
       return st.to_string();
     }
     return v == 3 ? "" : fmt::format("sum {}", v);

@@ -79,7 +79,7 @@ TEST(NcclComm, OneRankCopiesInStreamOrder) {
     std::vector<float> zeros(3, 0.0F);
     if (Status st = src.upload(host.data(), 12); !st.ok()) return st.to_string();
     if (Status st = dst.upload(zeros.data(), 12); !st.ok()) return st.to_string();
-    if (Status st = (*created)->all_gather(src.d_ptr, dst.d_ptr, 3, DataType::kFloat32, stream->get()); !st.ok()) {
+    if (Status st = (*created)->all_gather(src.d_ptr, dst.d_ptr, 3, DType::kFp32, stream->get()); !st.ok()) {
       return st.to_string();
     }
     std::vector<float> back(3);
@@ -101,7 +101,7 @@ std::string check_bf16_sum(Communicator& comm, Device& device, Stream& stream, i
   }
   DeviceBuffer buf{device, stream};
   if (Status st = buf.upload(mine.data(), kCount * 2); !st.ok()) return st.to_string();
-  if (Status st = comm.all_reduce(buf.d_ptr, kCount, DataType::kBFloat16, ReduceOp::kSum, &stream); !st.ok()) {
+  if (Status st = comm.all_reduce(buf.d_ptr, kCount, DType::kBf16, ReduceOp::kSum, &stream); !st.ok()) {
     return st.to_string();
   }
   std::vector<std::uint16_t> sum(kCount);
@@ -126,10 +126,10 @@ std::string check_gather_scatter_broadcast(Communicator& comm, Device& device, S
   DeviceBuffer d_whole{device, stream};
   if (Status st = d_shard.upload(shard.data(), kCount * 4); !st.ok()) return st.to_string();
   if (Status st = d_whole.upload(whole.data(), 2 * kCount * 4); !st.ok()) return st.to_string();
-  if (Status st = comm.all_gather(d_shard.d_ptr, d_whole.d_ptr, kCount, DataType::kFloat32, &stream); !st.ok()) {
+  if (Status st = comm.all_gather(d_shard.d_ptr, d_whole.d_ptr, kCount, DType::kFp32, &stream); !st.ok()) {
     return st.to_string();
   }
-  Status st = comm.reduce_scatter(d_whole.d_ptr, d_shard.d_ptr, kCount, DataType::kFloat32, ReduceOp::kSum, &stream);
+  Status st = comm.reduce_scatter(d_whole.d_ptr, d_shard.d_ptr, kCount, DType::kFp32, ReduceOp::kSum, &stream);
   if (!st.ok()) return st.to_string();
   if (st = d_shard.download(shard.data()); !st.ok()) return st.to_string();
   if (shard[0] != 2.0F * static_cast<float>(rank + 1) || shard[kCount - 1] != shard[0]) {

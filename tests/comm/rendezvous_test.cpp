@@ -23,7 +23,7 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 // One all_reduce whose answer every rank can check.
 std::string sum_of_ranks(Communicator& comm) {
   std::int64_t v = comm.rank() + 1;
-  if (Status st = comm.all_reduce(&v, 1, DataType::kInt64, ReduceOp::kSum); !st.ok()) return st.to_string();
+  if (Status st = comm.all_reduce(&v, 1, DType::kInt64, ReduceOp::kSum); !st.ok()) return st.to_string();
   const std::int64_t want = static_cast<std::int64_t>(comm.size()) * (comm.size() + 1) / 2;
   return v == want ? "" : fmt::format("sum {}, want {}", v, want);
 }

@@ -68,8 +68,8 @@ TEST(CpuAdamAccumulate, ValuesAndSumOfSquaresMatchFloat64Reference) {
       for (bool overwrite : {false, true}) {
         for (std::size_t n : kLengths) {
           const AccResult r = run_accumulate(*opts[cases % 4], dtype, overwrite, n, cases % 2 == 1);
-          EXPECT_EQ(r.bad_values, 0U) << simd_name(simd) << " " << tz::cpu_adam::dtype_name(dtype) << " n=" << n;
-          EXPECT_LE(r.max_rel_sum_err, 1e-5) << simd_name(simd) << " " << tz::cpu_adam::dtype_name(dtype) << " n=" << n;
+          EXPECT_EQ(r.bad_values, 0U) << simd_name(simd) << " " << tz::dtype_name(dtype) << " n=" << n;
+          EXPECT_LE(r.max_rel_sum_err, 1e-5) << simd_name(simd) << " " << tz::dtype_name(dtype) << " n=" << n;
           worst = std::max(worst, r.max_rel_sum_err);
           ++cases;
         }
@@ -113,7 +113,7 @@ TEST(CpuAdamAccumulate, ASingleInfOrNanAnywhereIsDetected) {
           }
           const auto stats = opt->accumulate_grad(acc.f32(), grad.data(), dtype, kN, which == 0, 1.0);
           ASSERT_TRUE(stats.ok()) << stats.status().to_string();
-          EXPECT_TRUE(stats->non_finite) << simd_name(simd) << " " << tz::cpu_adam::dtype_name(dtype)
+          EXPECT_TRUE(stats->non_finite) << simd_name(simd) << " " << tz::dtype_name(dtype)
                                          << " special " << which << " at " << pos;
         }
       }

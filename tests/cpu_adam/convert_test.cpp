@@ -36,7 +36,7 @@ TEST(CpuAdamConvert, EveryBf16AndFp16GradientDecodesExactly) {
         const float got = acc.get_f32(i);
         const bool ok = std::isnan(want) ? std::isnan(got) : bits_of(got) == bits_of(want);
         if (!ok && ++bad <= 5) {
-          ADD_FAILURE() << simd_name(simd) << " " << tz::cpu_adam::dtype_name(dtype) << " " << std::hex << h
+          ADD_FAILURE() << simd_name(simd) << " " << tz::dtype_name(dtype) << " " << std::hex << h
                         << " decoded to " << bits_of(got) << ", want " << bits_of(want);
         }
       }
@@ -94,7 +94,7 @@ TEST(CpuAdamConvert, CopyOutIsRoundToNearestEvenBitForBitIncludingInfAndNan) {
                                                        : fp16_rne(out);
         const std::uint16_t got = p.param16.bits16(i);
         if ((bits_of(out) != want_param || got != want) && ++bad <= 5) {
-          ADD_FAILURE() << simd_name(simd) << " " << tz::cpu_adam::dtype_name(copy) << std::hex << ": param "
+          ADD_FAILURE() << simd_name(simd) << " " << tz::dtype_name(copy) << std::hex << ": param "
                         << in << " -> " << bits_of(out) << ", copy " << got << ", want " << want;
         }
       }

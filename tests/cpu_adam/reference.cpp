@@ -101,7 +101,7 @@ float fp16_to_float(std::uint16_t h) {
   return static_cast<float>(x);
 }
 
-std::size_t elem_bytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
+std::size_t elem_bytes(DType dtype) { return dtype_bytes(dtype); }
 
 Buffer::Buffer(DType dtype, std::size_t n, bool unaligned)
     : dtype_(dtype), n_(n), offset_(unaligned ? elem_bytes(dtype) : 0), bytes_((n + 1) * elem_bytes(dtype)) {}
@@ -167,8 +167,8 @@ Hyper random_hyper(Algorithm algorithm, bool amsgrad, double weight_decay) {
 std::string describe(const StepSetup& s) {
   return fmt::format("{}{} wd={} grad={} moments={} copy={} n={}{} step={} scale={}",
                      tz::cpu_adam::algorithm_name(s.hyper.algorithm), s.hyper.amsgrad ? "+amsgrad" : "",
-                     s.hyper.weight_decay, tz::cpu_adam::dtype_name(s.grad_dtype),
-                     tz::cpu_adam::dtype_name(s.moment_dtype), s.copy ? tz::cpu_adam::dtype_name(*s.copy) : "none",
+                     s.hyper.weight_decay, tz::dtype_name(s.grad_dtype),
+                     tz::dtype_name(s.moment_dtype), s.copy ? tz::dtype_name(*s.copy) : "none",
                      s.n, s.unaligned ? " unaligned" : "", s.first_step, s.grad_scale);
 }
 

@@ -31,7 +31,7 @@
 namespace tzt {
 
 using tz::cpu_adam::Algorithm;
-using tz::cpu_adam::DType;
+using tz::DType;
 using tz::cpu_adam::Hyper;
 using tz::cpu_adam::Simd;
 using tz::cpu_adam::Spans;

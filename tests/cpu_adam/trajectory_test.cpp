@@ -46,7 +46,7 @@ TEST(CpuAdamTrajectory, TwentyStepsFollowTheReference) {
       }
       std::printf("[ cpu_adam ] 20 steps, %s moments, %-7s %zu runs: largest param error %.3g (relative %.3g where |param| >= 0.01), "
                   "largest error/bound %.3f (%s)\n",
-                  std::string(tz::cpu_adam::dtype_name(moment)).c_str(), std::string(simd_name(simd)).c_str(), runs,
+                  std::string(tz::dtype_name(moment)).c_str(), std::string(simd_name(simd)).c_str(), runs,
                   worst.max_param_err, worst.max_rel_err, worst.max_ratio, worst.worst_state.c_str());
     }
   }

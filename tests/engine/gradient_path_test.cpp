@@ -58,7 +58,7 @@ struct Rig {
         .device = device.get(), .comm = &comm, .comm_thread = &comm_thread, .grad_thread = &grad_thread,
         .comm_stream = comm_stream.get(), .d2h_stream = d2h_stream.get(), .device_pool = device_pool.get(),
         .host_pool = host_pool.get(), .grad = grad.get(), .cpu_opt = cpu_opt.get(), .layout = &layout,
-        .grad_type = ElemType::kFp32, .stage = stage, .gradient_accumulation_steps = kGas, .timeline = &timeline});
+        .grad_type = DType::kFp32, .stage = stage, .gradient_accumulation_steps = kGas, .timeline = &timeline});
   }
   ~Rig() { (void)path->wait(); }
 

@@ -175,12 +175,12 @@ TEST(Prefetcher, TwoRanksRewindTogetherAndGoOnPrefetched) {
     const tz::Config config = test_config(nvme, 3, 1);
     auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
     if (!comm.ok()) return 1;
-    auto engine = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .grad_type = tz::ElemType::kFp32,
+    auto engine = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .grad_type = tz::DType::kFp32,
                                           .placement = kNvme},
                                          tz::mlp::model(kMlp), tz::mlp::init(kMlp));
     if (!engine.ok()) return 1;
     tz::ZeroEngine& e = **engine;
-    tz::mlp::Reference ref(kMlp, config, info.world_size, tz::ElemType::kFp32);
+    tz::mlp::Reference ref(kMlp, config, info.world_size, tz::DType::kFp32);
     std::string counts;
     bool prefetched_after = true;
     for (int step = 0; step < 4; ++step) {

@@ -36,7 +36,7 @@ int train_rank(const tz::RankInfo& info, const std::string& nvme_dir, int stage,
     std::fprintf(stderr, "rank %d: %s\n", info.rank, comm.status().to_string().c_str());
     return 1;
   }
-  auto engine = tz::ZeroEngine::create({.config = engine_config, .comm = comm->get(), .grad_type = tz::ElemType::kFp32,
+  auto engine = tz::ZeroEngine::create({.config = engine_config, .comm = comm->get(), .grad_type = tz::DType::kFp32,
                                         .placement = placement},
                                        tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   if (!engine.ok()) {
@@ -48,7 +48,7 @@ int train_rank(const tz::RankInfo& info, const std::string& nvme_dir, int stage,
                  static_cast<long long>((*engine)->config().gradient_accumulation_steps));
     return 3;
   }
-  tz::mlp::Reference ref(kMlp, config, info.world_size, tz::ElemType::kFp32);
+  tz::mlp::Reference ref(kMlp, config, info.world_size, tz::DType::kFp32);
   for (int step = 0; step < steps; ++step) {
     for (int micro = 0; micro < 2; ++micro) {
       auto loss = tz::mlp::train_micro_batch(**engine, kMlp, tz::mlp::make_batch(kMlp, info.rank, micro, step));
@@ -298,7 +298,7 @@ TEST(ZeroEngineRanks, BlocksSetLaterAreRefusedUntilSetAndThenTrainAsTheReference
       std::filesystem::create_directories(mine);
       tz::Config config = test_config(mine, 3, 2);
       config.zero.stage3_param_persistence_threshold = persist_below;
-      auto created = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .grad_type = tz::ElemType::kFp32,
+      auto created = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .grad_type = tz::DType::kFp32,
                                              .placement = Placement{Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme},
                                              .initial_values = tz::InitialValues::kSetLater},
                                             tz::mlp::model(kMlp), tz::ParamInit());
@@ -330,7 +330,7 @@ TEST(ZeroEngineRanks, BlocksSetLaterAreRefusedUntilSetAndThenTrainAsTheReference
         if (b == 0 && refused("fetch", engine.fetch(1).status(), "block 'layer1' has no values yet")) return 6;
         if (b == 0 && refused("fetch", engine.fetch(1).status(), "2 of its 3 blocks are still unset")) return 6;
       }
-      tz::mlp::Reference ref(kMlp, config, info.world_size, tz::ElemType::kFp32);
+      tz::mlp::Reference ref(kMlp, config, info.world_size, tz::DType::kFp32);
       const double worst = train_and_compare(engine, ref, kMlp, 3, 2);
       if (info.rank == 0) {
         std::printf("[ engine ] set later, persistence threshold %lld: largest |master - reference| %.3g\n",

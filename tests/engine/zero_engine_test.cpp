@@ -25,7 +25,7 @@ const Placement kPlacements[] = {
 
 TEST(ZeroEngine, EveryPlacementMatchesTheInMemoryReference) {
   for (const Placement& placement : kPlacements) {
-    for (std::optional<tz::ElemType> grad_type : {std::optional(tz::ElemType::kFp32), std::optional<tz::ElemType>()}) {
+    for (std::optional<tz::DType> grad_type : {std::optional(tz::DType::kFp32), std::optional<tz::DType>()}) {
       TempDir nvme;
       const tz::Config config = test_config(nvme.path());
       auto engine = tz::ZeroEngine::create({.config = config, .grad_type = grad_type, .placement = placement},
@@ -95,8 +95,8 @@ TEST(ZeroEngine, Fp32TrainingWithoutBf16OrFp16MatchesTheReference) {
     auto engine = tz::ZeroEngine::create({.config = config, .placement = placement}, tz::mlp::model(kMlp),
                                          tz::mlp::init(kMlp));
     ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-    EXPECT_EQ((*engine)->param_type(), tz::ElemType::kFp32);
-    EXPECT_EQ((*engine)->grad_type(), tz::ElemType::kFp32);
+    EXPECT_EQ((*engine)->param_type(), tz::DType::kFp32);
+    EXPECT_EQ((*engine)->grad_type(), tz::DType::kFp32);
     tz::mlp::Reference ref(kMlp, config, 1);
     const double worst = train_and_compare(**engine, ref, kMlp, 4, 2);
     std::printf("[ engine ] fp32 params, %-55s largest |master - reference|: %.3g\n", placement_name(placement).c_str(),
@@ -118,7 +118,7 @@ TEST(ZeroEngine, Fp32ParametersOnNvmeFitTheSwapStore) {
   auto engine = tz::ZeroEngine::create(
       {.config = test_config(nvme.path(), 3, 1, "fp32"), .placement = kPlacements[4]}, model, init);
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-  EXPECT_EQ((*engine)->param_type(), tz::ElemType::kFp32);
+  EXPECT_EQ((*engine)->param_type(), tz::DType::kFp32);
   for (std::size_t b = 0; b < 4; ++b) {
     auto g = (*engine)->grad_buffer(b);
     ASSERT_TRUE(g.ok());
@@ -289,7 +289,7 @@ TEST(ZeroEngine, ABlockWithoutGradientsInAStepStepsWithZeroNotTheLastStepsGradie
     TempDir nvme;
     const tz::Config config = test_config(nvme.path(), 3, 1);
     const Placement placement{Tier::kCpu, grad_tier, Tier::kCpu, Tier::kCpu};
-    auto engine = tz::ZeroEngine::create({.config = config, .grad_type = tz::ElemType::kFp32, .placement = placement},
+    auto engine = tz::ZeroEngine::create({.config = config, .grad_type = tz::DType::kFp32, .placement = placement},
                                          tz::mlp::model(kMlp), tz::mlp::init(kMlp));
     EXPECT_TRUE(engine.ok()) << engine.status().to_string();
     if (!engine.ok()) return {};
@@ -495,7 +495,7 @@ TEST(ZeroEngine, SetMasterReplacesTheWeightsAndKeepsTheOptimizerState) {
       {
         auto p = edited.fetch(0);
         ASSERT_TRUE(p.ok()) << p.status().to_string();
-        if (edited.param_type() == tz::ElemType::kBf16) {
+        if (edited.param_type() == tz::DType::kBf16) {
           const auto* got = static_cast<const std::uint16_t*>(p->data());
           for (std::size_t i = 0; i < first.used_numel; ++i) {
             ASSERT_EQ(got[i], tz::kernels::fp32_to_bf16(w[i])) << "element " << i;

@@ -123,21 +123,21 @@ TEST(AdamStep, BadHyperParametersAreRefusedNamingTheValue) {
 }
 
 // The 16-bit gradient as bits, and its exact fp32 value.
-std::vector<std::uint16_t> to_16bit(const std::vector<float>& x, GradFormat f) {
+std::vector<std::uint16_t> to_16bit(const std::vector<float>& x, DType f) {
   std::vector<std::uint16_t> out(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) out[i] = f == GradFormat::kBf16 ? fp32_to_bf16(x[i]) : fp32_to_fp16(x[i]);
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = f == DType::kBf16 ? fp32_to_bf16(x[i]) : fp32_to_fp16(x[i]);
   return out;
 }
 
 TEST(AccumulateGrad, CpuTwinMatchesADoubleReferenceForEveryFormat) {
   const std::size_t n = 100'003;
-  for (GradFormat f : {GradFormat::kFp32, GradFormat::kBf16, GradFormat::kFp16}) {
+  for (DType f : {DType::kFp32, DType::kBf16, DType::kFp16}) {
     const std::vector<float> g1 = normal_floats(n, 3.0F, 11), g2 = normal_floats(n, 3.0F, 12);
     std::vector<std::uint16_t> b1 = to_16bit(g1, f), b2 = to_16bit(g2, f);
-    const void* p1 = f == GradFormat::kFp32 ? static_cast<const void*>(g1.data()) : b1.data();
-    const void* p2 = f == GradFormat::kFp32 ? static_cast<const void*>(g2.data()) : b2.data();
+    const void* p1 = f == DType::kFp32 ? static_cast<const void*>(g1.data()) : b1.data();
+    const void* p2 = f == DType::kFp32 ? static_cast<const void*>(g2.data()) : b2.data();
     auto value = [&](const std::vector<float>& g, const std::vector<std::uint16_t>& b, std::size_t i) -> double {
-      return f == GradFormat::kFp32 ? g[i] : f == GradFormat::kBf16 ? bf16_to_fp32(b[i]) : fp16_to_fp32(b[i]);
+      return f == DType::kFp32 ? g[i] : f == DType::kBf16 ? bf16_to_fp32(b[i]) : fp16_to_fp32(b[i]);
     };
     std::vector<float> acc(n, 12345.0F);  // overwritten by the first call
     accumulate_grad_cpu(acc.data(), p1, f, n, true, 0.25F);
@@ -266,14 +266,14 @@ TEST(OptimCuda, AccumulateGradMatchesTheCpuTwinBitForBit) {
 #else
   TZ_REQUIRE_GPU();
   const std::size_t n = (1 << 20) + 17;
-  for (GradFormat f : {GradFormat::kFp32, GradFormat::kBf16, GradFormat::kFp16}) {
+  for (DType f : {DType::kFp32, DType::kBf16, DType::kFp16}) {
     const std::vector<float> g1 = normal_floats(n, 2.0F, 21), g2 = normal_floats(n, 2.0F, 22);
     const std::vector<std::uint16_t> b1 = to_16bit(g1, f), b2 = to_16bit(g2, f);
     std::vector<float> acc = normal_floats(n, 1.0F, 23);
     float* d_acc = to_device(acc);
     float *d_g1 = to_device(g1), *d_g2 = to_device(g2);
     std::uint16_t *d_b1 = to_device(b1), *d_b2 = to_device(b2);
-    const bool fp32 = f == GradFormat::kFp32;
+    const bool fp32 = f == DType::kFp32;
     const void* h1 = fp32 ? static_cast<const void*>(g1.data()) : b1.data();
     const void* h2 = fp32 ? static_cast<const void*>(g2.data()) : b2.data();
     const void* dv1 = fp32 ? static_cast<const void*>(d_g1) : d_b1;

@@ -43,8 +43,8 @@ tz::Config gpt_config(const std::string& nvme_dir, int gas, bool bf16 = true) {
 // references whose initial weights differ by 1e-7 relative drift 7e-5 apart
 // in 20 steps that way; seen here: 3.2e-5 to 3.5e-5. Bound: 2e-4, still a
 // fifth of one wrong step.
-double master_tolerance(std::optional<tz::ElemType> grad_type, bool bf16 = true) {
-  return grad_type == tz::ElemType::kFp32 || !bf16 ? 5e-6 : 2e-4;
+double master_tolerance(std::optional<tz::DType> grad_type, bool bf16 = true) {
+  return grad_type == tz::DType::kFp32 || !bf16 ? 5e-6 : 2e-4;
 }
 constexpr double kLossTolerance = 1e-5;  // relative
 
@@ -52,11 +52,11 @@ TEST(GptTrainer, MatchesTheInMemoryReferenceStepByStepFor20StepsWithStatesOnNvme
   const int steps = 20, gas = 2;
   struct Case {
     bool bf16;
-    std::optional<tz::ElemType> grad_type;
+    std::optional<tz::DType> grad_type;
   };
   // bf16 params with bf16 or fp32 gradients; fp32 params (and so fp32 gradients).
-  for (const Case& c : {Case{true, {}}, Case{true, tz::ElemType::kFp32}, Case{false, {}}}) {
-    const std::optional<tz::ElemType> grad_type = c.grad_type;
+  for (const Case& c : {Case{true, {}}, Case{true, tz::DType::kFp32}, Case{false, {}}}) {
+    const std::optional<tz::DType> grad_type = c.grad_type;
     TempDir nvme;
     const tz::Config config = gpt_config(nvme.path(), gas, c.bf16);
     auto engine = tz::ZeroEngine::create({.config = config, .grad_type = grad_type, .placement = kNvmePlacement},
@@ -66,7 +66,7 @@ TEST(GptTrainer, MatchesTheInMemoryReferenceStepByStepFor20StepsWithStatesOnNvme
     ASSERT_TRUE(gpt.ok()) << gpt.status().to_string();
     tz::train::Reference ref(kGpt, config, 1, corpus_batches(kGpt), grad_type);
     const std::string what = fmt::format("{} params, {} grads", c.bf16 ? "bf16" : "fp32",
-                                         grad_type == tz::ElemType::kFp32 || !c.bf16 ? "fp32" : "bf16");
+                                         grad_type == tz::DType::kFp32 || !c.bf16 ? "fp32" : "bf16");
     const RunAgainstReference run = run_against_reference(**engine, **gpt, ref, corpus_batches(kGpt), steps, gas,
                                                           kLossTolerance, master_tolerance(grad_type, c.bf16), what);
     std::printf("[ gpt    ] %s, 20 steps on NVMe: loss %.4f -> %.4f; largest relative loss difference %.3g, "
@@ -84,13 +84,13 @@ int train_rank(const tz::RankInfo& info, const std::string& dir, int steps) {
   const tz::Config config = gpt_config(nvme_dir, 2);
   auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
   if (!comm.ok()) return std::fprintf(stderr, "rank %d: %s\n", info.rank, comm.status().to_string().c_str()), 1;
-  auto engine = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .grad_type = tz::ElemType::kFp32,
+  auto engine = tz::ZeroEngine::create({.config = config, .comm = comm->get(), .grad_type = tz::DType::kFp32,
                                         .placement = kNvmePlacement},
                                        tz::train::model(kGpt), tz::train::init(kGpt));
   if (!engine.ok()) return std::fprintf(stderr, "rank %d: %s\n", info.rank, engine.status().to_string().c_str()), 1;
   auto gpt = tz::train::GptTrainer::create(**engine, kGpt);
   if (!gpt.ok()) return 1;
-  tz::train::Reference ref(kGpt, config, info.world_size, corpus_batches(kGpt), tz::ElemType::kFp32);
+  tz::train::Reference ref(kGpt, config, info.world_size, corpus_batches(kGpt), tz::DType::kFp32);
   const tz::train::BatchFn batches = corpus_batches(kGpt);
   double worst = 0;
   for (int step = 0; step < steps; ++step) {
@@ -108,7 +108,7 @@ int train_rank(const tz::RankInfo& info, const std::string& dir, int steps) {
   if (info.rank == 0) {
     std::printf("[ gpt    ] 2 ranks, %d steps on NVMe: largest |master - reference| %.3g\n", steps, worst);
   }
-  return worst <= master_tolerance(tz::ElemType::kFp32) ? 0 : 2;
+  return worst <= master_tolerance(tz::DType::kFp32) ? 0 : 2;
 }
 
 TEST(GptTrainer, TwoRanksMatchTheInMemoryReference) {

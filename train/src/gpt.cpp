@@ -171,7 +171,7 @@ template double forward_backward<double>(const GptConfig&, const ModelLayout&, c
 struct GptTrainer::State {
   ZeroEngine& engine;
   GptConfig cfg;
-  ElemType param_type, grad_type;
+  DType param_type, grad_type;
   std::unique_ptr<detail::TrainerBackend> device;  // a CUDA engine's GPT; null: the CPU one below
   detail::Workspace<float> ws;
   std::vector<float> w;        // (used_numel,) of the block being computed, fp32
@@ -187,14 +187,14 @@ struct GptTrainer::State {
     out.resize(n);
     const auto* src = static_cast<const std::uint16_t*>(p.data());
     switch (param_type) {
-      case ElemType::kFp32: std::memcpy(out.data(), p.data(), n * sizeof(float)); break;
-      case ElemType::kBf16:
+      case DType::kFp32: std::memcpy(out.data(), p.data(), n * sizeof(float)); break;
+      case DType::kBf16:
         for (std::size_t i = 0; i < n; ++i) {
           const std::uint32_t bits = static_cast<std::uint32_t>(src[i]) << 16;
           std::memcpy(&out[i], &bits, sizeof(float));
         }
         break;
-      case ElemType::kFp16:
+      case DType::kFp16:
         for (std::size_t i = 0; i < n; ++i) out[i] = kernels::fp16_to_fp32(src[i]);
         break;
     }
@@ -205,9 +205,9 @@ struct GptTrainer::State {
     TZ_ASSIGN_OR_RETURN(GradBlock gb, engine.grad_buffer(b));
     const std::size_t n = block(b).used_numel;
     switch (grad_type) {
-      case ElemType::kFp32: std::memcpy(gb.data(), grads.data(), n * sizeof(float)); break;
-      case ElemType::kBf16: kernels::cast_fp32_to_bf16_cpu(grads.data(), static_cast<std::uint16_t*>(gb.data()), n); break;
-      case ElemType::kFp16: kernels::cast_fp32_to_fp16_cpu(grads.data(), static_cast<std::uint16_t*>(gb.data()), n); break;
+      case DType::kFp32: std::memcpy(gb.data(), grads.data(), n * sizeof(float)); break;
+      case DType::kBf16: kernels::cast_fp32_to_bf16_cpu(grads.data(), static_cast<std::uint16_t*>(gb.data()), n); break;
+      case DType::kFp16: kernels::cast_fp32_to_fp16_cpu(grads.data(), static_cast<std::uint16_t*>(gb.data()), n); break;
     }
     return engine.reduce_grads(std::move(gb));
   }
@@ -304,9 +304,9 @@ Expected<double> GptTrainer::eval_loss(const std::vector<TokenBatch>& batches) {
     out.resize(st.block(b).used_numel);
     for (std::size_t i = 0; i < out.size(); ++i) {
       switch (st.param_type) {
-        case ElemType::kFp32: out[i] = master[i]; break;
-        case ElemType::kBf16: out[i] = kernels::bf16_to_fp32(kernels::fp32_to_bf16(master[i])); break;
-        case ElemType::kFp16: out[i] = kernels::fp16_to_fp32(kernels::fp32_to_fp16(master[i])); break;
+        case DType::kFp32: out[i] = master[i]; break;
+        case DType::kBf16: out[i] = kernels::bf16_to_fp32(kernels::fp32_to_bf16(master[i])); break;
+        case DType::kFp16: out[i] = kernels::fp16_to_fp32(kernels::fp32_to_fp16(master[i])); break;
       }
     }
     return ok_status();

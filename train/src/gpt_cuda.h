@@ -156,11 +156,11 @@ struct Workspace {
 Status upload_tokens(Context& ctx, const TokenBatch& batch, Workspace& ws);
 
 // dst (n,) fp32 = src (n,) of `type` (device memory).
-Status to_fp32(Context& ctx, const void* d_src, ElemType type, float* d_dst, std::size_t n);
+Status to_fp32(Context& ctx, const void* d_src, DType type, float* d_dst, std::size_t n);
 // dst (n,) of `type` = src (n,) fp32, rounded to nearest even (device memory).
-Status from_fp32(Context& ctx, const float* d_src, ElemType type, void* d_dst, std::size_t n);
+Status from_fp32(Context& ctx, const float* d_src, DType type, void* d_dst, std::size_t n);
 // In place: x = fp32(round(x to `type`)).
-Status round_through(Context& ctx, float* d_x, ElemType type, std::size_t n);
+Status round_through(Context& ctx, float* d_x, DType type, std::size_t n);
 
 // passes.h's functions on device memory: w is the block's fp32 weights
 // (used_numel), g its fp32 gradients (accumulated into).

@@ -13,7 +13,7 @@
 
 namespace tz::train::cuda::launch {
 
-// dst (n,) fp32 = src (n,) in `src_type`: 0 fp32, 1 bf16, 2 fp16 (tz::ElemType's order).
+// dst (n,) fp32 = src (n,) in `src_type`: 0 fp32, 1 bf16, 2 fp16 (tz::DType's order).
 cudaError_t to_fp32(const void* src, int src_type, float* dst, std::size_t n, cudaStream_t stream);
 // dst (n,) fp32 = round(src to src_type) as fp32: what a 16-bit copy of src would hold.
 cudaError_t round_through(const float* src, int type, float* dst, std::size_t n, cudaStream_t stream);

@@ -27,7 +27,7 @@ namespace {
 using detail::param;
 using detail::Shape;
 
-int type_code(ElemType t) { return t == ElemType::kBf16 ? 1 : t == ElemType::kFp16 ? 2 : 0; }
+int type_code(DType t) { return t == DType::kBf16 ? 1 : t == DType::kFp16 ? 2 : 0; }
 
 // Row-major c (m, n) = alpha op(a) op(b) + beta c, op(a) (m, k): a stored (m, k),
 // or (k, m) when ta; op(b) (k, n): b stored (k, n), or (n, k) when tb (ops.h's
@@ -177,27 +177,27 @@ Status upload_tokens(Context& ctx, const TokenBatch& batch, Workspace& ws) {
 
 // ---------------------------------------------------------------- casts
 
-Status to_fp32(Context& ctx, const void* d_src, ElemType type, float* d_dst, std::size_t n) {
+Status to_fp32(Context& ctx, const void* d_src, DType type, float* d_dst, std::size_t n) {
   TZ_CUDA_CHECK(launch::to_fp32(d_src, type_code(type), d_dst, n, ctx.stream()));
   return ok_status();
 }
 
-Status from_fp32(Context& ctx, const float* d_src, ElemType type, void* d_dst, std::size_t n) {
+Status from_fp32(Context& ctx, const float* d_src, DType type, void* d_dst, std::size_t n) {
   switch (type) {
-    case ElemType::kFp32:
+    case DType::kFp32:
       TZ_CUDA_CHECK(cudaMemcpyAsync(d_dst, d_src, n * sizeof(float), cudaMemcpyDeviceToDevice, ctx.stream()));
       break;
-    case ElemType::kBf16:
+    case DType::kBf16:
       TZ_TRY(kernels::cast_fp32_to_bf16_cuda(d_src, static_cast<std::uint16_t*>(d_dst), n, ctx.stream()));
       break;
-    case ElemType::kFp16:
+    case DType::kFp16:
       TZ_TRY(kernels::cast_fp32_to_fp16_cuda(d_src, static_cast<std::uint16_t*>(d_dst), n, ctx.stream()));
       break;
   }
   return ok_status();
 }
 
-Status round_through(Context& ctx, float* d_x, ElemType type, std::size_t n) {
+Status round_through(Context& ctx, float* d_x, DType type, std::size_t n) {
   TZ_CUDA_CHECK(launch::round_through(d_x, type_code(type), d_x, n, ctx.stream()));
   return ok_status();
 }

@@ -24,7 +24,7 @@ Blocks zeros_like(const Blocks& like) {
 }  // namespace
 
 Reference::Reference(const GptConfig& cfg, const Config& config, int world_size, BatchFn batches,
-                     std::optional<ElemType> grad_type)
+                     std::optional<DType> grad_type)
     : cfg_(cfg), world_(world_size), batches_(std::move(batches)), states_(model(cfg), init(cfg), config, world_size) {
   grad_type_ = grad_type.value_or(states_.param_type());
 }

@@ -9,6 +9,7 @@
 #include "tierzero/common/checks.h"
 #include "tierzero/common/config.h"
 #include "tierzero/common/durable_file.h"
+#include "tierzero/common/dtype.h"
 #include "tierzero/common/handles.h"
 #include "tierzero/common/hash.h"
 #include "tierzero/common/log.h"

@@ -70,8 +70,6 @@ std::vector<Simd> compiled_variants();             // in this build, narrowest f
 bool cpu_supports(Simd simd);                      // this CPU (and OS) can run it
 Simd best_supported();                             // widest compiled variant the CPU runs
 
-enum class DType : std::uint8_t { kFp32, kBf16, kFp16 };
-std::string_view dtype_name(DType dtype);
 
 enum class Algorithm : std::uint8_t { kAdam, kAdamW, kAdagrad, kLion };
 std::string_view algorithm_name(Algorithm algorithm);

@@ -105,9 +105,8 @@ Status adam_step_cuda(const AdamTensors& d_t, std::size_t n, const AdamHyper& h,
 //   acc[i] = (overwrite ? 0 : acc[i]) + scale * grad[i]   (one fused multiply-add)
 // scale is 1 / (ranks x accumulation steps): the mean. acc and grad must not
 // overlap. Follow with squared_norms_* on acc for the norm and overflow check.
-enum class GradFormat : std::uint8_t { kFp32, kBf16, kFp16 };
-void accumulate_grad_cpu(float* acc, const void* grad, GradFormat format, std::size_t n, bool overwrite, float scale);
-Status accumulate_grad_cuda(float* d_acc, const void* d_grad, GradFormat format, std::size_t n, bool overwrite,
+void accumulate_grad_cpu(float* acc, const void* grad, DType format, std::size_t n, bool overwrite, float scale);
+Status accumulate_grad_cuda(float* d_acc, const void* d_grad, DType format, std::size_t n, bool overwrite,
                             float scale, void* cuda_stream);
 
 // ---------------------------------------------------------------- flatten / unflatten

@@ -17,7 +17,7 @@
 // Example:
 //   TZ_ASSIGN_OR_RETURN(tz::RankInfo ranks, tz::rank_info_from_env());
 //   TZ_ASSIGN_OR_RETURN(auto comm, tz::create_communicator({.ranks = ranks}));
-//   TZ_TRY(comm->all_gather(shard, whole, shard_numel, tz::DataType::kBFloat16));
+//   TZ_TRY(comm->all_gather(shard, whole, shard_numel, tz::DType::kBf16));
 //
 // Threads: one collective at a time per communicator (calls from several
 // threads are serialised in call order; ranks must issue collectives in the
@@ -41,9 +41,6 @@ namespace tz {
 enum class CommBackend : std::uint8_t { kAuto, kGloo, kNccl };
 std::string_view comm_backend_name(CommBackend backend);  // "auto" | "gloo" | "nccl"
 
-enum class DataType : std::uint8_t { kFloat32, kBFloat16, kFloat16, kFloat64, kInt32, kInt64, kUint8 };
-std::string_view data_type_name(DataType type);
-std::size_t data_type_bytes(DataType type);
 
 enum class ReduceOp : std::uint8_t { kSum, kMax, kMin };
 
@@ -86,14 +83,14 @@ class Communicator {
 
   // recv (size() * count elements) = every rank's send (count elements), in
   // rank order. send may alias recv + rank() * count (in place).
-  virtual Status all_gather(const void* send, void* recv, std::size_t count, DataType type,
+  virtual Status all_gather(const void* send, void* recv, std::size_t count, DType type,
                             Stream* stream = nullptr) = 0;
   // recv (count elements) = op over ranks of send[rank() * count, (rank() + 1) * count),
   // send being size() * count elements.
-  virtual Status reduce_scatter(const void* send, void* recv, std::size_t count, DataType type, ReduceOp op,
+  virtual Status reduce_scatter(const void* send, void* recv, std::size_t count, DType type, ReduceOp op,
                                 Stream* stream = nullptr) = 0;
   // In place: buf (count elements) = op over ranks of buf.
-  virtual Status all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op, Stream* stream = nullptr) = 0;
+  virtual Status all_reduce(void* buf, std::size_t count, DType type, ReduceOp op, Stream* stream = nullptr) = 0;
   // buf (bytes) on every rank = root's buf.
   virtual Status broadcast(void* buf, std::size_t bytes, int root, Stream* stream = nullptr) = 0;
   virtual Status barrier() = 0;

@@ -22,9 +22,9 @@ Status through_device(Device& device, MemoryPool& device_pool, void* data, std::
 }
 
 inline Status all_reduce_host(Communicator& comm, Device& device, MemoryPool& device_pool, void* data,
-                              std::size_t count, DataType type, ReduceOp op) {
+                              std::size_t count, DType type, ReduceOp op) {
   if (comm.size() == 1) return ok_status();
-  return through_device(device, device_pool, data, count * data_type_bytes(type), [&](void* buf, Stream* stream) {
+  return through_device(device, device_pool, data, count * dtype_bytes(type), [&](void* buf, Stream* stream) {
     return comm.all_reduce(buf, count, type, op, stream);
   });
 }

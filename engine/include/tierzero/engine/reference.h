@@ -20,7 +20,7 @@
 namespace tz {
 
 // x rounded through `type` and back (what storing it in that type keeps).
-float round_through(float x, ElemType type);
+float round_through(float x, DType type);
 
 class ReferenceStates {
  public:
@@ -32,7 +32,7 @@ class ReferenceStates {
   // Block b's master weights in the engine's layout (whole, padded with zeros).
   std::vector<float> master(std::size_t block) const;
   // The engine's parameter type for this config (fp16, bf16, else fp32).
-  ElemType param_type() const { return param_type_; }
+  DType param_type() const { return param_type_; }
   // The fp16 loss scale the engine starts with (1 without fp16).
   double loss_scale() const;
   int gradient_accumulation_steps() const;
@@ -45,7 +45,7 @@ class ReferenceStates {
 
  private:
   Config config_;
-  ElemType param_type_ = ElemType::kBf16;
+  DType param_type_ = DType::kBf16;
   ModelLayout layout_;
   std::vector<std::vector<float>> master_;
   std::vector<std::vector<double>> m_, v_;

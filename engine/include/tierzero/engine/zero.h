@@ -69,10 +69,6 @@
 namespace tz {
 
 // The 16-bit formats (and fp32, for gradients).
-enum class ElemType : std::uint8_t { kFp32, kBf16, kFp16 };
-std::string_view elem_type_name(ElemType type);
-std::size_t elem_type_bytes(ElemType type);
-DataType data_type_of(ElemType type);        // for collectives
 
 // Fills one parameter's initial fp32 values (which rank's the engine keeps:
 // ZeroOptions::initial_values).
@@ -102,7 +98,7 @@ struct ZeroOptions {
   Device* device = nullptr;             // null: created from config.backend (owned by the engine)
   // Gradient type on the device and in the reduce-scatter: fp32, or the
   // parameter type (half the traffic; DeepSpeed's default).
-  std::optional<ElemType> grad_type;    // default: the parameter type
+  std::optional<DType> grad_type;    // default: the parameter type
   // Overrides the planner (tests, and users who know better): tier per class.
   std::optional<std::array<Tier, kNumStateClasses>> placement;
   // Whose initial values the engine keeps (Note [Initial values]).
@@ -140,7 +136,7 @@ class GatheredBlock {
   std::size_t block() const { return block_; }
   void* data() const { return data_; }        // (whole_numel,) param type, device memory
   void* param(std::size_t i) const;           // parameter i's elements (its layout offset)
-  ElemType type() const { return type_; }
+  DType type() const { return type_; }
   bool valid() const { return data_ != nullptr; }
 
   // Gives the block back now, while kernels reading it may still be queued on
@@ -160,7 +156,7 @@ class GatheredBlock {
     // Waits for `stream` when it is given, else for the native stream.
     virtual Status release_after(std::size_t block, void* data, Stream* stream, void* native) = 0;
   };
-  GatheredBlock(Releaser* owner, std::size_t block, void* data, ElemType type, const BlockLayout* layout,
+  GatheredBlock(Releaser* owner, std::size_t block, void* data, DType type, const BlockLayout* layout,
                 bool persistent)
       : owner_(owner), block_(block), data_(data), type_(type), layout_(layout), persistent_(persistent) {}
   void reset();
@@ -168,7 +164,7 @@ class GatheredBlock {
   Releaser* owner_ = nullptr;
   std::size_t block_ = 0;
   void* data_ = nullptr;
-  ElemType type_ = ElemType::kBf16;
+  DType type_ = DType::kBf16;
   const BlockLayout* layout_ = nullptr;
   bool persistent_ = false;  // its buffer stays the engine's: destroying it tells the engine nothing
 };
@@ -200,14 +196,14 @@ class GradBlock {
   std::size_t block() const { return block_; }
   void* data() const { return buffer_.data(); }  // (whole_numel,) grad type, device memory
   void* grad(std::size_t i) const;
-  ElemType type() const { return type_; }
+  DType type() const { return type_; }
   bool valid() const { return buffer_.valid(); }
 
  private:
   friend class ZeroEngineImpl;
   std::size_t block_ = 0;
   PoolBlock buffer_;
-  ElemType type_ = ElemType::kFp32;
+  DType type_ = DType::kFp32;
   const BlockLayout* layout_ = nullptr;
 };
 
@@ -341,8 +337,8 @@ class ZeroEngine {
   virtual double learning_rate() const = 0;
   virtual const ModelLayout& layout() const = 0;
   virtual const Plan& plan() const = 0;
-  virtual ElemType param_type() const = 0;
-  virtual ElemType grad_type() const = 0;
+  virtual DType param_type() const = 0;
+  virtual DType grad_type() const = 0;
   virtual Device& device() = 0;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;

@@ -178,11 +178,11 @@ inline void check_stream_ordered_release(tz::Config config, const std::string& h
   };
   const Placement on_device{tz::Tier::kGpu, tz::Tier::kGpu, tz::Tier::kGpu, tz::Tier::kGpu};
   // fp32 gradients: their buffers are twice the size, so the pool never hands one out for a block's parameters.
-  auto created = tz::ZeroEngine::create({.config = config, .grad_type = tz::ElemType::kFp32, .placement = on_device},
+  auto created = tz::ZeroEngine::create({.config = config, .grad_type = tz::DType::kFp32, .placement = on_device},
                                         model, init);
   ASSERT_TRUE(created.ok()) << created.status().to_string();
   tz::ZeroEngine& engine = **created;
-  ASSERT_EQ(engine.param_type(), tz::ElemType::kBf16);
+  ASSERT_EQ(engine.param_type(), tz::DType::kBf16);
   tz::Device& device = engine.device();
   auto reader = device.create_stream();
   auto other = device.create_stream();

@@ -68,7 +68,7 @@ class Reference {
  public:
   // grad_type: the engine's gradient type (ZeroOptions::grad_type; default
   // the parameter type), whose rounding the reference repeats.
-  Reference(const MlpConfig& cfg, const Config& config, int world_size, std::optional<ElemType> grad_type = {});
+  Reference(const MlpConfig& cfg, const Config& config, int world_size, std::optional<DType> grad_type = {});
   // One optimizer step over world_size ranks x gradient_accumulation_steps
   // micro-batches of step `step` (0-based). Returns the mean loss.
   double train_step(std::int64_t step);
@@ -80,7 +80,7 @@ class Reference {
  private:
   MlpConfig cfg_;
   int world_ = 1;
-  ElemType grad_type_ = ElemType::kBf16;
+  DType grad_type_ = DType::kBf16;
   ReferenceStates states_;
 };
 

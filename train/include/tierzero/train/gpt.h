@@ -184,7 +184,7 @@ class Reference {
  public:
   // grad_type: the engine's (ZeroOptions::grad_type; default the parameter type).
   Reference(const GptConfig& cfg, const Config& config, int world_size, BatchFn batches,
-            std::optional<ElemType> grad_type = {});
+            std::optional<DType> grad_type = {});
   // One optimizer step over world_size ranks x gradient_accumulation_steps
   // micro-batches. Returns the mean loss.
   double train_step(std::int64_t step);
@@ -196,7 +196,7 @@ class Reference {
   GptConfig cfg_;
   int world_ = 1;
   BatchFn batches_;
-  ElemType grad_type_ = ElemType::kBf16;
+  DType grad_type_ = DType::kBf16;
   ReferenceStates states_;
 };
 
