@@ -32,6 +32,8 @@
 #include <string>
 #include <vector>
 
+#include "tierzero/common/dtype.h"
+
 namespace tzpy {
 
 namespace nb = nanobind;

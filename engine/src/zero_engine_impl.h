@@ -99,7 +99,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
     PoolBlock param16;
   };
 
-  // --- creation (zero_engine.cpp)
+  // --- creation (zero_engine_setup.cpp)
   Status make_device_and_comm();
   Status make_plan();
   Status make_stores();

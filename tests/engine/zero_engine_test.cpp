@@ -88,6 +88,19 @@ TEST(ZeroEngine, AFailedStreamOrderedReleaseFailsEveryLaterCall) {
   }
 }
 
+// The one dtype enum names types no gradient path has: creation refuses them.
+TEST(ZeroEngine, AGradientTypeWithoutAPathIsRefusedAtCreation) {
+  TempDir dir;
+  const tz::Config config = test_config(dir.path());
+  for (tz::DType bad : {tz::DType::kFp64, tz::DType::kInt32, tz::DType::kUint8}) {
+    auto engine = tz::ZeroEngine::create({.config = config, .grad_type = bad}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    ASSERT_FALSE(engine.ok()) << tz::dtype_name(bad);
+    EXPECT_EQ(engine.status().code(), tz::ErrorCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find(fmt::format("grad_type = {}", tz::dtype_name(bad))), std::string::npos)
+        << engine.status().to_string();
+  }
+}
+
 TEST(ZeroEngine, Fp32TrainingWithoutBf16OrFp16MatchesTheReference) {
   for (const Placement& placement : {kPlacements[1], kPlacements[3]}) {
     TempDir nvme;

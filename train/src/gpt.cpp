@@ -197,6 +197,7 @@ struct GptTrainer::State {
       case DType::kFp16:
         for (std::size_t i = 0; i < n; ++i) out[i] = kernels::fp16_to_fp32(src[i]);
         break;
+      default: break;  // the engine's parameters are fp32, bf16 or fp16
     }
   }
 
@@ -208,6 +209,7 @@ struct GptTrainer::State {
       case DType::kFp32: std::memcpy(gb.data(), grads.data(), n * sizeof(float)); break;
       case DType::kBf16: kernels::cast_fp32_to_bf16_cpu(grads.data(), static_cast<std::uint16_t*>(gb.data()), n); break;
       case DType::kFp16: kernels::cast_fp32_to_fp16_cpu(grads.data(), static_cast<std::uint16_t*>(gb.data()), n); break;
+      default: return invalid_argument("gradients in {}: fp32, bf16 or fp16 only", dtype_name(grad_type));
     }
     return engine.reduce_grads(std::move(gb));
   }
@@ -307,6 +309,7 @@ Expected<double> GptTrainer::eval_loss(const std::vector<TokenBatch>& batches) {
         case DType::kFp32: out[i] = master[i]; break;
         case DType::kBf16: out[i] = kernels::bf16_to_fp32(kernels::fp32_to_bf16(master[i])); break;
         case DType::kFp16: out[i] = kernels::fp16_to_fp32(kernels::fp32_to_fp16(master[i])); break;
+        default: out[i] = master[i]; break;  // the engine's parameters are fp32, bf16 or fp16
       }
     }
     return ok_status();

@@ -193,6 +193,7 @@ Status from_fp32(Context& ctx, const float* d_src, DType type, void* d_dst, std:
     case DType::kFp16:
       TZ_TRY(kernels::cast_fp32_to_fp16_cuda(d_src, static_cast<std::uint16_t*>(d_dst), n, ctx.stream()));
       break;
+    default: return invalid_argument("from_fp32: no cast to {}", dtype_name(type));
   }
   return ok_status();
 }

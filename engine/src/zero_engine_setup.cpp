@@ -1,0 +1,272 @@
+// ZeroEngineImpl's creation: the device and communicator, the placement
+// plan, the tiered stores, the optimizer's sub-groups, the initial values
+// (Note [Initial values]) and the step report's I/O counters.
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "tierzero/kernels.h"
+#include "tierzero/comm/host_collectives.h"
+#include "zero_engine_impl.h"
+
+namespace tz {
+
+Status ZeroEngineImpl::make_device_and_comm() {
+  if (options_.device != nullptr) {
+    device_ = options_.device;
+  } else {
+    TZ_ASSIGN_OR_RETURN(own_device_, create_device({.backend = options_.config.backend}));
+    device_ = own_device_.get();
+  }
+  TZ_ASSIGN_OR_RETURN(stream_, device_->create_stream());
+  TZ_ASSIGN_OR_RETURN(release_stream_, device_->create_stream());
+  TZ_ASSIGN_OR_RETURN(reader_done_, device_->create_event());
+  TZ_ASSIGN_OR_RETURN(persistent_read_, device_->create_event());
+  if (options_.comm != nullptr) {
+    comm_ = options_.comm;
+  } else {
+    TZ_ASSIGN_OR_RETURN(own_comm_, create_communicator({.device = device_}));
+    comm_ = own_comm_.get();
+  }
+  if (comm_->backend() == CommBackend::kGloo && device_->kind() == BackendKind::kCuda && comm_->size() > 1) {
+    return invalid_argument("the Gloo communicator works on host memory, but the device is {}: use NCCL",
+                            device_->name());
+  }
+  return ok_status();
+}
+
+Status ZeroEngineImpl::make_plan() {
+  const Config& c = options_.config;
+  TierConfig tiers = c.tiers;
+  if (device_->kind() == BackendKind::kHost && tiers.gpu.is_auto) {
+    // The Host backend's "device" memory is host memory: give it a quarter.
+    TZ_ASSIGN_OR_RETURN(HostMemoryReading mem, read_host_memory());
+    tiers.gpu = ByteBudget::of(mem.available_bytes / 4);
+  }
+  TZ_ASSIGN_OR_RETURN(budgets_, resolve_budgets(tiers, c.all_nvme_paths()));
+  PlanInput input = PlanInput::from_config(c, layout_.block_numel(), comm_->size(), 0, budgets_);
+  Expected<Plan> plan = plan_placement(input);
+  if (!plan.ok() && !options_.placement) return std::move(plan).status().with_context("placing the model states");
+  if (plan.ok()) plan_ = std::move(*plan);
+  if (options_.placement) plan_.tier = *options_.placement;
+  // The optimizer runs on the CPU (cpu_adam); on the Host backend "device"
+  // memory is host memory, so states placed there step in place. On CUDA,
+  // states on the GPU step there (Note [GPU optimizer]): all of them or none.
+  if (device_->kind() == BackendKind::kCuda) {
+    int on_gpu = 0;
+    for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) on_gpu += plan_.tier_of(s) == Tier::kGpu;
+    if (on_gpu > 0) {
+      if (on_gpu < 3) {
+        return unavailable("the GPU optimizer steps shards whose gradients, master weights and moments all live on the "
+                           "GPU, but this placement has grad on {}, master on {}, moments on {}: offload the optimizer "
+                           "(zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\"), or give the GPU room "
+                           "for all three",
+                           tier_name(plan_.tier_of(StateClass::kGrad)), tier_name(plan_.tier_of(StateClass::kMaster)),
+                           tier_name(plan_.tier_of(StateClass::kMoments)));
+      }
+      if (c.optimizer.type != "Adam" && c.optimizer.type != "AdamW") {
+        return unavailable("optimizer.type = \"{}\": the GPU optimizer steps Adam and AdamW; offload the optimizer "
+                           "(zero_optimization.offload_optimizer.device \"cpu\") to step {} with cpu_adam",
+                           c.optimizer.type, c.optimizer.type);
+      }
+      gpu_optimizer_ = true;
+    }
+  }
+  return ok_status();
+}
+
+Status ZeroEngineImpl::make_stores() {
+  const Config& c = options_.config;
+  TZ_ASSIGN_OR_RETURN(device_pool_, make_device_pool(*device_, budgets_.gpu_bytes));
+  // On CUDA the CPU tier is pinned whatever pin_memory says (DeepSpeed's
+  // default is false): every host buffer the engine keeps is a copy source or
+  // target, and pageable ones make each copy synchronous and several times
+  // slower (docs/engine.md).
+  const bool pinned = c.zero.offload_param.pin_memory || c.zero.offload_optimizer.pin_memory ||
+                      device_->kind() == BackendKind::kCuda;
+  TZ_ASSIGN_OR_RETURN(int numa, resolve_numa_node(*device_, c.tiers.numa_node));
+  TZ_ASSIGN_OR_RETURN(host_pool_, make_host_pool(*device_, budgets_.cpu_bytes,
+                                                 {.pinned = pinned, .numa_node = numa, .huge_pages = c.tiers.huge_pages}));
+
+  const bool adagrad = c.optimizer.type == "Adagrad", lion = c.optimizer.type == "Lion";
+  std::uint64_t nvme_bytes = 0;
+  for (std::size_t s = 0; s < kNumStateClasses; ++s) {
+    if (plan_.tier[s] != Tier::kNvme) continue;
+    // The parameters are 16-bit, or fp32 when neither bf16 nor fp16 is on.
+    nvme_bytes += state_elem_bytes(static_cast<StateClass>(s), dtype_bytes(param_type_)) * layout_.shard_numel;
+  }
+  if (nvme_bytes > 0) {
+    const std::vector<std::string> paths = c.all_nvme_paths();
+    if (paths.empty()) return invalid_argument("a state class is placed on NVMe, but no NVMe path is configured "
+                                               "(zero_optimization.offload_*.nvme_path or tierzero.tiers.nvme_paths)");
+    nvme::EngineOptions eo = nvme::EngineOptions::from_config(c.aio);
+    eo.fault_injector = options_.nvme_fault_injector;
+    TZ_ASSIGN_OR_RETURN(std::unique_ptr<nvme::IoEngine> io, nvme::IoEngine::create(eo));
+    io_ = std::move(io);
+    // Room for every shard plus per-extent padding (4 KiB each at most).
+    const std::uint64_t capacity = nvme_bytes + 4096 * 5 * layout_.blocks.size() + (std::uint64_t{1} << 20);
+    TZ_ASSIGN_OR_RETURN(swap_, nvme::SwapStore::create({.paths = paths, .capacity_bytes = capacity,
+                                                        .allow_buffered = c.aio.allow_buffered_io}, io_));
+  }
+  std::vector<ShardSpec> shards;
+  for (const BlockLayout& b : layout_.blocks) shards.push_back({.name = b.name, .numel = b.shard_numel});
+  auto make = [&](StateClass cls, std::size_t elem_bytes, Colour colour) -> Expected<std::unique_ptr<TieredStore>> {
+    return TieredStore::create({.state = cls, .tier = plan_.tier_of(cls), .elem_bytes = elem_bytes, .colour = colour,
+                                .device = device_, .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+                                .swap = swap_.get(), .traffic = &nvme_traffic_},
+                               shards);
+  };
+  // Note [Coloured arrays]: the five arrays one optimizer kernel streams each get their own colour.
+  TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, dtype_bytes(param_type_), Colour::kParam16));
+  TZ_ASSIGN_OR_RETURN(grad_, make(StateClass::kGrad, 4, Colour::kGrad));
+  TZ_ASSIGN_OR_RETURN(master_, make(StateClass::kMaster, 4, Colour::kMaster));
+  if (!adagrad) {
+    TZ_ASSIGN_OR_RETURN(exp_avg_, make(StateClass::kMoments, 4, Colour::kExpAvg));
+  }
+  if (!lion) {
+    TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make(StateClass::kMoments, 4, Colour::kExpAvgSq));
+  }
+  return ok_status();
+}
+
+// The NVMe bytes and busy time the next step report counts start from here.
+void ZeroEngineImpl::reset_io_counters() {
+  nvme_traffic_.reset();
+  (void)take_io_busy_seconds();
+}
+
+std::pair<double, double> ZeroEngineImpl::take_io_busy_seconds() {
+  if (!io_) return {0, 0};
+  const nvme::EngineStats io = io_->stats();
+  const std::uint64_t read = io.read_busy_ns - std::exchange(read_busy_seen_ns_, io.read_busy_ns);
+  const std::uint64_t write = io.write_busy_ns - std::exchange(write_busy_seen_ns_, io.write_busy_ns);
+  return {static_cast<double>(read) / 1e9, static_cast<double>(write) / 1e9};
+}
+
+void ZeroEngineImpl::make_sub_groups() {
+  const auto limit = static_cast<std::uint64_t>(std::max<std::int64_t>(options_.config.zero.sub_group_size, 1));
+  std::uint64_t in_group = 0;
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    const std::uint64_t n = layout_.blocks[b].shard_numel;
+    if (sub_groups_.empty() || in_group + n > limit) {
+      sub_groups_.emplace_back();
+      in_group = 0;
+    }
+    sub_groups_.back().push_back(b);
+    offset_in_group_.push_back(in_group);
+    in_group += n;
+    sub_group_max_numel_ = std::max(sub_group_max_numel_, in_group);
+  }
+}
+
+Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
+  const Config& c = options_.config;
+  stage_ = c.zero.stage;
+  // Neither fp16 nor bf16: fp32 training, as in DeepSpeed.
+  param_type_ = c.precision.fp16 ? DType::kFp16 : c.precision.bf16 ? DType::kBf16 : DType::kFp32;
+  grad_type_ = options_.grad_type.value_or(param_type_);
+  if (grad_type_ != DType::kFp32 && grad_type_ != DType::kBf16 && grad_type_ != DType::kFp16) {
+    return invalid_argument("ZeroOptions::grad_type = {}: gradients are fp32, bf16 or fp16", dtype_name(grad_type_));
+  }
+  TZ_TRY(make_device_and_comm());
+  TZ_TRY(resolve_batch(options_.config, comm_->size()));  // Note [Batch keys] (common/src/config.cpp)
+  gas_ = static_cast<int>(c.gradient_accumulation_steps);
+  // Stage 3 keeps small blocks whole; stages 0-2 keep every block whole.
+  const std::uint64_t persist_below =
+      stage_ >= 3 ? static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_param_persistence_threshold, 0))
+                  : UINT64_MAX;
+  TZ_ASSIGN_OR_RETURN(layout_, ModelLayout::make(model, comm_->size(), persist_below));
+  TZ_TRY(make_plan());
+  TZ_TRY(make_stores());
+  TZ_ASSIGN_OR_RETURN(cpu_opt_, cpu_adam::CpuOptimizer::create({}));
+  make_sub_groups();
+  const std::size_t blocks = layout_.blocks.size();
+  grad_fresh_.assign(blocks, false);
+  TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
+  TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());
+  comm_thread_ = std::make_unique<detail::TaskThread>("comm");
+  grad_thread_ = std::make_unique<detail::TaskThread>("grad");
+  grads_ = std::make_unique<detail::GradientPath>(detail::GradientPathDeps{
+      .device = device_, .comm = comm_, .comm_thread = comm_thread_.get(), .grad_thread = grad_thread_.get(),
+      .comm_stream = comm_stream_.get(), .d2h_stream = d2h_stream_.get(), .device_pool = device_pool_.get(),
+      .host_pool = host_pool_.get(), .grad = grad_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_,
+      .grad_type = grad_type_, .stage = stage_, .gradient_accumulation_steps = gas_, .on_device = gpu_optimizer_,
+      .timeline = &timeline_});
+  ranks_ = std::make_unique<RankAgreement>(*comm_, *device_, *device_pool_, [this](const std::function<Status()>& f) {
+    return comm_thread_->run(f);
+  });
+  // Every rank must train the same model: one with other blocks would meet the
+  // others' collectives with other sizes, and wait or read garbage. Checked
+  // before any state is written.
+  std::string described;
+  for (const BlockLayout& b : layout_.blocks) {
+    described += fmt::format("{}[", b.name);
+    for (const ParamLayout& p : b.params) described += fmt::format("{}({}),", p.name, fmt::join(p.shape, "x"));
+    described += "]";
+  }
+  TZ_TRY(ranks_->agree_on(fmt::format("{} blocks, {} parameters, layout digest {:016x}", layout_.blocks.size(),
+                                   layout_.param_numel, nvme::checksum(described.data(), described.size())),
+                       "creating the engine", "models", "build the same model (block names, parameters, shapes)"));
+  // Note [Initial values]: with kRankZero every rank takes part in the broadcasts.
+  static constexpr std::string_view kInitialNames[] = {"kRankZero", "kSameOnEveryRank", "kSetLater"};
+  TZ_TRY(ranks_->agree_on(fmt::format("initial_values = {}", kInitialNames[static_cast<int>(options_.initial_values)]),
+                       "creating the engine", "initial values", "pass the same ZeroOptions::initial_values"));
+  const std::uint64_t window =
+      static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_prefetch_bucket_size, 0)) *
+      dtype_bytes(param_type_);
+  prefetcher_ = std::make_unique<detail::Prefetcher>(
+      detail::PrefetchDeps{.device = device_, .comm = comm_, .comm_thread = comm_thread_.get(),
+                           .comm_stream = comm_stream_.get(),
+                           .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+                           .param16 = param16_.get(), .layout = &layout_, .param_type = param_type_,
+                           .timeline = &timeline_},
+      window);
+  TZ_TRY(init_states(init));
+  TZ_TRY(grads_->prewarm());
+  reset_io_counters();  // step reports count steps, not set-up
+  TZ_LOG_INFO("engine", "{}", describe());
+  return ok_status();
+}
+
+// Note [Initial values] (tierzero/engine/zero.h).
+Status ZeroEngineImpl::init_states(const ParamInit& init) {
+  const int rank = comm_->rank();
+  const InitialValues from = options_.initial_values;
+  persistent_.resize(layout_.blocks.size());
+  unset_.assign(layout_.blocks.size(), from == InitialValues::kSetLater);
+  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
+    const BlockLayout& block = layout_.blocks[b];
+    std::vector<float> whole;
+    if (from != InitialValues::kSetLater) {
+      whole.assign(block.whole_numel, 0.0F);
+      for (std::size_t p = 0; p < block.params.size(); ++p) {
+        init(b, p, whole.data() + block.params[p].offset, block.params[p].numel);
+      }
+      if (from == InitialValues::kRankZero && comm_->size() > 1) {
+        TZ_TRY_CTX(comm_thread_->run([&] {
+          return detail::broadcast_host(*comm_, *device_, *device_pool_, whole.data(), whole.size() * sizeof(float), 0);
+        }), "initialising {} (rank 0's values to every rank)", block.name);
+      }
+    }
+    // This rank's writes, agreed on before the next block's broadcast (or the
+    // persistent gathers): a rank whose write failed must not leave the
+    // others waiting in a collective it never joins.
+    Status written = [&]() -> Status {
+      const std::vector<float> zeros(block.shard_numel, 0.0F);
+      if (!whole.empty()) TZ_TRY(put_weights(b, whole.data() + static_cast<std::uint64_t>(rank) * block.shard_numel));
+      if (exp_avg_) TZ_TRY(put(*exp_avg_, b, zeros.data()));
+      if (exp_avg_sq_) TZ_TRY(put(*exp_avg_sq_, b, zeros.data()));
+      if (block.persistent) {
+        TZ_ASSIGN_OR_RETURN(persistent_[b], device_pool_->allocate(block.whole_numel * dtype_bytes(param_type_)));
+      }
+      return ok_status();
+    }();
+    const std::string what = fmt::format("initialising {}", block.name);
+    if (!written.ok()) written.with_context(what);
+    TZ_TRY(agree(written, what));
+  }
+  return gather_persistent();
+}
+
+}  // namespace tz
