@@ -19,8 +19,6 @@ namespace {
 
 namespace ca = tz::cpu_adam;
 
-}
-
 const ArraySpec kFp32{{DType::kFp32}};
 const ArraySpec kGrad{{DType::kFp32, DType::kBf16, DType::kFp16}};
 const ArraySpec kMoment{{DType::kFp32, DType::kBf16}};

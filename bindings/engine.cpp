@@ -76,7 +76,6 @@ auto locked(EngineCore& core, Fn&& fn) {
   }
 }
 
-
 class PyGathered {
  public:
   // `readers`: the caller's stream its kernels read the block on, where the
@@ -103,7 +102,7 @@ class PyGathered {
   ExportArray view(std::uint64_t offset, const std::vector<std::int64_t>& shape) {
     std::vector<std::size_t> dims(shape.begin(), shape.end());
     char* base = static_cast<char*>(block_.data()) + offset * tz::dtype_bytes(block_.type());
-    return ExportArray(base, dims.size(), dims.data(), nb::find(this), nullptr, dlpack_dtype(dtype_of(block_.type())),
+    return ExportArray(base, dims.size(), dims.data(), nb::find(this), nullptr, dlpack_dtype(block_.type()),
                     core_->dl_device_type, core_->dl_device_id);
   }
   ExportArray data() { return view(0, {static_cast<std::int64_t>(layout().whole_numel)}); }
@@ -384,7 +383,7 @@ class PyEngine {
       raise_status(tz::invalid_argument("reduce_grads: {} gradients for block '{}', which has {} parameters",
                                         grads.size(), b.name, b.params.size()));
     }
-    ArraySpec spec{{dtype_of(core_->engine->grad_type())}};
+    ArraySpec spec{{core_->engine->grad_type()}};
     spec.device = core_->dl_device_type == kDLCUDA ? DeviceKind::kCuda : DeviceKind::kCpu;
     spec.device_id = core_->dl_device_id;
     std::vector<std::optional<ArrayInfo>> infos(grads.size());
