@@ -14,7 +14,7 @@ as the config says, and drives the step:
 
 Gathered arrays are views of the engine's device buffer; the buffer goes back
 to the engine when the last view is gone (Note [Gathered block lifetime] in
-bindings/engine.cpp). tierzero.torch.TorchEngine is this class, driven from
+bindings/engine_bindings.cpp). tierzero.torch.TorchEngine is this class, driven from
 module hooks.
 """
 

@@ -3,7 +3,7 @@
 //
 // queue_depth I/O slots per ring, and one thread more than slots: a thread
 // gives its slot back as soon as its transfer is done and only then hashes
-// (Note [Checksums off the I/O path] in engine_internal.h), so the spare
+// (Note [Checksums off the I/O path] in io_engine_internal.h), so the spare
 // thread keeps the depth full meanwhile. Even at depth 1 the hashing of one
 // piece overlaps the transfer of the next.
 #include <unistd.h>
@@ -15,7 +15,7 @@
 #include <semaphore>
 #include <thread>
 
-#include "engine_internal.h"
+#include "io_engine_internal.h"
 
 namespace tz::nvme::detail {
 namespace {
@@ -24,7 +24,7 @@ constexpr int kMaxSlotsPerRing = 64;
 
 class ThreadRing final : public Ring {
  public:
-  ThreadRing(EngineCore& core, int id)
+  ThreadRing(IoEngineCore& core, int id)
       : core_(core), slots_(std::clamp(core.options().queue_depth, 1, kMaxSlotsPerRing)) {
     const int slots = std::clamp(core.options().queue_depth, 1, kMaxSlotsPerRing);
     TZ_LOG_DEBUG("nvme", "thread ring {}: {} pread/pwrite slots, {} threads", id, slots, slots + 1);
@@ -63,18 +63,18 @@ class ThreadRing final : public Ring {
         queue_.pop_front();
       }
       slots_.acquire();
-      const EngineCore::Next next = transfer(*p);
+      const IoEngineCore::Next next = transfer(*p);
       slots_.release();
-      if (next == EngineCore::Next::kComplete) core_.check(*p);
+      if (next == IoEngineCore::Next::kComplete) core_.check(*p);
       core_.finish(*p);
     }
   }
 
   // Runs one piece's I/O to its end: every retry and short-transfer rest in
   // place. kComplete or kFinished.
-  EngineCore::Next transfer(Piece& p) {
+  IoEngineCore::Next transfer(Piece& p) {
     for (;;) {
-      if (EngineCore::skip(p)) return EngineCore::Next::kFinished;
+      if (IoEngineCore::skip(p)) return IoEngineCore::Next::kFinished;
       std::size_t length = p.length - p.done;
       const Fault fault = core_.consult_injector(p, length);
       long res = 0;
@@ -87,12 +87,12 @@ class ThreadRing final : public Ring {
                                                        : ::pwrite(p.file->fd.get(), p.data + p.done, length, offset);
         res = n < 0 ? -errno : n;
       }
-      const EngineCore::Next next = core_.settle(p, res);
-      if (next != EngineCore::Next::kResubmit) return next;
+      const IoEngineCore::Next next = core_.settle(p, res);
+      if (next != IoEngineCore::Next::kResubmit) return next;
     }
   }
 
-  EngineCore& core_;
+  IoEngineCore& core_;
   std::counting_semaphore<kMaxSlotsPerRing> slots_;  // transfers in progress at most
   std::mutex mu_;
   std::condition_variable cv_;
@@ -103,6 +103,6 @@ class ThreadRing final : public Ring {
 
 }  // namespace
 
-std::unique_ptr<Ring> make_thread_ring(EngineCore& core, int id) { return std::make_unique<ThreadRing>(core, id); }
+std::unique_ptr<Ring> make_thread_ring(IoEngineCore& core, int id) { return std::make_unique<ThreadRing>(core, id); }
 
 }  // namespace tz::nvme::detail

@@ -11,7 +11,7 @@
 // Each turn of the loop: take new pieces, queue and submit up to the depth,
 // hash the writes just submitted, wait, settle what completed, refill and
 // submit the freed slots, and only then verify the reads that completed
-// (Note [Checksums off the I/O path] in engine_internal.h).
+// (Note [Checksums off the I/O path] in io_engine_internal.h).
 #include <liburing.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -20,7 +20,7 @@
 #include <deque>
 #include <thread>
 
-#include "engine_internal.h"
+#include "io_engine_internal.h"
 
 namespace tz::nvme::detail {
 namespace {
@@ -30,7 +30,7 @@ constexpr unsigned kSqpollIdleMs = 50;
 
 class UringRing final : public Ring {
  public:
-  UringRing(EngineCore& core, int id) : core_(core), id_(id), depth_(core.options().queue_depth) {}
+  UringRing(IoEngineCore& core, int id) : core_(core), id_(id), depth_(core.options().queue_depth) {}
   ~UringRing() override;
 
   Status init(bool& fixed_files);
@@ -53,7 +53,7 @@ class UringRing final : public Ring {
   void check_completed();
   void wake();
 
-  EngineCore& core_;
+  IoEngineCore& core_;
   const int id_;
   const int depth_;
   io_uring ring_{};
@@ -192,7 +192,7 @@ void UringRing::fill(std::deque<Piece*>& pending) {
   while (inflight_ < depth_ && !pending.empty()) {
     Piece* p = pending.front();
     pending.pop_front();
-    if (EngineCore::skip(*p)) {
+    if (IoEngineCore::skip(*p)) {
       core_.finish(*p);
       continue;
     }
@@ -226,20 +226,20 @@ void UringRing::fill(std::deque<Piece*>& pending) {
     ++inflight_;
     // Only pieces in an SQE: one completed in this loop (an injected fault)
     // may already be finished and freed.
-    if (EngineCore::needs_hash(*p)) to_hash_.push_back(p);
+    if (IoEngineCore::needs_hash(*p)) to_hash_.push_back(p);
     if (core_.options().single_submit) submit_ready();
   }
 }
 
 void UringRing::complete(Piece* piece, long res, std::deque<Piece*>& pending) {
   switch (core_.settle(*piece, res)) {
-    case EngineCore::Next::kResubmit:
+    case IoEngineCore::Next::kResubmit:
       pending.push_front(piece);  // the rest of this piece goes before newer work
       break;
-    case EngineCore::Next::kComplete:
+    case IoEngineCore::Next::kComplete:
       checking_.push_back(piece);
       break;
-    case EngineCore::Next::kFinished:
+    case IoEngineCore::Next::kFinished:
       core_.finish(*piece);
       break;
   }
@@ -304,7 +304,7 @@ void UringRing::run() {
 
 }  // namespace
 
-Expected<std::unique_ptr<Ring>> make_uring_ring(EngineCore& core, int id, bool& fixed_files) {
+Expected<std::unique_ptr<Ring>> make_uring_ring(IoEngineCore& core, int id, bool& fixed_files) {
   auto ring = std::make_unique<UringRing>(core, id);
   TZ_TRY(ring->init(fixed_files));
   return std::unique_ptr<Ring>(std::move(ring));

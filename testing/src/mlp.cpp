@@ -26,6 +26,7 @@ float to_float(const void* p, std::size_t i, DType type) {
     case DType::kFp32: return static_cast<const float*>(p)[i];
     case DType::kBf16: return kernels::bf16_to_fp32(static_cast<const std::uint16_t*>(p)[i]);
     case DType::kFp16: return kernels::fp16_to_fp32(static_cast<const std::uint16_t*>(p)[i]);
+    default: break;  // the engine's parameters and gradients are fp32, bf16 or fp16
   }
   return 0;
 }
@@ -35,6 +36,7 @@ void store_as(void* p, std::size_t i, float x, DType type) {
     case DType::kFp32: static_cast<float*>(p)[i] = x; break;
     case DType::kBf16: static_cast<std::uint16_t*>(p)[i] = kernels::fp32_to_bf16(x); break;
     case DType::kFp16: static_cast<std::uint16_t*>(p)[i] = kernels::fp32_to_fp16(x); break;
+    default: break;  // the engine's parameters and gradients are fp32, bf16 or fp16
   }
 }
 

@@ -1,4 +1,4 @@
-"""bindings/engine.cpp and tierzero.Engine: the ZeRO engine, zero-copy gathered blocks, their lifetime."""
+"""bindings/engine_bindings.cpp and tierzero.Engine: the ZeRO engine, zero-copy gathered blocks, their lifetime."""
 
 import gc
 import threading
@@ -134,7 +134,7 @@ def test_reduce_grads_refuses_what_does_not_fit(nvme_dir):
 
 def test_reduce_grads_stream_is_for_cuda_engines(nvme_dir):
     # The stream argument names the CUDA stream that wrote the gradients
-    # (bindings/engine.cpp, Note [Gradients from another library's stream]).
+    # (bindings/engine_bindings.cpp, Note [Gradients from another library's stream]).
     eng, _ = make(nvme_dir)
     with pytest.raises(ValueError, match=r"stream=7 is a CUDA stream; this engine is on cpu"):
         eng.reduce_grads(1, [torch.ones(4, 8)], stream=7)

@@ -656,6 +656,15 @@ def test_only_the_learning_rate_of_the_returned_optimizer_can_change(nvme_dir, t
         tzt.initialize(mlp(), host_config(nvme_dir), lr_scheduler=lambda opt: None)
 
 
+def test_the_engines_set_learning_rate_holds_and_the_optimizer_shows_it(nvme_dir):
+    # TorchEngine is a tierzero.Engine: its set_learning_rate must not be undone by the optimizer's old "lr".
+    engine, optimizer = tzt.initialize(mlp(), host_config(nvme_dir, lr=1e-2))
+    engine.set_learning_rate(2e-3)
+    assert optimizer.param_groups[0]["lr"] == 2e-3
+    engine.backward(engine(torch.randn(2, 16)).sum())
+    assert engine.step()["lr"] == 2e-3 and engine.get_lr() == [2e-3]
+
+
 def test_eval_and_detach_module_give_the_trained_model(nvme_dir):
     torch.manual_seed(0)
     model = mlp()

@@ -163,6 +163,14 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
         if self._callback_queued or any(b.arrived or b.backward_held for b in self._blocks):
             self._end_of_backward()
 
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the next steps, as tierzero.Engine's; the returned optimizer's
+        param_groups[0]["lr"] follows it, so the next step() does not hand the old rate back
+        (Note [Learning rate])."""
+        super().set_learning_rate(lr)
+        if self.optimizer is not None:
+            self.optimizer._show_lr()
+
     def step(self) -> dict:
         """Ends the micro-batch; the optimizer runs at the accumulation boundary. Returns the step report."""
         # Blocks still gathered here (a forward without its backward) would keep showing the old

@@ -8,7 +8,7 @@ its module computes. A forward pre-hook fetches the module's block and points
 each parameter's .data at a zero-copy view of the gathered buffer (DLPack:
 the engine's memory, seen by torch); a forward hook sets .data back to the
 placeholder. The gathered buffer returns to the engine when no tensor views
-it any more (Note [Gathered block lifetime] in bindings/engine.cpp): torch's
+it any more (Note [Gathered block lifetime] in bindings/engine_bindings.cpp): torch's
 own reference counting decides, so no tensor can point at memory the engine
 has reused. On CUDA the module's kernels may not have run yet by then: the
 block is fetched naming torch's current stream, and the engine reuses the

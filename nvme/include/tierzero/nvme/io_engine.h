@@ -187,13 +187,13 @@ struct EngineStats {
   std::uint64_t fixed_buffer_pieces = 0;  // submitted with a registered buffer
   // Nanoseconds with at least one read (write) request submitted and not yet
   // complete: bytes_read / read_busy_ns is the rate the device gave while it
-  // was asked to read (Note [Busy time] in nvme/src/engine_internal.h).
+  // was asked to read (Note [Busy time] in nvme/src/io_engine_internal.h).
   std::uint64_t read_busy_ns = 0;
   std::uint64_t write_busy_ns = 0;
 };
 
 // One request segment as submitted, for replaying a workload's I/O pattern
-// (tierzero-nvme-bench --replay; Note [I/O logs] in nvme/src/engine.cpp).
+// (tierzero-nvme-bench --replay; Note [I/O logs] in nvme/src/io_engine.cpp).
 struct IoLogEntry {
   IoOp op = IoOp::kRead;
   std::string path;           // the file as opened

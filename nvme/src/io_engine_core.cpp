@@ -1,23 +1,23 @@
-// EngineCore: how one completion settles a piece, and how the last piece of
+// IoEngineCore: how one completion settles a piece, and how the last piece of
 // a request completes it. Shared by the io_uring and the thread rings, so both
 // read results the same way.
 #include <cerrno>
 
-#include "engine_internal.h"
+#include "io_engine_internal.h"
 
 namespace tz::nvme::detail {
 
-bool EngineCore::needs_hash(const Piece& piece) {
+bool IoEngineCore::needs_hash(const Piece& piece) {
   return !piece.hashed && piece.request->op == IoOp::kWrite && piece.request->checksums != nullptr;
 }
 
-void EngineCore::hash_write(Piece& piece) {
+void IoEngineCore::hash_write(Piece& piece) {
   if (!needs_hash(piece)) return;
   piece.hashed = true;
   piece.request->checksums[piece.index] = checksum(piece.data, piece.length);
 }
 
-Fault EngineCore::consult_injector(const Piece& piece, std::size_t length) {
+Fault IoEngineCore::consult_injector(const Piece& piece, std::size_t length) {
   const std::uint64_t sequence = pieces_.fetch_add(1, std::memory_order_relaxed);
   if (!options_.fault_injector) return {};
   return options_.fault_injector(PieceInfo{.sequence = sequence,
@@ -27,7 +27,7 @@ Fault EngineCore::consult_injector(const Piece& piece, std::size_t length) {
                                            .length = length});
 }
 
-void EngineCore::fail(RequestState& request, Status status) {
+void IoEngineCore::fail(RequestState& request, Status status) {
   std::lock_guard<std::mutex> lock(request.mu);
   if (request.error.ok()) {
     if (!request.label.empty()) status = std::move(status).with_context(request.label);
@@ -36,7 +36,7 @@ void EngineCore::fail(RequestState& request, Status status) {
   request.failed.store(true, std::memory_order_release);
 }
 
-EngineCore::Next EngineCore::settle(Piece& piece, long res) {
+IoEngineCore::Next IoEngineCore::settle(Piece& piece, long res) {
   RequestState& r = *piece.request;
   const std::uint64_t at = piece.offset + piece.done;
   const std::size_t rest = piece.length - piece.done;
@@ -83,7 +83,7 @@ EngineCore::Next EngineCore::settle(Piece& piece, long res) {
   return Next::kComplete;
 }
 
-void EngineCore::check(Piece& piece) {
+void IoEngineCore::check(Piece& piece) {
   RequestState& r = *piece.request;
   if (r.checksums == nullptr || skip(piece)) return;  // a failed request's checksums are not used
   if (r.op == IoOp::kWrite) {
@@ -98,7 +98,7 @@ void EngineCore::check(Piece& piece) {
   }
 }
 
-void EngineCore::finish(Piece& piece) {
+void IoEngineCore::finish(Piece& piece) {
   RequestState* r = piece.request;
   if (r->pieces_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   // The last piece: every other ring is done with this request.
@@ -117,7 +117,7 @@ void EngineCore::finish(Piece& piece) {
   callback(status, result);
 }
 
-EngineStats EngineCore::stats() const {
+EngineStats IoEngineCore::stats() const {
   return {.requests = requests_.load(),
           .pieces = pieces_.load(),
           .bytes_read = bytes_read_.load(),

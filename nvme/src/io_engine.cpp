@@ -10,7 +10,7 @@
 #include <cstring>
 #include <shared_mutex>
 
-#include "engine_internal.h"
+#include "io_engine_internal.h"
 
 namespace tz::nvme {
 
@@ -193,7 +193,7 @@ class IoEngineImpl final : public IoEngine {
   Expected<std::unique_ptr<RequestState>> build(IoRequest& request);
   int buffer_index(const char* data, std::size_t length) const;  // caller holds regions_mu_ (shared)
 
-  detail::EngineCore core_;
+  detail::IoEngineCore core_;
   IoBackend backend_;
   bool fixed_files_ = false;
   std::vector<std::unique_ptr<detail::Ring>> rings_;

@@ -49,7 +49,7 @@ namespace {
 constexpr int kDLCPU = 1;
 constexpr int kDLCUDA = 2;
 
-struct EngineCore {
+struct CoreHandle {
   std::mutex mu;                            // Note [Engine calls and the GIL]
   std::unique_ptr<tz::Device> device;       // declared first: destroyed last
   std::unique_ptr<tz::Communicator> comm;
@@ -61,7 +61,7 @@ struct EngineCore {
 
 // Runs fn under the engine mutex with the GIL released; raises its Status.
 template <typename Fn>
-auto locked(EngineCore& core, Fn&& fn) {
+auto locked(CoreHandle& core, Fn&& fn) {
   using R = decltype(fn());
   std::optional<R> result;
   {
@@ -81,7 +81,7 @@ class PyGathered {
   // `readers`: the caller's stream its kernels read the block on, where the
   // release must wait for them (Note [Stream-ordered release] in
   // tierzero/engine/zero.h); none: they are done when the last view goes.
-  PyGathered(std::shared_ptr<EngineCore> core, tz::GatheredBlock block, std::optional<void*> readers)
+  PyGathered(std::shared_ptr<CoreHandle> core, tz::GatheredBlock block, std::optional<void*> readers)
       : core_(std::move(core)), block_(std::move(block)), readers_(readers) {}
   PyGathered(const PyGathered&) = delete;
   ~PyGathered() {
@@ -132,7 +132,7 @@ class PyGathered {
     if (!s.ok()) TZ_LOG_ERROR("python", "GatheredBlock: {}", s.to_string());
   }
 
-  std::shared_ptr<EngineCore> core_;
+  std::shared_ptr<CoreHandle> core_;
   tz::GatheredBlock block_;
   std::optional<void*> readers_;
 };
@@ -252,7 +252,7 @@ tz::InitialValues initial_values(const std::string& name, const InitArrays& init
                                     "sets each block)", name));
 }
 
-tz::Status make_core(EngineCore& core, const tz::Config& config, const BlockList& blocks,
+tz::Status make_core(CoreHandle& core, const tz::Config& config, const BlockList& blocks,
                      const std::vector<std::vector<const float*>>& init, tz::InitialValues from) {
   TZ_ASSIGN_OR_RETURN(tz::RankInfo ranks, tz::rank_info_from_env());
   TZ_ASSIGN_OR_RETURN(core.device, tz::create_device({.backend = config.backend, .ordinal = ranks.local_rank}));
@@ -298,7 +298,7 @@ tz::Status make_core(EngineCore& core, const tz::Config& config, const BlockList
 // The same reading serves fetch's `stream=`, the stream whose kernels read
 // the block (its release waits for them; -1: the caller synchronises before
 // the last view goes). `call` names the method in errors.
-std::optional<void*> caller_stream(const EngineCore& core, std::optional<std::int64_t> stream, std::string_view call) {
+std::optional<void*> caller_stream(const CoreHandle& core, std::optional<std::int64_t> stream, std::string_view call) {
   if (stream && *stream == -1) return std::nullopt;
   if (core.dl_device_type != kDLCUDA) {
     if (stream) {
@@ -320,7 +320,7 @@ std::optional<void*> caller_stream(const EngineCore& core, std::optional<std::in
 // hands it to reduce_grads, after the caller's `producer` stream where there
 // is one (Note [Gradients from another library's stream]). Caller holds the
 // mutex, not the GIL.
-tz::Status reduce_from(EngineCore& core, std::size_t block, const std::vector<std::optional<ArrayInfo>>& grads,
+tz::Status reduce_from(CoreHandle& core, std::size_t block, const std::vector<std::optional<ArrayInfo>>& grads,
                        std::optional<void*> producer) {
   TZ_ASSIGN_OR_RETURN(tz::GradBlock g, core.engine->grad_buffer(block));
   const std::size_t bytes = tz::dtype_bytes(g.type());
@@ -351,7 +351,7 @@ class PyEngine {
  public:
   PyEngine(std::optional<std::string> config_path, std::optional<std::string> config_json, const BlockList& blocks,
            const InitArrays& init, const std::string& initial)
-      : core_(std::make_shared<EngineCore>()) {
+      : core_(std::make_shared<CoreHandle>()) {
     const tz::InitialValues from = initial_values(initial, init);
     const tz::Config config = load(config_path, config_json);
     const std::vector<std::vector<const float*>> ptrs = init_pointers(blocks, init);
@@ -413,7 +413,7 @@ class PyEngine {
     return locked(*core_, [&] { return tz::Expected<decltype(fn(*core_->engine))>(fn(*core_->engine)); });
   }
   tz::ZeroEngine& engine() { return *core_->engine; }
-  const EngineCore& core() const { return *core_; }
+  const CoreHandle& core() const { return *core_; }
 
   // A copy of `whole` goes in: a non-root rank's values are replaced by root's, but the caller's array is
   // left as it was.
@@ -443,7 +443,7 @@ class PyEngine {
   }
 
  private:
-  std::shared_ptr<EngineCore> core_;
+  std::shared_ptr<CoreHandle> core_;
 };
 
 }  // namespace

@@ -42,10 +42,10 @@ struct Piece {
   std::size_t index = 0;             // checksum slot
   int buffer_index = -1;             // registered buffer holding data, -1 none
   int retries = 0;                   // EAGAIN / EINTR so far
-  bool hashed = false;               // a write's checksum is computed (EngineCore::hash_write)
+  bool hashed = false;               // a write's checksum is computed (IoEngineCore::hash_write)
 };
 
-class EngineCore;
+class IoEngineCore;
 
 // One request in flight: its pieces, the first error, and how to complete.
 struct RequestState {
@@ -60,7 +60,7 @@ struct RequestState {
   std::mutex mu;
   Status error;                      // guarded by mu: the first failure
   IoCallback callback;
-  EngineCore* core = nullptr;
+  IoEngineCore* core = nullptr;
 };
 
 // Note [Checksums off the I/O path]
@@ -84,9 +84,9 @@ struct RequestState {
 // request before its callback, and a piece finishes only after its check.
 
 // The counters and piece logic every ring shares.
-class EngineCore {
+class IoEngineCore {
  public:
-  explicit EngineCore(const EngineOptions& options) : options_(options) {}
+  explicit IoEngineCore(const EngineOptions& options) : options_(options) {}
 
   const EngineOptions& options() const { return options_; }
 
@@ -164,7 +164,7 @@ class EngineCore {
   std::atomic<std::uint64_t> short_transfers_{0}, retries_{0}, errors_{0}, fixed_buffer_pieces_{0};
 };
 
-// A ring: pieces go in, completions come out through EngineCore.
+// A ring: pieces go in, completions come out through IoEngineCore.
 class Ring {
  public:
   virtual ~Ring() = default;  // drains: every enqueued piece finishes first
@@ -184,8 +184,8 @@ inline constexpr int kMaxRetries = 1000;
 // io_uring ring with its own thread. Fails (ENOSYS, EPERM under seccomp, ...)
 // where the kernel refuses io_uring; `fixed_files` is cleared where the kernel
 // refuses a registered file table.
-Expected<std::unique_ptr<Ring>> make_uring_ring(EngineCore& core, int id, bool& fixed_files);
+Expected<std::unique_ptr<Ring>> make_uring_ring(IoEngineCore& core, int id, bool& fixed_files);
 // pread/pwrite on queue_depth threads.
-std::unique_ptr<Ring> make_thread_ring(EngineCore& core, int id);
+std::unique_ptr<Ring> make_thread_ring(IoEngineCore& core, int id);
 
 }  // namespace tz::nvme::detail
