@@ -1,6 +1,6 @@
 // ZeroEngine: its handles, fetching parameters, gradients into the gradient
 // path, set_master/gather_master, the factory. Creation is in
-// zero_engine_setup.cpp, the step in optimizer_pass.cpp, checkpoints in
+// zero_engine_setup.cpp, the step in optimizer_step.cpp, checkpoints in
 // checkpoint.cpp.
 #include <fmt/ranges.h>
 
@@ -81,7 +81,7 @@ ZeroEngineImpl::~ZeroEngineImpl() {
   master_.reset();
   exp_avg_.reset();
   exp_avg_sq_.reset();
-  staging_.clear();
+  optimizer_.reset();  // its staging goes back to the pools before they go
 }
 
 // ---------------------------------------------------------------- movement

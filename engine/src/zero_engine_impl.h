@@ -1,6 +1,7 @@
-// ZeroEngineImpl: the engine's state, shared by zero_engine.cpp (creation,
-// fetch, gradients, the step's bookkeeping) and optimizer_pass.cpp (the CPU
-// Adam pass over sub-groups with NVMe streaming).
+// ZeroEngineImpl: the engine's state and the components it composes (the
+// tiered stores, the prefetcher, the gradient path, the optimizer pass, rank
+// agreement), shared by zero_engine.cpp (fetch, gradients), zero_engine_setup.cpp
+// (creation), optimizer_step.cpp (the step) and checkpoint.cpp.
 #pragma once
 
 #include <map>
@@ -15,6 +16,7 @@
 
 #include "checkpoint_files.h"
 #include "gradient_path.h"
+#include "optimizer_pass.h"
 #include "loss_scaler.h"
 #include "prefetch.h"
 #include "trace.h"
@@ -91,20 +93,12 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   }
 
  private:
-  // A pinned staging set for one sub-group of the optimizer pass: for each
-  // state class that lives on NVMe (and the 16-bit copy-out when the
-  // parameters do not live in CPU memory), room for the largest sub-group.
-  struct StagingSet {
-    std::map<const TieredStore*, PoolBlock> area;  // per NVMe-resident store
-    PoolBlock param16;
-  };
 
   // --- creation (zero_engine_setup.cpp)
   Status make_device_and_comm();
   Status make_plan();
   Status make_stores();
   Status init_states(const ParamInit& init);
-  void make_sub_groups();
 
   // --- data movement
   Status sync();
@@ -144,15 +138,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   void restore_progress(std::int64_t step, const detail::LossScaler::State& scaler,
                         const std::optional<double>& saved_lr);
 
-  // --- the step (optimizer_pass.cpp)
+  // --- the step (optimizer_step.cpp)
   Status zero_stale_grads();
   Expected<bool> global_norm(double& norm);  // returns overflow
-  Status optimizer_pass(double grad_scale);
-  Status gpu_optimizer_pass(double grad_scale);
-  Status step_sub_group(std::size_t group, StagingSet& set, double grad_scale);
-  std::vector<nvme::IoFuture> read_sub_group(std::size_t group, StagingSet& set);
-  Status write_sub_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes);
-  void* state_ptr(const TieredStore* store, std::size_t block, StagingSet& set);
   cpu_adam::Hyper hyper() const;
 
   ZeroOptions options_;
@@ -201,10 +189,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   bool lr_set_by_caller_ = false;
 
   std::vector<bool> grad_fresh_;               // reduced in this accumulation window
-  std::vector<std::vector<std::size_t>> sub_groups_;
-  std::vector<std::uint64_t> offset_in_group_;  // per block: elements before it in its sub-group
-  std::uint64_t sub_group_max_numel_ = 0;
-  std::vector<StagingSet> staging_;            // min(3, sub-groups) sets (optimizer_pass)
+  std::unique_ptr<detail::OptimizerPass> optimizer_;  // CPU or GPU (optimizer_pass.h)
   int micro_ = 0;
   std::int64_t step_ = 0;
   NvmeTraffic nvme_traffic_;                   // every store's NVMe bytes since the last step report

@@ -144,22 +144,6 @@ std::pair<double, double> ZeroEngineImpl::take_io_busy_seconds() {
   return {static_cast<double>(read) / 1e9, static_cast<double>(write) / 1e9};
 }
 
-void ZeroEngineImpl::make_sub_groups() {
-  const auto limit = static_cast<std::uint64_t>(std::max<std::int64_t>(options_.config.zero.sub_group_size, 1));
-  std::uint64_t in_group = 0;
-  for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-    const std::uint64_t n = layout_.blocks[b].shard_numel;
-    if (sub_groups_.empty() || in_group + n > limit) {
-      sub_groups_.emplace_back();
-      in_group = 0;
-    }
-    sub_groups_.back().push_back(b);
-    offset_in_group_.push_back(in_group);
-    in_group += n;
-    sub_group_max_numel_ = std::max(sub_group_max_numel_, in_group);
-  }
-}
-
 Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
   const Config& c = options_.config;
   stage_ = c.zero.stage;
@@ -180,7 +164,13 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   TZ_TRY(make_plan());
   TZ_TRY(make_stores());
   TZ_ASSIGN_OR_RETURN(cpu_opt_, cpu_adam::CpuOptimizer::create({}));
-  make_sub_groups();
+  optimizer_ = detail::OptimizerPass::make(
+      {.device = device_, .stream = stream_.get(), .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+       .param16 = param16_.get(), .grad = grad_.get(), .master = master_.get(), .exp_avg = exp_avg_.get(),
+       .exp_avg_sq = exp_avg_sq_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_, .param_type = param_type_,
+       .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
+       .timeline = &timeline_},
+      gpu_optimizer_);
   const std::size_t blocks = layout_.blocks.size();
   grad_fresh_.assign(blocks, false);
   TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
