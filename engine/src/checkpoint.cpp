@@ -204,7 +204,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   // the replacement: drop them first.
   prefetcher_->reset();
   if (!options.weights_only) restore_progress(file.step, file.scaler, file.saved_lr);
-  std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
+  blocks_.end_window();
   micro_ = 0;
   // The puts are agreed before the persistent blocks' gathers: a rank whose
   // put failed must not leave the others alone in those collectives.
@@ -216,7 +216,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
     }(), "loading checkpoint " + dir);
   }
   if (!loaded.ok()) {  // Note [Streamed checkpoints]: part old, part new
-    unset_.assign(layout_.blocks.size(), true);
+    blocks_.unset_all();
     return std::move(loaded).with_context(fmt::format(
         "checkpoint {} was loaded in part, so every block is now without values (fetch, step and saves are refused "
         "until a load_checkpoint or set_master succeeds)",
@@ -224,7 +224,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   }
   // Note [Initial values]: set only once every rank has loaded every block, so
   // a load that failed anywhere leaves every rank with the same unset blocks.
-  unset_.assign(layout_.blocks.size(), false);
+  blocks_.loaded();
   reset_io_counters();
   TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {}{})", dir, step_, options.weights_only ? ", weights only" : "");
   return LoadedCheckpoint{dir, step_, std::move(client_state)};

@@ -26,7 +26,7 @@ cpu_adam::Hyper ZeroEngineImpl::hyper() const {
 // model this time) step with a zero gradient, not the last window's.
 Status ZeroEngineImpl::zero_stale_grads() {
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-    if (grad_fresh_[b]) continue;
+    if (blocks_.state(b) == detail::BlockState::kReduced) continue;
     const std::vector<float> zeros(layout_.blocks[b].shard_numel, 0.0F);
     TZ_TRY(put(*grad_, b, zeros.data()));  // whatever the tier: device memory, CPU memory or NVMe
     grads_->set_zero(b);
@@ -71,7 +71,7 @@ Expected<StepReport> ZeroEngineImpl::step() {
   // issues the next window from the new parameters.
   prefetcher_->drop_in_flight();
   TZ_TRY(zero_stale_grads());
-  std::fill(grad_fresh_.begin(), grad_fresh_.end(), false);
+  blocks_.end_window();
   TZ_ASSIGN_OR_RETURN(report.overflow, global_norm(report.grad_norm));
   const double scale_used = scaler_.scale();
   const bool run = scaler_.update(report.overflow);

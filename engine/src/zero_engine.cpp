@@ -89,16 +89,16 @@ ZeroEngineImpl::~ZeroEngineImpl() {
 Status ZeroEngineImpl::sync() { return device_->synchronize_stream(*stream_); }
 
 Status ZeroEngineImpl::check_values_set(std::size_t block, std::string_view what) const {
-  if (!unset_[block]) return ok_status();
+  if (blocks_.has_values(block)) return ok_status();
   return failed_precondition("{}: block '{}' has no values yet (the engine was made with initial_values = kSetLater, "
                              "and {} of its {} blocks are still unset): set_master() it, or load a checkpoint",
-                             what, layout_.blocks[block].name, std::count(unset_.begin(), unset_.end(), true),
+                             what, layout_.blocks[block].name, blocks_.count(detail::BlockState::kUnset),
                              layout_.blocks.size());
 }
 
 Status ZeroEngineImpl::check_all_values_set(std::string_view what) const {
-  const auto first = std::find(unset_.begin(), unset_.end(), true);
-  return first == unset_.end() ? ok_status() : check_values_set(static_cast<std::size_t>(first - unset_.begin()), what);
+  const std::optional<std::size_t> first = blocks_.first(detail::BlockState::kUnset);
+  return first ? check_values_set(*first, what) : ok_status();
 }
 
 Status ZeroEngineImpl::put_weights(std::size_t block, const float* shard) {
@@ -111,7 +111,7 @@ Status ZeroEngineImpl::gather_persistent(bool unset_too) {
   TZ_TRY(release_failure());
   TZ_TRY(device_->synchronize_event(*persistent_read_));
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
-    if (persistent_[b].valid() && (unset_too || !unset_[b])) {  // else gathered when set_master sets it
+    if (persistent_[b].valid() && (unset_too || blocks_.has_values(b))) {  // else gathered when set_master sets it
       TZ_TRY_CTX(prefetcher_->gather_into(b, persistent_[b].data()), "gathering {}", layout_.blocks[b].name);
     }
   }
@@ -213,8 +213,8 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   TZ_TRY(release_failure());
   TZ_TRY(grads_->error());
   const std::size_t block = grads.block();
-  const bool first = !grad_fresh_[block];
-  grad_fresh_[block] = true;
+  TZ_TRY(check_values_set(block, "reduce_grads"));
+  TZ_ASSIGN_OR_RETURN(const bool first, blocks_.reduce(block, "reduce_grads"));  // Note [Block states]
   return grads_->reduce(block, std::move(grads.buffer_), first);  // gradient_path.h
 }
 
@@ -293,7 +293,7 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
   if (persistent_[block].valid()) {
     TZ_TRY(agree(prefetcher_->gather_into(block, persistent_[block].data()), fmt::format("set_master({})", b.name)));
   }
-  unset_[block] = false;
+  blocks_.set_values(block);
   return prefetcher_->reissue();
 }
 

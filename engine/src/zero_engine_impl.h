@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "block_table.h"
 #include "checkpoint_files.h"
 #include "gradient_path.h"
 #include "optimizer_pass.h"
@@ -69,7 +70,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Expected<std::vector<float>> gather_master(std::size_t block) override;
   using ZeroEngine::set_master;
   Status set_master(std::size_t block, float* whole, std::size_t count, int root, const Status& refusal) override;
-  bool has_values(std::size_t block) const override { return block < unset_.size() && !unset_[block]; }
+  bool has_values(std::size_t block) const override { return blocks_.has_values(block); }
   RankAgreement& ranks() override { return *ranks_; }
   std::string describe() const override;
   using ZeroEngine::load_checkpoint;
@@ -166,7 +167,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::unique_ptr<nvme::SwapStore> swap_;
   std::unique_ptr<TieredStore> param16_, grad_, master_, exp_avg_, exp_avg_sq_;
   std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
-  std::vector<bool> unset_;                    // blocks with no values yet (Note [Initial values])
+  detail::BlockTable blocks_;                  // each block's state (Note [Block states])
   std::map<void*, PoolBlock> live_;            // gathered buffers handed out
   std::map<void*, std::chrono::steady_clock::time_point> live_since_;
   // Note [Stream-ordered release]: the stream that waits for readers, the
@@ -188,7 +189,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // applies when resuming a run that never set one.
   bool lr_set_by_caller_ = false;
 
-  std::vector<bool> grad_fresh_;               // reduced in this accumulation window
   std::unique_ptr<detail::OptimizerPass> optimizer_;  // CPU or GPU (optimizer_pass.h)
   int micro_ = 0;
   std::int64_t step_ = 0;

@@ -171,8 +171,6 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
        .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
        .timeline = &timeline_},
       gpu_optimizer_);
-  const std::size_t blocks = layout_.blocks.size();
-  grad_fresh_.assign(blocks, false);
   TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
   TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());
   comm_thread_ = std::make_unique<detail::TaskThread>("comm");
@@ -224,7 +222,8 @@ Status ZeroEngineImpl::init_states(const ParamInit& init) {
   const int rank = comm_->rank();
   const InitialValues from = options_.initial_values;
   persistent_.resize(layout_.blocks.size());
-  unset_.assign(layout_.blocks.size(), from == InitialValues::kSetLater);
+  blocks_ = detail::BlockTable(layout_, from == InitialValues::kSetLater ? detail::BlockState::kUnset
+                                                                          : detail::BlockState::kIdle);
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     const BlockLayout& block = layout_.blocks[b];
     std::vector<float> whole;
