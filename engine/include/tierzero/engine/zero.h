@@ -302,6 +302,7 @@ class ZeroEngine {
   virtual Expected<GatheredBlock> fetch(std::size_t block, FetchFor purpose) = 0;
   Expected<GatheredBlock> fetch(std::size_t block) { return fetch(block, FetchFor::kTraining); }
   virtual Expected<GradBlock> grad_buffer(std::size_t block) = 0;
+  // Refused (FailedPrecondition) for a block with no values yet (Note [Initial values]).
   virtual Status reduce_grads(GradBlock grads) = 0;
   // Ends a micro-batch; at the accumulation boundary runs the optimizer.
   virtual Expected<StepReport> step() = 0;
