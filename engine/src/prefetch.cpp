@@ -215,7 +215,9 @@ Status Prefetcher::wait_ready(Entry& e, Clock::time_point start) {
   waits_.gather += span(h2d, end);
   ++waits_.fetches;
   const std::uint64_t shard = deps_.param16->shard_bytes(e.block);
-  waits_.h2d_bytes += shard;
+  // Parameters that live in device memory are copied within it, not up from
+  // the host: host-to-device counts only what crosses (as the planner does).
+  if (deps_.param16->tier() != Tier::kGpu) waits_.h2d_bytes += shard;
   waits_.gather_bytes += shard * static_cast<std::uint64_t>(deps_.comm->size() - 1);
   return ok_status();
 }

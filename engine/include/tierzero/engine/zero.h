@@ -222,7 +222,7 @@ struct StepReport {
   // flight (Note [Busy time]): the bytes over them are the rates the drives
   // gave while the engine asked.
   double nvme_read_busy_seconds = 0, nvme_write_busy_seconds = 0;
-  std::uint64_t h2d_bytes = 0;         // 16-bit shards copied up for gathering
+  std::uint64_t h2d_bytes = 0;         // 16-bit shards copied up from the host for gathering (0: params on the GPU)
   std::uint64_t gather_bytes = 0;      // received by all-gathers
   // Seconds fetch() waited on each stage since the last report (the stage
   // still running when the wait ended owns that part of the wait).
