@@ -2,10 +2,8 @@
 
 #include <cstdint>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
 #include "tierzero/comm/host_collectives.h"
+#include "tierzero/nvme.h"
 
 namespace tz {
 
@@ -26,7 +24,7 @@ Status RankAgreement::agree_on(const std::string& value, std::string_view what, 
                                std::string_view advice) {
   // The largest and the smallest of the ranks' hashes (as max of h and of -h):
   // equal when all ranks agree. Shifted to 62 bits so -h cannot overflow.
-  const auto h = static_cast<std::int64_t>(XXH3_64bits(value.data(), value.size()) >> 2);
+  const auto h = static_cast<std::int64_t>(nvme::checksum(value.data(), value.size()) >> 2);
   std::int64_t extremes[2] = {h, -h};
   TZ_TRY(run([&] {
     return detail::all_reduce_host(comm_, device_, device_pool_, extremes, 2, DType::kInt64, ReduceOp::kMax);

@@ -26,6 +26,18 @@ std::optional<std::size_t> BlockTable::first(BlockState state) const {
   return static_cast<std::size_t>(it - states_.begin());
 }
 
+Status BlockTable::check_set(std::size_t block, std::string_view what) const {
+  if (has_values(block)) return ok_status();
+  return failed_precondition("{}: block '{}' has no values yet (the engine was made with initial_values = kSetLater, "
+                             "and {} of its {} blocks are still unset): set_master() it, or load a checkpoint",
+                             what, layout_->blocks[block].name, count(BlockState::kUnset), states_.size());
+}
+
+Status BlockTable::check_all_set(std::string_view what) const {
+  const std::optional<std::size_t> unset = first(BlockState::kUnset);
+  return unset ? check_set(*unset, what) : ok_status();
+}
+
 void BlockTable::set_values(std::size_t block) {
   if (states_[block] == BlockState::kUnset) states_[block] = BlockState::kIdle;  // kIdle and kReduced stay
 }
@@ -33,8 +45,7 @@ void BlockTable::set_values(std::size_t block) {
 Expected<bool> BlockTable::reduce(std::size_t block, std::string_view what) {
   switch (states_[block]) {
     case BlockState::kUnset:
-      return failed_precondition("{}: block '{}' has no values yet (set_master() it, or load a checkpoint)", what,
-                                 layout_->blocks[block].name);
+      return check_set(block, what);
     case BlockState::kIdle:
       states_[block] = BlockState::kReduced;
       return true;

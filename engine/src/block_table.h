@@ -46,12 +46,16 @@ class BlockTable {
   bool has_values(std::size_t block) const { return block < states_.size() && states_[block] != BlockState::kUnset; }
   std::size_t count(BlockState state) const;
   std::optional<std::size_t> first(BlockState state) const;
+  // Note [Initial values]: FailedPrecondition while `block` (or any block)
+  // has no values yet, naming it, `what` asked, and how many are unset.
+  Status check_set(std::size_t block, std::string_view what) const;
+  Status check_all_set(std::string_view what) const;
 
   // set_master wrote the block's values.
   void set_values(std::size_t block);
   // A gradient of the block reached the gradient path: true when it is the
-  // window's first (the accumulator starts from it). FailedPrecondition on a
-  // kUnset block, naming it and `what`.
+  // window's first (the accumulator starts from it). check_set's refusal on a
+  // kUnset block.
   Expected<bool> reduce(std::size_t block, std::string_view what);
   // The accumulation window ended: every kReduced block is kIdle again.
   void end_window();

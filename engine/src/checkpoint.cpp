@@ -61,7 +61,7 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   const std::string bin = fmt::format("{}/rank-{}.bin", dir, rank);
   nlohmann::json blocks = nlohmann::json::array();
   // Aligned, so the writer takes the states straight from it (Note [Checkpoint files bypass the page cache]).
-  TZ_ASSIGN_OR_RETURN(AlignedFloats memory, aligned_floats(largest_shard_numel()));
+  TZ_ASSIGN_OR_RETURN(AlignedFloats memory, aligned_floats(layout_.largest_shard_numel()));
   float* const buffer = memory.get();
   const TieredStore* const stores[3] = {master_.get(), exp_avg_.get(), exp_avg_sq_.get()};
   std::uint64_t offset = 0;
@@ -97,12 +97,6 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   return write_file_synced(fmt::format("{}/rank-{}.json", dir, rank), manifest.dump(1));
 }
 
-std::uint64_t ZeroEngineImpl::largest_shard_numel() const {
-  std::uint64_t n = 0;
-  for (const BlockLayout& b : layout_.blocks) n = std::max(n, b.shard_numel);
-  return n;
-}
-
 Status ZeroEngineImpl::prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial) {
   std::error_code ec;
   const bool replacing = fs::exists(final_dir, ec);
@@ -125,7 +119,7 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
                                "save after a step",
                                micro_, gas_);
   }
-  TZ_TRY(check_all_values_set("save_checkpoint"));
+  TZ_TRY(blocks_.check_all_set("save_checkpoint"));
   TZ_TRY(check_path(dir, "save_checkpoint"));
   // Without a tag, a fresh name even when this step was saved before (an
   // fp16-skipped step does not advance it), so no complete checkpoint is
@@ -231,7 +225,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
 }
 
 Status ZeroEngineImpl::put_rank_file(const detail::RankFile& file) {
-  TZ_ASSIGN_OR_RETURN(AlignedFloats buffer, aligned_floats(largest_shard_numel()));
+  TZ_ASSIGN_OR_RETURN(AlignedFloats buffer, aligned_floats(layout_.largest_shard_numel()));
   TieredStore* const stores[3] = {master_.get(), exp_avg_.get(), exp_avg_sq_.get()};
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     const std::string& name = layout_.blocks[b].name;
@@ -302,7 +296,7 @@ Expected<std::vector<std::vector<std::string>>> export_names(const ModelLayout& 
 
 Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::vector<std::vector<std::string>>& names) {
   // Every rank takes part in the gathers below, or none does.
-  TZ_TRY(check_all_values_set("export_safetensors"));  // the same on every rank
+  TZ_TRY(blocks_.check_all_set("export_safetensors"));  // the same on every rank
   Expected<std::vector<std::vector<std::string>>> tensor_names = export_names(layout_, names);
   const Status checked = tensor_names.ok() ? check_path(path, "export_safetensors") : tensor_names.status();
   TZ_TRY(agree(checked, "exporting " + path));

@@ -442,9 +442,7 @@ Status read_rank_file_json(const std::string& dir, const RankExpect& expect, Ran
   for (std::size_t b = 0; b < layout.blocks.size(); ++b) TZ_TRY(read_block_entry(dir, m["blocks"][b], b, expect, m, file));
   TZ_TRY(read_progress(dir, m, file));
   // Every state once, before anything is replaced (Note [Streamed checkpoints]).
-  std::uint64_t largest = 0;
-  for (const BlockLayout& b : layout.blocks) largest = std::max(largest, b.shard_numel);
-  TZ_ASSIGN_OR_RETURN(AlignedFloats buffer, aligned_floats(largest));
+  TZ_ASSIGN_OR_RETURN(AlignedFloats buffer, aligned_floats(layout.largest_shard_numel()));
   for (std::size_t b = 0; b < layout.blocks.size(); ++b) {
     for (int k = 0; k < 3; ++k) {
       if (file.states[b * 3 + k]) TZ_TRY(read_state(file, b, k, layout.blocks[b].name, buffer.get()));

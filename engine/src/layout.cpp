@@ -7,6 +7,7 @@
 // multiples of 32 elements so each view is 64-byte aligned (vector loads, and
 // cuBLAS's preferred alignment); shards are multiples of 2048 elements so a
 // 16-bit shard is whole 4 KiB pages for O_DIRECT and an fp32 one whole 8 KiB.
+#include <algorithm>
 #include <set>
 
 #include <fmt/ranges.h>
@@ -79,6 +80,12 @@ std::vector<std::uint64_t> ModelLayout::block_numel() const {
   out.reserve(blocks.size());
   for (const BlockLayout& b : blocks) out.push_back(b.param_numel);
   return out;
+}
+
+std::uint64_t ModelLayout::largest_shard_numel() const {
+  std::uint64_t n = 0;
+  for (const BlockLayout& b : blocks) n = std::max(n, b.shard_numel);
+  return n;
 }
 
 }  // namespace tz

@@ -54,10 +54,9 @@ Expected<bool> ZeroEngineImpl::global_norm(double& norm) {
 Expected<StepReport> ZeroEngineImpl::step() {
   StepReport report;
   TZ_TRY(release_failure());  // Note [Stream-ordered release]
-  TZ_TRY(check_all_values_set("step"));
+  TZ_TRY(blocks_.check_all_set("step"));
   // Every gradient of this micro-batch has reached its accumulator.
-  TZ_TRY(comm_thread_->wait_idle());
-  TZ_TRY(grad_thread_->wait_idle());
+  TZ_TRY(grads_->wait());
   if (++micro_ < gas_) {
     TZ_TRY(prefetcher_->end_micro_batch());
     report.step = step_;

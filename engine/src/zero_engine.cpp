@@ -88,19 +88,6 @@ ZeroEngineImpl::~ZeroEngineImpl() {
 
 Status ZeroEngineImpl::sync() { return device_->synchronize_stream(*stream_); }
 
-Status ZeroEngineImpl::check_values_set(std::size_t block, std::string_view what) const {
-  if (blocks_.has_values(block)) return ok_status();
-  return failed_precondition("{}: block '{}' has no values yet (the engine was made with initial_values = kSetLater, "
-                             "and {} of its {} blocks are still unset): set_master() it, or load a checkpoint",
-                             what, layout_.blocks[block].name, blocks_.count(detail::BlockState::kUnset),
-                             layout_.blocks.size());
-}
-
-Status ZeroEngineImpl::check_all_values_set(std::string_view what) const {
-  const std::optional<std::size_t> first = blocks_.first(detail::BlockState::kUnset);
-  return first ? check_values_set(*first, what) : ok_status();
-}
-
 Status ZeroEngineImpl::put_weights(std::size_t block, const float* shard) {
   TZ_TRY(put(*master_, block, shard));
   return put(*param16_, block, to_param_type(shard, layout_.blocks[block].shard_numel, param_type_).data());
@@ -123,7 +110,7 @@ Expected<GatheredBlock> ZeroEngineImpl::fetch(std::size_t block, FetchFor purpos
     return invalid_argument("fetch: block {} does not exist (the model has {})", block, layout_.blocks.size());
   }
   TZ_TRY(release_failure());
-  TZ_TRY(check_values_set(block, "fetch"));
+  TZ_TRY(blocks_.check_set(block, "fetch"));
   const BlockLayout& b = layout_.blocks[block];
   if (persistent_[block].valid()) {
     return GatheredBlock(this, block, persistent_[block].data(), param_type_, &b, /*persistent=*/true);
@@ -213,14 +200,13 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   TZ_TRY(release_failure());
   TZ_TRY(grads_->error());
   const std::size_t block = grads.block();
-  TZ_TRY(check_values_set(block, "reduce_grads"));
   TZ_ASSIGN_OR_RETURN(const bool first, blocks_.reduce(block, "reduce_grads"));  // Note [Block states]
   return grads_->reduce(block, std::move(grads.buffer_), first);  // gradient_path.h
 }
 
 Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {
   if (block >= layout_.blocks.size()) return invalid_argument("gather_master: block {} does not exist", block);
-  TZ_TRY(check_values_set(block, "gather_master"));
+  TZ_TRY(blocks_.check_set(block, "gather_master"));
   const BlockLayout& b = layout_.blocks[block];
   std::vector<float> whole(b.whole_numel);
   float* mine = whole.data() + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;

@@ -94,7 +94,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   }
 
  private:
-
   // --- creation (zero_engine_setup.cpp)
   Status make_device_and_comm();
   Status make_plan();
@@ -110,10 +109,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // This rank's shard of `block`'s fp32 master weights, and the 16-bit
   // parameters as the optimizer's copy-out writes them: the masters rounded.
   Status put_weights(std::size_t block, const float* shard);
-  // Note [Initial values]: refused while the block (or any block) has no
-  // values yet, naming it and `what`.
-  Status check_values_set(std::size_t block, std::string_view what) const;
-  Status check_all_values_set(std::string_view what) const;
   // Gathers every persistent block's 16-bit parameters; with unset_too, also
   // those of blocks still marked unset (a load that has just written them).
   Status gather_persistent(bool unset_too = false);
@@ -129,7 +124,6 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // Rank 0 makes `partial` ready for a save to `final_dir` (Note [Replacing a checkpoint]).
   Status prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial);
   Status write_rank_files(const std::string& dir);
-  std::uint64_t largest_shard_numel() const;
   // Checks this rank's manifest against the model, opens its .bin file and
   // verifies every state the load needs (Note [Streamed checkpoints]).
   // weights_only: the masters alone are needed (and the optimizer may differ).
@@ -211,6 +205,5 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
 
 // fp32 values in the parameter type (rounded to nearest even for 16-bit).
 std::vector<std::uint8_t> to_param_type(const float* src, std::size_t n, DType type);
-
 
 }  // namespace tz

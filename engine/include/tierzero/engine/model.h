@@ -72,6 +72,8 @@ struct ModelLayout {
 
   // Elements per block in planner order (tz::PlanInput::block_numel).
   std::vector<std::uint64_t> block_numel() const;
+  // The largest block's shard_numel (a buffer that holds any one shard).
+  std::uint64_t largest_shard_numel() const;
 };
 
 }  // namespace tz

@@ -37,7 +37,7 @@
 
 namespace tz {
 
-// NVMe bytes moved by the stores that share it, since the last take().
+// NVMe bytes moved by the stores that share it, since the last reset().
 struct NvmeTraffic {
   std::atomic<std::uint64_t> read_bytes{0}, write_bytes{0};
   void reset() { read_bytes = write_bytes = 0; }
