@@ -2,8 +2,8 @@
 //
 // Each kernels_<isa>.cpp is compiled with its own -m flags and exports one
 // table of function pointers, one entry per (algorithm kind, gradient dtype,
-// moment dtype, copy-out) combination, so every dtype branch is taken once per
-// tile, outside the element loop. See Note [One object per instruction set]
+// moment dtype, parameter layout) combination, so every dtype branch is taken
+// once per tile, outside the element loop. See Note [One object per instruction set]
 // in kernel_impl.h.
 #pragma once
 
@@ -19,8 +19,14 @@ namespace tz::cpu_adam::detail {
 enum class Kind : std::uint8_t { kAdamL2, kAdamL2Ams, kAdamW, kAdamWAms, kAdagrad, kLion };
 inline constexpr std::size_t kKinds = 6;
 
-enum class Copy : std::uint8_t { kNone, kBf16, kFp16 };
-inline constexpr std::size_t kCopies = 3;
+// Where the master lives and what is written beside it.
+enum class ParamLayout : std::uint8_t {
+  kFp32,           // fp32 master in param, no 16-bit copy
+  kFp32CopyBf16,   // fp32 master, bf16 copy-out to param16
+  kFp32CopyFp16,   // fp32 master, fp16 copy-out to param16
+  kBf16Remainder,  // bf16 param16 + remainder + tie bits (Note [Remainder masters])
+};
+inline constexpr std::size_t kParamLayouts = 4;
 inline constexpr std::size_t kGradDtypes = 3;    // fp32, bf16, fp16 (DType order)
 inline constexpr std::size_t kMomentDtypes = 2;  // fp32, bf16 (DType order)
 
@@ -40,12 +46,14 @@ struct StepConsts {
 // Base pointers of one call's spans (element i is base + i). Spans the kind
 // does not use may be null.
 struct StepPtrs {
-  float* param = nullptr;         // (n,) fp32
+  float* param = nullptr;         // (n,) fp32, the kFp32* layouts only
   const void* grad = nullptr;     // (n,) grad dtype
   void* exp_avg = nullptr;        // (n,) moment dtype
   void* exp_avg_sq = nullptr;     // (n,) moment dtype
   float* max_exp_avg_sq = nullptr;  // (n,) fp32, amsgrad kinds only
-  void* param16 = nullptr;        // (n,) copy-out dtype, null for Copy::kNone
+  void* param16 = nullptr;        // (n,) copy-out dtype, or the bf16 parameters of kBf16Remainder; null for kFp32
+  std::int16_t* remainder = nullptr;  // (n,), kBf16Remainder only
+  std::uint8_t* tie_bits = nullptr;   // (ceil(n / 8),) bytes, kBf16Remainder only
 };
 
 struct AccPtrs {
@@ -61,14 +69,15 @@ struct alignas(64) TileStat {
   bool non_finite = false;
 };
 
-// Updates elements [begin, end) of the spans.
+// Updates elements [begin, end) of the spans. With kBf16Remainder, begin is
+// a multiple of 8 (a tile start): tie-bit bytes belong to one call.
 using StepFn = void (*)(const StepConsts& consts, const StepPtrs& ptrs, std::size_t begin, std::size_t end);
 // Accumulates elements [begin, end) and reports their statistics.
 using AccFn = TileStat (*)(const AccPtrs& ptrs, std::size_t begin, std::size_t end);
 
 struct KernelTable {
   Simd simd = Simd::kScalar;
-  StepFn step[kKinds][kGradDtypes][kMomentDtypes][kCopies] = {};
+  StepFn step[kKinds][kGradDtypes][kMomentDtypes][kParamLayouts] = {};
   AccFn accumulate[kGradDtypes][2] = {};  // [grad dtype][overwrite]
 };
 

@@ -20,7 +20,8 @@
 // non-temporal stores) is copied into zero-padded stack buffers, run through
 // the same vector body, and copied back, so every element gets the same
 // arithmetic whatever its position, tile or thread count. Zero padding is
-// harmless: every formula maps zero state and gradient to finite values.
+// harmless: every formula maps zero state and gradient to finite values (and
+// a zero bf16 parameter, remainder and tie bit are the master +0).
 #pragma once
 
 #include <cstddef>
@@ -83,15 +84,66 @@ TZ_ADAM_INLINE void store_as(void* base, std::size_t i, const typename O::V& x) 
   }
 }
 
-template <Copy C>
-inline constexpr DType kCopyDtype = C == Copy::kBf16 ? DType::kBf16 : DType::kFp16;
+template <ParamLayout L>
+inline constexpr bool kCopiesOut = L == ParamLayout::kFp32CopyBf16 || L == ParamLayout::kFp32CopyFp16;
+template <ParamLayout L>
+inline constexpr DType kCopyDtype = L == ParamLayout::kFp32CopyBf16 ? DType::kBf16 : DType::kFp16;
+template <ParamLayout L>
+inline constexpr bool kRemainder = L == ParamLayout::kBf16Remainder;
+
+// The tie bits of the kLanes elements from i, bit k for element i + k (Note
+// [Remainder masters]). i - begin is a multiple of kLanes and begin of 8, so a
+// vector of 8 or more lanes starts a byte, and a narrower one lies in one.
+template <class O>
+TZ_ADAM_INLINE std::uint32_t load_tie_bits(const std::uint8_t* ties, std::size_t i) {
+  constexpr std::size_t kL = O::kLanes;
+  if constexpr (kL >= 8) {
+    std::uint32_t bits = 0;
+    for (std::size_t b = 0; b < kL / 8; ++b) bits |= static_cast<std::uint32_t>(ties[i / 8 + b]) << (8 * b);
+    return bits;
+  } else {
+    return (static_cast<std::uint32_t>(ties[i / 8]) >> (i % 8)) & ((1U << kL) - 1);
+  }
+}
+
+template <class O>
+TZ_ADAM_INLINE void store_tie_bits(std::uint8_t* ties, std::size_t i, std::uint32_t bits) {
+  constexpr std::size_t kL = O::kLanes;
+  if constexpr (kL >= 8) {
+    for (std::size_t b = 0; b < kL / 8; ++b) ties[i / 8 + b] = static_cast<std::uint8_t>(bits >> (8 * b));
+  } else {
+    const auto keep = static_cast<std::uint32_t>(~(((1U << kL) - 1) << (i % 8)));
+    ties[i / 8] = static_cast<std::uint8_t>((ties[i / 8] & keep) | (bits << (i % 8)));
+  }
+}
+
+// The master of one vector, from where layout L keeps it.
+template <class O, ParamLayout L>
+TZ_ADAM_INLINE typename O::V load_master(const StepPtrs& s, std::size_t i) {
+  if constexpr (kRemainder<L>) {
+    return O::load_master(static_cast<const std::uint16_t*>(s.param16) + i, s.remainder + i,
+                          load_tie_bits<O>(s.tie_bits, i));
+  } else {
+    return O::load(s.param + i);
+  }
+}
+
+template <class O, ParamLayout L>
+TZ_ADAM_INLINE void store_master(const StepPtrs& s, std::size_t i, const typename O::V& p) {
+  if constexpr (kRemainder<L>) {
+    store_tie_bits<O>(s.tie_bits, i, O::store_master(static_cast<std::uint16_t*>(s.param16) + i, s.remainder + i, p));
+  } else {
+    O::store(s.param + i, p);
+  }
+}
 
 // One vector of the step at element i (tierzero/cpu_adam.h has the formulas):
-// updates the state in place and returns the new parameters for the copy-out.
-template <class O, Kind K, DType G, DType M>
+// updates the master and the state in place and returns the new parameters
+// for the copy-out.
+template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s, std::size_t i) {
   using V = typename O::V;
-  V p = O::load(s.param + i);
+  V p = load_master<O, L>(s, i);
   V g = load_as<O, G>(s.grad, i) * k.scale;
   if constexpr (K == Kind::kLion) {
     V m = load_as<O, M>(s.exp_avg, i);
@@ -128,15 +180,15 @@ TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s,
     store_as<O, M>(s.exp_avg, i, m);
     store_as<O, M>(s.exp_avg_sq, i, v);
   }
-  O::store(s.param + i, p);
+  store_master<O, L>(s, i, p);
   return p;
 }
 
 // One vector with a plain store of its copy-out.
-template <class O, Kind K, DType G, DType M, Copy C>
+template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE void step_block(const VConsts<O>& k, const StepPtrs& s, std::size_t i) {
-  const typename O::V p = step_vector<O, K, G, M>(k, s, i);
-  if constexpr (C != Copy::kNone) store_as<O, kCopyDtype<C>>(s.param16, i, p);
+  const typename O::V p = step_vector<O, K, G, M, L>(k, s, i);
+  if constexpr (kCopiesOut<L>) store_as<O, kCopyDtype<L>>(s.param16, i, p);
 }
 
 TZ_ADAM_INLINE void copy_elems(void* dst, const void* src, std::size_t offset_elems, std::size_t count, std::size_t bytes) {
@@ -146,8 +198,19 @@ TZ_ADAM_INLINE void copy_back(void* dst, std::size_t offset_elems, const void* s
   std::memcpy(static_cast<unsigned char*>(dst) + offset_elems * bytes, src, count * bytes);
 }
 
+// count tie bits from bit `from` of `src` to bit `to` of `dst`, one by one
+// (tails only), leaving dst's other bits as they are.
+TZ_ADAM_INLINE void copy_bits(std::uint8_t* dst, std::size_t to, const std::uint8_t* src, std::size_t from,
+                              std::size_t count) {
+  for (std::size_t b = 0; b < count; ++b) {
+    const std::size_t d = to + b, f = from + b;
+    const auto bit = static_cast<std::uint8_t>(1U << (d % 8));
+    dst[d / 8] = static_cast<std::uint8_t>((src[f / 8] >> (f % 8)) & 1U ? dst[d / 8] | bit : dst[d / 8] & ~bit);
+  }
+}
+
 // count < kLanes elements at i, through zero-padded buffers (Note [Tails and unaligned spans]).
-template <class O, Kind K, DType G, DType M, Copy C>
+template <class O, Kind K, DType G, DType M, ParamLayout L>
 void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::size_t count) {
   constexpr std::size_t kL = O::kLanes;
   constexpr std::size_t kM = kElemBytes<M>;
@@ -157,36 +220,49 @@ void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::siz
   alignas(64) Elem<M> m[kL] = {};
   alignas(64) Elem<M> v[kL] = {};
   alignas(64) std::uint16_t p16[kL] = {};
-  const StepPtrs t{param, grad, m, v, vmax, p16};
-  copy_elems(param, s.param, i, count, 4);
+  alignas(64) std::int16_t rem[kL] = {};
+  alignas(64) std::uint8_t ties[(kL + 7) / 8] = {};
+  const StepPtrs t{param, grad, m, v, vmax, p16, rem, ties};
+  if constexpr (kRemainder<L>) {
+    copy_elems(p16, s.param16, i, count, 2);
+    copy_elems(rem, s.remainder, i, count, 2);
+    copy_bits(ties, 0, s.tie_bits, i, count);
+  } else {
+    copy_elems(param, s.param, i, count, 4);
+  }
   copy_elems(grad, s.grad, i, count, kElemBytes<G>);
   if constexpr (kUsesExpAvg<K>) copy_elems(m, s.exp_avg, i, count, kM);
   if constexpr (kUsesExpAvgSq<K>) copy_elems(v, s.exp_avg_sq, i, count, kM);
   if constexpr (kAmsgrad<K>) copy_elems(vmax, s.max_exp_avg_sq, i, count, 4);
-  step_block<O, K, G, M, C>(k, t, 0);
-  copy_back(s.param, i, param, count, 4);
+  step_block<O, K, G, M, L>(k, t, 0);
+  if constexpr (kRemainder<L>) {
+    copy_back(s.remainder, i, rem, count, 2);
+    copy_bits(s.tie_bits, i, ties, 0, count);
+  } else {
+    copy_back(s.param, i, param, count, 4);
+  }
   if constexpr (kUsesExpAvg<K>) copy_back(s.exp_avg, i, m, count, kM);
   if constexpr (kUsesExpAvgSq<K>) copy_back(s.exp_avg_sq, i, v, count, kM);
   if constexpr (kAmsgrad<K>) copy_back(s.max_exp_avg_sq, i, vmax, count, 4);
-  if constexpr (C != Copy::kNone) copy_back(s.param16, i, p16, count, 2);
+  if constexpr (L != ParamLayout::kFp32) copy_back(s.param16, i, p16, count, 2);
 }
 
 // Elements [begin, end) with plain stores.
-template <class O, Kind K, DType G, DType M, Copy C>
+template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE void step_plain(const VConsts<O>& k, const StepPtrs& s, std::size_t begin, std::size_t end) {
   std::size_t i = begin;
-  for (; i + O::kLanes <= end; i += O::kLanes) step_block<O, K, G, M, C>(k, s, i);
-  if (i < end) step_partial<O, K, G, M, C>(k, s, i, end - i);
+  for (; i + O::kLanes <= end; i += O::kLanes) step_block<O, K, G, M, L>(k, s, i);
+  if (i < end) step_partial<O, K, G, M, L>(k, s, i, end - i);
 }
 
 // A StepFn: elements [begin, end).
-template <class O, Kind K, DType G, DType M, Copy C>
+template <class O, Kind K, DType G, DType M, ParamLayout L>
 void step_range(const StepConsts& consts, const StepPtrs& ptrs, std::size_t begin, std::size_t end) {
   const VConsts<O> k(consts);
   // A local copy whose address never escapes: the vector stores (may-alias
   // types) cannot change it, so the pointers stay in registers.
   const StepPtrs s = ptrs;
-  if constexpr (O::kStream && C != Copy::kNone) {
+  if constexpr (O::kStream && kCopiesOut<L>) {
     // Note [Non-temporal copy-out]: the 16-bit copy is written once and read
     // by the engine's upload, not by us, so it bypasses the cache: whole
     // 64-byte lines of non-temporal stores, which need no read of the line
@@ -195,16 +271,20 @@ void step_range(const StepConsts& consts, const StepPtrs& ptrs, std::size_t begi
     const std::size_t misalign = reinterpret_cast<std::uintptr_t>(p16 + begin) % 64;
     std::size_t i = begin + (misalign == 0 ? 0 : (64 - misalign) / sizeof(std::uint16_t));
     if (i > end) i = end;
-    step_plain<O, K, G, M, C>(k, s, begin, i);
+    step_plain<O, K, G, M, L>(k, s, begin, i);
     for (; i + O::kLineElems <= end; i += O::kLineElems) {
       typename O::V line[O::kLineVectors];
-      for (std::size_t v = 0; v < O::kLineVectors; ++v) line[v] = step_vector<O, K, G, M>(k, s, i + v * O::kLanes);
-      O::template stream_line<kCopyDtype<C>>(p16 + i, line);
+      for (std::size_t v = 0; v < O::kLineVectors; ++v) {
+        line[v] = step_vector<O, K, G, M, L>(k, s, i + v * O::kLanes);
+      }
+      O::template stream_line<kCopyDtype<L>>(p16 + i, line);
     }
-    step_plain<O, K, G, M, C>(k, s, i, end);
+    step_plain<O, K, G, M, L>(k, s, i, end);
     O::fence();
   } else {
-    step_plain<O, K, G, M, C>(k, s, begin, end);
+    // No non-temporal stores for the remainder layout: its bf16 parameters
+    // were just read, so their lines are in the cache already.
+    step_plain<O, K, G, M, L>(k, s, begin, end);
   }
 }
 
@@ -276,11 +356,11 @@ TileStat acc_range(const AccPtrs& ptrs, std::size_t begin, std::size_t end) {
 
 template <class O, std::size_t... I>
 constexpr void fill_steps(KernelTable& t, std::index_sequence<I...>) {
-  constexpr std::size_t kPerKind = kGradDtypes * kMomentDtypes * kCopies;
-  constexpr std::size_t kPerGrad = kMomentDtypes * kCopies;
-  ((t.step[I / kPerKind][I / kPerGrad % kGradDtypes][I / kCopies % kMomentDtypes][I % kCopies] =
+  constexpr std::size_t kPerKind = kGradDtypes * kMomentDtypes * kParamLayouts;
+  constexpr std::size_t kPerGrad = kMomentDtypes * kParamLayouts;
+  ((t.step[I / kPerKind][I / kPerGrad % kGradDtypes][I / kParamLayouts % kMomentDtypes][I % kParamLayouts] =
         &step_range<O, static_cast<Kind>(I / kPerKind), static_cast<DType>(I / kPerGrad % kGradDtypes),
-                    static_cast<DType>(I / kCopies % kMomentDtypes), static_cast<Copy>(I % kCopies)>),
+                    static_cast<DType>(I / kParamLayouts % kMomentDtypes), static_cast<ParamLayout>(I % kParamLayouts)>),
    ...);
 }
 
@@ -288,7 +368,7 @@ template <class O>
 constexpr KernelTable make_table(Simd simd) {
   KernelTable t{};
   t.simd = simd;
-  fill_steps<O>(t, std::make_index_sequence<kKinds * kGradDtypes * kMomentDtypes * kCopies>{});
+  fill_steps<O>(t, std::make_index_sequence<kKinds * kGradDtypes * kMomentDtypes * kParamLayouts>{});
   t.accumulate[0][0] = &acc_range<O, DType::kFp32, false>;
   t.accumulate[0][1] = &acc_range<O, DType::kFp32, true>;
   t.accumulate[1][0] = &acc_range<O, DType::kBf16, false>;

@@ -26,6 +26,10 @@ using detail::TileStat;
 constexpr std::size_t kMinTileElems = 16 * 1024;
 constexpr std::size_t kMaxTileElems = 64 * 1024;
 constexpr std::size_t kTileQuantum = 64;  // elements: a cache line of fp32, two of bf16 grads
+// Tiles start at multiples of 8 elements, so each tie-bit byte of a remainder
+// master belongs to one tile (Note [Remainder masters]); create() keeps
+// Options::tile_elems a multiple of 16 for the same reason.
+static_assert(kTileQuantum % 8 == 0);
 
 std::size_t l2_cache_bytes() {
   const long l2 = ::sysconf(_SC_LEVEL2_CACHE_SIZE);
@@ -105,20 +109,23 @@ Status CpuOptimizerImpl::step(const Hyper& hyper, const StepArgs& args, const Sp
 
   const detail::Kind kind = detail::kind_of(hyper);
   const bool adagrad = hyper.algorithm == Algorithm::kAdagrad, lion = hyper.algorithm == Algorithm::kLion;
-  const auto copy = spans.param16 == nullptr                  ? detail::Copy::kNone
-                    : spans.param16_dtype == DType::kBf16 ? detail::Copy::kBf16
-                                                              : detail::Copy::kFp16;
+  const bool remainder = spans.master_format == MasterFormat::kRemainder;
+  const detail::ParamLayout layout = detail::param_layout_of(spans);
   const detail::StepFn fn = table_.step[static_cast<std::size_t>(kind)][static_cast<std::size_t>(spans.grad_dtype)]
-                                       [static_cast<std::size_t>(spans.moment_dtype)][static_cast<std::size_t>(copy)];
-  const detail::StepPtrs ptrs{spans.param,
+                                       [static_cast<std::size_t>(spans.moment_dtype)][static_cast<std::size_t>(layout)];
+  const detail::StepPtrs ptrs{remainder ? nullptr : spans.param,
                               spans.grad,
                               adagrad ? nullptr : spans.exp_avg,
                               lion ? nullptr : spans.exp_avg_sq,
                               hyper.amsgrad ? spans.max_exp_avg_sq : nullptr,
-                              spans.param16};
+                              spans.param16,
+                              remainder ? spans.remainder : nullptr,
+                              remainder ? spans.tie_bits : nullptr};
   const std::size_t moment = dtype_bytes(spans.moment_dtype);
-  const std::size_t bytes = 4 + dtype_bytes(spans.grad_dtype) + (adagrad ? 0 : moment) + (lion ? 0 : moment) +
-                            (hyper.amsgrad ? 4 : 0) + (spans.param16 != nullptr ? 2 : 0);
+  // The master's arrays: fp32, or bf16 + remainder + tie bits (1/8 B, counted as 1).
+  const std::size_t master = remainder ? 2 + 2 + 1 : 4 + (spans.param16 != nullptr ? 2 : 0);
+  const std::size_t bytes = master + dtype_bytes(spans.grad_dtype) + (adagrad ? 0 : moment) + (lion ? 0 : moment) +
+                            (hyper.amsgrad ? 4 : 0);
   std::lock_guard<std::mutex> lock(mu_);
   return run_tiles(spans.n, tile_for(bytes),
                    [&](std::size_t begin, std::size_t end) { fn(consts, ptrs, begin, end); });
@@ -147,7 +154,7 @@ Expected<GradStats> CpuOptimizerImpl::accumulate_grad(float* acc, const void* gr
 
 Expected<std::unique_ptr<CpuOptimizer>> CpuOptimizer::create(const Options& options) {
   if (options.threads < 0) return invalid_argument("Options::threads = {} must be >= 0 (0: automatic)", options.threads);
-  if (options.tile_elems % 16 != 0) {
+  if (options.tile_elems % 16 != 0) {  // 64 bytes of fp32; also whole tie-bit bytes (Note [Remainder masters])
     return invalid_argument("Options::tile_elems = {} must be a multiple of 16 (0: automatic)", options.tile_elems);
   }
   if (options.numa_node < -1) {

@@ -6,7 +6,11 @@
 //   SSE4.2   pmovzxwd in, packusdw out, fp16 by integer bit manipulation (4 lanes)
 //   scalar   convert.h (1 lane)
 // Every variant rounds bf16 and fp16 the same way (see convert.h), so the
-// copy-out bits do not depend on the variant.
+// copy-out bits do not depend on the variant. The remainder masters (Note
+// [Remainder masters]) are split and joined in 32-bit integer lanes with
+// xsimd's integer batches; only their 16-bit loads and stores and the tie-bit
+// masks use intrinsics (xsimd 8 has no widening loads, narrowing stores or
+// mask-to-bits).
 //
 // Included only by kernel_impl.h, in a translation unit built for one
 // instruction set; the intrinsics of the others are compiled out by the
@@ -19,6 +23,7 @@
 
 #include "convert.h"
 #include "kernel_api.h"
+#include "remainder.h"
 
 #if !defined(TZ_ADAM_SCALAR_ONLY)
 #include <immintrin.h>
@@ -52,12 +57,44 @@ struct ScalarOps {
   TZ_ADAM_INLINE static V sign(V c) { return c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c); }
   TZ_ADAM_INLINE static double sum_lanes(V x) { return static_cast<double>(x); }
   TZ_ADAM_INLINE static void fence() {}
+  // Note [Remainder masters]; the tie is bit 0 of `ties`, and of the result.
+  TZ_ADAM_INLINE static V load_master(const std::uint16_t* h, const std::int16_t* r, std::uint32_t ties) {
+    return join_master(*h, *r, (ties & 1U) != 0);
+  }
+  TZ_ADAM_INLINE static std::uint32_t store_master(std::uint16_t* h, std::int16_t* r, V x) {
+    const SplitMaster split = split_master(x);
+    *h = split.bf16;
+    *r = split.remainder;
+    return split.tie ? 1U : 0U;
+  }
 };
 
 #if !defined(TZ_ADAM_SCALAR_ONLY)
 
-// 16-bit conversions per architecture. Specialised below for the ISA this
-// translation unit is compiled for.
+// bf16 round to nearest even in the low halves of 32-bit lanes: convert.h's
+// recipe lane-wise (NaN: (bits >> 16) | 0x40), for the copy-out and the
+// remainder masters alike.
+template <class A>
+TZ_ADAM_INLINE xsimd::batch<std::uint32_t, A> bf16_lanes(const xsimd::batch<float, A>& x) {
+  using U = xsimd::batch<std::uint32_t, A>;
+  const U bits = xsimd::bitwise_cast<U>(x);
+  const U hi = bits >> 16;
+  const U rounded = (bits + (hi & U(1)) + U(0x7fff)) >> 16;
+  using V = xsimd::batch<float, A>;
+  return xsimd::bitwise_cast<U>(
+      xsimd::select(xsimd::isnan(x), xsimd::bitwise_cast<V>(hi | U(0x40)), xsimd::bitwise_cast<V>(rounded)));
+}
+
+// Lane k of a tie-bit vector tests bit k (Note [Remainder masters]).
+alignas(64) inline constexpr std::uint32_t kLaneBits[16] = {1U << 0,  1U << 1,  1U << 2,  1U << 3, 1U << 4,  1U << 5,
+                                                            1U << 6,  1U << 7,  1U << 8,  1U << 9, 1U << 10, 1U << 11,
+                                                            1U << 12, 1U << 13, 1U << 14, 1U << 15};
+
+// 16-bit loads and stores per architecture. Specialised below for the ISA
+// this translation unit is compiled for. load_u16/load_i16 widen to 32-bit
+// lanes (zero-, sign-extended); store_u16/store_i16 narrow lanes that lie in
+// [0, 0xffff] / [-0x8000, 0x7fff]; mask_bits packs a lane mask to bit k for
+// lane k.
 template <class A>
 struct Cvt;
 
@@ -70,19 +107,25 @@ struct Cvt<xsimd::avx512bw> {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
   TZ_ADAM_INLINE static V load_bf16(const std::uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16(p)), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(load_u16(p), 16));
   }
   TZ_ADAM_INLINE static V load_fp16(const std::uint16_t* p) { return _mm512_cvtph_ps(load16(p)); }
-  // 16 bf16 values, rounded to nearest even (convert.h's recipe, lane-wise).
-  TZ_ADAM_INLINE static __m256i bf16(const V& x) {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i hi = _mm512_srli_epi32(bits, 16);
-    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
+  TZ_ADAM_INLINE static __m512i load_u16(const std::uint16_t* p) { return _mm512_cvtepu16_epi32(load16(p)); }
+  TZ_ADAM_INLINE static __m512i load_i16(const std::int16_t* p) {
+    return _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  // vpmovdw keeps the low halves: exact for both ranges.
+  TZ_ADAM_INLINE static void store_u16(std::uint16_t* p, __m512i x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  }
+  TZ_ADAM_INLINE static void store_i16(std::int16_t* p, __m512i x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  }
+  TZ_ADAM_INLINE static std::uint32_t mask_bits(const xsimd::batch_bool<std::uint32_t, xsimd::avx512bw>& b) {
+    return static_cast<__mmask16>(b);
+  }
+  // 16 bf16 values, rounded to nearest even.
+  TZ_ADAM_INLINE static __m256i bf16(const V& x) { return _mm512_cvtepi32_epi16(bf16_lanes(x)); }
   TZ_ADAM_INLINE static __m256i fp16(const V& x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   TZ_ADAM_INLINE static void store_bf16(std::uint16_t* p, const V& x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16(x));
@@ -109,30 +152,28 @@ struct Cvt<xsimd::fma3<xsimd::avx2>> {
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   }
   TZ_ADAM_INLINE static V load_bf16(const std::uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(p)), 16));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(load_u16(p), 16));
   }
   TZ_ADAM_INLINE static V load_fp16(const std::uint16_t* p) { return _mm256_cvtph_ps(load16(p)); }
-  // 8 bf16 values in the low halves of 32-bit lanes, rounded to nearest even.
-  TZ_ADAM_INLINE static __m256i bf16_lanes(const V& x) {
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i hi = _mm256_srli_epi32(bits, 16);
-    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+  TZ_ADAM_INLINE static __m256i load_u16(const std::uint16_t* p) { return _mm256_cvtepu16_epi32(load16(p)); }
+  TZ_ADAM_INLINE static __m256i load_i16(const std::int16_t* p) {
+    return _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  // Every lane is < 0x10000, so the unsigned-saturating packs are exact.
-  TZ_ADAM_INLINE static __m128i bf16(const V& x) {
-    const __m256i r = bf16_lanes(x);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  // The saturating packs are exact on lanes within their range.
+  TZ_ADAM_INLINE static void store_u16(std::uint16_t* p, __m256i x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+  }
+  TZ_ADAM_INLINE static void store_i16(std::int16_t* p, __m256i x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+  }
+  TZ_ADAM_INLINE static std::uint32_t mask_bits(const xsimd::batch_bool<std::uint32_t, xsimd::fma3<xsimd::avx2>>& b) {
+    return static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(b)));
   }
   TZ_ADAM_INLINE static __m256i bf16_pair(const V& a, const V& b) {  // 16 values: a's then b's
     return _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_lanes(a), bf16_lanes(b)), 0xd8);
   }
   TZ_ADAM_INLINE static __m128i fp16(const V& x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  TZ_ADAM_INLINE static void store_bf16(std::uint16_t* p, const V& x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16(x));
-  }
+  TZ_ADAM_INLINE static void store_bf16(std::uint16_t* p, const V& x) { store_u16(p, bf16_lanes(x)); }
   TZ_ADAM_INLINE static void store_fp16(std::uint16_t* p, const V& x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), fp16(x));
   }
@@ -155,15 +196,24 @@ template <>
 struct Cvt<xsimd::sse4_2> {
   using V = xsimd::batch<float, xsimd::sse4_2>;
   static constexpr bool kStream = false;
-  TZ_ADAM_INLINE static __m128i load16(const std::uint16_t* p) {
+  TZ_ADAM_INLINE static __m128i load_u16(const std::uint16_t* p) {
     return _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
-  TZ_ADAM_INLINE static void store16(std::uint16_t* p, __m128i r) {
+  TZ_ADAM_INLINE static __m128i load_i16(const std::int16_t* p) {
+    return _mm_cvtepi16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  TZ_ADAM_INLINE static void store_u16(std::uint16_t* p, __m128i r) {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(r, r));
   }
-  TZ_ADAM_INLINE static V load_bf16(const std::uint16_t* p) { return _mm_castsi128_ps(_mm_slli_epi32(load16(p), 16)); }
+  TZ_ADAM_INLINE static void store_i16(std::int16_t* p, __m128i r) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(r, r));
+  }
+  TZ_ADAM_INLINE static std::uint32_t mask_bits(const xsimd::batch_bool<std::uint32_t, xsimd::sse4_2>& b) {
+    return static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(b)));
+  }
+  TZ_ADAM_INLINE static V load_bf16(const std::uint16_t* p) { return _mm_castsi128_ps(_mm_slli_epi32(load_u16(p), 16)); }
   TZ_ADAM_INLINE static V load_fp16(const std::uint16_t* p) {
-    const __m128i h = load16(p);
+    const __m128i h = load_u16(p);
     const __m128i shifted_exp = _mm_set1_epi32(0x7c00 << 13);
     __m128i o = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13);
     const __m128i exp = _mm_and_si128(o, shifted_exp);
@@ -175,14 +225,7 @@ struct Cvt<xsimd::sse4_2> {
     o = _mm_blendv_epi8(o, sub, _mm_cmpeq_epi32(exp, _mm_setzero_si128()));
     return _mm_castsi128_ps(_mm_or_si128(o, _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16)));
   }
-  TZ_ADAM_INLINE static void store_bf16(std::uint16_t* p, V x) {
-    const __m128i bits = _mm_castps_si128(x);
-    const __m128i hi = _mm_srli_epi32(bits, 16);
-    const __m128i bias = _mm_add_epi32(_mm_and_si128(hi, _mm_set1_epi32(1)), _mm_set1_epi32(0x7fff));
-    const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, bias), 16);
-    const __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(x, x));
-    store16(p, _mm_blendv_epi8(rounded, _mm_or_si128(hi, _mm_set1_epi32(0x40)), nan));
-  }
+  TZ_ADAM_INLINE static void store_bf16(std::uint16_t* p, V x) { store_u16(p, bf16_lanes(x)); }
   TZ_ADAM_INLINE static void store_fp16(std::uint16_t* p, V x) {
     const __m128i bits = _mm_castps_si128(x);
     const __m128i sign = _mm_and_si128(bits, _mm_set1_epi32(static_cast<int>(0x80000000U)));
@@ -199,7 +242,7 @@ struct Cvt<xsimd::sse4_2> {
         _mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(static_cast<int>(0xc8000fffU))), odd), 13);
     __m128i o = _mm_blendv_epi8(normal, sub, _mm_cmplt_epi32(u, _mm_set1_epi32(113 << 23)));
     o = _mm_blendv_epi8(o, inf_nan, _mm_cmpgt_epi32(u, _mm_set1_epi32(((127 + 16) << 23) - 1)));
-    store16(p, _mm_or_si128(o, _mm_srli_epi32(sign, 16)));
+    store_u16(p, _mm_or_si128(o, _mm_srli_epi32(sign, 16)));
   }
 };
 #endif
@@ -208,6 +251,8 @@ struct Cvt<xsimd::sse4_2> {
 template <class A>
 struct XsimdOps {
   using V = xsimd::batch<float, A>;
+  using U = xsimd::batch<std::uint32_t, A>;
+  using I = xsimd::batch<std::int32_t, A>;
   using C = Cvt<A>;
   static constexpr std::size_t kLanes = V::size;
   // Non-temporal copy-out: whole 64-byte lines of 16-bit values per group of
@@ -243,6 +288,19 @@ struct XsimdOps {
   // Non-temporal stores are weakly ordered: fence them before the task ends.
   TZ_ADAM_INLINE static void fence() {
     if constexpr (kStream) _mm_sfence();
+  }
+  // Note [Remainder masters], lane-wise; bit k of `ties` (and of the result) is lane k's tie.
+  TZ_ADAM_INLINE static V load_master(const std::uint16_t* h, const std::int16_t* r, std::uint32_t ties) {
+    const U tie = xsimd::select((U(ties) & U::load_aligned(kLaneBits)) != U(0), U(kTieStep), U(0));
+    return xsimd::bitwise_cast<V>((U(C::load_u16(h)) << 16) + U(C::load_i16(r)) + tie);
+  }
+  TZ_ADAM_INLINE static std::uint32_t store_master(std::uint16_t* h, std::int16_t* r, const V& x) {
+    const U bf16 = bf16_lanes(x);
+    const V diff = xsimd::bitwise_cast<V>(xsimd::bitwise_cast<U>(x) - (bf16 << 16));
+    const U d = xsimd::bitwise_cast<U>(xsimd::select(xsimd::isnan(x), V(0.0f), diff));
+    C::store_u16(h, bf16);
+    C::store_i16(r, xsimd::bitwise_cast<I>(d << 16) >> 16);  // int16(d): the tie's +0x8000 becomes -0x8000
+    return C::mask_bits(d == U(kTie));
   }
 };
 

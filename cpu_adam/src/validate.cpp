@@ -74,6 +74,33 @@ Status check_grad_dtype(std::string_view name, DType dtype) {
   return invalid_argument("{} = {} is not a dtype (fp32, bf16 or fp16)", name, static_cast<int>(dtype));
 }
 
+// The remainder format's own rules (Note [Remainder masters]); its spans are
+// checked with the others.
+Status check_master_format(const Spans& s) {
+  if (s.master_format == MasterFormat::kFp32) return ok_status();
+  if (s.master_format != MasterFormat::kRemainder) {
+    return invalid_argument("spans.master_format = {} is not one of fp32, remainder", static_cast<int>(s.master_format));
+  }
+  if (s.param16 == nullptr) {
+    return invalid_argument("spans.param16 is null, but master_format = remainder keeps the master's bf16 part there "
+                            "(n = {})", s.n);
+  }
+  if (s.param16_dtype != DType::kBf16) {
+    return invalid_argument("spans.param16_dtype = {} is not allowed with master_format = remainder (bf16 only): "
+                            "fp16's narrower exponent cannot hold an fp32 master's range; use bf16 parameters or "
+                            "master_format = fp32", dtype_name(s.param16_dtype));
+  }
+  if (s.param != nullptr) {
+    return invalid_argument("spans.param = {} is set, but master_format = remainder keeps no fp32 master (it is "
+                            "rebuilt from param16, remainder and tie_bits); pass null", static_cast<const void*>(s.param));
+  }
+  if (s.tie_bits == nullptr) {
+    return invalid_argument("spans.tie_bits is null, but master_format = remainder needs ceil(n / 8) = {} bytes of them "
+                            "(n = {})", (s.n + 7) / 8, s.n);
+  }
+  return ok_status();
+}
+
 
 }  // namespace
 
@@ -112,14 +139,20 @@ Status validate_spans(const Hyper& h, const Spans& s) {
   if (h.amsgrad && s.max_exp_avg_sq == nullptr) {
     return invalid_argument("spans.max_exp_avg_sq is null but amsgrad is set (n = {})", s.n);
   }
+  TZ_TRY(check_master_format(s));
+  const bool remainder = s.master_format == MasterFormat::kRemainder;
   std::vector<SpanRange> ranges;
   const std::size_t m = dtype_bytes(s.moment_dtype);
-  TZ_TRY(check_span("spans.param", s.param, 4, s.n, &ranges));
+  if (!remainder) TZ_TRY(check_span("spans.param", s.param, 4, s.n, &ranges));
   TZ_TRY(check_span("spans.grad", s.grad, dtype_bytes(s.grad_dtype), s.n, &ranges));
   if (h.algorithm != Algorithm::kAdagrad) TZ_TRY(check_span("spans.exp_avg", s.exp_avg, m, s.n, &ranges));
   if (h.algorithm != Algorithm::kLion) TZ_TRY(check_span("spans.exp_avg_sq", s.exp_avg_sq, m, s.n, &ranges));
   if (h.amsgrad) TZ_TRY(check_span("spans.max_exp_avg_sq", s.max_exp_avg_sq, 4, s.n, &ranges));
   if (s.param16 != nullptr) TZ_TRY(check_span("spans.param16", s.param16, 2, s.n, &ranges));
+  if (remainder) {
+    TZ_TRY(check_span("spans.remainder", s.remainder, 2, s.n, &ranges));
+    TZ_TRY(check_span("spans.tie_bits", s.tie_bits, 1, (s.n + 7) / 8, &ranges));
+  }
   return check_disjoint(ranges);
 }
 
@@ -135,6 +168,17 @@ Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype,
   return check_disjoint(ranges);
 }
 
+Status validate_master_arrays(const float* master, const void* bf16, const void* remainder, const void* tie_bits,
+                              std::size_t n) {
+  if (n == 0) return ok_status();
+  std::vector<SpanRange> ranges;
+  TZ_TRY(check_span("master", master, 4, n, &ranges));
+  TZ_TRY(check_span("bf16", bf16, 2, n, &ranges));
+  TZ_TRY(check_span("remainder", remainder, 2, n, &ranges));
+  TZ_TRY(check_span("tie_bits", tie_bits, 1, (n + 7) / 8, &ranges));
+  return check_disjoint(ranges);
+}
+
 Kind kind_of(const Hyper& h) {
   switch (h.algorithm) {
     case Algorithm::kAdam:
@@ -145,6 +189,12 @@ Kind kind_of(const Hyper& h) {
     case Algorithm::kLion: return Kind::kLion;
   }
   return Kind::kAdamW;
+}
+
+ParamLayout param_layout_of(const Spans& s) {
+  if (s.master_format == MasterFormat::kRemainder) return ParamLayout::kBf16Remainder;
+  if (s.param16 == nullptr) return ParamLayout::kFp32;
+  return s.param16_dtype == DType::kBf16 ? ParamLayout::kFp32CopyBf16 : ParamLayout::kFp32CopyFp16;
 }
 
 Expected<StepConsts> make_consts(const Hyper& h, const StepArgs& args) {

@@ -14,16 +14,25 @@ namespace tz::cpu_adam::detail {
 // names the field, its value and the allowed range.
 Status validate_hyper(const Hyper& hyper, const StepArgs& args);
 
-// For n > 0: the spans the algorithm needs are non-null and aligned to their
-// element size, dtypes are ones the span may have, and no two spans overlap.
+// For n > 0: the spans the algorithm and the master format need are non-null
+// and aligned to their element size, dtypes are ones the span may have, no two
+// spans overlap, and a remainder-format call passes no fp32 param.
 Status validate_spans(const Hyper& hyper, const Spans& spans);
 
 // For n > 0: acc and grad non-null, aligned and disjoint; a gradient dtype;
 // a finite scale.
 Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype, std::size_t n, double scale);
 
+// For n > 0: the arrays of encode/decode_remainder_masters non-null, aligned
+// and disjoint (tie_bits: ceil(n / 8) bytes).
+Status validate_master_arrays(const float* master, const void* bf16, const void* remainder, const void* tie_bits,
+                              std::size_t n);
+
 // Which element loop runs (Adam without weight decay runs AdamW's: identical).
 Kind kind_of(const Hyper& hyper);
+
+// Where valid spans keep the master and what is written beside it.
+ParamLayout param_layout_of(const Spans& spans);
 
 // The fp32 constants of one step (bias corrections and Adagrad's decayed lr
 // in double first). Fails when one does not fit in fp32 (lr = 1e300).

@@ -16,6 +16,16 @@ using tz::cpu_adam::CpuOptimizer;
 constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+// Spans switched to the remainder format, with a remainder and tie bits of
+// their own for n = 1000 (packed end to end: 2000 + 125 bytes).
+void use_remainder(Spans& s) {
+  alignas(8) static std::uint8_t packed[2000 + 125];
+  s.master_format = tz::cpu_adam::MasterFormat::kRemainder;
+  s.param = nullptr;
+  s.remainder = reinterpret_cast<std::int16_t*>(packed);
+  s.tie_bits = packed + 2000;
+}
+
 struct BadStep {
   const char* what;
   std::function<void(Hyper&, StepArgs&, Spans&)> mutate;
@@ -79,6 +89,59 @@ std::vector<BadStep> bad_steps() {
        Algorithm::kLion, true},
       {"amsgrad with Adagrad", [](Hyper&, StepArgs&, Spans&) {}, "amsgrad is only for adam and adamw, not adagrad",
        Algorithm::kAdagrad, true},
+      {"unknown master format", [](Hyper&, StepArgs&, Spans& s) { s.master_format = static_cast<tz::cpu_adam::MasterFormat>(3); },
+       "spans.master_format = 3 is not one of fp32, remainder"},
+      {"remainder with fp16 parameters",
+       [](Hyper&, StepArgs&, Spans& s) {
+         use_remainder(s);
+         s.param16_dtype = DType::kFp16;
+       },
+       "spans.param16_dtype = fp16 is not allowed with master_format = remainder (bf16 only): fp16's narrower "
+       "exponent cannot hold an fp32 master's range; use bf16 parameters or master_format = fp32"},
+      {"remainder without parameters",
+       [](Hyper&, StepArgs&, Spans& s) {
+         use_remainder(s);
+         s.param16 = nullptr;
+       },
+       "spans.param16 is null, but master_format = remainder keeps the master's bf16 part there (n = 1000)"},
+      {"remainder with an fp32 master",
+       [](Hyper&, StepArgs&, Spans& s) {
+         float* param = s.param;
+         use_remainder(s);
+         s.param = param;
+       },
+       "is set, but master_format = remainder keeps no fp32 master (it is rebuilt from param16, remainder and "
+       "tie_bits); pass null"},
+      {"remainder without a remainder",
+       [](Hyper&, StepArgs&, Spans& s) {
+         use_remainder(s);
+         s.remainder = nullptr;
+       },
+       "spans.remainder is null (n = 1000)"},
+      {"remainder without tie bits",
+       [](Hyper&, StepArgs&, Spans& s) {
+         use_remainder(s);
+         s.tie_bits = nullptr;
+       },
+       "spans.tie_bits is null, but master_format = remainder needs ceil(n / 8) = 125 bytes of them (n = 1000)"},
+      {"tie bits from the remainder's last byte",
+       [](Hyper&, StepArgs&, Spans& s) {
+         use_remainder(s);
+         s.tie_bits -= 1;
+       },
+       "spans.remainder and spans.tie_bits overlap"},
+      {"tie bits in the parameters",
+       [](Hyper&, StepArgs&, Spans& s) {
+         use_remainder(s);
+         s.tie_bits = static_cast<std::uint8_t*>(s.param16) + 1990;
+       },
+       "spans.param16 and spans.tie_bits overlap"},
+      {"misaligned remainder",
+       [](Hyper&, StepArgs&, Spans& s) {
+         use_remainder(s);
+         s.remainder = reinterpret_cast<std::int16_t*>(s.tie_bits + 1);
+       },
+       "spans.remainder = 0x"},
   };
 }
 

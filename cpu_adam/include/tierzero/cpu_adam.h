@@ -15,13 +15,29 @@
 //
 // Arithmetic is fp32 (as torch's CPU kernels for fp32 params); bias
 // corrections are computed once per step in double. Gradients may be fp32,
-// bf16 or fp16; master weights fp32; moments fp32 or bf16 (bf16 moments are
-// stored round-to-nearest-even). The 16-bit copy-out is bf16 (round to nearest
+// bf16 or fp16; moments fp32 or bf16 (bf16 moments are stored
+// round-to-nearest-even). The 16-bit copy-out is bf16 (round to nearest
 // even; NaN stays NaN: (bits >> 16) | 0x40) or fp16 (round to nearest even,
 // overflow to inf, NaN as F16C converts it); every variant writes the same
 // bits. Where the CPU allows (AVX2, AVX-512) the copy-out is written with
 // non-temporal stores in whole 64-byte lines: it is not left in the cache,
 // and its lines are not read before being written.
+//
+// Master weights come in two formats (Spans::master_format):
+//   fp32       param holds the fp32 master (4 B a parameter), updated in
+//              place; param16, when given, receives the 16-bit copy.
+//   remainder  no fp32 array (2.125 B a parameter beside the bf16 parameter):
+//              the master of element i is rebuilt bit for bit from the bf16
+//              parameter h = param16[i], an int16 remainder r and a tie bit t,
+//                bits(master) = (h << 16) + sext(r) + (t ? 0x10000 : 0)   (mod 2^32)
+//              stepped in fp32 exactly as above, and split again: param16 =
+//              the bf16 copy-out of the new master (the same bits), r and t
+//              what it lacks. The step's results are bit-identical to the fp32
+//              format's on the rebuilt master. NaN masters keep no payload:
+//              r = t = 0, so they come back as the bf16 NaN widened.
+//              encode_remainder_masters/decode_remainder_masters convert
+//              between the formats (checkpoints, exports). Why the tie bit:
+//              Note [Remainder masters] in cpu_adam/src/remainder.h.
 //
 // SIMD: xsimd kernels compiled once per instruction set (AVX-512, AVX2+FMA,
 // SSE4.2, scalar) and picked at run time: the widest the CPU runs, unless
@@ -41,6 +57,11 @@
 //   tz::cpu_adam::Spans s{.n = n, .param = master, .grad = grad, .exp_avg = m, .exp_avg_sq = v,
 //                         .param16 = bf16_out};
 //   TZ_TRY(opt->step(hyper, {.step = t, .grad_scale = clip / loss_scale}, s));
+//
+// The remainder format steps the same way:
+//   tz::cpu_adam::Spans r{.n = n, .grad = grad, .exp_avg = m, .exp_avg_sq = v, .param16 = bf16_params,
+//                         .master_format = tz::cpu_adam::MasterFormat::kRemainder,
+//                         .remainder = rem, .tie_bits = ties};
 //
 // Errors: every input is checked before any memory is touched (null spans,
 // spans not aligned to their element size or overlapping each other, dtypes a
@@ -90,26 +111,51 @@ struct StepArgs {
   double grad_scale = 1.0;     // every gradient is multiplied by this first; finite, > 0
 };
 
+// How the master weights are stored (the formulas above describe both).
+enum class MasterFormat : std::uint8_t { kFp32, kRemainder };
+std::string_view master_format_name(MasterFormat format);  // "fp32" | "remainder"
+
 // One shard's state as spans of n elements. Which spans an algorithm needs:
-//   Adam/AdamW  param, grad, exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)
-//   Adagrad     param, grad, exp_avg_sq (the running sum of squares; the caller
+//   Adam/AdamW  master, grad, exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)
+//   Adagrad     master, grad, exp_avg_sq (the running sum of squares; the caller
 //               fills it with torch's initial_accumulator_value, 0 by default)
-//   Lion        param, grad, exp_avg (the momentum)
+//   Lion        master, grad, exp_avg (the momentum)
+// where the master is param (fp32 format), or param16 (bf16) + remainder +
+// tie_bits (remainder format; param must then be null: there is no fp32
+// master to update, and a caller that passes one expects it to move).
 // Spans may start anywhere aligned to their element (4 bytes for fp32, 2 for
-// 16-bit); they must not overlap each other. Spans an algorithm does not use
-// are ignored.
+// 16-bit); they must not overlap each other. tie_bits holds element i in bit
+// i % 8 of byte i / 8, so a span that starts inside a shard's arrays must
+// start at a multiple of 8 elements of them; the bits of the last byte past n
+// are left as they are. Spans an algorithm or format does not use are ignored.
 struct Spans {
   std::size_t n = 0;
-  float* param = nullptr;              // (n,) fp32 master weights, updated in place
+  float* param = nullptr;              // (n,) fp32 master weights, updated in place; fp32 format only
   const void* grad = nullptr;          // (n,) grad_dtype
   DType grad_dtype = DType::kFp32;     // fp32 | bf16 | fp16
   void* exp_avg = nullptr;             // (n,) moment_dtype
   void* exp_avg_sq = nullptr;          // (n,) moment_dtype
   DType moment_dtype = DType::kFp32;   // fp32 | bf16
   float* max_exp_avg_sq = nullptr;     // (n,) fp32, amsgrad only
-  void* param16 = nullptr;             // (n,) optional copy of the new param in param16_dtype
-  DType param16_dtype = DType::kBf16;  // bf16 | fp16
+  void* param16 = nullptr;             // (n,) fp32 format: optional copy of the new param in param16_dtype;
+                                       //      remainder format: the bf16 parameters, read and rewritten
+  DType param16_dtype = DType::kBf16;  // bf16 | fp16 (remainder format: bf16 only)
+  MasterFormat master_format = MasterFormat::kFp32;
+  std::int16_t* remainder = nullptr;   // (n,) int16, remainder format only
+  std::uint8_t* tie_bits = nullptr;    // (ceil(n / 8),) bytes, remainder format only
 };
+
+// Conversions between the master formats, for checkpoints and exports; the
+// bits are the step's (bf16 = round to nearest even, NaN as the copy-out).
+// fp32 -> (bf16, remainder, tie bits), and back, bit for bit except NaN
+// payloads. Arrays as in Spans (tie_bits: ceil(n / 8) bytes, bits past n in
+// the last byte left as they are); they must not overlap. Single-threaded
+// plain loops, about a nanosecond an element; n == 0 is a no-op. Errors:
+// InvalidArgument naming a null, misaligned or overlapping array.
+Status encode_remainder_masters(const float* master, std::size_t n, std::uint16_t* bf16, std::int16_t* remainder,
+                                std::uint8_t* tie_bits);
+Status decode_remainder_masters(const std::uint16_t* bf16, const std::int16_t* remainder,
+                                const std::uint8_t* tie_bits, std::size_t n, float* master);
 
 // What a gradient-arrival pass saw in the accumulated buffer.
 struct GradStats {

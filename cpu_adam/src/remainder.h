@@ -1,0 +1,66 @@
+// The remainder master format, element by element: the scalar split and join
+// that the scalar kernels and the public conversions use (the SIMD kernels do
+// the same lane-wise, simd_ops.h).
+//
+// Note [Remainder masters]
+// The remainder format keeps an fp32 master m as its bf16 parameter h =
+// RNE(m) plus what h lacks. On the raw bit pattern, round to nearest even is
+//   h = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16
+// for either sign, so d = bits(m) - (h << 16), taken in uint32 wrap-around
+// arithmetic, lies in [-0x8000, 0x8000]. The masters that round to an even h
+// are the bit patterns (h << 16) - 0x8000 to (h << 16) + 0x8000 inclusive:
+// 65537 values, because both ties round to the even h; an odd h has only the
+// 65535 from (h << 16) - 0x7fff to (h << 16) + 0x7fff. (+-0 and +-inf keep one
+// side of that window, 32769: beyond them lie the other sign or NaNs.) So 16
+// bits cannot rebuild every master. We store
+//   r = int16(d)      (d = +0x8000 wraps to -0x8000)
+//   t = (d == 0x8000) (the tie above an even h)
+// and rebuild bits = (h << 16) + sext(r) + (t ? 0x10000 : 0). No value needs a
+// special case: finite masters that round up to infinity (0x7f7f8000 to
+// 0x7f7fffff, and their negatives) have d in [-0x8000, -1]. NaN masters have
+// no h to be near (the copy-out makes (bits >> 16) | 0x40 of them), so they
+// store r = t = 0 and come back as that bf16 NaN widened: still a NaN, its
+// payload's low bits lost (a NaN master has no future in a step anyway).
+// Cost: 2 + 1/8 bytes a parameter instead of 4.
+//
+// The tie bits are packed, element i in bit i % 8 of byte i / 8. Tiles start
+// at multiples of 16 elements (optimizer.cpp: kTileQuantum, and
+// Options::tile_elems is a multiple of 16), so no two threads write one byte;
+// inside a tile, vectors narrower than a byte (4 lanes, 1 lane) read, modify
+// and write theirs in order. Tails go through the zero-padded buffers of Note
+// [Tails and unaligned spans] with their bits copied in and out one by one, so
+// the bits of the last byte past n are left as they were.
+// tests/cpu_adam/remainder_test.cpp enumerates every master of a few even and
+// odd h and round-trips it through the conversions and every kernel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "convert.h"
+
+namespace tz::cpu_adam::detail {
+
+inline constexpr std::uint32_t kTieStep = 0x10000;  // what a set tie bit adds to the rebuilt bits
+inline constexpr std::uint32_t kTie = 0x8000;       // d of the tie above an even h
+
+struct SplitMaster {
+  std::uint16_t bf16 = 0;
+  std::int16_t remainder = 0;
+  bool tie = false;
+};
+
+inline SplitMaster split_master(float master) {
+  const std::uint32_t bits = float_bits(master);
+  const std::uint16_t h = float_to_bf16(master);
+  if ((bits & 0x7fffffffU) > 0x7f800000U) return {h, 0, false};  // NaN
+  const std::uint32_t d = bits - (static_cast<std::uint32_t>(h) << 16);
+  return {h, static_cast<std::int16_t>(static_cast<std::uint16_t>(d)), d == kTie};
+}
+
+inline float join_master(std::uint16_t bf16, std::int16_t remainder, bool tie) {
+  return bits_float((static_cast<std::uint32_t>(bf16) << 16) +
+                    static_cast<std::uint32_t>(static_cast<std::int32_t>(remainder)) + (tie ? kTieStep : 0U));
+}
+
+}  // namespace tz::cpu_adam::detail
