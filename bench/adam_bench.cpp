@@ -11,7 +11,9 @@
 // kernel, so noise hits both alike; the fraction of the limit is the ratio of
 // the two medians (the median of the per-round ratios is reported beside it).
 // Bytes per parameter are counted as the kernel must move them (adam_stream.h
-// lists them): AdamW 28, +2 for the 16-bit copy-out.
+// lists them): AdamW 28, +2 for the 16-bit copy-out; 28.25 with the remainder
+// master (adamw+rem: bf16 parameters, remainders and tie bits in place of the
+// fp32 master and the copy).
 //
 // Where python3 imports torch, torch.optim.AdamW (fused=True, and the default)
 // is timed on the same sizes and thread counts and the ratio printed
@@ -53,8 +55,11 @@
 namespace tzbench::adam {
 namespace {
 
-// Bytes the bench maps per parameter: p, g (fp32), g (bf16), m, v, p16.
-constexpr std::uint64_t kBytesPerParamMapped = 4 + 4 + 2 + 4 + 4 + 2;
+// Bytes the bench maps per parameter: p, g (fp32), g (bf16), m, v, p16, and
+// the remainder master's bf16 parameters, remainders and tie bits.
+constexpr double kBytesPerParamMapped = 4 + 4 + 2 + 4 + 4 + 2 + 2 + 2 + 0.125;
+
+std::uint64_t mapped_bytes(std::size_t n) { return static_cast<std::uint64_t>(std::ceil(kBytesPerParamMapped * n)); }
 
 // ---------------------------------------------------------------- kernels
 
@@ -64,6 +69,7 @@ std::vector<KernelSpec> all_kernels() {
   return {
       {"adamw", Kind::kStep, A::kAdamW, false, D::kFp32, Pattern::kAdam},
       {"adamw+bf16", Kind::kStep, A::kAdamW, true, D::kFp32, Pattern::kAdamCopy},
+      {"adamw+rem", Kind::kStep, A::kAdamW, false, D::kFp32, Pattern::kAdamRemainder, ca::MasterFormat::kRemainder},
       {"adam", Kind::kStep, A::kAdam, false, D::kFp32, Pattern::kAdam},
       {"adam+bf16", Kind::kStep, A::kAdam, true, D::kFp32, Pattern::kAdamCopy},
       {"adagrad", Kind::kStep, A::kAdagrad, false, D::kFp32, Pattern::kAdagrad},
@@ -240,6 +246,7 @@ struct Arrays {
   std::size_t n = 0;
   std::string layout = "separate";
   ArrayPtr p, g, g16, m, v, p16;
+  ArrayPtr pb, rem, ties;  // the remainder master; separate layout only
   std::vector<Buffer> owned;
   std::unique_ptr<tz::Device> device;  // engine layouts: blocks of a host pool
   std::unique_ptr<tz::MemoryPool> pool;
@@ -248,7 +255,8 @@ struct Arrays {
   tzbench::StreamArrays stream() const {
     return {.p = p.as<std::uint32_t>(), .g = g.as<const std::uint32_t>(), .g16 = g16.as<const std::uint16_t>(),
             .m = m.as<std::uint32_t>(), .v = v.as<std::uint32_t>(), .p16 = p16.as<std::uint16_t>(),
-            .acc = m.as<std::uint32_t>()};
+            .acc = m.as<std::uint32_t>(), .pb = pb.as<std::uint16_t>(), .rem = rem.as<std::uint16_t>(),
+            .ties = ties.as<std::uint8_t>()};
   }
 };
 
@@ -278,6 +286,7 @@ std::size_t distinct_bytes(Pattern pattern) {
   switch (pattern) {
     case Pattern::kAdam: return 16;
     case Pattern::kAdamCopy: return 18;
+    case Pattern::kAdamRemainder: return 17;  // g m v, bf16 + remainder, tie bits as the library counts them (1)
     case Pattern::kAdagrad:
     case Pattern::kLion: return 12;
     case Pattern::kAdagradCopy:
@@ -313,6 +322,14 @@ tz::Status map_layout(Arrays& a, bool hugepages) {
     for (std::size_t i = 0; i < 6; ++i) {
       TZ_ASSIGN_OR_RETURN(Buffer b, a.layout == "separate" ? Buffer::map(bytes[i], hugepages) : Buffer::map_plain(bytes[i]));
       arrays[i]->ptr = b.as<void>();
+      a.owned.push_back(std::move(b));
+    }
+    if (a.layout == "plain-mmap") return tz::ok_status();
+    ArrayPtr* remainder_arrays[] = {&a.pb, &a.rem, &a.ties};
+    const std::size_t remainder_bytes[] = {n * 2, n * 2, (n + 7) / 8};
+    for (std::size_t i = 0; i < 3; ++i) {
+      TZ_ASSIGN_OR_RETURN(Buffer b, Buffer::map(remainder_bytes[i], hugepages));
+      remainder_arrays[i]->ptr = b.as<void>();
       a.owned.push_back(std::move(b));
     }
     return tz::ok_status();
@@ -366,6 +383,12 @@ tz::Expected<Arrays> make_arrays(std::size_t n, const std::string& layout, bool 
               m[i] = (2 * rng.uniform() - 1) * 1e-4f;
               v[i] = rng.uniform() * 1e-6f + 1e-8f;
               p16[i] = 0;
+            }
+            // The remainder master holds the same masters (tiles start at multiples of 8: whole tie bytes).
+            if (a.pb.ptr != nullptr) {
+              const std::size_t begin = t * tile;
+              (void)ca::encode_remainder_masters(p + begin, end - begin, a.pb.as<std::uint16_t>() + begin,
+                                                 a.rem.as<std::int16_t>() + begin, a.ties.as<std::uint8_t>() + begin / 8);
             }
           }
         },
@@ -452,6 +475,13 @@ tz::Expected<double> time_kernel(Config& c, const KernelSpec& k, const Arrays& a
     if (k.copy_out) {
       spans.param16 = a.p16.as<void>();
       spans.param16_dtype = tz::DType::kBf16;
+    }
+    if (k.master == ca::MasterFormat::kRemainder) {
+      spans.param = nullptr;
+      spans.param16 = a.pb.as<void>();
+      spans.master_format = ca::MasterFormat::kRemainder;
+      spans.remainder = a.rem.as<std::int16_t>();
+      spans.tie_bits = a.ties.as<std::uint8_t>();
     }
     TZ_TRY_CTX(c.opt->step(hyper_for(k.algorithm), {.step = ++step, .grad_scale = kGradScale}, spans), "{}", k.name);
   } else {
@@ -611,7 +641,8 @@ tz::Expected<Plan> parse_plan(const Flags& flags) {
   TZ_ASSIGN_OR_RETURN(plan.kernels, parse_kernels(flags.kernels));
   TZ_ASSIGN_OR_RETURN(plan.layouts, parse_layouts(flags.layouts));
   for (const KernelSpec& k : plan.kernels) {
-    if (k.kind == Kind::kStep && (k.algorithm == ca::Algorithm::kAdamW || k.algorithm == ca::Algorithm::kAdam)) {
+    if (k.kind == Kind::kStep && k.master == ca::MasterFormat::kFp32 &&
+        (k.algorithm == ca::Algorithm::kAdamW || k.algorithm == ca::Algorithm::kAdam)) {
       plan.layout_kernels.push_back(k);
     }
   }
@@ -627,11 +658,11 @@ tz::Expected<Plan> parse_plan(const Flags& flags) {
 // Refuses what does not fit before touching anything.
 tz::Status check_sizes_fit(const std::vector<std::size_t>& sizes, const tz::HostMemoryReading& mem) {
   for (std::size_t n : sizes) {
-    const std::uint64_t need = kBytesPerParamMapped * n;
+    const std::uint64_t need = mapped_bytes(n);
     if (need + kHeadroomBytes > mem.available_bytes) {
       return tz::out_of_memory(
-          "--sizes {}: {} parameters need {} of arrays ({} B/param: p, g fp32, g bf16, m, v, bf16 copy) plus {} "
-          "headroom, but MemAvailable is {}",
+          "--sizes {}: {} parameters need {} of arrays ({} B/param: p, g fp32, g bf16, m, v, bf16 copy, and the "
+          "remainder master's bf16, remainder, tie bits) plus {} headroom, but MemAvailable is {}",
           tz::format_count(static_cast<double>(n)), n, tz::format_bytes(need), kBytesPerParamMapped,
           tz::format_bytes(kHeadroomBytes), tz::format_bytes(mem.available_bytes));
     }
@@ -711,7 +742,7 @@ tz::Status measure_size(std::size_t n, const Flags& flags, const Plan& plan, std
   const std::string size_name = tz::format_count(static_cast<double>(n));
   const Config& filler = widest(configs);
   progress.show("size {}: mapping and filling {} with {} threads", size_name,
-                tz::format_bytes(kBytesPerParamMapped * n), filler.threads);
+                tz::format_bytes(mapped_bytes(n)), filler.threads);
   TZ_ASSIGN_OR_RETURN(Arrays arrays, make_arrays(n, "separate", flags.hugepages, *filler.arena,
                                                  limit_tile(Pattern::kAdam, flags.tile_elems)));
   for (Config& c : configs) {
@@ -791,8 +822,8 @@ int main(int argc, char** argv) {
                  "SIMD variant(s) for the kernels: best, all, or a comma list of scalar, sse4.2, avx2, avx512")
       ->capture_default_str();
   app.add_option("--kernels", flags.kernels,
-                 "kernels to run: all, or a comma list of adamw, adamw+bf16, adam, adam+bf16, adagrad, adagrad+bf16, "
-                 "lion, lion+bf16, grad-fp32, grad-bf16")
+                 "kernels to run: all, or a comma list of adamw, adamw+bf16, adamw+rem, adam, adam+bf16, adagrad, "
+                 "adagrad+bf16, lion, lion+bf16, grad-fp32, grad-bf16")
       ->capture_default_str();
   app.add_option("--tile-elems", flags.tile_elems,
                  "elements per tile for the kernels and the limit loops (multiple of 16); 0: the library's choice")

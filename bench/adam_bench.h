@@ -50,6 +50,7 @@ struct KernelSpec {
   bool copy_out;            // kStep: bf16 copy of the new parameter
   tz::DType grad_dtype;
   Pattern pattern;
+  ca::MasterFormat master = ca::MasterFormat::kFp32;  // kStep; kRemainder: the bf16 parameters are the output
 };
 
 // One kernel of one configuration on one size: its times and its limit loop's.

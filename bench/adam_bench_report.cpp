@@ -63,6 +63,7 @@ nlohmann::json row_json(const Row& r) {
           {"algorithm", r.kernel.kind == Kind::kStep ? nlohmann::json(ca::algorithm_name(r.kernel.algorithm))
                                                      : nlohmann::json(nullptr)},
           {"copy_out", r.kernel.copy_out ? "bf16" : "none"},
+          {"master", ca::master_format_name(r.kernel.master)},
           {"grad_dtype", tz::dtype_name(r.kernel.grad_dtype)},
           {"size", r.n},
           {"threads", r.threads},
@@ -92,6 +93,40 @@ void print_copy_costs(const std::vector<CopyCost>& costs) {
                 c.plain_s / static_cast<double>(c.n) * 1e9, c.copy_s / static_cast<double>(c.n) * 1e9,
                 100 * c.cost, 100 * c.pairwise, 100 * c.limit_cost);
   }
+}
+
+// The remainder master against the fp32 master with its bf16 copy (both end
+// with the new bf16 parameters): time ratio of the medians and per round, and
+// each one's fraction of its own limit; returns the comparison's JSON.
+nlohmann::json print_remainder_master(const std::vector<Row>& rows) {
+  nlohmann::json out = nlohmann::json::array();
+  bool header = false;
+  for (const Row& rem : rows) {
+    if (rem.kernel.master != ca::MasterFormat::kRemainder) continue;
+    const std::string fp32_name = rem.kernel.name.substr(0, rem.kernel.name.find('+')) + "+bf16";
+    const Row* fp32 = find_row(rows, rem.n, rem.threads, rem.simd, fp32_name);
+    if (fp32 == nullptr) continue;
+    if (!header) {
+      std::printf("\nremainder master (2.125 B/param beside the bf16 parameter, 28.25 B moved) vs fp32 master + bf16 "
+                  "copy (4 B, 30 B moved); time = rem / fp32 of the medians, pairwise: median over rounds\n");
+      std::printf("%-11s %7s %7s %-7s %13s %13s %7s %9s %13s %14s\n", "kernel", "size", "threads", "simd",
+                  "rem ns/param", "fp32 ns/param", "time", "pairwise", "rem fraction", "fp32 fraction");
+      header = true;
+    }
+    std::vector<double> per_round;
+    for (std::size_t i = 0; i < std::min(rem.kernel_s.size(), fp32->kernel_s.size()); ++i) {
+      per_round.push_back(rem.kernel_s[i] / fp32->kernel_s[i]);
+    }
+    const double time = rem.kernel_median / fp32->kernel_median, pairwise = median(per_round);
+    std::printf("%-11s %7s %7d %-7s %13.3f %13.3f %7.3f %9.3f %13.3f %14.3f\n", rem.kernel.name.c_str(),
+                tz::format_count(static_cast<double>(rem.n)).c_str(), rem.threads, rem.simd.c_str(),
+                rem.ns_per_param(), fp32->ns_per_param(), time, pairwise, rem.fraction(), fp32->fraction());
+    out.push_back({{"kernel", rem.kernel.name}, {"fp32_kernel", fp32_name}, {"size", rem.n},
+                   {"threads", rem.threads}, {"simd", rem.simd}, {"remainder_median_s", rem.kernel_median},
+                   {"fp32_median_s", fp32->kernel_median}, {"time_ratio", time}, {"time_ratio_pairwise_median", pairwise},
+                   {"remainder_fraction_of_limit", rem.fraction()}, {"fp32_fraction_of_limit", fp32->fraction()}});
+  }
+  return out;
 }
 
 // torch.optim.AdamW against our adamw rows; returns the comparison's JSON.
@@ -217,6 +252,7 @@ nlohmann::json print_targets(const std::vector<Row>& rows, const std::vector<Cop
 // The JSON of what the tables printed, filled as they print.
 struct Sections {
   std::vector<CopyCost> costs;
+  nlohmann::json remainder_master;
   nlohmann::json torch = nullptr;
   nlohmann::json whole_step, layouts, targets;
 };
@@ -266,6 +302,7 @@ tz::Status write_json(const Flags& flags, const Machine& machine, const Results&
          "per-round ratio"}}},
       {"results", result_json},
       {"copy_out_cost", cost_json},
+      {"remainder_master", s.remainder_master},
       {"whole_step", s.whole_step},
       {"layouts", s.layouts},
       {"torch", s.torch},
@@ -283,6 +320,7 @@ tz::Status report(const Flags& flags, const Machine& machine, const Results& res
   print_table(results.rows);
   s.costs = copy_costs(results.rows);
   print_copy_costs(s.costs);
+  s.remainder_master = print_remainder_master(results.rows);
   if (!results.torch_reason.empty()) {
     std::printf("\nPyTorch: not importable, torch.optim.AdamW not timed (%s)\n", results.torch_reason.c_str());
   } else {

@@ -11,11 +11,18 @@
 // the kernels do: the copy is write-only, so a plain store would first read
 // each line (4 B of traffic per param instead of 2) and the limit would flatter
 // the kernel (`plain_copy` in stream_range() measures that variant for the
-// record). The bf16 gradient is widened by a shift.
+// record). The bf16 gradient is widened by a shift. The remainder master's
+// arrays (bf16 parameters, remainders, tie bits) are read and written in
+// place with plain stores, as its kernel does: their lines are read anyway.
+// Its tie bits (a byte per 8 elements) take a second loop over the tile's
+// bytes, so a tile must start at a multiple of 8 elements (the tiles here
+// start at multiples of 64).
 //
 //   pattern        reads                 writes            bytes/param
 //   adam           p g m v  (16 B)       p m v   (12 B)    28
 //   adam_copy      p g m v  (16 B)       p m v p16 (14 B)  30
+//   adam_remainder g m v pb r t          m v pb r t        28.25
+//                  (16.125 B)            (12.125 B)        (pb bf16 params, r int16 remainders, t tie bits)
 //   adagrad        p g s    (12 B)       p s     (8 B)     20  (+2 with copy)
 //   lion           p g m    (12 B)       p m     (8 B)     20  (+2 with copy)
 //   acc_fp32       acc g32  (8 B)        acc     (4 B)     12
@@ -40,7 +47,9 @@
 
 namespace tzbench {
 
-enum class Pattern : std::uint8_t { kAdam, kAdamCopy, kAdagrad, kAdagradCopy, kLion, kLionCopy, kAccFp32, kAccBf16 };
+enum class Pattern : std::uint8_t {
+  kAdam, kAdamCopy, kAdamRemainder, kAdagrad, kAdagradCopy, kLion, kLionCopy, kAccFp32, kAccBf16
+};
 
 // The arrays, as raw words. For Adagrad `v` is the running sum of squares; for
 // the gradient-arrival patterns `acc` is the accumulation buffer.
@@ -52,12 +61,16 @@ struct StreamArrays {
   std::uint32_t* v = nullptr;
   std::uint16_t* p16 = nullptr;        // 16-bit copy-out
   std::uint32_t* acc = nullptr;
+  std::uint16_t* pb = nullptr;         // remainder master: bf16 parameters
+  std::uint16_t* rem = nullptr;        // ... int16 remainders
+  std::uint8_t* ties = nullptr;        // ... tie bits, one per element
 };
 
 constexpr double pattern_bytes_per_param(Pattern pattern) {
   switch (pattern) {
     case Pattern::kAdam: return 28;
     case Pattern::kAdamCopy: return 30;
+    case Pattern::kAdamRemainder: return 28.25;
     case Pattern::kAdagrad: return 20;
     case Pattern::kAdagradCopy: return 22;
     case Pattern::kLion: return 20;
@@ -101,6 +114,20 @@ TZB_INLINE void adam_copy_body(std::uint32_t* TZB_RESTRICT p, const std::uint32_
   }
 }
 
+TZB_INLINE void adam_remainder_body(std::uint16_t* TZB_RESTRICT pb, std::uint16_t* TZB_RESTRICT rem,
+                                    std::uint8_t* TZB_RESTRICT ties, const std::uint32_t* TZB_RESTRICT g,
+                                    std::uint32_t* TZB_RESTRICT m, std::uint32_t* TZB_RESTRICT v, std::size_t begin,
+                                    std::size_t end, std::uint32_t mask) {
+  for (std::size_t i = begin; i < end; ++i) {
+    const std::uint32_t x = g[i] & mask;
+    m[i] ^= x;
+    v[i] ^= x;
+    pb[i] ^= static_cast<std::uint16_t>(x);
+    rem[i] ^= static_cast<std::uint16_t>(x);
+  }
+  for (std::size_t b = begin / 8; b < (end + 7) / 8; ++b) ties[b] ^= static_cast<std::uint8_t>(mask);
+}
+
 // Adagrad (p, g, s) and Lion (p, g, m) have the same shape: one state array.
 TZB_INLINE void one_state_body(std::uint32_t* TZB_RESTRICT p, const std::uint32_t* TZB_RESTRICT g,
                                std::uint32_t* TZB_RESTRICT s, std::size_t begin, std::size_t end,
@@ -139,6 +166,7 @@ TZB_INLINE void dispatch_body(Pattern pattern, const StreamArrays& a, std::size_
   switch (pattern) {
     case Pattern::kAdam: adam_body(a.p, a.g, a.m, a.v, begin, end, mask); break;
     case Pattern::kAdamCopy: adam_copy_body(a.p, a.g, a.m, a.v, a.p16, begin, end, mask); break;
+    case Pattern::kAdamRemainder: adam_remainder_body(a.pb, a.rem, a.ties, a.g, a.m, a.v, begin, end, mask); break;
     case Pattern::kAdagrad: one_state_body(a.p, a.g, a.v, begin, end, mask); break;
     case Pattern::kAdagradCopy: one_state_copy_body(a.p, a.g, a.v, a.p16, begin, end, mask); break;
     case Pattern::kLion: one_state_body(a.p, a.g, a.m, begin, end, mask); break;
