@@ -35,9 +35,13 @@
 //              what it lacks. The step's results are bit-identical to the fp32
 //              format's on the rebuilt master. NaN masters keep no payload:
 //              r = t = 0, so they come back as the bf16 NaN widened.
+//              The tie bit is needed because an even bf16 value is the
+//              rounding of 65537 fp32 values (both ties round to it), one more
+//              than 16 bits can name (Note [Remainder masters] in
+//              cpu_adam/src/remainder.h). The bf16 parameters are read, so
+//              they are written back with plain stores.
 //              encode_remainder_masters/decode_remainder_masters convert
-//              between the formats (checkpoints, exports). Why the tie bit:
-//              Note [Remainder masters] in cpu_adam/src/remainder.h.
+//              between the formats (checkpoints, exports).
 //
 // SIMD: xsimd kernels compiled once per instruction set (AVX-512, AVX2+FMA,
 // SSE4.2, scalar) and picked at run time: the widest the CPU runs, unless
@@ -47,7 +51,8 @@
 // thread takes part), whose workers are pinned with hwloc to the CPUs of one
 // NUMA node while they work for it (the caller's thread is left as it is).
 // Work is split in cache-sized tiles (automatic ones are a multiple of 64
-// elements, so with 64-byte-aligned spans no two threads write one cache line). Results do not
+// elements, so with 64-byte-aligned spans no two threads write one cache line;
+// any tile is a multiple of 16, so no two write one tie-bit byte). Results do not
 // depend on the thread count or the tile size: every element gets the same
 // arithmetic.
 //
@@ -65,7 +70,8 @@
 //
 // Errors: every input is checked before any memory is touched (null spans,
 // spans not aligned to their element size or overlapping each other, dtypes a
-// span cannot have, NaN or out-of-range hyperparameters, step < 1); on an
+// span cannot have, a remainder-format call with fp16 parameters or with an
+// fp32 param, NaN or out-of-range hyperparameters, step < 1); on an
 // error nothing is written and the InvalidArgument message names the value and
 // its range ("lr = nan is not a number", "beta1 = 1 is outside [0, 1)").
 // Hyperparameters are checked even when n == 0 (which is otherwise a no-op).
