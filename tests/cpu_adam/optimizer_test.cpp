@@ -60,10 +60,6 @@ TEST(CpuAdamOptimizer, ThreadsDefaultToTheCpusOfTheNode) {
 // Every element gets the same arithmetic wherever its tile starts and
 // whichever thread runs it, so outputs are identical bit for bit.
 TEST(CpuAdamOptimizer, ResultsDoNotDependOnThreadsOrTiles) {
-  const struct {
-    int threads;
-    std::size_t tile;
-  } configs[] = {{1, 0}, {2, 16}, {3, 48}, {4, 1024}, {2, 0}};
   for (Simd simd : runnable_variants()) {
     StepSetup setup;
     setup.hyper = random_hyper(Algorithm::kAdam, true, 0.01);
@@ -75,7 +71,7 @@ TEST(CpuAdamOptimizer, ResultsDoNotDependOnThreadsOrTiles) {
     StepProblem original(setup);
     original.fresh_grads();
     std::vector<std::vector<std::uint8_t>> first;
-    for (const auto& c : configs) {
+    for (const ThreadsAndTile& c : kThreadsAndTiles) {
       StepProblem p = original;
       ASSERT_TRUE(make_optimizer(simd, c.threads, c.tile)->step(setup.hyper, {.step = 7}, p.spans()).ok());
       const std::vector<std::vector<std::uint8_t>> out = {p.param.snapshot(), p.exp_avg.snapshot(),

@@ -94,6 +94,28 @@ struct StepSetup {
   double grad_scale = 1.0;
 };
 
+// One algorithm configuration the tests step.
+struct AlgorithmConfig {
+  Algorithm algorithm;
+  bool amsgrad;
+  double weight_decay;
+};
+// One per element loop of the kernels: Adam with and without its L2 term
+// (without, it runs AdamW's loop), amsgrad, decoupled decay, Adagrad with and
+// without L2, Lion.
+inline constexpr AlgorithmConfig kEveryElementLoop[] = {
+    {Algorithm::kAdam, false, 0.0},    {Algorithm::kAdam, false, 0.01},   {Algorithm::kAdam, true, 0.01},
+    {Algorithm::kAdamW, false, 0.1},   {Algorithm::kAdamW, true, 0.01},   {Algorithm::kAdagrad, false, 0.0},
+    {Algorithm::kAdagrad, false, 0.01}, {Algorithm::kLion, false, 0.1},
+};
+
+// Thread counts and tile sizes (0: the optimizer's choice) that results must not depend on.
+struct ThreadsAndTile {
+  int threads;
+  std::size_t tile;
+};
+inline constexpr ThreadsAndTile kThreadsAndTiles[] = {{1, 0}, {2, 16}, {3, 48}, {4, 1024}, {2, 0}};
+
 // Random hyperparameters for an algorithm (lr, betas, weight decay drawn so
 // every term matters; weight_decay as given).
 Hyper random_hyper(Algorithm algorithm, bool amsgrad, double weight_decay);

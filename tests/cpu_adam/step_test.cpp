@@ -12,25 +12,12 @@ namespace {
 
 using tz::cpu_adam::simd_name;
 
-struct Config {
-  Algorithm algorithm;
-  bool amsgrad;
-  double weight_decay;
-};
-
-// Adam with and without its L2 term (without, it runs AdamW's loop), amsgrad,
-// decoupled decay, Adagrad with and without L2, Lion.
-constexpr Config kConfigs[] = {
-    {Algorithm::kAdam, false, 0.0},    {Algorithm::kAdam, false, 0.01},   {Algorithm::kAdam, true, 0.01},
-    {Algorithm::kAdamW, false, 0.1},   {Algorithm::kAdamW, true, 0.01},   {Algorithm::kAdagrad, false, 0.0},
-    {Algorithm::kAdagrad, false, 0.01}, {Algorithm::kLion, false, 0.1},
-};
 constexpr DType kGradDtypes[] = {DType::kFp32, DType::kBf16, DType::kFp16};
 constexpr DType kMomentDtypes[] = {DType::kFp32, DType::kBf16};
 const std::optional<DType> kCopies[] = {std::nullopt, DType::kBf16, DType::kFp16};
 constexpr std::size_t kLengths[] = {0, 1, 15, 17, 4093};
 
-StepSetup random_setup(const Config& c, DType grad, DType moment, std::optional<DType> copy, std::size_t n,
+StepSetup random_setup(const AlgorithmConfig& c, DType grad, DType moment, std::optional<DType> copy, std::size_t n,
                        bool unaligned) {
   StepSetup s;
   s.hyper = random_hyper(c.algorithm, c.amsgrad, c.weight_decay);
@@ -56,7 +43,7 @@ TEST(CpuAdamStep, EveryAlgorithmDtypeVariantThreadCountAndLengthMatchesFloat64Re
                                                           make_optimizer(simd, 3, 256), make_optimizer(simd, 4, 256)};
     CheckResult worst;
     std::size_t cases = 0, failed = 0;
-    for (const Config& c : kConfigs) {
+    for (const AlgorithmConfig& c : kEveryElementLoop) {
       for (DType grad : kGradDtypes) {
         for (DType moment : kMomentDtypes) {
           for (const auto& copy : kCopies) {
