@@ -8,9 +8,9 @@
 // Every variant rounds bf16 and fp16 the same way (see convert.h), so the
 // copy-out bits do not depend on the variant. The remainder masters (Note
 // [Remainder masters]) are split and joined in 32-bit integer lanes with
-// xsimd's integer batches; only their 16-bit loads and stores and the tie-bit
-// masks use intrinsics (xsimd 8 has no widening loads, narrowing stores or
-// mask-to-bits).
+// xsimd's integer batches; their bf16 rounding is the copy-out's, and their
+// 16-bit loads and stores and tie-bit masks use intrinsics (xsimd 8 has no
+// widening loads, narrowing stores or mask-to-bits).
 //
 // Included only by kernel_impl.h, in a translation unit built for one
 // instruction set; the intrinsics of the others are compiled out by the
@@ -71,30 +71,19 @@ struct ScalarOps {
 
 #if !defined(TZ_ADAM_SCALAR_ONLY)
 
-// bf16 round to nearest even in the low halves of 32-bit lanes: convert.h's
-// recipe lane-wise (NaN: (bits >> 16) | 0x40), for the copy-out and the
-// remainder masters alike.
-template <class A>
-TZ_ADAM_INLINE xsimd::batch<std::uint32_t, A> bf16_lanes(const xsimd::batch<float, A>& x) {
-  using U = xsimd::batch<std::uint32_t, A>;
-  const U bits = xsimd::bitwise_cast<U>(x);
-  const U hi = bits >> 16;
-  const U rounded = (bits + (hi & U(1)) + U(0x7fff)) >> 16;
-  using V = xsimd::batch<float, A>;
-  return xsimd::bitwise_cast<U>(
-      xsimd::select(xsimd::isnan(x), xsimd::bitwise_cast<V>(hi | U(0x40)), xsimd::bitwise_cast<V>(rounded)));
-}
-
 // Lane k of a tie-bit vector tests bit k (Note [Remainder masters]).
 alignas(64) inline constexpr std::uint32_t kLaneBits[16] = {1U << 0,  1U << 1,  1U << 2,  1U << 3, 1U << 4,  1U << 5,
                                                             1U << 6,  1U << 7,  1U << 8,  1U << 9, 1U << 10, 1U << 11,
                                                             1U << 12, 1U << 13, 1U << 14, 1U << 15};
 
-// 16-bit loads and stores per architecture. Specialised below for the ISA
-// this translation unit is compiled for. load_u16/load_i16 widen to 32-bit
-// lanes (zero-, sign-extended); store_u16/store_i16 narrow lanes that lie in
-// [0, 0xffff] / [-0x8000, 0x7fff]; mask_bits packs a lane mask to bit k for
-// lane k.
+// 16-bit conversions, loads and stores per architecture. Specialised below
+// for the ISA this translation unit is compiled for. bf16_lanes rounds to
+// bf16 in the low halves of 32-bit lanes (convert.h's recipe lane-wise), for
+// the copy-out and the remainder masters alike; load_u16/load_i16 widen to
+// 32-bit lanes (zero-, sign-extended); store_u16/store_i16 narrow lanes that
+// lie in [0, 0xffff] / [-0x8000, 0x7fff]; mask_bits packs a lane mask to bit
+// k for lane k. (The rounding is written in intrinsics, not in xsimd's integer
+// batches: those made every kernel object a quarter slower to compile.)
 template <class A>
 struct Cvt;
 
@@ -123,6 +112,14 @@ struct Cvt<xsimd::avx512bw> {
   }
   TZ_ADAM_INLINE static std::uint32_t mask_bits(const xsimd::batch_bool<std::uint32_t, xsimd::avx512bw>& b) {
     return static_cast<__mmask16>(b);
+  }
+  TZ_ADAM_INLINE static __m512i bf16_lanes(const V& x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i hi = _mm512_srli_epi32(bits, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
   }
   // 16 bf16 values, rounded to nearest even.
   TZ_ADAM_INLINE static __m256i bf16(const V& x) { return _mm512_cvtepi32_epi16(bf16_lanes(x)); }
@@ -168,6 +165,14 @@ struct Cvt<xsimd::fma3<xsimd::avx2>> {
   }
   TZ_ADAM_INLINE static std::uint32_t mask_bits(const xsimd::batch_bool<std::uint32_t, xsimd::fma3<xsimd::avx2>>& b) {
     return static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(b)));
+  }
+  TZ_ADAM_INLINE static __m256i bf16_lanes(const V& x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i hi = _mm256_srli_epi32(bits, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
   }
   TZ_ADAM_INLINE static __m256i bf16_pair(const V& a, const V& b) {  // 16 values: a's then b's
     return _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_lanes(a), bf16_lanes(b)), 0xd8);
@@ -224,6 +229,14 @@ struct Cvt<xsimd::sse4_2> {
     o = _mm_blendv_epi8(o, inf_nan, _mm_cmpeq_epi32(exp, shifted_exp));
     o = _mm_blendv_epi8(o, sub, _mm_cmpeq_epi32(exp, _mm_setzero_si128()));
     return _mm_castsi128_ps(_mm_or_si128(o, _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16)));
+  }
+  TZ_ADAM_INLINE static __m128i bf16_lanes(V x) {
+    const __m128i bits = _mm_castps_si128(x);
+    const __m128i hi = _mm_srli_epi32(bits, 16);
+    const __m128i bias = _mm_add_epi32(_mm_and_si128(hi, _mm_set1_epi32(1)), _mm_set1_epi32(0x7fff));
+    const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, bias), 16);
+    const __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(x, x));
+    return _mm_blendv_epi8(rounded, _mm_or_si128(hi, _mm_set1_epi32(0x40)), nan);
   }
   TZ_ADAM_INLINE static void store_bf16(std::uint16_t* p, V x) { store_u16(p, bf16_lanes(x)); }
   TZ_ADAM_INLINE static void store_fp16(std::uint16_t* p, V x) {
@@ -295,7 +308,7 @@ struct XsimdOps {
     return xsimd::bitwise_cast<V>((U(C::load_u16(h)) << 16) + U(C::load_i16(r)) + tie);
   }
   TZ_ADAM_INLINE static std::uint32_t store_master(std::uint16_t* h, std::int16_t* r, const V& x) {
-    const U bf16 = bf16_lanes(x);
+    const U bf16(C::bf16_lanes(x));
     const V diff = xsimd::bitwise_cast<V>(xsimd::bitwise_cast<U>(x) - (bf16 << 16));
     const U d = xsimd::bitwise_cast<U>(xsimd::select(xsimd::isnan(x), V(0.0f), diff));
     C::store_u16(h, bf16);
