@@ -93,7 +93,8 @@ inline constexpr bool kRemainder = L == ParamLayout::kBf16Remainder;
 
 // The tie bits of the kLanes elements from i, bit k for element i + k (Note
 // [Remainder masters]). i - begin is a multiple of kLanes and begin of 8, so a
-// vector of 8 or more lanes starts a byte, and a narrower one lies in one.
+// vector of 8 or more lanes starts a byte, and a narrower one lies in one
+// (only at a tail: step_plain takes whole bytes for those).
 template <class O>
 TZ_ADAM_INLINE std::uint32_t load_tie_bits(const std::uint8_t* ties, std::size_t i) {
   constexpr std::size_t kL = O::kLanes;
@@ -117,33 +118,21 @@ TZ_ADAM_INLINE void store_tie_bits(std::uint8_t* ties, std::size_t i, std::uint3
   }
 }
 
-// The master of one vector, from where layout L keeps it.
-template <class O, ParamLayout L>
-TZ_ADAM_INLINE typename O::V load_master(const StepPtrs& s, std::size_t i) {
-  if constexpr (kRemainder<L>) {
-    return O::load_master(static_cast<const std::uint16_t*>(s.param16) + i, s.remainder + i,
-                          load_tie_bits<O>(s.tie_bits, i));
-  } else {
-    return O::load(s.param + i);
-  }
-}
-
-template <class O, ParamLayout L>
-TZ_ADAM_INLINE void store_master(const StepPtrs& s, std::size_t i, const typename O::V& p) {
-  if constexpr (kRemainder<L>) {
-    store_tie_bits<O>(s.tie_bits, i, O::store_master(static_cast<std::uint16_t*>(s.param16) + i, s.remainder + i, p));
-  } else {
-    O::store(s.param + i, p);
-  }
-}
-
 // One vector of the step at element i (tierzero/cpu_adam.h has the formulas):
 // updates the master and the state in place and returns the new parameters
-// for the copy-out.
+// for the copy-out. With the remainder layout, *ties holds the vector's tie
+// bits (bit k for lane k) on entry and its new ones on return: the caller
+// reads and writes them (Note [Remainder masters]).
 template <class O, Kind K, DType G, DType M, ParamLayout L>
-TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s, std::size_t i) {
+TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s, std::size_t i,
+                                         std::uint32_t* ties = nullptr) {
   using V = typename O::V;
-  V p = load_master<O, L>(s, i);
+  V p;
+  if constexpr (kRemainder<L>) {
+    p = O::load_master(static_cast<const std::uint16_t*>(s.param16) + i, s.remainder + i, *ties);
+  } else {
+    p = O::load(s.param + i);
+  }
   V g = load_as<O, G>(s.grad, i) * k.scale;
   if constexpr (K == Kind::kLion) {
     V m = load_as<O, M>(s.exp_avg, i);
@@ -180,15 +169,25 @@ TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s,
     store_as<O, M>(s.exp_avg, i, m);
     store_as<O, M>(s.exp_avg_sq, i, v);
   }
-  store_master<O, L>(s, i, p);
+  if constexpr (kRemainder<L>) {
+    *ties = O::store_master(static_cast<std::uint16_t*>(s.param16) + i, s.remainder + i, p);
+  } else {
+    O::store(s.param + i, p);
+  }
   return p;
 }
 
-// One vector with a plain store of its copy-out.
+// One vector with a plain store of its copy-out, or with its tie bits.
 template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE void step_block(const VConsts<O>& k, const StepPtrs& s, std::size_t i) {
-  const typename O::V p = step_vector<O, K, G, M, L>(k, s, i);
-  if constexpr (kCopiesOut<L>) store_as<O, kCopyDtype<L>>(s.param16, i, p);
+  if constexpr (kRemainder<L>) {
+    std::uint32_t ties = load_tie_bits<O>(s.tie_bits, i);
+    step_vector<O, K, G, M, L>(k, s, i, &ties);
+    store_tie_bits<O>(s.tie_bits, i, ties);
+  } else {
+    const typename O::V p = step_vector<O, K, G, M, L>(k, s, i);
+    if constexpr (kCopiesOut<L>) store_as<O, kCopyDtype<L>>(s.param16, i, p);
+  }
 }
 
 TZ_ADAM_INLINE void copy_elems(void* dst, const void* src, std::size_t offset_elems, std::size_t count, std::size_t bytes) {
@@ -250,8 +249,24 @@ void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::siz
 // Elements [begin, end) with plain stores.
 template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE void step_plain(const VConsts<O>& k, const StepPtrs& s, std::size_t begin, std::size_t end) {
+  constexpr std::size_t kL = O::kLanes;
   std::size_t i = begin;
-  for (; i + O::kLanes <= end; i += O::kLanes) step_block<O, K, G, M, L>(k, s, i);
+  if constexpr (kRemainder<L> && kL < 8) {
+    // Vectors narrower than a byte of tie bits take it 8 elements at a time,
+    // read once and written once: a read-modify-write per vector would make
+    // each vector wait for the previous one's whole step.
+    for (; i + 8 <= end; i += 8) {
+      const std::uint32_t in = s.tie_bits[i / 8];
+      std::uint32_t out = 0;
+      for (std::size_t v = 0; v < 8; v += kL) {
+        std::uint32_t ties = in >> v;
+        step_vector<O, K, G, M, L>(k, s, i + v, &ties);
+        out |= ties << v;
+      }
+      s.tie_bits[i / 8] = static_cast<std::uint8_t>(out);
+    }
+  }
+  for (; i + kL <= end; i += kL) step_block<O, K, G, M, L>(k, s, i);
   if (i < end) step_partial<O, K, G, M, L>(k, s, i, end - i);
 }
 

@@ -80,9 +80,9 @@ alignas(64) inline constexpr std::uint32_t kLaneBits[16] = {1U << 0,  1U << 1,  
 // for the ISA this translation unit is compiled for. bf16_lanes rounds to
 // bf16 in the low halves of 32-bit lanes (convert.h's recipe lane-wise), for
 // the copy-out and the remainder masters alike; load_u16/load_i16 widen to
-// 32-bit lanes (zero-, sign-extended); store_u16/store_i16 narrow lanes that
-// lie in [0, 0xffff] / [-0x8000, 0x7fff]; mask_bits packs a lane mask to bit
-// k for lane k. (The rounding is written in intrinsics, not in xsimd's integer
+// 32-bit lanes (zero-, sign-extended); store_halves stores the high and the
+// low halves of the lanes to two arrays; mask_bits packs a lane mask to bit k
+// for lane k. (The rounding is written in intrinsics, not in xsimd's integer
 // batches: those made every kernel object a quarter slower to compile.)
 template <class A>
 struct Cvt;
@@ -103,12 +103,10 @@ struct Cvt<xsimd::avx512bw> {
   TZ_ADAM_INLINE static __m512i load_i16(const std::int16_t* p) {
     return _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  // vpmovdw keeps the low halves: exact for both ranges.
-  TZ_ADAM_INLINE static void store_u16(std::uint16_t* p, __m512i x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
-  }
-  TZ_ADAM_INLINE static void store_i16(std::int16_t* p, __m512i x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  // vpmovdw keeps the low halves.
+  TZ_ADAM_INLINE static void store_halves(std::uint16_t* hi, std::int16_t* lo, __m512i x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi32_epi16(x));
   }
   TZ_ADAM_INLINE static std::uint32_t mask_bits(const xsimd::batch_bool<std::uint32_t, xsimd::avx512bw>& b) {
     return static_cast<__mmask16>(b);
@@ -156,12 +154,19 @@ struct Cvt<xsimd::fma3<xsimd::avx2>> {
   TZ_ADAM_INLINE static __m256i load_i16(const std::int16_t* p) {
     return _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  // The saturating packs are exact on lanes within their range.
+  // The unsigned-saturating pack is exact on lanes below 0x10000.
   TZ_ADAM_INLINE static void store_u16(std::uint16_t* p, __m256i x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
   }
-  TZ_ADAM_INLINE static void store_i16(std::int16_t* p, __m256i x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+  // Each 128-bit half gathered to its 4 low halves then its 4 high halves,
+  // and the quadwords reordered: the 8 low halves, then the 8 high ones.
+  TZ_ADAM_INLINE static void store_halves(std::uint16_t* hi, std::int16_t* lo, __m256i x) {
+    const __m256i split = _mm256_shuffle_epi8(
+        x, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7,
+                            10, 11, 14, 15));
+    const __m256i halves = _mm256_permute4x64_epi64(split, 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(halves));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(halves, 1));
   }
   TZ_ADAM_INLINE static std::uint32_t mask_bits(const xsimd::batch_bool<std::uint32_t, xsimd::fma3<xsimd::avx2>>& b) {
     return static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(b)));
@@ -210,8 +215,10 @@ struct Cvt<xsimd::sse4_2> {
   TZ_ADAM_INLINE static void store_u16(std::uint16_t* p, __m128i r) {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(r, r));
   }
-  TZ_ADAM_INLINE static void store_i16(std::int16_t* p, __m128i r) {
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(r, r));
+  TZ_ADAM_INLINE static void store_halves(std::uint16_t* hi, std::int16_t* lo, __m128i x) {
+    const __m128i split = _mm_shuffle_epi8(x, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(lo), split);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(hi), _mm_castsi128_ps(split));
   }
   TZ_ADAM_INLINE static std::uint32_t mask_bits(const xsimd::batch_bool<std::uint32_t, xsimd::sse4_2>& b) {
     return static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(b)));
@@ -265,7 +272,6 @@ template <class A>
 struct XsimdOps {
   using V = xsimd::batch<float, A>;
   using U = xsimd::batch<std::uint32_t, A>;
-  using I = xsimd::batch<std::int32_t, A>;
   using C = Cvt<A>;
   static constexpr std::size_t kLanes = V::size;
   // Non-temporal copy-out: whole 64-byte lines of 16-bit values per group of
@@ -304,15 +310,17 @@ struct XsimdOps {
   }
   // Note [Remainder masters], lane-wise; bit k of `ties` (and of the result) is lane k's tie.
   TZ_ADAM_INLINE static V load_master(const std::uint16_t* h, const std::int16_t* r, std::uint32_t ties) {
-    const U tie = xsimd::select((U(ties) & U::load_aligned(kLaneBits)) != U(0), U(kTieStep), U(0));
+    const U lane_bits = U::load_aligned(kLaneBits);
+    const U tie = xsimd::select((U(ties) & lane_bits) == lane_bits, U(kTieStep), U(0));
     return xsimd::bitwise_cast<V>((U(C::load_u16(h)) << 16) + U(C::load_i16(r)) + tie);
   }
+  // h and int16(d) (the tie's +0x8000 becomes -0x8000) are the high and low
+  // halves of (h << 16) | (d & 0xffff).
   TZ_ADAM_INLINE static std::uint32_t store_master(std::uint16_t* h, std::int16_t* r, const V& x) {
-    const U bf16(C::bf16_lanes(x));
-    const V diff = xsimd::bitwise_cast<V>(xsimd::bitwise_cast<U>(x) - (bf16 << 16));
+    const U high = U(C::bf16_lanes(x)) << 16;
+    const V diff = xsimd::bitwise_cast<V>(xsimd::bitwise_cast<U>(x) - high);
     const U d = xsimd::bitwise_cast<U>(xsimd::select(xsimd::isnan(x), V(0.0f), diff));
-    C::store_u16(h, bf16);
-    C::store_i16(r, xsimd::bitwise_cast<I>(d << 16) >> 16);  // int16(d): the tie's +0x8000 becomes -0x8000
+    C::store_halves(h, r, high | (d & U(0xffff)));
     return C::mask_bits(d == U(kTie));
   }
 };
