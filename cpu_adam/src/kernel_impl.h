@@ -17,7 +17,8 @@
 // Note [Tails and unaligned spans]
 // The vector loop runs over whole vectors with unaligned loads and stores. A
 // part-vector (the tail, or the head before the 16-bit output is aligned for
-// non-temporal stores) is copied into zero-padded stack buffers, run through
+// non-temporal stores; with remainder masters, part of a group of vectors
+// that share tie-bit bytes) is copied into zero-padded stack buffers, run through
 // the same vector body, and copied back, so every element gets the same
 // arithmetic whatever its position, tile or thread count. Zero padding is
 // harmless: every formula maps zero state and gradient to finite values (and
@@ -91,31 +92,25 @@ inline constexpr DType kCopyDtype = L == ParamLayout::kFp32CopyBf16 ? DType::kBf
 template <ParamLayout L>
 inline constexpr bool kRemainder = L == ParamLayout::kBf16Remainder;
 
-// The tie bits of the kLanes elements from i, bit k for element i + k (Note
-// [Remainder masters]). i - begin is a multiple of kLanes and begin of 8, so a
-// vector of 8 or more lanes starts a byte, and a narrower one lies in one
-// (only at a tail: step_plain takes whole bytes for those).
+// Elements the remainder layout steps together: whole bytes of tie bits, read
+// and written once (Note [Remainder masters]). Vectors narrower than a byte
+// share one: a read-modify-write per vector would make each vector wait for
+// the previous one's whole step.
+template <class O>
+inline constexpr std::size_t kTieGroup = O::kLanes >= 8 ? O::kLanes : 8;
+
+// The tie bits of the kTieGroup elements from i (a multiple of 8: i - begin is
+// a multiple of kTieGroup and begin of 8), bit k for element i + k.
 template <class O>
 TZ_ADAM_INLINE std::uint32_t load_tie_bits(const std::uint8_t* ties, std::size_t i) {
-  constexpr std::size_t kL = O::kLanes;
-  if constexpr (kL >= 8) {
-    std::uint32_t bits = 0;
-    for (std::size_t b = 0; b < kL / 8; ++b) bits |= static_cast<std::uint32_t>(ties[i / 8 + b]) << (8 * b);
-    return bits;
-  } else {
-    return (static_cast<std::uint32_t>(ties[i / 8]) >> (i % 8)) & ((1U << kL) - 1);
-  }
+  std::uint32_t bits = 0;
+  for (std::size_t b = 0; b < kTieGroup<O> / 8; ++b) bits |= static_cast<std::uint32_t>(ties[i / 8 + b]) << (8 * b);
+  return bits;
 }
 
 template <class O>
 TZ_ADAM_INLINE void store_tie_bits(std::uint8_t* ties, std::size_t i, std::uint32_t bits) {
-  constexpr std::size_t kL = O::kLanes;
-  if constexpr (kL >= 8) {
-    for (std::size_t b = 0; b < kL / 8; ++b) ties[i / 8 + b] = static_cast<std::uint8_t>(bits >> (8 * b));
-  } else {
-    const auto keep = static_cast<std::uint32_t>(~(((1U << kL) - 1) << (i % 8)));
-    ties[i / 8] = static_cast<std::uint8_t>((ties[i / 8] & keep) | (bits << (i % 8)));
-  }
+  for (std::size_t b = 0; b < kTieGroup<O> / 8; ++b) ties[i / 8 + b] = static_cast<std::uint8_t>(bits >> (8 * b));
 }
 
 // One vector of the step at element i (tierzero/cpu_adam.h has the formulas):
@@ -177,18 +172,28 @@ TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s,
   return p;
 }
 
-// One vector with a plain store of its copy-out, or with its tie bits.
+// One step of step_plain at i: a vector with a plain store of its copy-out,
+// or, with the remainder layout, kTieGroup elements and their tie bits.
 template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE void step_block(const VConsts<O>& k, const StepPtrs& s, std::size_t i) {
   if constexpr (kRemainder<L>) {
-    std::uint32_t ties = load_tie_bits<O>(s.tie_bits, i);
-    step_vector<O, K, G, M, L>(k, s, i, &ties);
-    store_tie_bits<O>(s.tie_bits, i, ties);
+    const std::uint32_t in = load_tie_bits<O>(s.tie_bits, i);
+    std::uint32_t out = 0;
+    for (std::size_t v = 0; v < kTieGroup<O>; v += O::kLanes) {
+      std::uint32_t ties = in >> v;
+      step_vector<O, K, G, M, L>(k, s, i + v, &ties);
+      out |= ties << v;
+    }
+    store_tie_bits<O>(s.tie_bits, i, out);
   } else {
     const typename O::V p = step_vector<O, K, G, M, L>(k, s, i);
     if constexpr (kCopiesOut<L>) store_as<O, kCopyDtype<L>>(s.param16, i, p);
   }
 }
+
+// Elements one step_block takes.
+template <class O, ParamLayout L>
+inline constexpr std::size_t kBlock = kRemainder<L> ? kTieGroup<O> : O::kLanes;
 
 TZ_ADAM_INLINE void copy_elems(void* dst, const void* src, std::size_t offset_elems, std::size_t count, std::size_t bytes) {
   std::memcpy(dst, static_cast<const unsigned char*>(src) + offset_elems * bytes, count * bytes);
@@ -208,10 +213,10 @@ TZ_ADAM_INLINE void copy_bits(std::uint8_t* dst, std::size_t to, const std::uint
   }
 }
 
-// count < kLanes elements at i, through zero-padded buffers (Note [Tails and unaligned spans]).
+// count < kBlock elements at i, through zero-padded buffers (Note [Tails and unaligned spans]).
 template <class O, Kind K, DType G, DType M, ParamLayout L>
 void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::size_t count) {
-  constexpr std::size_t kL = O::kLanes;
+  constexpr std::size_t kL = kBlock<O, L>;
   constexpr std::size_t kM = kElemBytes<M>;
   alignas(64) float param[kL] = {};
   alignas(64) float vmax[kL] = {};
@@ -249,24 +254,8 @@ void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::siz
 // Elements [begin, end) with plain stores.
 template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE void step_plain(const VConsts<O>& k, const StepPtrs& s, std::size_t begin, std::size_t end) {
-  constexpr std::size_t kL = O::kLanes;
   std::size_t i = begin;
-  if constexpr (kRemainder<L> && kL < 8) {
-    // Vectors narrower than a byte of tie bits take it 8 elements at a time,
-    // read once and written once: a read-modify-write per vector would make
-    // each vector wait for the previous one's whole step.
-    for (; i + 8 <= end; i += 8) {
-      const std::uint32_t in = s.tie_bits[i / 8];
-      std::uint32_t out = 0;
-      for (std::size_t v = 0; v < 8; v += kL) {
-        std::uint32_t ties = in >> v;
-        step_vector<O, K, G, M, L>(k, s, i + v, &ties);
-        out |= ties << v;
-      }
-      s.tie_bits[i / 8] = static_cast<std::uint8_t>(out);
-    }
-  }
-  for (; i + kL <= end; i += kL) step_block<O, K, G, M, L>(k, s, i);
+  for (; i + kBlock<O, L> <= end; i += kBlock<O, L>) step_block<O, K, G, M, L>(k, s, i);
   if (i < end) step_partial<O, K, G, M, L>(k, s, i, end - i);
 }
 

@@ -28,7 +28,7 @@
 // Options::tile_elems is a multiple of 16), so no two threads write one byte;
 // inside a tile, vectors narrower than a byte (4 lanes, 1 lane) take a byte's
 // 8 elements together, reading and writing it once (kernel_impl.h,
-// step_plain). Tails go through the zero-padded buffers of Note [Tails and
+// kTieGroup). Tails go through the zero-padded buffers of Note [Tails and
 // unaligned spans] with their bits copied in and out one by one, so the bits
 // of the last byte past n are left as they were.
 // tests/cpu_adam/remainder_test.cpp enumerates every master of a few even and
