@@ -251,6 +251,7 @@ TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
   EXPECT_GT(r.nvme_write_busy_seconds, 0.0);
   EXPECT_EQ(r.fetches, 6U);
   EXPECT_EQ(r.prefetched, 6U) << "every fetch of a steady-state step follows the trace";
+  EXPECT_EQ(r.blocks_reduced, 3U) << "one reduce_grads per block in the step";
   EXPECT_EQ(r.h2d_bytes, shard * 2 * 2) << "each of a block's two fetches copies its bf16 shard up from staging";
   // Buffers in flight are bounded (prefetch window, gradient backpressure), so
   // the pools reach their high-water mark in the first steps; how soon depends

@@ -116,6 +116,22 @@ def test_reduce_grads_and_step_train(nvme_dir):
     np.testing.assert_array_equal(np.from_dlpack(g.param(0)), after[0])    # the new params are what fetch gives
 
 
+def test_a_none_gradient_is_zero_in_a_reused_buffer(nvme_dir):
+    """reduce_grads writes each gradient into an unzeroed pool buffer and zeroes
+    the rest: a None after a step that filled the same buffer must still be 0."""
+    eng, _ = make(nvme_dir, lr=0.1, weight_decay=0.0)
+    for _ in range(2):  # the second reduce of block 0 reuses the first one's buffer
+        eng.reduce_grads(0, [torch.full((8, 16), 1000.0), torch.full((8,), 1000.0)])
+        eng.reduce_grads(1, [np.ones((4, 8), np.float32)])
+        eng.step()
+    eng.reduce_grads(0, [torch.ones(8, 16), None])
+    eng.reduce_grads(1, [None])
+    report = eng.step()
+    assert report["grad_norm"] == pytest.approx(np.sqrt(8 * 16), rel=1e-6)
+    assert report["blocks_reduced"] == 2
+    assert report["host_waits"] >= 0
+
+
 def test_reduce_grads_refuses_what_does_not_fit(nvme_dir):
     eng, _ = make(nvme_dir)
     with pytest.raises(ValueError, match=r"argument 'grads\[0\] \(layer0.w\)' has 100 elements; the parameter has 128"):

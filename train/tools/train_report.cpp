@@ -127,6 +127,10 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
   }
   std::printf("  %-28s %12s\n", "host-to-device", per_step([](const StepRecord& r) { return double(r.h2d_bytes); }).c_str());
   std::printf("  %-28s %12s\n", "all-gather (received)", per_step([](const StepRecord& r) { return double(r.gather_bytes); }).c_str());
+  const double waits = mean_of(st, [](const StepRecord& r) { return double(r.report.host_waits); });
+  const double reduced = mean_of(st, [](const StepRecord& r) { return double(r.report.blocks_reduced); });
+  std::printf("host waits on the device per step: %.1f (%.2f per reduced block)\n", waits,
+              reduced > 0 ? waits / reduced : 0.0);
   const double w_nvme = mean_of(st, [](const StepRecord& r) { return r.wait_nvme_seconds; });
   const double w_h2d = mean_of(st, [](const StepRecord& r) { return r.wait_h2d_seconds; });
   const double w_gather = mean_of(st, [](const StepRecord& r) { return r.wait_gather_seconds; });
@@ -160,7 +164,8 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                   {"wait_gather_seconds", r.wait_gather_seconds},
                   {"nvme_read_busy_seconds", r.nvme_read_busy_seconds},
                   {"nvme_write_busy_seconds", r.nvme_write_busy_seconds}, {"peak_gpu_bytes", r.report.peak_gpu_bytes},
-                  {"peak_cpu_bytes", r.report.peak_cpu_bytes}, {"peak_nvme_bytes", r.report.peak_nvme_bytes}});
+                  {"peak_cpu_bytes", r.report.peak_cpu_bytes}, {"peak_nvme_bytes", r.report.peak_nvme_bytes},
+                  {"host_waits", r.report.host_waits}, {"blocks_reduced", r.report.blocks_reduced}});
   }
   const NvmeRates rates = nvme_rates(steady(steps));
   nlohmann::json je = nlohmann::json::array();

@@ -187,6 +187,15 @@ struct FetchMark {
 
 // A whole block's gradient buffer on the device (zeroed), for the caller's
 // backward to fill; handed back through reduce_grads().
+// What grad_buffer leaves in the buffer it hands out.
+enum class GradFill : std::uint8_t {
+  kZeroed,          // every element zero: the caller may leave parameters (and the gaps) untouched
+  kUninitialised,   // the caller writes every element of data(): each parameter's gradient and
+                    // zeros elsewhere (the gaps between parameters and the padding are in the
+                    // reduced shard and its norm). Saves a pass over the buffer and, on CUDA, a
+                    // host wait per block.
+};
+
 class GradBlock {
  public:
   GradBlock() = default;
@@ -235,6 +244,11 @@ struct StepReport {
   // Raw allocations the device and CPU pools made since the last report: 0 in
   // steady state (buffers come back to the pools and are reused).
   std::uint64_t new_allocations = 0;
+  // Since the last report that stepped: the times a thread of the engine (or
+  // of the Python bindings' gradient copies) blocked waiting for the device
+  // (Device::host_waits), and the reduce_grads calls those steps made. Their
+  // ratio is the host synchronisations per reduced block the gradient path costs.
+  std::uint64_t host_waits = 0, blocks_reduced = 0;
 };
 
 // save_checkpoint's choices beyond the directory (DeepSpeed's save_checkpoint
@@ -301,7 +315,8 @@ class ZeroEngine {
 
   virtual Expected<GatheredBlock> fetch(std::size_t block, FetchFor purpose) = 0;
   Expected<GatheredBlock> fetch(std::size_t block) { return fetch(block, FetchFor::kTraining); }
-  virtual Expected<GradBlock> grad_buffer(std::size_t block) = 0;
+  virtual Expected<GradBlock> grad_buffer(std::size_t block, GradFill fill) = 0;
+  Expected<GradBlock> grad_buffer(std::size_t block) { return grad_buffer(block, GradFill::kZeroed); }
   // Refused (FailedPrecondition) for a block with no values yet (Note [Initial values]).
   virtual Status reduce_grads(GradBlock grads) = 0;
   // Ends a micro-batch; at the accumulation boundary runs the optimizer.
