@@ -94,7 +94,7 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
                                                     {"good_steps", ls.good_steps}}},
                                    {"file", fs::path(bin).filename().string()}, {"bytes", offset},
                                    {"blocks", blocks}};
-  return write_file_synced(fmt::format("{}/rank-{}.json", dir, rank), manifest.dump(1));
+  return write_file_synced(fmt::format("{}/rank-{}.json", dir, rank), detail::sealed_text(manifest));  // Note [Sealed manifests]
 }
 
 Status ZeroEngineImpl::prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial) {
@@ -149,7 +149,7 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
         manifest["client_state"] = {{"file", detail::kClientStateFile}, {"bytes", bytes.size()},
                                     {"xxh3", hex(nvme::checksum(bytes.data(), bytes.size()))}};
       }
-      TZ_TRY(write_file_synced(partial + "/manifest.json", manifest.dump(1)));
+      TZ_TRY(write_file_synced(partial + "/manifest.json", detail::sealed_text(manifest)));
       TZ_TRY(sync_directory(partial));
       TZ_TRY(detail::publish(partial, final_dir));  // Note [Replacing a checkpoint]
       if (options.save_latest) {
@@ -173,9 +173,8 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, bool weights_only
 
 Expected<std::optional<std::string>> read_checkpoint_client_state(const std::string& dir, const std::string& tag) {
   TZ_ASSIGN_OR_RETURN(std::string resolved, detail::checkpoint_dir(dir, tag));
-  std::optional<std::string> client_state;
-  TZ_TRY(detail::read_manifest(resolved, client_state));
-  return client_state;
+  TZ_ASSIGN_OR_RETURN(detail::Manifest manifest, detail::read_manifest(resolved));
+  return std::move(manifest.client_state);
 }
 
 Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& path, const CheckpointLoad& options) {
@@ -183,14 +182,22 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   TZ_TRY(grad_thread_->wait_idle());
   TZ_ASSIGN_OR_RETURN(const std::string dir, detail::checkpoint_dir(path, options.tag));
   detail::RankFile file;
-  std::optional<std::string> client_state;
+  detail::Manifest manifest;
   // Everything is read and verified on every rank before any state is replaced.
   TZ_TRY(ranks_->agree_on(dir, "loading checkpoint", "checkpoints", "pass the same directory and tag"));
   TZ_TRY(agree(options.refusal, "loading checkpoint " + dir));
   const Status read = [&]() -> Status {
-    TZ_TRY(detail::read_manifest(dir, client_state));
+    TZ_ASSIGN_OR_RETURN(manifest, detail::read_manifest(dir));
     TZ_TRY(read_rank_files(dir, options.weights_only, file));
-    if (options.check_client_state) TZ_TRY_CTX(options.check_client_state(client_state), "checkpoint {}", dir);
+    // Both are sealed; a pair that disagrees was assembled from two saves.
+    if (manifest.step != file.step || manifest.world_size != comm_->size()) {
+      return data_corruption("checkpoint {}: manifest.json says step {} by {} ranks, but rank-{}.json says step {} by "
+                             "{} ranks: the files are from different saves",
+                             dir, manifest.step, manifest.world_size, comm_->rank(), file.step, comm_->size());
+    }
+    if (options.check_client_state) {
+      TZ_TRY_CTX(options.check_client_state(manifest.client_state), "checkpoint {}", dir);
+    }
     return ok_status();
   }();
   TZ_TRY(agree(read, "loading checkpoint " + dir));
@@ -221,7 +228,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   blocks_.loaded();
   reset_io_counters();
   TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {}{})", dir, step_, options.weights_only ? ", weights only" : "");
-  return LoadedCheckpoint{dir, step_, std::move(client_state)};
+  return LoadedCheckpoint{dir, step_, std::move(manifest.client_state)};
 }
 
 Status ZeroEngineImpl::put_rank_file(const detail::RankFile& file) {

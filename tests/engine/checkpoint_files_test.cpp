@@ -123,7 +123,7 @@ struct SavedRank {
                 {"file", "rank-0.bin"}, {"bytes", bin.size()}, {"blocks", blocks}};
   }
   Status read(const RankExpect& tweak = {}) {
-    spit(dir.file("rank-0.json"), manifest.dump(1));
+    spit(dir.file("rank-0.json"), sealed_text(manifest));
     RankExpect expect = tweak;
     expect.layout = &layout;
     if (expect.optimizer.empty()) expect.optimizer = "Adam";
