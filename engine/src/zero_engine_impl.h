@@ -98,6 +98,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // --- creation (zero_engine_setup.cpp)
   Status make_device_and_comm();
   Status make_plan();
+  RankAgreement::Settings settings_that_must_match() const;
   Status make_stores();
   Status init_states(const ParamInit& init);
 

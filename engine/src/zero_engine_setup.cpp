@@ -144,6 +144,51 @@ std::pair<double, double> ZeroEngineImpl::take_io_busy_seconds() {
   return {static_cast<double>(read) / 1e9, static_cast<double>(write) / 1e9};
 }
 
+// Note [Ranks agree on their settings]
+// Each rank steps its own shard with its own config: two ranks whose lr or
+// clipping differ both train, each its part with its value, and exit 0; a
+// different accumulation count or stage waits in a collective until the
+// timeout, and different precisions meet with different message sizes. So,
+// before any state is written, the ranks agree on every setting that must
+// match, and a difference fails every rank naming the first such setting and
+// both values (Note [Agreeing on settings]). Budgets, paths and I/O tuning
+// may differ per rank and are not compared; the placement that follows from
+// them is.
+RankAgreement::Settings ZeroEngineImpl::settings_that_must_match() const {
+  const Config& c = options_.config;
+  const PrecisionConfig& p = c.precision;
+  const OptimizerConfig& o = c.optimizer;
+  const SchedulerConfig& s = c.scheduler;
+  auto tier = [&](StateClass k) { return std::string(tier_name(plan_.tier_of(k))); };
+  return {
+      {"zero_optimization.stage", fmt::format("{}", stage_)},
+      {"gradient_accumulation_steps", fmt::format("{}", gas_)},
+      {"gradient_clipping", fmt::format("{}", c.gradient_clipping)},
+      {"precision", std::string(dtype_name(param_type_))},
+      {"fp16.loss_scale", fmt::format("{}", p.loss_scale)},
+      {"fp16.initial_scale_power", fmt::format("{}", p.initial_scale_power)},
+      {"fp16.loss_scale_window", fmt::format("{}", p.loss_scale_window)},
+      {"fp16.hysteresis", fmt::format("{}", p.hysteresis)},
+      {"fp16.min_loss_scale", fmt::format("{}", p.min_loss_scale)},
+      {"optimizer.type", o.type},
+      {"optimizer.params.lr", fmt::format("{}", o.lr)},
+      {"optimizer.params.betas", fmt::format("[{}, {}]", o.beta1, o.beta2)},
+      {"optimizer.params.eps", fmt::format("{}", o.eps)},
+      {"optimizer.params.weight_decay", fmt::format("{}", o.weight_decay)},
+      {"optimizer.params.amsgrad", o.amsgrad ? "true" : "false"},
+      {"scheduler.type", std::string(scheduler_name(s.type))},
+      {"scheduler.params", fmt::format("min_lr {} max_lr {}{} warmup {} {} total {} min_ratio {} cos_min_ratio {}",
+                                       s.warmup_min_lr, s.warmup_max_lr, s.warmup_max_lr_auto ? " (auto)" : "",
+                                       s.warmup_num_steps, s.warmup_type == WarmupType::kLog ? "log" : "linear",
+                                       s.total_num_steps, s.warmup_min_ratio, s.cos_min_ratio)},
+      {"zero_optimization.stage3_param_persistence_threshold",
+       fmt::format("{}", c.zero.stage3_param_persistence_threshold)},
+      {"zero_optimization.stage3_prefetch_bucket_size", fmt::format("{}", c.zero.stage3_prefetch_bucket_size)},
+      {"placement", fmt::format("params {}, grads {}, master {}, moments {}", tier(StateClass::kParam16),
+                                tier(StateClass::kGrad), tier(StateClass::kMaster), tier(StateClass::kMoments))},
+  };
+}
+
 Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
   const Config& c = options_.config;
   stage_ = c.zero.stage;
@@ -200,6 +245,8 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   static constexpr std::string_view kInitialNames[] = {"kRankZero", "kSameOnEveryRank", "kSetLater"};
   TZ_TRY(ranks_->agree_on(fmt::format("initial_values = {}", kInitialNames[static_cast<int>(options_.initial_values)]),
                        "creating the engine", "initial values", "pass the same ZeroOptions::initial_values"));
+  TZ_TRY(ranks_->agree_on_settings(settings_that_must_match(), "creating the engine",
+                                   "every rank must load the same config (Note [Ranks agree on their settings])"));
   const std::uint64_t window =
       static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_prefetch_bucket_size, 0)) *
       dtype_bytes(param_type_);
