@@ -14,8 +14,11 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <set>
+#include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "tierzero/common/handles.h"
 #include "tierzero/common/log.h"
@@ -979,14 +982,67 @@ std::vector<std::string> Config::all_nvme_paths() const {
   return paths;
 }
 
+// Note [Parsing names the key]
+// The JSON parser throws on a number beyond a double ("lr": 1e400) and keeps
+// the last of two equal keys without a word. The callback below follows the
+// path of keys as the parser goes, so the overflow's error names the key it
+// was parsing, and it records the first key given twice in one object, which
+// is refused (which of the two was meant is not ours to guess).
+namespace {
+
+struct KeyPath {
+  std::vector<std::string> keys;                 // the path to the value being parsed
+  std::vector<std::set<std::string>> seen;       // keys of each open object, by depth
+  std::string duplicate;                         // the first key given twice, as a path
+
+  std::string text() const {
+    std::string out;
+    for (const std::string& k : keys) out += (out.empty() || k == "[]" ? "" : ".") + k;
+    return out;
+  }
+  bool on(int depth, Json::parse_event_t event, const Json& parsed) {
+    const auto d = static_cast<std::size_t>(depth);
+    switch (event) {
+      case Json::parse_event_t::object_start:
+        keys.resize(std::min(keys.size(), d));
+        seen.resize(d + 1);
+        seen[d].clear();
+        break;
+      case Json::parse_event_t::array_start:
+        keys.resize(std::min(keys.size(), d));
+        keys.push_back("[]");
+        break;
+      case Json::parse_event_t::key: {
+        keys.resize(d - 1 < keys.size() ? d - 1 : keys.size());
+        const auto& name = parsed.get_ref<const std::string&>();
+        keys.push_back(name);
+        if (d >= 1 && d - 1 < seen.size() && !seen[d - 1].insert(name).second && duplicate.empty()) duplicate = text();
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  }
+};
+
+}  // namespace
+
 Expected<Config> parse_config(std::string_view json_text, std::string_view source) {
   ParseState st;
   st.config.source = std::string(source);
   Json root;
+  KeyPath path;
   try {
-    root = Json::parse(json_text.begin(), json_text.end());
+    root = Json::parse(json_text.begin(), json_text.end(),
+                       [&](int depth, Json::parse_event_t event, Json& parsed) { return path.on(depth, event, parsed); });
   } catch (const Json::parse_error& e) {
     return invalid_argument("{}: malformed JSON: {}", source, parser_message(e.what()));
+  } catch (const Json::exception& e) {  // out_of_range.406: a number beyond a double
+    return invalid_argument("{}: {}: {}", source, path.text().empty() ? "a value" : path.text(), parser_message(e.what()));
+  }
+  if (!path.duplicate.empty()) {
+    return invalid_argument("{}: {} is given twice in one object; give it once", source, path.duplicate);
   }
   if (!root.is_object()) {
     return invalid_argument("{}: expected a JSON object at the top level, got {} ({})", source, shown(root),

@@ -628,6 +628,22 @@ TEST(Config, MalformedJsonReportsLineAndColumn) {
   expect_invalid("[1, 2]", {"JSON object"});
 }
 
+// Note [Parsing names the key]: a number beyond a double once aborted the
+// trainer and the estimator (an uncaught out_of_range); two equal keys kept the
+// last without a word.
+TEST(Config, ANumberBeyondADoubleOrAKeyGivenTwiceNamesTheKey) {
+  expect_invalid(R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e400}}})",
+                 {"optimizer.params.lr", "number overflow", "1e400"});
+  expect_invalid(R"({"zero_optimization": {"stage": 3}, "x": [1, {"y": -1e999}]})", {"x[].y", "number overflow"});
+  expect_invalid(R"({"optimizer": {"params": {"lr": 1e-3, "eps": 1e-8, "lr": 2e-3}}})",
+                 {"optimizer.params.lr is given twice"});
+  expect_invalid(R"({"gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "gradient_clipping": 0.5})",
+                 {"gradient_clipping is given twice"});
+  // The same key in two objects is two keys.
+  EXPECT_TRUE(parse_config(R"({"zero_optimization": {"offload_param": {"device": "cpu"},
+                                                      "offload_optimizer": {"device": "cpu"}}})").ok());
+}
+
 TEST(Config, BadByteStringNamesKeyAndText) {
   expect_invalid(R"({"tierzero": {"tiers": {"cpu_bytes": "80 gigs"}}})",
                  {"tierzero.tiers.cpu_bytes", "80 gigs", "GiB"});

@@ -509,10 +509,20 @@ int main(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) f.command += (i ? " " : "") + std::string(argv[i]);
   std::optional<tbb::global_control> threads;
   if (f.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, f.threads);
-  Run run(std::move(f));
-  tz::Status s = run.setup();
-  if (s.ok()) s = run.train();
-  if (s.ok()) s = run.finish();
+  // Note [Foreign exceptions stop at the edge]: the engine reports failures
+  // as Status; anything a library still throws (std::bad_alloc, a parser's)
+  // ends here as an error naming it, not as std::terminate's abort.
+  tz::Status s;
+  try {
+    Run run(std::move(f));
+    s = run.setup();
+    if (s.ok()) s = run.train();
+    if (s.ok()) s = run.finish();
+  } catch (const std::bad_alloc&) {
+    s = tz::out_of_memory("out of host memory (std::bad_alloc); lower --batch or --seq, or the CPU budget");
+  } catch (const std::exception& e) {
+    s = tz::internal_error("an unexpected exception: {}", e.what());
+  }
   if (!s.ok()) {
     std::fprintf(stderr, "tierzero-train: %s\n", s.message().c_str());
     return s.code() == tz::ErrorCode::kInvalidArgument ? 2 : 1;
