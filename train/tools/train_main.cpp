@@ -69,6 +69,7 @@ struct Flags {
   std::optional<std::int64_t> steps;
   std::string json_path, csv_path, plot_path, trace_path, save_dir, resume_dir, io_log_path;
   int eval_every = 50, eval_batches = 4, save_every = 0, log_every = 10, threads = 0;
+  double collective_timeout_s = 300;  // per collective and for the rendezvous
   std::optional<std::int64_t> warmup_steps;  // unset: tz::train::default_warmup_steps (Note [Default warm-up])
   std::uint64_t data_seed = 1234, init_seed = 1234;
   std::string command;
@@ -269,7 +270,8 @@ tz::Status Run::setup() {
   }
   TZ_ASSIGN_OR_RETURN(corpus_, tz::train::Corpus::load(f_.data_path));
   if (ranks.world_size > 1) {
-    TZ_ASSIGN_OR_RETURN(comm_, tz::create_communicator({.ranks = ranks}));
+    const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(f_.collective_timeout_s * 1000));
+    TZ_ASSIGN_OR_RETURN(comm_, tz::create_communicator({.ranks = ranks, .timeout = timeout}));
   }
   TZ_ASSIGN_OR_RETURN(engine_, tz::ZeroEngine::create({.config = config_, .comm = comm_.get()}, tz::train::model(gpt_),
                                                       tz::train::init(gpt_)));
@@ -497,6 +499,9 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--data-seed", f.data_seed, "seed of the batch sampler")->capture_default_str();
   app.add_option("--init-seed", f.init_seed, "seed of the initial weights")->capture_default_str();
   app.add_option("--threads", f.threads, "CPU compute threads (0: all cores)")->capture_default_str();
+  app.add_option("--collective-timeout", f.collective_timeout_s, "seconds a collective (and the rendezvous) may wait "
+                 "for a silent peer before the run fails naming the call")->capture_default_str()
+      ->check(CLI::Range(0.1, 86400.0));
 }
 
 }  // namespace
