@@ -953,10 +953,23 @@ std::string_view parser_message(std::string_view what) {
 // (config key, directory) for each NVMe path, without duplicates.
 std::vector<std::pair<std::string, std::string>> nvme_path_sources(const Config& config) {
   std::vector<std::pair<std::string, std::string>> out;
-  auto add = [&out](std::string key, const std::string& dir) {
+  // One folder is one place to stripe over, however it is spelt ("/x",
+  // "/x/", a symlink to it): it once became two "drives" sharing one disk.
+  auto same_folder = [](const std::string& a, const std::string& b) {
+    struct stat sa {}, sb {};
+    if (a == b) return true;
+    return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  };
+  auto add = [&](std::string key, const std::string& dir) {
     if (dir.empty()) return;
     for (const auto& seen : out) {
-      if (seen.second == dir) return;
+      if (same_folder(seen.second, dir)) {
+        if (seen.second != dir) {
+          TZ_LOG_ONCE_WARN("config", "{} ('{}') is the folder {} names ('{}'): it is used once", key, dir,
+                           seen.first, seen.second);
+        }
+        return;
+      }
     }
     out.emplace_back(std::move(key), dir);
   };

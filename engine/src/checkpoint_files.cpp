@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -337,6 +338,22 @@ Expected<std::string> checkpoint_dir(const std::string& path, const std::string&
     dir = path + "/" + name;
   }
   if (!fs::exists(dir + "/manifest.json")) {
+    // The complete checkpoints under `path`, newest first, so the message says what could be loaded.
+    std::vector<std::pair<fs::file_time_type, std::string>> complete;
+    std::error_code ec;
+    for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
+      if (e.is_directory(ec) && fs::exists(e.path() / "manifest.json", ec)) {
+        complete.emplace_back(fs::last_write_time(e.path() / "manifest.json", ec), e.path().filename().string());
+      }
+    }
+    std::sort(complete.rbegin(), complete.rend());
+    std::vector<std::string> names;
+    for (const auto& [time, name] : complete) names.push_back(name);
+    if (dir == path && !names.empty()) {
+      return not_found("checkpoint: {} has no 'latest' (and no manifest.json of its own); its complete checkpoints, "
+                       "newest first: {}; pass a tag",
+                       dir, fmt::join(names, ", "));
+    }
     return not_found("checkpoint: {} has no manifest.json (not a complete checkpoint, and no 'latest' beside it)", dir);
   }
   return dir;

@@ -187,6 +187,19 @@ TEST(Config, CheckPathsPassesWhenNvmePathIsAWritableDirectory) {
   EXPECT_TRUE(status.ok()) << status.to_string();
 }
 
+// One folder spelt twice ("/x", "/x/", a symlink to it) is one place to
+// stripe over, not two drives sharing a disk.
+TEST(Config, OneFolderSpeltTwiceIsOneNvmePath) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  fs::create_directories(dir.path() + "/a");
+  fs::create_directories(dir.path() + "/b");
+  fs::create_directory_symlink(dir.path() + "/a", dir.path() + "/link");
+  Config c;
+  c.tiers.nvme_paths = {dir.path() + "/a", dir.path() + "/a/", dir.path() + "/link", dir.path() + "/b"};
+  EXPECT_EQ(c.all_nvme_paths(), (std::vector<std::string>{dir.path() + "/a", dir.path() + "/b"}));
+}
+
 TEST(Config, CheckPathsRejectsAFileAndNamesItsKey) {
   TempDir dir;
   ASSERT_FALSE(dir.path().empty());
