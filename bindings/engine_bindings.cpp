@@ -540,8 +540,9 @@ void bind_engine(nb::module_& m) {
            "ValueError.")
       .def("save_checkpoint",
            [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag,
-              const std::optional<nb::bytes>& client_state, bool save_latest, const std::optional<std::string>& refusal) {
-             tz::CheckpointSave options{.tag = tag.value_or(""), .save_latest = save_latest};
+              const std::optional<nb::bytes>& client_state, bool save_latest, const std::optional<std::string>& refusal,
+              int keep_last) {
+             tz::CheckpointSave options{.tag = tag.value_or(""), .save_latest = save_latest, .keep_last = keep_last};
              if (client_state) options.client_state = std::string(client_state->c_str(), client_state->size());
              // Refusals go through the save, so every rank fails together (CheckpointSave::refusal).
              if (refusal) {
@@ -552,9 +553,10 @@ void bind_engine(nb::module_& m) {
              return e.call([&] { return e.engine().save_checkpoint(d, options); });
            },
            nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(), nb::arg("client_state") = nb::none(),
-           nb::arg("save_latest") = true, nb::arg("refusal") = nb::none(),
+           nb::arg("save_latest") = true, nb::arg("refusal") = nb::none(), nb::arg("keep_last") = 0,
            "Saves every rank's states under dir/<tag> (default step-<N>; an existing tag is replaced atomically), "
-           "with rank 0's client_state bytes, and points dir/latest at it unless save_latest is False. Returns the "
+           "with rank 0's client_state bytes, and points dir/latest at it unless save_latest is False; keep_last N "
+           "then removes all but the newest N complete checkpoints (never the one latest names). Returns the "
            "checkpoint's directory. refusal: this rank's reason not to save (every rank then fails, this one with "
            "the reason as a ValueError).")
       .def("load_checkpoint",

@@ -157,12 +157,14 @@ class Engine:
 
     # --- state
     def save_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None, *,
-                        client_state: Optional[bytes] = None, save_latest: bool = True) -> str:
+                        client_state: Optional[bytes] = None, save_latest: bool = True, keep_last: int = 0) -> str:
         """Every rank's states under directory/<tag> (default "step-<N>", a fresh name; saving under an
         existing tag replaces that checkpoint atomically), with rank 0's client_state bytes, and
-        directory/latest pointed at it unless save_latest is False. A collective. Returns its directory."""
+        directory/latest pointed at it unless save_latest is False. keep_last=N then keeps the newest N
+        complete checkpoints under directory (0: all; never removes the one latest names). A collective.
+        Returns its directory."""
         return self._core.save_checkpoint(os.fspath(directory), tag=tag, client_state=client_state,
-                                          save_latest=save_latest)
+                                          save_latest=save_latest, keep_last=int(keep_last))
 
     def load_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None, *,
                         weights_only: bool = False) -> tuple:

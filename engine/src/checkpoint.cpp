@@ -153,9 +153,21 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
       TZ_TRY(sync_directory(partial));
       TZ_TRY(detail::publish(partial, final_dir));  // Note [Replacing a checkpoint]
       if (options.save_latest) {
-        return write_file_durably(dir + "/latest", name).with_context("checkpoint: pointing latest at " + name);
+        TZ_TRY(write_file_durably(dir + "/latest", name).with_context("checkpoint: pointing latest at " + name));
+      } else {
+        TZ_TRY(sync_directory(dir));
       }
-      return sync_directory(dir);
+      if (options.keep_last <= 0) return ok_status();
+      std::vector<std::string> keep_too = {name};
+      if (Expected<std::string> latest = detail::checkpoint_dir(dir, ""); latest.ok()) {
+        keep_too.push_back(fs::path(*latest).filename().string());
+      }
+      TZ_ASSIGN_OR_RETURN(std::vector<std::string> removed,
+                          detail::prune_checkpoints(dir, options.keep_last, keep_too));
+      if (!removed.empty()) {
+        TZ_LOG_INFO("engine", "checkpoint: keep_last {} removed {}", options.keep_last, fmt::join(removed, ", "));
+      }
+      return ok_status();
     }();
   }
   TZ_TRY(agree(published, "checkpoint " + final_dir));

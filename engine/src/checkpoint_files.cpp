@@ -268,6 +268,41 @@ Status publish(const std::string& partial, const std::string& final_dir) {
   return ok_status();
 }
 
+Expected<std::vector<std::string>> prune_checkpoints(const std::string& dir, int keep,
+                                                     const std::vector<std::string>& keep_too) {
+  struct Found {
+    std::int64_t step;
+    fs::file_time_type time;
+    std::string name;
+  };
+  std::vector<Found> found;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory(ec) || !check_tag(name).ok() || !fs::exists(e.path() / "manifest.json", ec)) continue;
+    Expected<Manifest> m = read_manifest(e.path().string());
+    if (!m.ok()) continue;  // not ours to judge, nor to remove
+    found.push_back({m->step, fs::last_write_time(e.path() / "manifest.json", ec), name});
+  }
+  if (ec) return io_error("checkpoint: listing {}: {}", dir, ec.message());
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+    return a.step != b.step ? a.step > b.step : a.time > b.time;  // newest first
+  });
+  std::vector<std::string> removed;
+  for (std::size_t i = static_cast<std::size_t>(std::max(keep, 0)); i < found.size(); ++i) {
+    if (std::find(keep_too.begin(), keep_too.end(), found[i].name) != keep_too.end()) continue;
+    const std::string path = dir + "/" + found[i].name;
+    if (!fs::remove(path + "/manifest.json", ec) || ec) {
+      return io_error("checkpoint: removing {}/manifest.json (keep_last): {}", path, ec.message());
+    }
+    TZ_TRY(sync_directory(path));
+    fs::remove_all(path, ec);
+    if (ec) return io_error("checkpoint: removing {} (keep_last): {}", path, ec.message());
+    removed.push_back(found[i].name);
+  }
+  return removed;
+}
+
 // A file system that cannot exchange (NFS, some FUSE ones) is found out on two
 // empty directories before anything is written, not after every rank has
 // written its shards.
@@ -336,6 +371,10 @@ Expected<std::string> checkpoint_dir(const std::string& path, const std::string&
                              name);
     }
     dir = path + "/" + name;
+    if (!fs::exists(dir + "/manifest.json")) {
+      return not_found("checkpoint: {}/latest names '{}', which is not a complete checkpoint (no {}/manifest.json)",
+                       path, name, dir);
+    }
   }
   if (!fs::exists(dir + "/manifest.json")) {
     // The complete checkpoints under `path`, newest first, so the message says what could be loaded.

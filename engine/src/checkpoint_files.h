@@ -68,6 +68,11 @@ Status check_tag(const std::string& tag);
 // Note [Replacing a checkpoint]: `partial` becomes `final_dir`, by a rename or
 // by exchanging the two and removing the replaced one.
 Status publish(const std::string& partial, const std::string& final_dir);
+// Removes the complete checkpoints under `dir` beyond the newest `keep` (by
+// their manifest's step, then time), never those in `keep_too` (the one just
+// saved, the one `latest` names). Each goes manifest first. Returns the names removed.
+Expected<std::vector<std::string>> prune_checkpoints(const std::string& dir, int keep,
+                                                     const std::vector<std::string>& keep_too);
 // Whether the file system can exchange two directories (tried on two empty ones beside final_dir).
 Status probe_exchange(const std::string& final_dir);
 // The checkpoint directory `path` and `tag` name: path/<tag>, or what

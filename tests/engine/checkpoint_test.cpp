@@ -565,6 +565,31 @@ TEST(Checkpoint, AModelWithOtherParametersInBlocksOfTheSameSizeIsRefused) {
   EXPECT_NE(s.message().find("'params' not found"), std::string::npos) << s.message();
 }
 
+// keep_last: the newest N complete checkpoints stay (by step); older ones go,
+// never the one `latest` names nor the one just saved, and nothing that is not
+// a tierzero checkpoint.
+TEST(Checkpoint, KeepLastRemovesTheOldestCompleteCheckpoints) {
+  TempDir nvme, ckpt;
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  namespace fs = std::filesystem;
+  fs::create_directories(ckpt.path() + "/notes");  // the user's: no manifest
+  for (int step = 1; step <= 4; ++step) {
+    ASSERT_TRUE(train(*e, step - 1, step).ok());
+    ASSERT_TRUE(e->save_checkpoint(ckpt.path(), {.keep_last = 2}).ok());
+  }
+  auto names = [&] {
+    std::set<std::string> out;
+    for (const auto& entry : fs::directory_iterator(ckpt.path())) out.insert(entry.path().filename().string());
+    return out;
+  };
+  EXPECT_EQ(names(), (std::set<std::string>{"latest", "notes", "step-3", "step-4"}));
+  // A tagged save of the latest step without moving `latest`: step-4 stays (latest names it), the tag too.
+  ASSERT_TRUE(e->save_checkpoint(ckpt.path(), {.tag = "snapshot", .save_latest = false, .keep_last = 1}).ok());
+  EXPECT_EQ(names(), (std::set<std::string>{"latest", "notes", "snapshot", "step-4"}));
+  EXPECT_TRUE(e->load_checkpoint(ckpt.path()).ok());
+}
+
 // Note [Sealed manifests]: a manifest edited by hand (the step of rank-0.json
 // from 1 to 9 once resumed at step 9 with step 1's weights, exit 0), an
 // unsealed one, or a rank file and manifest.json from two saves are refused.

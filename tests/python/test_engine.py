@@ -358,6 +358,17 @@ def test_checkpoint_tags_and_client_state_bytes(nvme_dir, tmp_path):
         eng.load_checkpoint(tmp_path, "a")
 
 
+def test_keep_last_keeps_the_newest_checkpoints(nvme_dir, tmp_path):
+    eng, _ = make(nvme_dir)
+    for _ in range(3):
+        eng.reduce_grads(0, [torch.ones(8, 16), torch.ones(8)])
+        eng.reduce_grads(1, [torch.ones(4, 8)])
+        eng.step()
+        eng.save_checkpoint(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-3"]
+    assert eng.load_checkpoint(tmp_path)[0] == str(tmp_path / "step-3")
+
+
 def test_timeline(nvme_dir, tmp_path):
     eng, _ = make(nvme_dir)
     eng.record_timeline(True)

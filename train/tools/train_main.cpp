@@ -70,6 +70,8 @@ struct Flags {
   std::string json_path, csv_path, plot_path, trace_path, save_dir, resume_dir, io_log_path;
   int eval_every = 50, eval_batches = 4, save_every = 0, log_every = 10, threads = 0;
   double collective_timeout_s = 300;  // per collective and for the rendezvous
+  bool resume_if_present = false;     // --resume DIR with nothing there yet starts fresh
+  int keep_last = 0;                  // checkpoints kept under --save (0: all)
   std::optional<std::int64_t> warmup_steps;  // unset: tz::train::default_warmup_steps (Note [Default warm-up])
   std::uint64_t data_seed = 1234, init_seed = 1234;
   std::string command;
@@ -174,6 +176,20 @@ std::string client_state(const Warmup& warmup) {
 }
 
 // The warm-up of the checkpoint --resume loads, as its run saved it.
+// --resume-if-present: a restart loop's first run finds nothing to resume
+// and starts fresh; anything there (a `latest`, a complete checkpoint, a
+// manifest) is resumed or refused as --resume alone would: a broken
+// checkpoint is never taken for "nothing yet".
+bool nothing_to_resume(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return true;
+  if (fs::exists(fs::path(dir) / "latest", ec) || fs::exists(fs::path(dir) / "manifest.json", ec)) return false;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    if (e.is_directory(ec) && fs::exists(e.path() / "manifest.json", ec)) return false;
+  }
+  return true;
+}
+
 tz::Expected<std::int64_t> saved_warmup(const std::string& dir) {
   TZ_ASSIGN_OR_RETURN(std::optional<std::string> state, tz::read_checkpoint_client_state(dir, ""));
   const std::string advice = "give --warmup-steps N (0: none, as tierzero-train did by default before it saved one)";
@@ -399,7 +415,7 @@ tz::Status Run::evaluate(std::int64_t after_step) {
 
 tz::Status Run::save(std::int64_t after_step) {
   const auto begin = Clock::now();
-  TZ_TRY_CTX(engine_->save_checkpoint(f_.save_dir, tz::CheckpointSave{.client_state = client_state(warmup_)}).status(),
+  TZ_TRY_CTX(engine_->save_checkpoint(f_.save_dir, tz::CheckpointSave{.client_state = client_state(warmup_), .keep_last = f_.keep_last}).status(),
              "--save {}", f_.save_dir);
   info_.checkpoint_dir = f_.save_dir;
   if (leader()) {
@@ -489,6 +505,10 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--save", f.save_dir, "checkpoint directory, written at the end (and every --save-every steps)");
   app.add_option("--save-every", f.save_every, "also save every N steps (0: only at the end)");
   app.add_option("--resume", f.resume_dir, "continue from this checkpoint directory's latest checkpoint");
+  app.add_flag("--resume-if-present", f.resume_if_present, "with --resume: start fresh when the directory holds no "
+               "checkpoint yet (a restart loop's first run); a broken one is still an error");
+  app.add_option("--keep-last", f.keep_last, "keep the newest N checkpoints under --save (0: all)")
+      ->capture_default_str()->check(CLI::Range(0, 1000000));
   app.add_option("--eval-every", f.eval_every, "validation loss every N steps (0: never)")->capture_default_str();
   app.add_option("--eval-batches", f.eval_batches, "validation batches per evaluation")->capture_default_str()
       ->check(CLI::Range(1, 100000));
@@ -511,6 +531,10 @@ int main(int argc, char** argv) {
   Flags f;
   add_flags(app, f);
   CLI11_PARSE(app, argc, argv);
+  if (f.resume_if_present && !f.resume_dir.empty() && nothing_to_resume(f.resume_dir)) {
+    std::printf("--resume %s: no checkpoint there yet, starting fresh (--resume-if-present)\n", f.resume_dir.c_str());
+    f.resume_dir.clear();
+  }
   for (int i = 0; i < argc; ++i) f.command += (i ? " " : "") + std::string(argv[i]);
   std::optional<tbb::global_control> threads;
   if (f.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, f.threads);

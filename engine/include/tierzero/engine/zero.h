@@ -268,6 +268,12 @@ struct CheckpointSave {
   // on with the other ranks before anything is written: one rank's refusal
   // fails the save on every rank instead of leaving them waiting.
   Status refusal;
+  // Keep the newest `keep_last` complete checkpoints under `dir` (by step),
+  // this one included; 0 keeps all. Older ones are removed once this one is
+  // published (their manifest first, so none is ever left half-removed yet
+  // loadable); the one `latest` names is never removed. Only directories with
+  // a tierzero manifest count; anything else under `dir` is left alone.
+  int keep_last = 0;
 };
 
 // load_checkpoint's choices beyond the directory.
