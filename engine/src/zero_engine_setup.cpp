@@ -116,7 +116,7 @@ Status ZeroEngineImpl::make_stores() {
   for (std::size_t s = 0; s < kNumStateClasses; ++s) {
     if (plan_.tier[s] != Tier::kNvme) continue;
     // The parameters are 16-bit, or fp32 when neither bf16 nor fp16 is on.
-    nvme_bytes += state_elem_bytes(static_cast<StateClass>(s), dtype_bytes(param_type_)) * layout_.shard_numel;
+    nvme_bytes += state_bytes(static_cast<StateClass>(s), layout_.shard_numel, dtype_bytes(param_type_), c.states);
   }
   if (nvme_bytes > 0) {
     const std::vector<std::string> paths = c.all_nvme_paths();
