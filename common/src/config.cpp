@@ -478,6 +478,7 @@ const Block& aio_block();
 const Block& tierzero_block();
 const Block& tiers_block();
 const Block& tierzero_aio_block();
+const Block& states_block();
 
 const Block& top_block() {
   static const Block block = [] {
@@ -761,6 +762,7 @@ const Block& tierzero_block() {
            [](ParseState& st) { st.placement_given = true; }),
       block_key("tiers", tiers_block),
       block_key("aio", tierzero_aio_block),
+      block_key("states", states_block),
   }};
   return block;
 }
@@ -787,6 +789,26 @@ const Block& tierzero_aio_block() {
   return block;
 }
 
+// Note [State formats] (tierzero/common/state_format.h): the names are the
+// formats' own; check_state_formats() checks them against the precision once
+// the whole file is read (the bf16 block may come after this one).
+template <typename Format, std::size_t N>
+std::vector<std::pair<std::string_view, Format>> format_options(const Format (&formats)[N],
+                                                                std::string_view (*name)(Format)) {
+  std::vector<std::pair<std::string_view, Format>> out;
+  for (Format f : formats) out.emplace_back(name(f), f);
+  return out;
+}
+
+const Block& states_block() {
+  static const Block block{{
+      choice_key<MasterFormat>("master", TZ_FIELD(states.master), format_options(kMasterFormats, master_format_name)),
+      choice_key<MomentFormat>("moments", TZ_FIELD(states.moments),
+                               format_options(kMomentFormats, moment_format_name)),
+  }};
+  return block;
+}
+
 #undef TZ_FIELD
 
 // Every block with where it lives, for "it belongs in ...".
@@ -798,6 +820,7 @@ const std::vector<std::pair<std::string_view, const Block*>>& all_blocks() {
       {"zero_optimization", &zero_block()}, {"zero_optimization.offload_param", &offload_param_block()},
       {"zero_optimization.offload_optimizer", &offload_optimizer_block()}, {"aio", &aio_block()},
       {"tierzero", &tierzero_block()}, {"tierzero.tiers", &tiers_block()}, {"tierzero.aio", &tierzero_aio_block()},
+      {"tierzero.states", &states_block()},
   };
   return blocks;
 }
@@ -932,6 +955,7 @@ Status check_consistency(const ParseState& st) {
   if (c.precision.fp16 && c.precision.bf16) {
     return invalid_argument("{}: fp16.enabled and bf16.enabled are both true; enable at most one", c.source);
   }
+  TZ_TRY(check_state_formats(c));
   TZ_TRY(check_nvme_target(st, "offload_param", c.zero.offload_param.device, c.zero.offload_param.nvme_path));
   TZ_TRY(check_nvme_target(st, "offload_optimizer", c.zero.offload_optimizer.device,
                            c.zero.offload_optimizer.nvme_path));
@@ -1188,6 +1212,51 @@ void override_gradient_accumulation_steps(Config& config, std::int64_t steps) {
   config.gradient_accumulation_steps = steps;
   config.batch_given.gradient_accumulation_steps = steps;
   config.batch_given.train_batch_size.reset();
+}
+
+// Note [Master remainder] (tierzero/common/state_format.h): the remainder
+// rebuilds an fp32 master from its round-to-nearest-even bf16 parameter,
+// which has the fp32 exponent. An fp16 parameter has 5 exponent bits: a
+// master outside its range (or in its subnormals) differs from it by more
+// than any 16-bit remainder can say. fp32 training keeps its parameter in
+// fp32 already: there is no 16-bit parameter to build on.
+Status check_state_formats(const Config& config) {
+  if (config.states.master != MasterFormat::kRemainder || config.precision.bf16) return ok_status();
+  const std::string_view why =
+      config.precision.fp16
+          ? "but fp16.enabled is true: an fp16 parameter's 5-bit exponent cannot hold the fp32 master's range, so no "
+            "16-bit remainder rebuilds it; train in bf16 (\"bf16\": {\"enabled\": true} instead of fp16) or keep "
+            "\"master\": \"fp32\""
+          : "but neither bf16 nor fp16 is enabled (fp32 training): there is no 16-bit parameter to build the master "
+            "on; enable bf16 (\"bf16\": {\"enabled\": true}) or keep \"master\": \"fp32\"";
+  const std::string where = config.source.empty() ? "" : config.source + ": ";
+  return invalid_argument("{}tierzero.states.master: \"remainder\" needs bf16 parameters, {}", where, why);
+}
+
+namespace {
+
+template <typename Format, std::size_t N>
+Status set_format(Format& out, std::string_view key, std::string_view name, const Format (&formats)[N],
+                  std::string_view (*name_of)(Format)) {
+  std::vector<std::string_view> names;
+  for (Format f : formats) {
+    if (name_of(f) == name) {
+      out = f;
+      return ok_status();
+    }
+    names.push_back(name_of(f));
+  }
+  return invalid_argument("{} '{}': expected {}", key, name, fmt::join(names, ", "));
+}
+
+}  // namespace
+
+Status set_master_format(Config& config, std::string_view name) {
+  return set_format(config.states.master, "tierzero.states.master", name, kMasterFormats, master_format_name);
+}
+
+Status set_moment_format(Config& config, std::string_view name) {
+  return set_format(config.states.moments, "tierzero.states.moments", name, kMomentFormats, moment_format_name);
 }
 
 Status set_training_precision(Config& config, std::string_view precision) {

@@ -11,6 +11,28 @@
 #include "zero_engine_impl.h"
 
 namespace tz {
+namespace {
+
+// Note [State formats] (tierzero/common/state_format.h): the planner sizes
+// the compact formats, but the optimizer pass, the tiered stores and the
+// checkpoints do not store them yet. Training them as fp32 would be a silent
+// difference from the config, so it is refused before anything is made.
+Status refuse_unimplemented_formats(const StateFormats& states) {
+  std::vector<std::string> asked;
+  if (states.master != MasterFormat::kFp32) {
+    asked.push_back(fmt::format("tierzero.states.master = {}", master_format_name(states.master)));
+  }
+  if (states.moments != MomentFormat::kFp32) {
+    asked.push_back(fmt::format("tierzero.states.moments = {}", moment_format_name(states.moments)));
+  }
+  if (asked.empty()) return ok_status();
+  const bool one = asked.size() == 1;
+  return unavailable("{} {} not implemented by the engine yet; tierzero-estimate plans {} (to train now, leave {} at "
+                     "\"fp32\")",
+                     fmt::join(asked, " and "), one ? "is" : "are", one ? "it" : "them", one ? "it" : "both");
+}
+
+}  // namespace
 
 Status ZeroEngineImpl::make_device_and_comm() {
   if (options_.device != nullptr) {
@@ -94,7 +116,7 @@ Status ZeroEngineImpl::make_stores() {
   for (std::size_t s = 0; s < kNumStateClasses; ++s) {
     if (plan_.tier[s] != Tier::kNvme) continue;
     // The parameters are 16-bit, or fp32 when neither bf16 nor fp16 is on.
-    nvme_bytes += state_elem_bytes(static_cast<StateClass>(s), dtype_bytes(param_type_)) * layout_.shard_numel;
+    nvme_bytes += state_bytes(static_cast<StateClass>(s), layout_.shard_numel, dtype_bytes(param_type_), c.states);
   }
   if (nvme_bytes > 0) {
     const std::vector<std::string> paths = c.all_nvme_paths();
@@ -191,6 +213,7 @@ RankAgreement::Settings ZeroEngineImpl::settings_that_must_match() const {
 
 Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
   const Config& c = options_.config;
+  TZ_TRY(refuse_unimplemented_formats(c.states));
   stage_ = c.zero.stage;
   // Neither fp16 nor bf16: fp32 training, as in DeepSpeed.
   param_type_ = c.precision.fp16 ? DType::kFp16 : c.precision.bf16 ? DType::kBf16 : DType::kFp32;

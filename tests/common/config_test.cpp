@@ -681,6 +681,79 @@ TEST(Config, TierzeroEnumsAndPathListsAreChecked) {
   expect_invalid(R"({"tierzero": {"aio": {"sqpoll": "auto"}}})", {"tierzero.aio.sqpoll", "true or false"});
 }
 
+// ---- tierzero.states (Note [State formats]) ----------------------------------
+
+TEST(Config, StatesDefaultToFp32MasterAndMoments) {
+  const Config c = parse_ok("{}");
+  EXPECT_EQ(c.states.master, MasterFormat::kFp32);
+  EXPECT_EQ(c.states.moments, MomentFormat::kFp32);
+  EXPECT_TRUE(c.states.is_default());
+  EXPECT_TRUE(parse_ok(R"({"tierzero": {"states": {}}})").states.is_default());
+  EXPECT_TRUE(parse_ok(R"({"tierzero": {"states": null}})").states.is_default());
+}
+
+TEST(Config, StatesReadEachFormatByItsName) {
+  for (const auto& [name, format] : {std::pair{"fp32", MomentFormat::kFp32}, std::pair{"bf16", MomentFormat::kBf16},
+                                     std::pair{"int8", MomentFormat::kInt8}}) {
+    const Config c = parse_ok(fmt::format(R"({{"tierzero": {{"states": {{"moments": "{}"}}}}}})", name));
+    EXPECT_EQ(c.states.moments, format) << name;
+    EXPECT_EQ(c.states.master, MasterFormat::kFp32) << name;
+  }
+  // The bf16 block may come after the tierzero block.
+  const Config c = parse_ok(R"({"tierzero": {"states": {"master": "remainder", "moments": "int8"}},
+                                "bf16": {"enabled": true}})");
+  EXPECT_EQ(c.states.master, MasterFormat::kRemainder);
+  EXPECT_EQ(c.states.moments, MomentFormat::kInt8);
+  EXPECT_FALSE(c.states.is_default());
+}
+
+TEST(Config, BadStateFormatNamesTheKeyTheValueAndTheAllowedOnes) {
+  expect_invalid(R"({"tierzero": {"states": {"master": "fp16"}}})",
+                 {"tierzero.states.master", "\"fp16\"", "\"fp32\", \"remainder\""});
+  expect_invalid(R"({"tierzero": {"states": {"moments": "fp8"}}})",
+                 {"tierzero.states.moments", "\"fp8\"", "\"fp32\", \"bf16\", \"int8\""});
+  expect_invalid(R"({"tierzero": {"states": {"moments": "INT8"}}})", {"tierzero.states.moments", "\"INT8\""});
+  expect_invalid(R"({"tierzero": {"states": {"moments": 8}}})", {"tierzero.states.moments", "8", "\"int8\""});
+  expect_invalid(R"({"tierzero": {"states": {"masters": "fp32"}}})", {"tierzero.states.masters", "'master'"});
+  expect_invalid(R"({"tierzero": {"states": "int8"}})", {"tierzero.states", "an object"});
+}
+
+TEST(Config, RemainderMasterNeedsBf16AndSaysWhatToUse) {
+  expect_invalid(R"({"fp16": {"enabled": true}, "tierzero": {"states": {"master": "remainder"}}})",
+                 {"tierzero.states.master", "\"remainder\"", "bf16 parameters", "fp16.enabled is true", "exponent",
+                  "train in bf16", "\"master\": \"fp32\""});
+  expect_invalid(R"({"tierzero": {"states": {"master": "remainder", "moments": "bf16"}}})",
+                 {"tierzero.states.master", "\"remainder\"", "fp32 training", "no 16-bit parameter",
+                  "enable bf16", "\"master\": \"fp32\""});
+  // The compact moments need no particular precision.
+  EXPECT_EQ(parse_ok(R"({"fp16": {"enabled": true}, "tierzero": {"states": {"moments": "int8"}}})").states.moments,
+            MomentFormat::kInt8);
+  EXPECT_EQ(parse_ok(R"({"tierzero": {"states": {"moments": "bf16"}}})").states.moments, MomentFormat::kBf16);
+}
+
+TEST(Config, ToolOverridesOfTheStatesAreCheckedAgain) {
+  Config c = parse_ok(R"({"bf16": {"enabled": true}, "tierzero": {"states": {"master": "remainder"}}})");
+  EXPECT_TRUE(check_state_formats(c).ok());
+  ASSERT_TRUE(set_training_precision(c, "fp16").ok());
+  const Status refused = check_state_formats(c);
+  EXPECT_EQ(refused.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("test.json: tierzero.states.master"), std::string::npos) << refused.message();
+  ASSERT_TRUE(set_master_format(c, "fp32").ok());
+  EXPECT_TRUE(check_state_formats(c).ok());
+  ASSERT_TRUE(set_moment_format(c, "bf16").ok());
+  EXPECT_EQ(c.states.moments, MomentFormat::kBf16);
+  const Status bad = set_moment_format(c, "int4");
+  EXPECT_EQ(bad.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("tierzero.states.moments 'int4': expected fp32, bf16, int8"), std::string::npos)
+      << bad.message();
+  EXPECT_EQ(c.states.moments, MomentFormat::kBf16) << "a refused name changes nothing";
+  EXPECT_FALSE(set_master_format(c, "bf16").ok());
+  Config no_source;  // built in code: the message starts with the key
+  no_source.states.master = MasterFormat::kRemainder;
+  EXPECT_TRUE(check_state_formats(no_source).message().starts_with("tierzero.states.master"))
+      << check_state_formats(no_source).message();
+}
+
 TEST(Config, PartialOptimizerOffloadNeedsStage3) {
   expect_invalid(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})",
                  {"zero_optimization.offload_optimizer.ratio", "stage 3"});

@@ -436,6 +436,42 @@ TEST(ZeroEngine, AnAutoStepCountInTheSchedulerIsRefusedByName) {
       << engine.status().message();
 }
 
+// Note [State formats]: the planner knows the compact formats, the engine
+// does not store them yet; asking for one must not train fp32 states quietly.
+TEST(ZeroEngine, CompactStateFormatsAreRefusedUntilTheEngineImplementsThem) {
+  TempDir nvme;
+  const auto refused = [&](tz::StateFormats states) {
+    tz::Config config = test_config(nvme.path(), 3, 1);
+    config.precision.bf16 = true;
+    config.states = states;
+    auto engine = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    EXPECT_FALSE(engine.ok());
+    if (engine.ok()) return std::string();
+    EXPECT_EQ(engine.status().code(), tz::ErrorCode::kUnavailable);
+    return engine.status().message();
+  };
+  using tz::MasterFormat, tz::MomentFormat;
+  EXPECT_NE(refused({MasterFormat::kRemainder, MomentFormat::kFp32})
+                .find("tierzero.states.master = remainder is not implemented by the engine yet; tierzero-estimate "
+                      "plans it"),
+            std::string::npos);
+  for (MomentFormat moments : {MomentFormat::kBf16, MomentFormat::kInt8}) {
+    const std::string message = refused({MasterFormat::kFp32, moments});
+    EXPECT_NE(message.find(fmt::format("tierzero.states.moments = {} is not implemented by the engine yet",
+                                       tz::moment_format_name(moments))),
+              std::string::npos)
+        << message;
+  }
+  const std::string both = refused({MasterFormat::kRemainder, MomentFormat::kInt8});
+  EXPECT_NE(both.find("tierzero.states.master = remainder and tierzero.states.moments = int8 are not implemented"),
+            std::string::npos)
+      << both;
+  // The defaults are today's fp32 states: they train.
+  tz::Config config = test_config(nvme.path(), 3, 1);
+  config.states = {};
+  EXPECT_TRUE(tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp)).ok());
+}
+
 // Trains one optimizer step (gas micro-batches) of the MLP workload; false on an error (printed).
 bool train_step(tz::ZeroEngine& engine, int step, int gas) {
   for (int micro = 0; micro < gas; ++micro) {

@@ -431,6 +431,20 @@ def test_train_batch_size_derives_the_accumulation_steps_and_the_engine_answers_
         tzt.initialize(mlp(), config)
 
 
+def test_state_formats_the_engine_does_not_store_yet_are_refused_not_trained_in_fp32(nvme_dir):
+    # tierzero.states reaches the engine through the config; until it stores the compact formats it says so.
+    config = host_config(nvme_dir)
+    config["bf16"] = {"enabled": True}
+    config["tierzero"]["states"] = {"master": "remainder", "moments": "int8"}
+    with pytest.raises(RuntimeError, match="tierzero.states.master = remainder and tierzero.states.moments = int8 "
+                                           "are not implemented by the engine yet; tierzero-estimate plans them"):
+        tzt.initialize(mlp(), config)
+    config["tierzero"]["states"] = {"master": "remainder"}
+    config["fp16"], config["bf16"] = {"enabled": True}, {"enabled": False}
+    with pytest.raises(ValueError, match="needs bf16 parameters, but fp16.enabled is true"):
+        tzt.initialize(mlp(), config)
+
+
 def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp_path):
     # As DeepSpeed's save_checkpoint(save_dir, tag, client_state) and `_, client_sd = load_checkpoint(...)`.
     torch.manual_seed(0)

@@ -14,6 +14,7 @@
 #include "tierzero/common/hash.h"
 #include "tierzero/common/log.h"
 #include "tierzero/common/probe.h"
+#include "tierzero/common/state_format.h"
 #include "tierzero/common/status.h"
 #include "tierzero/common/sysinfo.h"
 #include "tierzero/common/units.h"
