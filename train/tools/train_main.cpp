@@ -291,6 +291,22 @@ tz::Status Run::setup() {
   }
   TZ_ASSIGN_OR_RETURN(engine_, tz::ZeroEngine::create({.config = config_, .comm = comm_.get()}, tz::train::model(gpt_),
                                                       tz::train::init(gpt_)));
+  // Activations were neither budgeted nor estimated: a large --batch or --seq
+  // ended in std::bad_alloc or the OOM killer. The CPU trainer's are known
+  // exactly (GptConfig::activation_bytes); after the engine's pools are
+  // made, they must fit in what is left.
+  if (engine_->device().kind() == tz::BackendKind::kHost) {
+    TZ_ASSIGN_OR_RETURN(const tz::HostMemoryReading mem, tz::read_host_memory());
+    const std::uint64_t need = gpt_.activation_bytes();
+    if (need > mem.available_bytes) {
+      return tz::out_of_memory("the activations of {} x {} tokens through {} layers x {} hidden (with the trainer's "
+                               "block copies) need {}, but {} of host memory is available after the engine's pools; "
+                               "lower --batch or --seq, or the CPU budget (tierzero.tiers.cpu_bytes)",
+                               gpt_.batch, gpt_.seq, gpt_.layers, gpt_.hidden, tz::format_bytes(need),
+                               tz::format_bytes(mem.available_bytes));
+    }
+  }
+  info_.activation_bytes = gpt_.activation_bytes();
   TZ_ASSIGN_OR_RETURN(trainer_, tz::train::GptTrainer::create(*engine_, gpt_, {.tf32 = f_.tf32}));
   if (!f_.io_log_path.empty()) {  // refused on every rank now, not on rank 0 after step 2
     bool nvme = false;
@@ -333,7 +349,8 @@ tz::Status Run::setup() {
     }
     std::printf("\nconfig %s; data %s; %d x %d tokens per micro-batch, %d micro-batch(es) per step, %d rank(s)\n",
                 f_.config_path.c_str(), info_.corpus.c_str(), gpt_.batch, gpt_.seq, info_.gas, info_.ranks);
-    std::printf("the GPT computes on: %s\n", trainer_->describe().c_str());
+    std::printf("the GPT computes on: %s; activations and its block copies %s per micro-batch\n",
+                trainer_->describe().c_str(), tz::tool::format_bytes_si(static_cast<double>(info_.activation_bytes)).c_str());
     std::printf("where the states live: %s\n", info_.engine.c_str());
     std::printf("learning rate: %s\n", warmup_.about.c_str());
     if (!f_.resume_dir.empty()) std::printf("resumed from %s at step %lld\n", f_.resume_dir.c_str(),

@@ -37,6 +37,7 @@ struct RunInfo {
   std::uint64_t params = 0;
   double flops_per_token = 0;
   std::uint64_t state_bytes = 0;  // 16 B / param
+  std::uint64_t activation_bytes = 0;  // GptConfig::activation_bytes: the CPU trainer's per micro-batch
   std::uint64_t gpu_budget_bytes = 0;
   std::string corpus;
   int batch = 0, seq = 0, ranks = 1, gas = 1;
