@@ -97,6 +97,30 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   return write_file_synced(fmt::format("{}/rank-{}.json", dir, rank), detail::sealed_text(manifest));  // Note [Sealed manifests]
 }
 
+// Note [One saver a folder]
+// Two runs saving into one folder (two jobs given the same --save, a restart
+// while the old run still lives) used to remove each other's .partial
+// directories and publish checkpoints the other had half written. A save
+// now holds an advisory lock on dir/.tierzero-save.lock (common/file_lock.h)
+// from before it picks its .partial until it is published, on rank 0, which
+// alone removes, renames and points `latest`; a second saver fails at once,
+// naming the folder and the holder (its PID and host, as it wrote them into
+// the file, for the message only). The lock is held per save, not for the
+// engine's life: an engine that saved into a folder does not stop another
+// engine of the same program saving there later (a resumed run in a
+// notebook). An untagged save picks a name no checkpoint has before it locks,
+// so under the lock it checks the name is still free: if not, another run
+// saved meanwhile. A save that fails removes its own .partial (it holds the
+// lock, so the .partial is its own); a process killed mid-save leaves it to
+// the next save of that name, as before.
+static Expected<LockFile> lock_save_folder(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return io_error("checkpoint: creating {}: {}", dir, ec.message());
+  return LockFile::acquire(dir + "/.tierzero-save.lock",
+                           fmt::format("checkpoint: another run is saving into {}; give each run its own folder", dir));
+}
+
 Status ZeroEngineImpl::prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial) {
   std::error_code ec;
   const bool replacing = fs::exists(final_dir, ec);
@@ -135,7 +159,21 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
   const std::string final_dir = dir + "/" + name, partial = final_dir + ".partial";
   TZ_TRY(ranks_->agree_on(final_dir, "checkpoint", "checkpoints", "pass the same directory and tag"));
   TZ_TRY(agree(options.refusal, "checkpoint " + final_dir));  // before anything is written
-  TZ_TRY(agree(comm_->rank() == 0 ? prepare_save(dir, final_dir, partial) : ok_status(), "checkpoint " + final_dir));
+  // Note [One saver a folder]: rank 0 holds the folder's lock until the save is published.
+  LockFile folder_lock;
+  Cleanup drop_partial([&] {
+    std::error_code ec;
+    if (folder_lock.held()) fs::remove_all(partial, ec);  // ours: nothing half-written stays
+  });
+  const Status prepared = comm_->rank() != 0 ? ok_status() : [&]() -> Status {
+    TZ_ASSIGN_OR_RETURN(folder_lock, lock_save_folder(dir));
+    if (options.tag.empty() && fs::exists(final_dir)) {  // chosen fresh before the lock: another saver was first
+      return already_exists("checkpoint: {} appeared while this save was starting: another run saves into {} too; "
+                            "give each run its own folder", final_dir, dir);
+    }
+    return prepare_save(dir, final_dir, partial);
+  }();
+  TZ_TRY(agree(prepared, "checkpoint " + final_dir));
   TZ_TRY(agree(write_rank_files(partial), "checkpoint " + final_dir));
   Status published;
   if (comm_->rank() == 0) {
@@ -171,6 +209,7 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
     }();
   }
   TZ_TRY(agree(published, "checkpoint " + final_dir));
+  drop_partial.cancel();
   TZ_LOG_INFO("engine", "checkpoint saved: {}", final_dir);
   return final_dir;
 }

@@ -74,6 +74,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   bool has_values(std::size_t block) const override { return blocks_.has_values(block); }
   RankAgreement& ranks() override { return *ranks_; }
   std::string describe() const override;
+  std::vector<std::string> swap_files() const override {
+    return swap_ ? swap_->file_paths() : std::vector<std::string>{};
+  }
   using ZeroEngine::load_checkpoint;
   using ZeroEngine::save_checkpoint;
   Expected<std::string> save_checkpoint(const std::string& dir, const CheckpointSave& options) override;

@@ -63,9 +63,11 @@ std::string read_latest(const std::string& dir) {
   return name;
 }
 
+// What a folder holds, less the save lock's file (Note [One saver a folder]).
 std::set<std::string> entries(const std::string& dir) {
   std::set<std::string> out;
   for (const auto& e : std::filesystem::directory_iterator(dir)) out.insert(e.path().filename().string());
+  out.erase(".tierzero-save.lock");
   return out;
 }
 

@@ -395,6 +395,9 @@ class ZeroEngine {
   virtual RankAgreement& ranks() = 0;
   // Human-readable: where each state class lives, the budgets and use.
   virtual std::string describe() const = 0;
+  // The NVMe swap files the engine made, one per NVMe path (none when no
+  // state lives on NVMe). Scratch: removed when the engine is destroyed.
+  virtual std::vector<std::string> swap_files() const = 0;
 
   // Checkpoints (collectives: every rank calls them at the same point).
   // save_checkpoint writes every rank's master weights, Adam moments, step
