@@ -13,6 +13,12 @@
 // records the prefetch trace). Ranks start as for any tierzero program
 // (torchrun / mpirun variables); rank 0 prints and writes.
 //
+// SIGINT or SIGTERM stops the run when the step under way ends: it writes the
+// same files (the summary says which signal stopped it after which step),
+// removes its swap files and ends by that signal (a shell reports 128 + N); a
+// second signal aborts at once, removing the swap files first (Note
+// [Stopping on a signal] in stop_signals.cpp).
+//
 // Where the GPT computes: --backend (default: the config's tierzero.backend,
 // "auto" in the shipped config). "auto" takes the GPU when this build has
 // CUDA and one is present, the CPU otherwise. On the CPU the engine runs on
@@ -33,6 +39,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "stop_signals.h"
 #include "tierzero/train.h"
 #include "train_report.h"
 
@@ -242,9 +249,12 @@ class Run {
   tz::Status setup();
   tz::Status train();
   tz::Status finish();
+  // Set when a signal stopped the run (this rank's or another's).
+  const std::string& stopped_by() const { return info_.stopped_by; }
 
  private:
   tz::Status train_step(std::int64_t step);
+  tz::Expected<bool> stop_now(std::int64_t steps_done);
   void check_rise();
   tz::Status evaluate(std::int64_t after_step);
   tz::Status save(std::int64_t after_step);
@@ -442,12 +452,32 @@ tz::Status Run::save(std::int64_t after_step) {
   return tz::ok_status();
 }
 
+// Whether to stop now, after `steps_done` steps: a SIGINT or SIGTERM was
+// received (Note [Stopping on a signal]). With several ranks every rank asks
+// at the same points, and all stop if any was signalled: each names "stop" or
+// "go", and names that differ are a stop too (agree_on fails with
+// InvalidArgument only for that; any other failure is the collective's own).
+tz::Expected<bool> Run::stop_now(std::int64_t steps_done) {
+  const int sig = tz::tool::StopSignals::requested();
+  bool stop = sig != 0;
+  if (engine_->world_size() > 1) {
+    const tz::Status agreed = engine_->ranks().agree_on(stop ? "stop" : "go", "tierzero-train: stopping on a signal");
+    if (!agreed.ok() && agreed.code() != tz::ErrorCode::kInvalidArgument) return agreed;
+    stop = stop || !agreed.ok();
+  }
+  if (!stop) return false;
+  info_.stopped_by = sig != 0 ? tz::tool::StopSignals::name(sig) : "a signal to another rank";
+  info_.stopped_after_step = steps_done;
+  return true;
+}
+
 tz::Status Run::train() {
   start_ = Clock::now();
   const std::int64_t first = info_.first_step, last = first + info_.steps;
   const std::int64_t traced = first + std::min<std::int64_t>(1, info_.steps - 1);
-  if (f_.eval_every > 0) TZ_TRY(evaluate(first));
-  for (std::int64_t step = first; step < last; ++step) {
+  TZ_ASSIGN_OR_RETURN(bool stop, stop_now(first));  // a signal while the engine was being made
+  if (f_.eval_every > 0 && !stop) TZ_TRY(evaluate(first));
+  for (std::int64_t step = first; step < last && !stop; ++step) {
     engine_->record_timeline(step == traced);
     if (!f_.io_log_path.empty()) engine_->record_io_log(step == traced);
     TZ_TRY_CTX(train_step(step), "step {}", step + 1);
@@ -463,9 +493,11 @@ tz::Status Run::train() {
       }
     }
     const std::int64_t done = step + 1;
-    if (leader() && (f_.log_every <= 1 || done % f_.log_every == 0 || step == first || done == last)) {
+    TZ_ASSIGN_OR_RETURN(stop, stop_now(done));
+    if (leader() && (f_.log_every <= 1 || done % f_.log_every == 0 || step == first || done == last || stop)) {
       tz::tool::print_progress(steps_.back(), last, info_.flops_per_token);
     }
+    if (stop) break;  // the evaluations and saves still due are skipped
     if (f_.eval_every > 0 && (done % f_.eval_every == 0 || done == last)) TZ_TRY(evaluate(done));
     if (!f_.save_dir.empty() && ((f_.save_every > 0 && done % f_.save_every == 0) || done == last)) TZ_TRY(save(done));
   }
@@ -479,12 +511,21 @@ tz::Status Run::finish() {
   std::printf("where the states lived: %s\n", info_.engine.c_str());
   const std::string json = out(f_.json_path, "summary.json"), csv = out(f_.csv_path, "loss.csv"),
                     png = out(f_.plot_path, "loss.png");
+  if (!info_.stopped_by.empty()) {
+    std::printf("stopped by %s after step %lld of %lld\n", info_.stopped_by.c_str(),
+                static_cast<long long>(info_.stopped_after_step),
+                static_cast<long long>(info_.first_step + info_.steps));
+  }
   TZ_TRY(tz::tool::write_json(json, info_, steps_, evals_));
   TZ_TRY(tz::tool::write_csv(csv, steps_, evals_));
-  TZ_TRY(tz::tool::write_plot(png, info_, steps_, evals_));
-  std::printf("wrote %s, %s, %s; Chrome trace of step %lld: %s\n", json.c_str(), csv.c_str(), png.c_str(),
-              static_cast<long long>(info_.first_step + std::min<std::int64_t>(2, info_.steps)),
-              info_.trace_path.c_str());
+  if (!steps_.empty()) TZ_TRY(tz::tool::write_plot(png, info_, steps_, evals_));  // no points, no chart
+  std::printf("wrote %s, %s%s%s", json.c_str(), csv.c_str(), steps_.empty() ? "" : ", ",
+              steps_.empty() ? "" : png.c_str());
+  if (!info_.trace_path.empty()) {
+    std::printf("; Chrome trace of step %lld: %s", static_cast<long long>(info_.first_step + std::min<std::int64_t>(2, info_.steps)),
+                info_.trace_path.c_str());
+  }
+  std::printf("\n");
   if (steps_.size() >= 8) {  // the verdict the CI test looks for
     const std::size_t n = std::max<std::size_t>(1, std::min<std::size_t>(10, steps_.size() / 4));
     double head = 0, tail = 0;
@@ -541,6 +582,38 @@ void add_flags(CLI::App& app, Flags& f) {
       ->check(CLI::Range(0.1, 86400.0));
 }
 
+// The run, start to end; its engine (and so its swap files) is gone when
+// this returns.
+int run_main(Flags f) {
+  std::optional<tbb::global_control> threads;
+  if (f.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, f.threads);
+  // Note [Foreign exceptions stop at the edge]: the engine reports failures
+  // as Status; anything a library still throws (std::bad_alloc, a parser's)
+  // ends here as an error naming it, not as std::terminate's abort.
+  tz::Status s;
+  std::string stopped_by;
+  try {
+    Run run(std::move(f));
+    s = run.setup();
+    if (s.ok()) s = run.train();
+    if (s.ok()) s = run.finish();
+    stopped_by = run.stopped_by();
+  } catch (const std::bad_alloc&) {
+    s = tz::out_of_memory("out of host memory (std::bad_alloc); lower --batch or --seq, or the CPU budget");
+  } catch (const std::exception& e) {
+    s = tz::internal_error("an unexpected exception: {}", e.what());
+  }
+  if (!s.ok()) {
+    std::fprintf(stderr, "tierzero-train: %s\n", s.message().c_str());
+    return s.code() == tz::ErrorCode::kInvalidArgument ? 2 : 1;
+  }
+  if (!stopped_by.empty() && tz::tool::StopSignals::requested() == 0) {
+    std::fprintf(stderr, "tierzero-train: stopped early: %s\n", stopped_by.c_str());
+    return 1;  // not a finished run, and not one this rank's signal ended
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -553,25 +626,7 @@ int main(int argc, char** argv) {
     f.resume_dir.clear();
   }
   for (int i = 0; i < argc; ++i) f.command += (i ? " " : "") + std::string(argv[i]);
-  std::optional<tbb::global_control> threads;
-  if (f.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, f.threads);
-  // Note [Foreign exceptions stop at the edge]: the engine reports failures
-  // as Status; anything a library still throws (std::bad_alloc, a parser's)
-  // ends here as an error naming it, not as std::terminate's abort.
-  tz::Status s;
-  try {
-    Run run(std::move(f));
-    s = run.setup();
-    if (s.ok()) s = run.train();
-    if (s.ok()) s = run.finish();
-  } catch (const std::bad_alloc&) {
-    s = tz::out_of_memory("out of host memory (std::bad_alloc); lower --batch or --seq, or the CPU budget");
-  } catch (const std::exception& e) {
-    s = tz::internal_error("an unexpected exception: {}", e.what());
-  }
-  if (!s.ok()) {
-    std::fprintf(stderr, "tierzero-train: %s\n", s.message().c_str());
-    return s.code() == tz::ErrorCode::kInvalidArgument ? 2 : 1;
-  }
-  return 0;
+  tz::tool::StopSignals::install();  // Note [Stopping on a signal]
+  const int rc = run_main(std::move(f));
+  return tz::tool::StopSignals::exit_as_signalled(rc);
 }

@@ -200,7 +200,11 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
       {"model_state_bytes", info.state_bytes}, {"gpu_budget_bytes", info.gpu_budget_bytes}, {"corpus", info.corpus},
       {"batch", info.batch}, {"seq", info.seq}, {"ranks", info.ranks}, {"gradient_accumulation_steps", info.gas},
       {"first_step", info.first_step}, {"steps", info.steps}, {"wall_seconds", info.wall_seconds},
-      {"trace", info.trace_path}, {"checkpoint", info.checkpoint_dir}, {"step_records", js}, {"evals", je},
+      {"trace", info.trace_path}, {"checkpoint", info.checkpoint_dir},
+      {"stopped", info.stopped_by.empty() ? nlohmann::json()
+                                          : nlohmann::json{{"by", info.stopped_by},
+                                                           {"after_step", info.stopped_after_step}}},
+      {"step_records", js}, {"evals", je},
       {"nvme_rates", {{"read_gbps", rates.read_gbps}, {"write_gbps", rates.write_gbps},
                       {"read_busy_seconds_per_step", rates.read_busy_s},
                       {"write_busy_seconds_per_step", rates.write_busy_s},

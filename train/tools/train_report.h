@@ -44,6 +44,11 @@ struct RunInfo {
   std::int64_t first_step = 0, steps = 0;
   double wall_seconds = 0;
   std::string trace_path, checkpoint_dir;
+  // Set when a signal stopped the run early (Note [Stopping on a signal]):
+  // "SIGTERM", "SIGINT", or "a signal to another rank"; after this many
+  // optimizer steps (counted from the start of training, as step numbers are).
+  std::string stopped_by;
+  std::int64_t stopped_after_step = 0;
 };
 
 std::string format_bytes_si(double bytes);  // "12.3 MB"
