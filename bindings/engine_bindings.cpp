@@ -31,7 +31,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -39,6 +42,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "arrays.h"
@@ -369,6 +373,19 @@ tz::Status reduce_from(CoreHandle& core, std::size_t block, const std::vector<st
   return core.engine->reduce_grads(std::move(g));
 }
 
+// Note [Closing an engine]
+// close() frees the engine now, whoever still refers to the Python object
+// (a torch model's hooks do, for as long as the model lives; module globals
+// do until the interpreter tears them down, if it ever does, after the swap
+// file should have gone). The PyEngine lets go of the core at once, so every
+// later call raises "the engine is closed". If nothing else holds the core,
+// it is destroyed there and then: the swap files, memory, threads and ranks'
+// communicator with it. Gathered blocks whose views are still alive hold it
+// too, and their memory is the engine's, so it cannot be freed under them:
+// then the swap files' names are removed at once (the engine's open files
+// keep their data; the disk space returns when the last view goes, or at
+// exit) and the rest is freed with the last view. A call in flight on
+// another thread holds the core the same way until it returns.
 class PyEngine {
  public:
   PyEngine(std::optional<std::string> config_path, std::optional<std::string> config_json, const BlockList& blocks,
@@ -381,7 +398,8 @@ class PyEngine {
   }
 
   std::unique_ptr<PyGathered> fetch(std::size_t block, std::optional<std::int64_t> stream, bool evaluation) {
-    const std::optional<void*> readers = caller_stream(*core_, stream, "fetch");
+    const std::shared_ptr<CoreHandle> core = live();
+    const std::optional<void*> readers = caller_stream(*core, stream, "fetch");
     if (readers && *readers == reinterpret_cast<void*>(2)) {
       // Used when the last view goes, which may be on another thread (autograd's, the garbage collector's).
       raise_status(tz::invalid_argument(
@@ -389,13 +407,14 @@ class PyEngine {
           "and the block may be released on another thread: pass the stream's own handle"));
     }
     const tz::FetchFor purpose = evaluation ? tz::FetchFor::kEvaluation : tz::FetchFor::kTraining;
-    tz::GatheredBlock g = locked(*core_, [&] { return core_->engine->fetch(block, purpose); });
-    return std::make_unique<PyGathered>(core_, std::move(g), readers);
+    tz::GatheredBlock g = locked(*core, [&] { return core->engine->fetch(block, purpose); });
+    return std::make_unique<PyGathered>(core, std::move(g), readers);
   }
 
   void reduce_grads(std::size_t block, const std::vector<std::optional<InArray>>& grads,
                     std::optional<std::int64_t> stream) {
-    const auto& blocks = core_->engine->layout().blocks;
+    const std::shared_ptr<CoreHandle> core = live();
+    const auto& blocks = core->engine->layout().blocks;
     if (block >= blocks.size()) {
       raise_status(tz::invalid_argument("reduce_grads: block {} does not exist (the model has {})", block,
                                         blocks.size()));
@@ -405,9 +424,9 @@ class PyEngine {
       raise_status(tz::invalid_argument("reduce_grads: {} gradients for block '{}', which has {} parameters",
                                         grads.size(), b.name, b.params.size()));
     }
-    ArraySpec spec{{core_->engine->grad_type()}};
-    spec.device = core_->dl_device_type == kDLCUDA ? DeviceKind::kCuda : DeviceKind::kCpu;
-    spec.device_id = core_->dl_device_id;
+    ArraySpec spec{{core->engine->grad_type()}};
+    spec.device = core->dl_device_type == kDLCUDA ? DeviceKind::kCuda : DeviceKind::kCpu;
+    spec.device_id = core->dl_device_id;
     std::vector<std::optional<ArrayInfo>> infos(grads.size());
     for (std::size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i]) continue;
@@ -418,24 +437,47 @@ class PyEngine {
                                           arg, infos[i]->numel, b.params[i].numel));
       }
     }
-    const std::optional<void*> producer = caller_stream(*core_, stream, "reduce_grads");
-    locked(*core_, [&] { return reduce_from(*core_, block, infos, producer); });
+    const std::optional<void*> producer = caller_stream(*core, stream, "reduce_grads");
+    locked(*core, [&] { return reduce_from(*core, block, infos, producer); });
   }
 
-  nb::dict step() { return report_dict(locked(*core_, [&] { return core_->engine->step(); })); }
-
-  // fn() under the engine mutex, the GIL released; an error raises, a value is returned.
+  // fn(engine) under the engine mutex, the GIL released; an error raises, a value is returned.
   template <typename Fn>
   auto call(Fn&& fn) {
-    return locked(*core_, std::forward<Fn>(fn));
+    const std::shared_ptr<CoreHandle> core = live();  // kept for the call (Note [Closing an engine])
+    return locked(*core, [&] { return fn(*core->engine); });
   }
   // A value read under the engine mutex (GIL released while waiting for it).
   template <typename Fn>
   auto read(Fn&& fn) {
-    return locked(*core_, [&] { return tz::Expected<decltype(fn(*core_->engine))>(fn(*core_->engine)); });
+    return call([&](tz::ZeroEngine& z) { return tz::Expected<decltype(fn(z))>(fn(z)); });
   }
-  tz::ZeroEngine& engine() { return *core_->engine; }
-  const CoreHandle& core() const { return *core_; }
+  nb::dict step() {
+    return report_dict(call([](tz::ZeroEngine& z) { return z.step(); }));
+  }
+  // For calls made with the GIL held, which close() cannot overtake.
+  tz::ZeroEngine& engine() const { return *live()->engine; }
+  const CoreHandle& core() const { return *live(); }
+
+  // Note [Closing an engine]
+  void close() {
+    if (!core_) return;
+    std::shared_ptr<CoreHandle> core = std::exchange(core_, nullptr);
+    // Read with the GIL held: views and calls take and drop their references under it.
+    const bool alone = core.use_count() == 1;
+    nb::gil_scoped_release release;
+    if (alone) {
+      core.reset();
+      return;
+    }
+    std::lock_guard<std::mutex> lock(core->mu);
+    for (const std::string& path : core->engine->swap_files()) {
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+        TZ_LOG_WARN("python", "Engine.close(): removing the swap file {}: {}", path, std::strerror(errno));
+      }
+    }
+  }
+  bool closed() const { return !core_; }
 
   // A copy of `whole` goes in: a non-root rank's values are replaced by root's, but the caller's array is
   // left as it was.
@@ -443,21 +485,21 @@ class PyEngine {
     const ArrayInfo info = check(whole, ArraySpec{{DType::kFp32}}, "Engine.set_master()", "whole");
     std::vector<float> values(static_cast<const float*>(info.data), static_cast<const float*>(info.data) + info.numel);
     const tz::Status refused = refusal ? tz::invalid_argument("{}", *refusal) : tz::Status();
-    locked(*core_, [&] { return core_->engine->set_master(block, values.data(), values.size(), root, refused); });
+    call([&](tz::ZeroEngine& z) { return z.set_master(block, values.data(), values.size(), root, refused); });
   }
 
   void agree(const std::string& value, const std::optional<std::string>& refusal, const std::string& what) {
     const tz::Status refused = refusal ? tz::invalid_argument("{}", *refusal) : tz::Status();
-    locked(*core_, [&] { return core_->engine->ranks().agree(value, refused, what); });
+    call([&](tz::ZeroEngine& z) { return z.ranks().agree(value, refused, what); });
   }
 
   void broadcast(const WritableArg& data, int root) {
     const ArrayInfo info = check(data, ArraySpec{}, "Engine.broadcast()", "data");
-    locked(*core_, [&] { return core_->engine->ranks().broadcast(info.data, info.nbytes, root); });
+    call([&](tz::ZeroEngine& z) { return z.ranks().broadcast(info.data, info.nbytes, root); });
   }
 
   nb::ndarray<nb::numpy, float> gather_master(std::size_t block) {
-    std::vector<float> v = locked(*core_, [&] { return core_->engine->gather_master(block); });
+    std::vector<float> v = call([&](tz::ZeroEngine& z) { return z.gather_master(block); });
     auto* owned = new std::vector<float>(std::move(v));
     nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
     const std::size_t n = owned->size();
@@ -465,6 +507,15 @@ class PyEngine {
   }
 
  private:
+  // The core, or RuntimeError "the engine is closed" (Note [Closing an engine]).
+  std::shared_ptr<CoreHandle> live() const {
+    if (!core_) {
+      raise_status(tz::failed_precondition("tierzero.Engine: the engine is closed (by close(), or at the end of its "
+                                           "with block); make a new one"));
+    }
+    return core_;
+  }
+
   std::shared_ptr<CoreHandle> core_;
 };
 
@@ -529,10 +580,15 @@ void bind_engine(nb::module_& m) {
            "wait for the work queued on `stream` (an int as DLPack passes streams: a cudaStream_t, 0 or 1 the legacy "
            "default stream, 2 the per-thread one, -1 none), by default the legacy default stream.")
       .def("step", &PyEngine::step, "Ends a micro-batch; at the accumulation boundary runs the optimizer. A dict.")
+      .def("close", &PyEngine::close,
+           "Frees the engine now: its swap files, memory, threads and communicator, whatever else still refers to "
+           "this object. Gathered blocks whose views are alive keep the engine's memory until they go (their swap "
+           "files are removed at once). Every later call raises RuntimeError; closing again does nothing.")
+      .def_prop_ro("closed", &PyEngine::closed, "Whether close() has been called.")
       .def("fetch_mark", [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.fetch_mark(); }); },
            "Where this micro-batch's training fetches have got to: a FetchMark for rewind_fetches().")
       .def("rewind_fetches",
-           [](PyEngine& e, const tz::FetchMark& mark) { e.call([&] { return e.engine().rewind_fetches(mark); }); },
+           [](PyEngine& e, const tz::FetchMark& mark) { e.call([&](tz::ZeroEngine& z) { return z.rewind_fetches(mark); }); },
            nb::arg("mark"),
            "Forgets the training fetches since `mark` (fetch_mark() in this micro-batch) after a forward that "
            "raised, so the prefetch order goes on from there (tz::ZeroEngine::rewind_fetches). Gradients already "
@@ -550,7 +606,7 @@ void bind_engine(nb::module_& m) {
              } else if (tag && tag->empty()) {
                options.refusal = tz::invalid_argument("save_checkpoint: tag is empty; give a name, or None");
              }
-             return e.call([&] { return e.engine().save_checkpoint(d, options); });
+             return e.call([&](tz::ZeroEngine& z) { return z.save_checkpoint(d, options); });
            },
            nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(), nb::arg("client_state") = nb::none(),
            nb::arg("save_latest") = true, nb::arg("refusal") = nb::none(), nb::arg("keep_last") = 0,
@@ -576,7 +632,7 @@ void bind_engine(nb::module_& m) {
                                                                 "the load (was the checkpoint replaced?)");
                };
              }
-             tz::LoadedCheckpoint loaded = e.call([&] { return e.engine().load_checkpoint(d, options); });
+             tz::LoadedCheckpoint loaded = e.call([&](tz::ZeroEngine& z) { return z.load_checkpoint(d, options); });
              nb::object state = nb::none();
              if (loaded.client_state) state = nb::bytes(loaded.client_state->data(), loaded.client_state->size());
              return nb::make_tuple(loaded.path, state);
@@ -595,7 +651,9 @@ void bind_engine(nb::module_& m) {
                raise_status(tz::invalid_argument("export_safetensors: names is empty; give one list per block, or "
                                                  "None for '<block>.<param>' names"));
              }
-             e.call([&] { return e.engine().export_safetensors(p, names.value_or(std::vector<std::vector<std::string>>{})); });
+             e.call([&](tz::ZeroEngine& z) {
+               return z.export_safetensors(p, names.value_or(std::vector<std::vector<std::string>>{}));
+             });
            },
            nb::arg("path"), nb::arg("names") = nb::none(),
            "The fp32 weights as one safetensors file: tensors named '<block>.<param>', or names[b][p] (one list "
@@ -623,7 +681,7 @@ void bind_engine(nb::module_& m) {
            "collective: every rank passes an array of the same size and the same root.")
       .def("record_timeline", [](PyEngine& e, bool on) { e.engine().record_timeline(on); }, nb::arg("on"))
       .def("write_timeline",
-           [](PyEngine& e, const std::string& p) { e.call([&] { return e.engine().write_timeline(p); }); },
+           [](PyEngine& e, const std::string& p) { e.call([&](tz::ZeroEngine& z) { return z.write_timeline(p); }); },
            nb::arg("path"))
       .def("describe", [](PyEngine& e) { return e.engine().describe(); })
       .def("layout", [](PyEngine& e) { return layout_list(e.engine().layout()); })
@@ -646,7 +704,8 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("learning_rate",
                    [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.learning_rate(); }); },
                    "The learning rate the next optimizer step will use (the config's scheduler, or the optimizer's).")
-      .def("set_learning_rate", [](PyEngine& e, double lr) { e.call([&] { return e.engine().set_learning_rate(lr); }); },
+      .def("set_learning_rate",
+           [](PyEngine& e, double lr) { e.call([&](tz::ZeroEngine& z) { return z.set_learning_rate(lr); }); },
            nb::arg("lr"),
            "Sets the optimizer's learning rate for the next steps (finite, >= 0); refused when the config has a "
            "scheduler block. Checkpoints carry it once set.")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import tierzero.torch as tzt
-from conftest import host_config
+from conftest import host_config, swap_files, swap_files_while_a_script_runs
 
 # fp32 reordering: the engine sums gradients and computes AdamW in a
 # different order than torch (reduce in fp32, SIMD kernels), so parameters
@@ -875,3 +875,37 @@ def test_a_forward_that_raises_leaves_nothing_gathered(nvme_dir):
     x = torch.randn(4, 16)
     engine.backward(engine(x).sum())  # and training goes on
     assert engine.step()["stepped"]
+
+
+# ---------------------------------------------------------------- close() (Note [Closing an engine])
+
+def test_close_frees_the_engine_though_the_models_hooks_refer_to_it(nvme_dir):
+    model = mlp()
+    engine, optimizer = tzt.initialize(model, host_config(nvme_dir))
+    _train_mse(engine, _mlp_batches(3, 2))
+    x, _ = _mlp_batches(4, 1)[0]
+    out = model(x)  # a forward whose backward never comes: autograd holds its blocks
+    assert swap_files(nvme_dir)
+    engine.close()
+    assert swap_files(nvme_dir) == [] and engine.closed
+    del out
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        model(x)  # the hooks are still there, and say why they cannot run
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        optimizer.step()
+    engine.close()
+    with tzt.initialize(mlp(), host_config(nvme_dir))[0] as other:
+        _train_mse(other, _mlp_batches(5, 1))
+    assert other.closed and swap_files(nvme_dir) == []
+
+
+def test_a_module_global_torch_engine_and_model_leave_no_swap_file_at_exit(nvme_dir):
+    code = ("import sys, json, torch, tierzero.torch as tzt\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))\n"
+            "engine, optimizer = tzt.initialize(model, json.loads(sys.argv[1]))\n"
+            "loss = engine(torch.randn(8, 16)).square().mean()  # a global, as in any script's loop\n"
+            "engine.backward(loss)\n"
+            "engine.step()\n"
+            "out = engine(torch.randn(8, 16))  # and a forward whose backward never came\n")
+    assert swap_files_while_a_script_runs(code, host_config(nvme_dir), nvme_dir) == 1, "it had one while it ran"
+    assert swap_files(nvme_dir) == [], "the hooks kept the engine alive past exit, and its swap file with it"
