@@ -66,10 +66,16 @@ Status ZeroEngineImpl::make_plan() {
     TZ_ASSIGN_OR_RETURN(HostMemoryReading mem, read_host_memory());
     tiers.gpu = ByteBudget::of(mem.available_bytes / 4);
   }
+  // Dead runs' swap files go before "auto" reads the free space (Note [Swap file ownership] in nvme/src/swap_files.cpp).
+  std::string swap_files_seen;
+  for (const std::string& path : c.all_nvme_paths()) swap_files_seen += nvme::reclaim_stale_swap_files(path).describe();
   TZ_ASSIGN_OR_RETURN(budgets_, resolve_budgets(tiers, c.all_nvme_paths()));
   PlanInput input = PlanInput::from_config(c, layout_.block_numel(), comm_->size(), 0, budgets_);
   Expected<Plan> plan = plan_placement(input);
-  if (!plan.ok() && !options_.placement) return std::move(plan).status().with_context("placing the model states");
+  if (!plan.ok() && !options_.placement) {
+    const Status refused = std::move(plan).status().with_context("placing the model states");
+    return Status(refused.code(), refused.message() + swap_files_seen, refused.sys_errno());
+  }
   if (plan.ok()) plan_ = std::move(*plan);
   if (options_.placement) plan_.tier = *options_.placement;
   // The optimizer runs on the CPU (cpu_adam); on the Host backend "device"

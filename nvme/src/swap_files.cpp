@@ -34,11 +34,14 @@
 #include <fcntl.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "tierzero/nvme/swap_store.h"
 
@@ -76,7 +79,7 @@ std::string list(const std::vector<SwapFileSeen>& files) {
 }
 
 // Looks at one swap file: removes it when its lock is free.
-void reclaim_one(const std::string& path, ReclaimReport& report) {
+void reclaim_one(const std::string& path, SwapFolderReport& report) {
   int raw;
   do {
     raw = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
@@ -109,6 +112,39 @@ void reclaim_one(const std::string& path, ReclaimReport& report) {
   report.removed.push_back({path, bytes, ""});
 }
 
+// Note [Space of a removed file]
+// Removing a dead run's swap file frees its space only once nothing holds
+// the file: a process killed with io_uring rings has them torn down by the
+// kernel a moment after it is reaped (the rings' registered files go last),
+// and a journaling file system may hand the blocks back when the removal
+// commits. A store made right after (a container restarted at once) would
+// see the space still taken and be refused, or an "auto" NVMe budget
+// planned without it. So after removing files the folder is fsynced (which
+// commits the removal) and the free space watched, for up to
+// kSettleLimit, until it has grown by what was removed.
+constexpr auto kSettleLimit = std::chrono::seconds(5);
+
+std::uint64_t free_bytes(const std::string& dir) {
+  struct statvfs vfs {};
+  if (::statvfs(dir.c_str(), &vfs) != 0) return 0;
+  return static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+}
+
+void settle_removals(const std::string& dir, std::uint64_t free_before, std::uint64_t removed) {
+  if (Expected<UniqueFd> fd = open_file(dir, O_RDONLY | O_DIRECTORY); fd.ok()) (void)::fsync(fd->get());
+  const auto give_up = std::chrono::steady_clock::now() + kSettleLimit;
+  const std::uint64_t want = free_before + removed - removed / 16;  // metadata blocks aside
+  while (free_bytes(dir) < want) {
+    if (std::chrono::steady_clock::now() > give_up) {
+      TZ_LOG_WARN("nvme", "{}: the space of the removed swap files ({}) has not all come back after {} s (another "
+                  "process may still hold them open, or be filling the disk)", dir, format_bytes(removed),
+                  kSettleLimit.count());
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 // Note [Swap files removed at abort]: one slot per live swap file. `state`
 // says whether `pid` and `path` may be read: a handler reads only slots that
 // are listed (2); an owner fills a slot while it is claimed (1), lists it,
@@ -122,33 +158,6 @@ static_assert(std::atomic<int>::is_always_lock_free, "read from a signal handler
 ExitSlot g_exit_slots[ExitRemoval::kExitSlots];
 
 }  // namespace
-
-std::string ReclaimReport::describe() const {
-  std::string out;
-  if (!removed.empty()) {
-    out += fmt::format("; {} stale swap file(s) of runs that have ended were removed from there first: {}",
-                       removed.size(), list(removed));
-  }
-  if (!held.empty()) {
-    out += fmt::format("; {} swap file(s) there belong to another live run, which holds their lock, and were left "
-                       "alone: {}", held.size(), list(held));
-  }
-  if (!unchecked.empty()) out += fmt::format("; swap file(s) there that could not be checked: {}", list(unchecked));
-  return out;
-}
-
-ReclaimReport reclaim_stale_swap_files(const std::string& dir) {
-  ReclaimReport report;
-  std::vector<std::string> names;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (const struct dirent* e = ::readdir(d)) {
-      if (is_swap_name(e->d_name)) names.emplace_back(e->d_name);
-    }
-    ::closedir(d);
-  }
-  for (const std::string& name : names) reclaim_one(dir + "/" + name, report);
-  return report;
-}
 
 Expected<OwnedSwapFile> create_owned_swap_file(const std::string& dir) {
   constexpr int kTries = 16;
@@ -208,6 +217,39 @@ ExitRemoval& ExitRemoval::operator=(ExitRemoval&& other) noexcept {
 }
 
 }  // namespace detail
+
+std::string SwapFolderReport::describe() const {
+  std::string out;
+  if (!removed.empty()) {
+    out += fmt::format("; in {}, {} stale swap file(s) of runs that have ended were removed first: {}", dir,
+                       removed.size(), detail::list(removed));
+  }
+  if (!held.empty()) {
+    out += fmt::format("; in {}, {} swap file(s) belong to another live run, which holds their lock, and were left "
+                       "alone: {}", dir, held.size(), detail::list(held));
+  }
+  if (!unchecked.empty()) {
+    out += fmt::format("; in {}, swap file(s) that could not be checked: {}", dir, detail::list(unchecked));
+  }
+  return out;
+}
+
+SwapFolderReport reclaim_stale_swap_files(const std::string& dir) {
+  SwapFolderReport report{.dir = dir};
+  std::vector<std::string> names;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const struct dirent* e = ::readdir(d)) {
+      if (detail::is_swap_name(e->d_name)) names.emplace_back(e->d_name);
+    }
+    ::closedir(d);
+  }
+  const std::uint64_t free_before = names.empty() ? 0 : detail::free_bytes(dir);
+  for (const std::string& name : names) detail::reclaim_one(dir + "/" + name, report);
+  std::uint64_t removed = 0;
+  for (const SwapFileSeen& f : report.removed) removed += f.bytes;
+  if (removed > 0) detail::settle_removals(dir, free_before, removed);  // Note [Space of a removed file]
+  return report;
+}
 
 // Note [Swap files removed at abort]
 // unlink(2) and getpid(2) are async-signal-safe, and the slots are fixed

@@ -1,7 +1,7 @@
-// Swap files on disk: their names, the locks that say whose they are, the
-// reclaiming of those that runs which have ended left behind, and the
-// process-wide list a signal handler removes them by (Note [Swap file
-// ownership] in swap_files.cpp). Private to nvme/; SwapStore uses it.
+// Swap files on disk: their names, the locks that say whose they are, and
+// the process-wide list a signal handler removes them by (Note [Swap file
+// ownership] in swap_files.cpp; reclaim_stale_swap_files is public, in
+// swap_store.h). Private to nvme/; SwapStore uses it.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tierzero/common.h"
+#include "tierzero/nvme/swap_store.h"
 
 namespace tz::nvme::detail {
 
@@ -18,27 +19,6 @@ namespace tz::nvme::detail {
 // in a swap folder with this prefix and suffix is a swap file of some run.
 inline constexpr std::string_view kSwapPrefix = "tierzero-swap-";
 inline constexpr std::string_view kSwapSuffix = ".bin";
-
-struct SwapFileSeen {
-  std::string path;
-  std::uint64_t bytes = 0;     // disk space it holds (allocated blocks)
-  std::string why;             // for unchecked files: the error
-};
-
-// What reclaim_stale_swap_files found in one folder.
-struct ReclaimReport {
-  std::vector<SwapFileSeen> removed;    // no process held their lock: left by runs that have ended
-  std::vector<SwapFileSeen> held;       // a live process holds their lock
-  std::vector<SwapFileSeen> unchecked;  // could not be opened or locked (another user's, say): left alone
-  // "; removed 1 stale swap file ...; 2 swap files there are held by another
-  // live run ...": the clause a NoSpace message ends with ("" when none seen).
-  std::string describe() const;
-};
-
-// Removes each swap file in `dir` whose lock is free, logging its name and
-// size, and lists those that live runs hold. A folder that cannot be read
-// gives an empty report (creating the store's own file then names the error).
-ReclaimReport reclaim_stale_swap_files(const std::string& dir);
 
 // A swap file of this process: created exclusively in `dir` under a fresh
 // random name and locked through `lock`, its own open of the file (held for

@@ -161,7 +161,7 @@ Status SwapStoreImpl::init() {
                          format_bytes(options_.capacity_bytes), options_.paths.size(),
                          options_.paths.size() == 1 ? "" : "s");
     };
-    const detail::ReclaimReport seen = detail::reclaim_stale_swap_files(dir);
+    const SwapFolderReport seen = reclaim_stale_swap_files(dir);  // Note [Swap file ownership]
     Expected<detail::OwnedSwapFile> owned = detail::create_owned_swap_file(dir);
     TZ_TRY_CTX(owned, "{}", what());
     files_.push_back(SwapFile{.path = owned->path, .lock = std::move(owned->lock)});

@@ -35,14 +35,14 @@ std::unique_ptr<SwapStore> make_store(const std::string& dir, std::uint64_t capa
 // _exit()s at once, as a crash would, leaving the file behind.
 class StoreChild {
  public:
-  StoreChild(const std::string& dir, bool hold) {
+  StoreChild(const std::string& dir, bool hold, std::uint64_t capacity = kCapacity) {
     int report[2], go[2];
     if (::pipe(report) != 0 || ::pipe(go) != 0) std::abort();
     pid_ = ::fork();
     if (pid_ == 0) {
       ::close(report[0]);
       ::close(go[1]);
-      auto store = SwapStore::create({.paths = {dir}, .capacity_bytes = kCapacity});
+      auto store = SwapStore::create({.paths = {dir}, .capacity_bytes = capacity});
       const std::string path = store.ok() ? (*store)->file_paths()[0] : "";
       (void)!::write(report[1], path.data(), path.size());
       ::close(report[1]);
@@ -128,8 +128,28 @@ TEST(SwapFiles, WhenSpaceIsStillShortTheReclaimedFilesAreNamed) {
   auto too_big = SwapStore::create({.paths = {dir.path()}, .capacity_bytes = caps->free_bytes + (64ULL << 30)});
   ASSERT_FALSE(too_big.ok());
   const std::string msg = too_big.status().message();
-  EXPECT_NE(msg.find("were removed from there first: " + dead.path()), std::string::npos) << msg;
+  EXPECT_NE(msg.find("were removed first: " + dead.path()), std::string::npos) << msg;
   EXPECT_TRUE(fs::is_empty(dir.path())) << "the stale file and the half-made one are both gone";
+}
+
+// The restart of issue #23: a disk with room for one run's swap file, the
+// dead run's file on it. The next store fits once that file is reclaimed, at
+// once (the dead run's io_uring lets go of the file a moment after it is
+// reaped: Note [Space of a removed file]).
+TEST(SwapFiles, OnANearlyFullDiskTheDeadRunsFileMakesRoomForTheNext) {
+  TempDir dir;
+  LoopMount fs(dir, 16);
+  if (!fs.mounted()) GTEST_SKIP() << fs.why_not();
+  constexpr std::uint64_t kBig = 10 << 20;  // of about 14 MiB free
+  StoreChild dead(fs.path(), /*hold=*/true, kBig);
+  ASSERT_FALSE(dead.path().empty());
+  dead.kill9();
+  auto caps = tz::probe_path(fs.path());
+  ASSERT_TRUE(caps.ok());
+  ASSERT_LT(caps->free_bytes, kBig) << "the dead run's file takes the room";
+  auto next = make_store(fs.path(), kBig);
+  ASSERT_TRUE(next) << "refused for want of the room the dead run's file held";
+  EXPECT_FALSE(fs::exists(dead.path()));
 }
 
 TEST(SwapFiles, TwoStoresInOneFolderAtOnceEachKeepTheirOwnFile) {

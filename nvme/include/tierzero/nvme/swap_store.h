@@ -123,6 +123,33 @@ class SwapStore {
   virtual IoEngine& engine() = 0;
 };
 
+// A swap file reclaim_stale_swap_files found.
+struct SwapFileSeen {
+  std::string path;
+  std::uint64_t bytes = 0;     // disk space it holds (allocated blocks)
+  std::string why;             // for one that could not be checked: the error
+};
+
+// What reclaim_stale_swap_files found in one folder.
+struct SwapFolderReport {
+  std::string dir;
+  std::vector<SwapFileSeen> removed;    // no process held their lock: left by runs that have ended
+  std::vector<SwapFileSeen> held;       // a live process holds their lock: left alone
+  std::vector<SwapFileSeen> unchecked;  // could not be opened or locked (another user's, say): left alone
+  // "; in <dir>, 1 stale swap file ... was removed first: ...; 2 swap files
+  // are held by another live run ...": the clause an out-of-space message
+  // ends with ("" when there was nothing to say).
+  std::string describe() const;
+};
+
+// Removes each swap file in `dir` that no live store holds (its lock is
+// free), logging its name and size, and lists those that live runs hold.
+// create() does it for each of its paths; an engine does it before it reads
+// the free space there (a "nvme_bytes": "auto" budget), so a dead run's file
+// is not counted against the next. A folder that cannot be read gives an
+// empty report.
+SwapFolderReport reclaim_stale_swap_files(const std::string& dir);
+
 // Removes (unlinks) the swap files of every SwapStore alive in this process,
 // now, for a process about to end abnormally: a second SIGINT or SIGTERM, a
 // fatal signal. Async-signal-safe, so a signal handler may call it; the
