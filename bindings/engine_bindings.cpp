@@ -31,12 +31,18 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "arrays.h"
@@ -153,6 +159,8 @@ nb::dict report_dict(const tz::StepReport& r) {
   d["nvme_write_busy_seconds"] = r.nvme_write_busy_seconds;
   d["h2d_bytes"] = r.h2d_bytes;
   d["gather_bytes"] = r.gather_bytes;
+  d["host_waits"] = r.host_waits;
+  d["blocks_reduced"] = r.blocks_reduced;
   d["wait_nvme_seconds"] = r.wait_nvme_seconds;
   d["wait_h2d_seconds"] = r.wait_h2d_seconds;
   d["wait_gather_seconds"] = r.wait_gather_seconds;
@@ -316,13 +324,15 @@ std::optional<void*> caller_stream(const CoreHandle& core, std::optional<std::in
   return reinterpret_cast<void*>(static_cast<std::intptr_t>(*stream));
 }
 
-// Copies each gradient (None: zeros) into a fresh GradBlock of `block` and
-// hands it to reduce_grads, after the caller's `producer` stream where there
-// is one (Note [Gradients from another library's stream]). Caller holds the
-// mutex, not the GIL.
+// Copies each gradient into a fresh, unzeroed GradBlock of `block` and zeroes
+// the rest of it (None gradients, the gaps between parameters, the padding)
+// on the same stream, then hands it to reduce_grads, after the caller's
+// `producer` stream where there is one (Note [Gradients from another
+// library's stream]). One host wait per block on CUDA, where zeroing the
+// whole buffer first cost a second one. Caller holds the mutex, not the GIL.
 tz::Status reduce_from(CoreHandle& core, std::size_t block, const std::vector<std::optional<ArrayInfo>>& grads,
                        std::optional<void*> producer) {
-  TZ_ASSIGN_OR_RETURN(tz::GradBlock g, core.engine->grad_buffer(block));
+  TZ_ASSIGN_OR_RETURN(tz::GradBlock g, core.engine->grad_buffer(block, tz::GradFill::kUninitialised));
   const std::size_t bytes = tz::dtype_bytes(g.type());
   const tz::BlockLayout& b = core.engine->layout().blocks[block];
   // On the Host backend "device" memory is host memory: a memcpy, not a
@@ -334,19 +344,48 @@ tz::Status reduce_from(CoreHandle& core, std::size_t block, const std::vector<st
                "Engine.reduce_grads(): waiting for stream={:#x} (the gradients' producer) on {}",
                reinterpret_cast<std::uintptr_t>(*producer), core.device->name());
   }
-  for (std::size_t i = 0; i < grads.size(); ++i) {
+  char* base = static_cast<char*>(g.data());
+  auto zero = [&](std::uint64_t from, std::uint64_t to) -> tz::Status {  // elements [from, to)
+    if (to <= from) return tz::ok_status();
+    if (host) {
+      std::memset(base + from * bytes, 0, (to - from) * bytes);
+      return tz::ok_status();
+    }
+    return core.device->memset_async(base + from * bytes, 0, (to - from) * bytes, *core.copy_stream);
+  };
+  std::vector<std::size_t> order(grads.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return b.params[x].offset < b.params[y].offset; });
+  std::uint64_t written = 0;  // every element before this one has its value
+  for (std::size_t i : order) {
     if (!grads[i]) continue;
+    TZ_TRY(zero(written, b.params[i].offset));
     const std::size_t n = b.params[i].numel * bytes;
     if (host) {
       std::memcpy(g.grad(i), grads[i]->data, n);
     } else {
       TZ_TRY(core.device->copy_async(g.grad(i), grads[i]->data, n, *core.copy_stream));
     }
+    written = b.params[i].offset + b.params[i].numel;
   }
+  TZ_TRY(zero(written, b.whole_numel));
   if (!host) TZ_TRY(core.device->synchronize_stream(*core.copy_stream));
   return core.engine->reduce_grads(std::move(g));
 }
 
+// Note [Closing an engine]
+// close() frees the engine now, whoever still refers to the Python object
+// (a torch model's hooks do, for as long as the model lives; module globals
+// do until the interpreter tears them down, if it ever does, after the swap
+// file should have gone). The PyEngine lets go of the core at once, so every
+// later call raises "the engine is closed". If nothing else holds the core,
+// it is destroyed there and then: the swap files, memory, threads and ranks'
+// communicator with it. Gathered blocks whose views are still alive hold it
+// too, and their memory is the engine's, so it cannot be freed under them:
+// then the swap files' names are removed at once (the engine's open files
+// keep their data; the disk space returns when the last view goes, or at
+// exit) and the rest is freed with the last view. A call in flight on
+// another thread holds the core the same way until it returns.
 class PyEngine {
  public:
   PyEngine(std::optional<std::string> config_path, std::optional<std::string> config_json, const BlockList& blocks,
@@ -359,7 +398,8 @@ class PyEngine {
   }
 
   std::unique_ptr<PyGathered> fetch(std::size_t block, std::optional<std::int64_t> stream, bool evaluation) {
-    const std::optional<void*> readers = caller_stream(*core_, stream, "fetch");
+    const std::shared_ptr<CoreHandle> core = live();
+    const std::optional<void*> readers = caller_stream(*core, stream, "fetch");
     if (readers && *readers == reinterpret_cast<void*>(2)) {
       // Used when the last view goes, which may be on another thread (autograd's, the garbage collector's).
       raise_status(tz::invalid_argument(
@@ -367,13 +407,14 @@ class PyEngine {
           "and the block may be released on another thread: pass the stream's own handle"));
     }
     const tz::FetchFor purpose = evaluation ? tz::FetchFor::kEvaluation : tz::FetchFor::kTraining;
-    tz::GatheredBlock g = locked(*core_, [&] { return core_->engine->fetch(block, purpose); });
-    return std::make_unique<PyGathered>(core_, std::move(g), readers);
+    tz::GatheredBlock g = locked(*core, [&] { return core->engine->fetch(block, purpose); });
+    return std::make_unique<PyGathered>(core, std::move(g), readers);
   }
 
   void reduce_grads(std::size_t block, const std::vector<std::optional<InArray>>& grads,
                     std::optional<std::int64_t> stream) {
-    const auto& blocks = core_->engine->layout().blocks;
+    const std::shared_ptr<CoreHandle> core = live();
+    const auto& blocks = core->engine->layout().blocks;
     if (block >= blocks.size()) {
       raise_status(tz::invalid_argument("reduce_grads: block {} does not exist (the model has {})", block,
                                         blocks.size()));
@@ -383,9 +424,9 @@ class PyEngine {
       raise_status(tz::invalid_argument("reduce_grads: {} gradients for block '{}', which has {} parameters",
                                         grads.size(), b.name, b.params.size()));
     }
-    ArraySpec spec{{core_->engine->grad_type()}};
-    spec.device = core_->dl_device_type == kDLCUDA ? DeviceKind::kCuda : DeviceKind::kCpu;
-    spec.device_id = core_->dl_device_id;
+    ArraySpec spec{{core->engine->grad_type()}};
+    spec.device = core->dl_device_type == kDLCUDA ? DeviceKind::kCuda : DeviceKind::kCpu;
+    spec.device_id = core->dl_device_id;
     std::vector<std::optional<ArrayInfo>> infos(grads.size());
     for (std::size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i]) continue;
@@ -396,24 +437,47 @@ class PyEngine {
                                           arg, infos[i]->numel, b.params[i].numel));
       }
     }
-    const std::optional<void*> producer = caller_stream(*core_, stream, "reduce_grads");
-    locked(*core_, [&] { return reduce_from(*core_, block, infos, producer); });
+    const std::optional<void*> producer = caller_stream(*core, stream, "reduce_grads");
+    locked(*core, [&] { return reduce_from(*core, block, infos, producer); });
   }
 
-  nb::dict step() { return report_dict(locked(*core_, [&] { return core_->engine->step(); })); }
-
-  // fn() under the engine mutex, the GIL released; an error raises, a value is returned.
+  // fn(engine) under the engine mutex, the GIL released; an error raises, a value is returned.
   template <typename Fn>
   auto call(Fn&& fn) {
-    return locked(*core_, std::forward<Fn>(fn));
+    const std::shared_ptr<CoreHandle> core = live();  // kept for the call (Note [Closing an engine])
+    return locked(*core, [&] { return fn(*core->engine); });
   }
   // A value read under the engine mutex (GIL released while waiting for it).
   template <typename Fn>
   auto read(Fn&& fn) {
-    return locked(*core_, [&] { return tz::Expected<decltype(fn(*core_->engine))>(fn(*core_->engine)); });
+    return call([&](tz::ZeroEngine& z) { return tz::Expected<decltype(fn(z))>(fn(z)); });
   }
-  tz::ZeroEngine& engine() { return *core_->engine; }
-  const CoreHandle& core() const { return *core_; }
+  nb::dict step() {
+    return report_dict(call([](tz::ZeroEngine& z) { return z.step(); }));
+  }
+  // For calls made with the GIL held, which close() cannot overtake.
+  tz::ZeroEngine& engine() const { return *live()->engine; }
+  const CoreHandle& core() const { return *live(); }
+
+  // Note [Closing an engine]
+  void close() {
+    if (!core_) return;
+    std::shared_ptr<CoreHandle> core = std::exchange(core_, nullptr);
+    // Read with the GIL held: views and calls take and drop their references under it.
+    const bool alone = core.use_count() == 1;
+    nb::gil_scoped_release release;
+    if (alone) {
+      core.reset();
+      return;
+    }
+    std::lock_guard<std::mutex> lock(core->mu);
+    for (const std::string& path : core->engine->swap_files()) {
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+        TZ_LOG_WARN("python", "Engine.close(): removing the swap file {}: {}", path, std::strerror(errno));
+      }
+    }
+  }
+  bool closed() const { return !core_; }
 
   // A copy of `whole` goes in: a non-root rank's values are replaced by root's, but the caller's array is
   // left as it was.
@@ -421,21 +485,21 @@ class PyEngine {
     const ArrayInfo info = check(whole, ArraySpec{{DType::kFp32}}, "Engine.set_master()", "whole");
     std::vector<float> values(static_cast<const float*>(info.data), static_cast<const float*>(info.data) + info.numel);
     const tz::Status refused = refusal ? tz::invalid_argument("{}", *refusal) : tz::Status();
-    locked(*core_, [&] { return core_->engine->set_master(block, values.data(), values.size(), root, refused); });
+    call([&](tz::ZeroEngine& z) { return z.set_master(block, values.data(), values.size(), root, refused); });
   }
 
   void agree(const std::string& value, const std::optional<std::string>& refusal, const std::string& what) {
     const tz::Status refused = refusal ? tz::invalid_argument("{}", *refusal) : tz::Status();
-    locked(*core_, [&] { return core_->engine->ranks().agree(value, refused, what); });
+    call([&](tz::ZeroEngine& z) { return z.ranks().agree(value, refused, what); });
   }
 
   void broadcast(const WritableArg& data, int root) {
     const ArrayInfo info = check(data, ArraySpec{}, "Engine.broadcast()", "data");
-    locked(*core_, [&] { return core_->engine->ranks().broadcast(info.data, info.nbytes, root); });
+    call([&](tz::ZeroEngine& z) { return z.ranks().broadcast(info.data, info.nbytes, root); });
   }
 
   nb::ndarray<nb::numpy, float> gather_master(std::size_t block) {
-    std::vector<float> v = locked(*core_, [&] { return core_->engine->gather_master(block); });
+    std::vector<float> v = call([&](tz::ZeroEngine& z) { return z.gather_master(block); });
     auto* owned = new std::vector<float>(std::move(v));
     nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
     const std::size_t n = owned->size();
@@ -443,6 +507,15 @@ class PyEngine {
   }
 
  private:
+  // The core, or RuntimeError "the engine is closed" (Note [Closing an engine]).
+  std::shared_ptr<CoreHandle> live() const {
+    if (!core_) {
+      raise_status(tz::failed_precondition("tierzero.Engine: the engine is closed (by close(), or at the end of its "
+                                           "with block); make a new one"));
+    }
+    return core_;
+  }
+
   std::shared_ptr<CoreHandle> core_;
 };
 
@@ -507,10 +580,15 @@ void bind_engine(nb::module_& m) {
            "wait for the work queued on `stream` (an int as DLPack passes streams: a cudaStream_t, 0 or 1 the legacy "
            "default stream, 2 the per-thread one, -1 none), by default the legacy default stream.")
       .def("step", &PyEngine::step, "Ends a micro-batch; at the accumulation boundary runs the optimizer. A dict.")
+      .def("close", &PyEngine::close,
+           "Frees the engine now: its swap files, memory, threads and communicator, whatever else still refers to "
+           "this object. Gathered blocks whose views are alive keep the engine's memory until they go (their swap "
+           "files are removed at once). Every later call raises RuntimeError; closing again does nothing.")
+      .def_prop_ro("closed", &PyEngine::closed, "Whether close() has been called.")
       .def("fetch_mark", [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.fetch_mark(); }); },
            "Where this micro-batch's training fetches have got to: a FetchMark for rewind_fetches().")
       .def("rewind_fetches",
-           [](PyEngine& e, const tz::FetchMark& mark) { e.call([&] { return e.engine().rewind_fetches(mark); }); },
+           [](PyEngine& e, const tz::FetchMark& mark) { e.call([&](tz::ZeroEngine& z) { return z.rewind_fetches(mark); }); },
            nb::arg("mark"),
            "Forgets the training fetches since `mark` (fetch_mark() in this micro-batch) after a forward that "
            "raised, so the prefetch order goes on from there (tz::ZeroEngine::rewind_fetches). Gradients already "
@@ -518,8 +596,9 @@ void bind_engine(nb::module_& m) {
            "ValueError.")
       .def("save_checkpoint",
            [](PyEngine& e, const std::string& d, const std::optional<std::string>& tag,
-              const std::optional<nb::bytes>& client_state, bool save_latest, const std::optional<std::string>& refusal) {
-             tz::CheckpointSave options{.tag = tag.value_or(""), .save_latest = save_latest};
+              const std::optional<nb::bytes>& client_state, bool save_latest, const std::optional<std::string>& refusal,
+              int keep_last) {
+             tz::CheckpointSave options{.tag = tag.value_or(""), .save_latest = save_latest, .keep_last = keep_last};
              if (client_state) options.client_state = std::string(client_state->c_str(), client_state->size());
              // Refusals go through the save, so every rank fails together (CheckpointSave::refusal).
              if (refusal) {
@@ -527,12 +606,13 @@ void bind_engine(nb::module_& m) {
              } else if (tag && tag->empty()) {
                options.refusal = tz::invalid_argument("save_checkpoint: tag is empty; give a name, or None");
              }
-             return e.call([&] { return e.engine().save_checkpoint(d, options); });
+             return e.call([&](tz::ZeroEngine& z) { return z.save_checkpoint(d, options); });
            },
            nb::arg("dir"), nb::kw_only(), nb::arg("tag") = nb::none(), nb::arg("client_state") = nb::none(),
-           nb::arg("save_latest") = true, nb::arg("refusal") = nb::none(),
+           nb::arg("save_latest") = true, nb::arg("refusal") = nb::none(), nb::arg("keep_last") = 0,
            "Saves every rank's states under dir/<tag> (default step-<N>; an existing tag is replaced atomically), "
-           "with rank 0's client_state bytes, and points dir/latest at it unless save_latest is False. Returns the "
+           "with rank 0's client_state bytes, and points dir/latest at it unless save_latest is False; keep_last N "
+           "then removes all but the newest N complete checkpoints (never the one latest names). Returns the "
            "checkpoint's directory. refusal: this rank's reason not to save (every rank then fails, this one with "
            "the reason as a ValueError).")
       .def("load_checkpoint",
@@ -552,7 +632,7 @@ void bind_engine(nb::module_& m) {
                                                                 "the load (was the checkpoint replaced?)");
                };
              }
-             tz::LoadedCheckpoint loaded = e.call([&] { return e.engine().load_checkpoint(d, options); });
+             tz::LoadedCheckpoint loaded = e.call([&](tz::ZeroEngine& z) { return z.load_checkpoint(d, options); });
              nb::object state = nb::none();
              if (loaded.client_state) state = nb::bytes(loaded.client_state->data(), loaded.client_state->size());
              return nb::make_tuple(loaded.path, state);
@@ -571,7 +651,9 @@ void bind_engine(nb::module_& m) {
                raise_status(tz::invalid_argument("export_safetensors: names is empty; give one list per block, or "
                                                  "None for '<block>.<param>' names"));
              }
-             e.call([&] { return e.engine().export_safetensors(p, names.value_or(std::vector<std::vector<std::string>>{})); });
+             e.call([&](tz::ZeroEngine& z) {
+               return z.export_safetensors(p, names.value_or(std::vector<std::vector<std::string>>{}));
+             });
            },
            nb::arg("path"), nb::arg("names") = nb::none(),
            "The fp32 weights as one safetensors file: tensors named '<block>.<param>', or names[b][p] (one list "
@@ -599,7 +681,7 @@ void bind_engine(nb::module_& m) {
            "collective: every rank passes an array of the same size and the same root.")
       .def("record_timeline", [](PyEngine& e, bool on) { e.engine().record_timeline(on); }, nb::arg("on"))
       .def("write_timeline",
-           [](PyEngine& e, const std::string& p) { e.call([&] { return e.engine().write_timeline(p); }); },
+           [](PyEngine& e, const std::string& p) { e.call([&](tz::ZeroEngine& z) { return z.write_timeline(p); }); },
            nb::arg("path"))
       .def("describe", [](PyEngine& e) { return e.engine().describe(); })
       .def("layout", [](PyEngine& e) { return layout_list(e.engine().layout()); })
@@ -622,7 +704,8 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("learning_rate",
                    [](PyEngine& e) { return e.read([](tz::ZeroEngine& z) { return z.learning_rate(); }); },
                    "The learning rate the next optimizer step will use (the config's scheduler, or the optimizer's).")
-      .def("set_learning_rate", [](PyEngine& e, double lr) { e.call([&] { return e.engine().set_learning_rate(lr); }); },
+      .def("set_learning_rate",
+           [](PyEngine& e, double lr) { e.call([&](tz::ZeroEngine& z) { return z.set_learning_rate(lr); }); },
            nb::arg("lr"),
            "Sets the optimizer's learning rate for the next steps (finite, >= 0); refused when the config has a "
            "scheduler block. Checkpoints carry it once set.")

@@ -30,6 +30,7 @@ struct EstimateArgs {
   std::vector<std::string> nvme_paths;
   std::optional<std::string> offload_param, offload_optimizer, placement;
   std::optional<std::string> precision;
+  std::optional<std::string> master, moments;  // tierzero.states formats
   tz::LinkSpeeds links;
 };
 
@@ -55,6 +56,9 @@ tz::Config effective_config(const EstimateArgs& a) {
   if (a.config_path) config = value_or_raise(tz::load_config(*a.config_path));
   if (a.config_json) config = value_or_raise(tz::parse_config(*a.config_json, "<config dict>"));
   if (a.precision) check(tz::set_training_precision(config, *a.precision));
+  if (a.master) check(tz::set_master_format(config, *a.master));
+  if (a.moments) check(tz::set_moment_format(config, *a.moments));
+  check(tz::check_state_formats(config));  // again: precision= or master= may have changed the pair
   if (a.stage) config.zero.stage = *a.stage;
   if (a.grad_accum) tz::override_gradient_accumulation_steps(config, *a.grad_accum);
   if (a.gpu || !has_config) config.tiers.gpu = budget_of(a.gpu.value_or("auto"), "gpu");
@@ -99,6 +103,7 @@ nb::dict plan_dict(const tz::Plan& plan, const tz::PlanInput& in, const tz::Reso
     const auto state = static_cast<tz::StateClass>(s);
     nb::dict sd;
     sd["tier"] = std::string(tz::tier_name(plan.tier_of(state)));
+    sd["format"] = std::string(tz::state_format_name(state, plan.param_bytes, plan.states));
     sd["bytes_per_elem"] = plan.elem_bytes_of(state);
     sd["bytes_per_rank"] = plan.bytes_of(state);
     states[std::string(tz::state_class_name(state)).c_str()] = sd;
@@ -116,6 +121,10 @@ nb::dict plan_dict(const tz::Plan& plan, const tz::PlanInput& in, const tz::Reso
   traffic["d2h_bytes"] = t.d2h_bytes;
   traffic["cpu_optimizer_bytes"] = t.cpu_optimizer_bytes;
   traffic["estimated_seconds"] = t.estimated_seconds;
+  traffic["nvme_bytes_per_param"] = tz::bytes_per_param(t.nvme_read_bytes, plan.layout, in.ranks) +
+                                    tz::bytes_per_param(t.nvme_write_bytes, plan.layout, in.ranks);
+  traffic["pcie_bytes_per_param"] = tz::bytes_per_param(t.h2d_bytes, plan.layout, in.ranks) +
+                                    tz::bytes_per_param(t.d2h_bytes, plan.layout, in.ranks);
   const tz::PlanLayout& l = plan.layout;
   layout["model_numel"] = l.model_numel;
   layout["blocks"] = l.blocks;
@@ -173,12 +182,13 @@ void bind_planner(nb::module_& m) {
          std::optional<std::string> gpu, std::optional<std::string> cpu, std::optional<std::string> nvme,
          std::vector<std::string> nvme_paths, std::optional<std::string> offload_param,
          std::optional<std::string> offload_optimizer, std::optional<std::string> placement,
-         std::optional<std::string> precision, double nvme_read_gbps,
-         double nvme_write_gbps, double pcie_gbps, double cpu_mem_gbps) {
+         std::optional<std::string> precision, std::optional<std::string> master,
+         std::optional<std::string> moments, double nvme_read_gbps, double nvme_write_gbps, double pcie_gbps,
+         double cpu_mem_gbps) {
         EstimateArgs a{std::move(block_numel), ranks, ranks_per_node, std::move(config_path), std::move(config_json),
                        stage, grad_accum, std::move(gpu), std::move(cpu), std::move(nvme), std::move(nvme_paths),
                        std::move(offload_param), std::move(offload_optimizer), std::move(placement),
-                       std::move(precision), {}};
+                       std::move(precision), std::move(master), std::move(moments), {}};
         if (nvme_read_gbps > 0) a.links.nvme_read_Bps = nvme_read_gbps * 1e9;
         if (nvme_write_gbps > 0) a.links.nvme_write_Bps = nvme_write_gbps * 1e9;
         if (pcie_gbps > 0) a.links.pcie_Bps = pcie_gbps * 1e9;
@@ -190,7 +200,8 @@ void bind_planner(nb::module_& m) {
       nb::arg("grad_accum") = nb::none(), nb::arg("gpu") = nb::none(), nb::arg("cpu") = nb::none(),
       nb::arg("nvme") = nb::none(), nb::arg("nvme_paths") = std::vector<std::string>{},
       nb::arg("offload_param") = nb::none(), nb::arg("offload_optimizer") = nb::none(),
-      nb::arg("placement") = nb::none(), nb::arg("precision") = nb::none(), nb::arg("nvme_read_gbps") = 0.0,
+      nb::arg("placement") = nb::none(), nb::arg("precision") = nb::none(), nb::arg("master") = nb::none(),
+      nb::arg("moments") = nb::none(), nb::arg("nvme_read_gbps") = 0.0,
       nb::arg("nvme_write_gbps") = 0.0, nb::arg("pcie_gbps") = 0.0, nb::arg("cpu_mem_gbps") = 0.0,
       "Plans where each state class lives for blocks of `block_numel` elements; returns (plan dict, report text). "
       "MemoryError (naming the tier, need, budget and keys) when nothing fits; ValueError for bad input.");

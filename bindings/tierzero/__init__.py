@@ -121,8 +121,8 @@ def estimate(params: Union[int, float, str], *, ranks: int = 1, ranks_per_node: 
              stage: int | None = None, grad_accum: int | None = None, gpu: str | None = None,
              cpu: str | None = None, nvme: str | None = None, nvme_paths: Sequence[str] = (),
              offload_param: str | None = None, offload_optimizer: str | None = None,
-             placement: str | None = None, precision: str | None = None,
-             links_gbps: Mapping[str, float] | None = None) -> tuple[dict, str]:
+             placement: str | None = None, precision: str | None = None, master: str | None = None,
+             moments: str | None = None, links_gbps: Mapping[str, float] | None = None) -> tuple[dict, str]:
     """Where a model's states would live, and what each step would move: `tierzero-estimate` as a call.
 
     Returns (plan, report): the plan as a dict (states -> tier and bytes,
@@ -133,7 +133,9 @@ def estimate(params: Union[int, float, str], *, ranks: int = 1, ranks_per_node: 
     of `largest_block`. Budgets are bytes or strings ("80GB", "64GiB", "auto");
     explicit arguments override `config` (a path or a dict). precision: "bf16"
     or "fp16" (2-byte parameters) or "fp32" (4-byte); by default the config's,
-    or "bf16" without a config. links_gbps: any of
+    or "bf16" without a config. master ("fp32" or "remainder", which needs
+    bf16) and moments ("fp32", "bf16" or "int8"): the states' formats, by
+    default the config's tierzero.states (fp32). links_gbps: any of
     nvme_read, nvme_write, pcie, cpu_mem in GB/s. Raises MemoryError naming the
     tier, its need and budget, and the config keys to change when no placement
     fits; ValueError for bad input.
@@ -150,7 +152,8 @@ def estimate(params: Union[int, float, str], *, ranks: int = 1, ranks_per_node: 
     return _core.plan_placement(_blocks(n, layers, largest_block), ranks=ranks, ranks_per_node=ranks_per_node,
                                 stage=stage, grad_accum=grad_accum, nvme_paths=[os.fspath(p) for p in nvme_paths],
                                 offload_param=offload_param, offload_optimizer=offload_optimizer,
-                                placement=placement, precision=precision, **budget, **links,
+                                placement=placement, precision=precision, master=master, moments=moments,
+                                **budget, **links,
                                 **config_args(config))
 
 

@@ -16,14 +16,43 @@ Gathered arrays are views of the engine's device buffer; the buffer goes back
 to the engine when the last view is gone (Note [Gathered block lifetime] in
 bindings/engine_bindings.cpp). tierzero.torch.TorchEngine is this class, driven from
 module hooks.
+
+An engine holds a swap file, memory and threads until close() (or the end of
+a `with tierzero.Engine(...) as engine:` block); engines still open when the
+interpreter exits are closed then (Note [Engines left open at exit]).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import warnings
+import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from . import _core
+
+# Note [Engines left open at exit]
+# Scripts and notebooks keep the engine, the model whose hooks refer to it and
+# the last `loss` in module globals. At exit Python need not destroy those at
+# all: the loss's autograd graph is C++ nodes, out of the garbage collector's
+# sight, whose backward callbacks refer to the engine, and with it kept the
+# engine was never destroyed and its swap file (the size of its NVMe states)
+# stayed on disk. So every engine is listed here, weakly (the list keeps none
+# alive), and those still open are closed by an atexit handler, which runs
+# while the interpreter is still whole.
+_OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _close_open_engines() -> None:
+    for engine in list(_OPEN):
+        try:
+            engine.close()
+        except Exception as e:  # noqa: BLE001 - at exit, say so and close the rest
+            warnings.warn(f"tierzero: closing an engine at exit: {e}", RuntimeWarning, stacklevel=1)
+
+
+atexit.register(_close_open_engines)
 
 BlockSpec = Sequence[Any]  # (name, [(param name, shape), ...])
 
@@ -92,6 +121,10 @@ class Engine:
     then fetch, step, gather_master and saves are refused, naming the block.
     Errors: ValueError (bad config or input), OSError (NVMe), MemoryError (a
     tier budget), each with the engine's message.
+
+    close() frees the swap file, memory and threads at once; `with
+    tierzero.Engine(...) as engine:` closes at the end of the block, and
+    engines still open at interpreter exit are closed then.
     """
 
     def __init__(self, config: Any, blocks: Any, init: Optional[Sequence[Sequence[Any]]] = None, *,
@@ -100,6 +133,28 @@ class Engine:
         self._core = _core.Engine(blocks=_normalise_blocks(blocks), init=arrays, initial_values=initial_values,
                                   **_config_kwargs(config))
         self._layout = self._core.layout()
+        _OPEN.add(self)  # Note [Engines left open at exit]
+
+    # --- life
+    def close(self) -> None:
+        """Frees the engine now: its swap files, memory, threads and the ranks' communicator, whatever still
+        refers to this object (a model's hooks, a module global). Arrays from fetch() still alive keep the
+        engine's memory until they go (its swap files are removed at once). Every later call raises
+        RuntimeError ("the engine is closed"); closing again does nothing. With several ranks, every rank
+        closes (the communicator goes)."""
+        _OPEN.discard(self)
+        self._core.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() has been called (or a with block around the engine has ended)."""
+        return self._core.closed
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # --- the step
     def fetch(self, block: int, *, stream: Optional[int] = None, evaluation: bool = False) -> _core.GatheredBlock:
@@ -157,12 +212,14 @@ class Engine:
 
     # --- state
     def save_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None, *,
-                        client_state: Optional[bytes] = None, save_latest: bool = True) -> str:
+                        client_state: Optional[bytes] = None, save_latest: bool = True, keep_last: int = 0) -> str:
         """Every rank's states under directory/<tag> (default "step-<N>", a fresh name; saving under an
         existing tag replaces that checkpoint atomically), with rank 0's client_state bytes, and
-        directory/latest pointed at it unless save_latest is False. A collective. Returns its directory."""
+        directory/latest pointed at it unless save_latest is False. keep_last=N then keeps the newest N
+        complete checkpoints under directory (0: all; never removes the one latest names). A collective.
+        Returns its directory."""
         return self._core.save_checkpoint(os.fspath(directory), tag=tag, client_state=client_state,
-                                          save_latest=save_latest)
+                                          save_latest=save_latest, keep_last=int(keep_last))
 
     def load_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None, *,
                         weights_only: bool = False) -> tuple:

@@ -208,7 +208,13 @@ bool mentions_timeout(std::string_view what) {
 Status gloo_failure(std::string_view call, std::string_view what, Clock::time_point start, milliseconds timeout) {
   const auto elapsed = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
   if (mentions_timeout(what)) {
-    return timeout_error("gloo {} timed out after {} ms (timeout {} ms): {}", call, elapsed, timeout.count(), what);
+    // The ranks agreed on their settings at creation (Note [Ranks agree on
+    // their settings]), so a peer that does not answer is stuck, killed or
+    // far slower, not in another collective by configuration.
+    return timeout_error("gloo {} timed out after {} ms (timeout {} ms; tierzero-train --collective-timeout, "
+                         "CommOptions::timeout): a peer rank stopped answering (stuck, killed, or slower by more "
+                         "than the timeout): {}",
+                         call, elapsed, timeout.count(), what);
   }
   return io_error("gloo {} failed after {} ms: {}", call, elapsed, what);
 }

@@ -14,8 +14,11 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <set>
+#include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "tierzero/common/handles.h"
 #include "tierzero/common/log.h"
@@ -475,6 +478,7 @@ const Block& aio_block();
 const Block& tierzero_block();
 const Block& tiers_block();
 const Block& tierzero_aio_block();
+const Block& states_block();
 
 const Block& top_block() {
   static const Block block = [] {
@@ -758,6 +762,7 @@ const Block& tierzero_block() {
            [](ParseState& st) { st.placement_given = true; }),
       block_key("tiers", tiers_block),
       block_key("aio", tierzero_aio_block),
+      block_key("states", states_block),
   }};
   return block;
 }
@@ -784,6 +789,26 @@ const Block& tierzero_aio_block() {
   return block;
 }
 
+// Note [State formats] (tierzero/common/state_format.h): the names are the
+// formats' own; check_state_formats() checks them against the precision once
+// the whole file is read (the bf16 block may come after this one).
+template <typename Format, std::size_t N>
+std::vector<std::pair<std::string_view, Format>> format_options(const Format (&formats)[N],
+                                                                std::string_view (*name)(Format)) {
+  std::vector<std::pair<std::string_view, Format>> out;
+  for (Format f : formats) out.emplace_back(name(f), f);
+  return out;
+}
+
+const Block& states_block() {
+  static const Block block{{
+      choice_key<MasterFormat>("master", TZ_FIELD(states.master), format_options(kMasterFormats, master_format_name)),
+      choice_key<MomentFormat>("moments", TZ_FIELD(states.moments),
+                               format_options(kMomentFormats, moment_format_name)),
+  }};
+  return block;
+}
+
 #undef TZ_FIELD
 
 // Every block with where it lives, for "it belongs in ...".
@@ -795,6 +820,7 @@ const std::vector<std::pair<std::string_view, const Block*>>& all_blocks() {
       {"zero_optimization", &zero_block()}, {"zero_optimization.offload_param", &offload_param_block()},
       {"zero_optimization.offload_optimizer", &offload_optimizer_block()}, {"aio", &aio_block()},
       {"tierzero", &tierzero_block()}, {"tierzero.tiers", &tiers_block()}, {"tierzero.aio", &tierzero_aio_block()},
+      {"tierzero.states", &states_block()},
   };
   return blocks;
 }
@@ -929,6 +955,7 @@ Status check_consistency(const ParseState& st) {
   if (c.precision.fp16 && c.precision.bf16) {
     return invalid_argument("{}: fp16.enabled and bf16.enabled are both true; enable at most one", c.source);
   }
+  TZ_TRY(check_state_formats(c));
   TZ_TRY(check_nvme_target(st, "offload_param", c.zero.offload_param.device, c.zero.offload_param.nvme_path));
   TZ_TRY(check_nvme_target(st, "offload_optimizer", c.zero.offload_optimizer.device,
                            c.zero.offload_optimizer.nvme_path));
@@ -950,10 +977,23 @@ std::string_view parser_message(std::string_view what) {
 // (config key, directory) for each NVMe path, without duplicates.
 std::vector<std::pair<std::string, std::string>> nvme_path_sources(const Config& config) {
   std::vector<std::pair<std::string, std::string>> out;
-  auto add = [&out](std::string key, const std::string& dir) {
+  // One folder is one place to stripe over, however it is spelt ("/x",
+  // "/x/", a symlink to it): it once became two "drives" sharing one disk.
+  auto same_folder = [](const std::string& a, const std::string& b) {
+    struct stat sa {}, sb {};
+    if (a == b) return true;
+    return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  };
+  auto add = [&](std::string key, const std::string& dir) {
     if (dir.empty()) return;
     for (const auto& seen : out) {
-      if (seen.second == dir) return;
+      if (same_folder(seen.second, dir)) {
+        if (seen.second != dir) {
+          TZ_LOG_ONCE_WARN("config", "{} ('{}') is the folder {} names ('{}'): it is used once", key, dir,
+                           seen.first, seen.second);
+        }
+        return;
+      }
     }
     out.emplace_back(std::move(key), dir);
   };
@@ -979,14 +1019,67 @@ std::vector<std::string> Config::all_nvme_paths() const {
   return paths;
 }
 
+// Note [Parsing names the key]
+// The JSON parser throws on a number beyond a double ("lr": 1e400) and keeps
+// the last of two equal keys without a word. The callback below follows the
+// path of keys as the parser goes, so the overflow's error names the key it
+// was parsing, and it records the first key given twice in one object, which
+// is refused (which of the two was meant is not ours to guess).
+namespace {
+
+struct KeyPath {
+  std::vector<std::string> keys;                 // the path to the value being parsed
+  std::vector<std::set<std::string>> seen;       // keys of each open object, by depth
+  std::string duplicate;                         // the first key given twice, as a path
+
+  std::string text() const {
+    std::string out;
+    for (const std::string& k : keys) out += (out.empty() || k == "[]" ? "" : ".") + k;
+    return out;
+  }
+  bool on(int depth, Json::parse_event_t event, const Json& parsed) {
+    const auto d = static_cast<std::size_t>(depth);
+    switch (event) {
+      case Json::parse_event_t::object_start:
+        keys.resize(std::min(keys.size(), d));
+        seen.resize(d + 1);
+        seen[d].clear();
+        break;
+      case Json::parse_event_t::array_start:
+        keys.resize(std::min(keys.size(), d));
+        keys.push_back("[]");
+        break;
+      case Json::parse_event_t::key: {
+        keys.resize(d - 1 < keys.size() ? d - 1 : keys.size());
+        const auto& name = parsed.get_ref<const std::string&>();
+        keys.push_back(name);
+        if (d >= 1 && d - 1 < seen.size() && !seen[d - 1].insert(name).second && duplicate.empty()) duplicate = text();
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  }
+};
+
+}  // namespace
+
 Expected<Config> parse_config(std::string_view json_text, std::string_view source) {
   ParseState st;
   st.config.source = std::string(source);
   Json root;
+  KeyPath path;
   try {
-    root = Json::parse(json_text.begin(), json_text.end());
+    root = Json::parse(json_text.begin(), json_text.end(),
+                       [&](int depth, Json::parse_event_t event, Json& parsed) { return path.on(depth, event, parsed); });
   } catch (const Json::parse_error& e) {
     return invalid_argument("{}: malformed JSON: {}", source, parser_message(e.what()));
+  } catch (const Json::exception& e) {  // out_of_range.406: a number beyond a double
+    return invalid_argument("{}: {}: {}", source, path.text().empty() ? "a value" : path.text(), parser_message(e.what()));
+  }
+  if (!path.duplicate.empty()) {
+    return invalid_argument("{}: {} is given twice in one object; give it once", source, path.duplicate);
   }
   if (!root.is_object()) {
     return invalid_argument("{}: expected a JSON object at the top level, got {} ({})", source, shown(root),
@@ -1119,6 +1212,51 @@ void override_gradient_accumulation_steps(Config& config, std::int64_t steps) {
   config.gradient_accumulation_steps = steps;
   config.batch_given.gradient_accumulation_steps = steps;
   config.batch_given.train_batch_size.reset();
+}
+
+// Note [Master remainder] (tierzero/common/state_format.h): the remainder
+// rebuilds an fp32 master from its round-to-nearest-even bf16 parameter,
+// which has the fp32 exponent. An fp16 parameter has 5 exponent bits: a
+// master outside its range (or in its subnormals) differs from it by more
+// than any 16-bit remainder can say. fp32 training keeps its parameter in
+// fp32 already: there is no 16-bit parameter to build on.
+Status check_state_formats(const Config& config) {
+  if (config.states.master != MasterFormat::kRemainder || config.precision.bf16) return ok_status();
+  const std::string_view why =
+      config.precision.fp16
+          ? "but fp16.enabled is true: an fp16 parameter's 5-bit exponent cannot hold the fp32 master's range, so no "
+            "16-bit remainder rebuilds it; train in bf16 (\"bf16\": {\"enabled\": true} instead of fp16) or keep "
+            "\"master\": \"fp32\""
+          : "but neither bf16 nor fp16 is enabled (fp32 training): there is no 16-bit parameter to build the master "
+            "on; enable bf16 (\"bf16\": {\"enabled\": true}) or keep \"master\": \"fp32\"";
+  const std::string where = config.source.empty() ? "" : config.source + ": ";
+  return invalid_argument("{}tierzero.states.master: \"remainder\" needs bf16 parameters, {}", where, why);
+}
+
+namespace {
+
+template <typename Format, std::size_t N>
+Status set_format(Format& out, std::string_view key, std::string_view name, const Format (&formats)[N],
+                  std::string_view (*name_of)(Format)) {
+  std::vector<std::string_view> names;
+  for (Format f : formats) {
+    if (name_of(f) == name) {
+      out = f;
+      return ok_status();
+    }
+    names.push_back(name_of(f));
+  }
+  return invalid_argument("{} '{}': expected {}", key, name, fmt::join(names, ", "));
+}
+
+}  // namespace
+
+Status set_master_format(Config& config, std::string_view name) {
+  return set_format(config.states.master, "tierzero.states.master", name, kMasterFormats, master_format_name);
+}
+
+Status set_moment_format(Config& config, std::string_view name) {
+  return set_format(config.states.moments, "tierzero.states.moments", name, kMomentFormats, moment_format_name);
 }
 
 Status set_training_precision(Config& config, std::string_view precision) {

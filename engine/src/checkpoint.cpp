@@ -94,7 +94,31 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
                                                     {"good_steps", ls.good_steps}}},
                                    {"file", fs::path(bin).filename().string()}, {"bytes", offset},
                                    {"blocks", blocks}};
-  return write_file_synced(fmt::format("{}/rank-{}.json", dir, rank), manifest.dump(1));
+  return write_file_synced(fmt::format("{}/rank-{}.json", dir, rank), detail::sealed_text(manifest));  // Note [Sealed manifests]
+}
+
+// Note [One saver a folder]
+// Two runs saving into one folder (two jobs given the same --save, a restart
+// while the old run still lives) used to remove each other's .partial
+// directories and publish checkpoints the other had half written. A save
+// now holds an advisory lock on dir/.tierzero-save.lock (common/file_lock.h)
+// from before it picks its .partial until it is published, on rank 0, which
+// alone removes, renames and points `latest`; a second saver fails at once,
+// naming the folder and the holder (its PID and host, as it wrote them into
+// the file, for the message only). The lock is held per save, not for the
+// engine's life: an engine that saved into a folder does not stop another
+// engine of the same program saving there later (a resumed run in a
+// notebook). An untagged save picks a name no checkpoint has before it locks,
+// so under the lock it checks the name is still free: if not, another run
+// saved meanwhile. A save that fails removes its own .partial (it holds the
+// lock, so the .partial is its own); a process killed mid-save leaves it to
+// the next save of that name, as before.
+static Expected<LockFile> lock_save_folder(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return io_error("checkpoint: creating {}: {}", dir, ec.message());
+  return LockFile::acquire(dir + "/.tierzero-save.lock",
+                           fmt::format("checkpoint: another run is saving into {}; give each run its own folder", dir));
 }
 
 Status ZeroEngineImpl::prepare_save(const std::string& dir, const std::string& final_dir, const std::string& partial) {
@@ -135,7 +159,21 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
   const std::string final_dir = dir + "/" + name, partial = final_dir + ".partial";
   TZ_TRY(ranks_->agree_on(final_dir, "checkpoint", "checkpoints", "pass the same directory and tag"));
   TZ_TRY(agree(options.refusal, "checkpoint " + final_dir));  // before anything is written
-  TZ_TRY(agree(comm_->rank() == 0 ? prepare_save(dir, final_dir, partial) : ok_status(), "checkpoint " + final_dir));
+  // Note [One saver a folder]: rank 0 holds the folder's lock until the save is published.
+  LockFile folder_lock;
+  Cleanup drop_partial([&] {
+    std::error_code ec;
+    if (folder_lock.held()) fs::remove_all(partial, ec);  // ours: nothing half-written stays
+  });
+  const Status prepared = comm_->rank() != 0 ? ok_status() : [&]() -> Status {
+    TZ_ASSIGN_OR_RETURN(folder_lock, lock_save_folder(dir));
+    if (options.tag.empty() && fs::exists(final_dir)) {  // chosen fresh before the lock: another saver was first
+      return already_exists("checkpoint: {} appeared while this save was starting: another run saves into {} too; "
+                            "give each run its own folder", final_dir, dir);
+    }
+    return prepare_save(dir, final_dir, partial);
+  }();
+  TZ_TRY(agree(prepared, "checkpoint " + final_dir));
   TZ_TRY(agree(write_rank_files(partial), "checkpoint " + final_dir));
   Status published;
   if (comm_->rank() == 0) {
@@ -149,16 +187,29 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
         manifest["client_state"] = {{"file", detail::kClientStateFile}, {"bytes", bytes.size()},
                                     {"xxh3", hex(nvme::checksum(bytes.data(), bytes.size()))}};
       }
-      TZ_TRY(write_file_synced(partial + "/manifest.json", manifest.dump(1)));
+      TZ_TRY(write_file_synced(partial + "/manifest.json", detail::sealed_text(manifest)));
       TZ_TRY(sync_directory(partial));
       TZ_TRY(detail::publish(partial, final_dir));  // Note [Replacing a checkpoint]
       if (options.save_latest) {
-        return write_file_durably(dir + "/latest", name).with_context("checkpoint: pointing latest at " + name);
+        TZ_TRY(write_file_durably(dir + "/latest", name).with_context("checkpoint: pointing latest at " + name));
+      } else {
+        TZ_TRY(sync_directory(dir));
       }
-      return sync_directory(dir);
+      if (options.keep_last <= 0) return ok_status();
+      std::vector<std::string> keep_too = {name};
+      if (Expected<std::string> latest = detail::checkpoint_dir(dir, ""); latest.ok()) {
+        keep_too.push_back(fs::path(*latest).filename().string());
+      }
+      TZ_ASSIGN_OR_RETURN(std::vector<std::string> removed,
+                          detail::prune_checkpoints(dir, options.keep_last, keep_too));
+      if (!removed.empty()) {
+        TZ_LOG_INFO("engine", "checkpoint: keep_last {} removed {}", options.keep_last, fmt::join(removed, ", "));
+      }
+      return ok_status();
     }();
   }
   TZ_TRY(agree(published, "checkpoint " + final_dir));
+  drop_partial.cancel();
   TZ_LOG_INFO("engine", "checkpoint saved: {}", final_dir);
   return final_dir;
 }
@@ -173,9 +224,8 @@ Status ZeroEngineImpl::read_rank_files(const std::string& dir, bool weights_only
 
 Expected<std::optional<std::string>> read_checkpoint_client_state(const std::string& dir, const std::string& tag) {
   TZ_ASSIGN_OR_RETURN(std::string resolved, detail::checkpoint_dir(dir, tag));
-  std::optional<std::string> client_state;
-  TZ_TRY(detail::read_manifest(resolved, client_state));
-  return client_state;
+  TZ_ASSIGN_OR_RETURN(detail::Manifest manifest, detail::read_manifest(resolved));
+  return std::move(manifest.client_state);
 }
 
 Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& path, const CheckpointLoad& options) {
@@ -183,14 +233,22 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   TZ_TRY(grad_thread_->wait_idle());
   TZ_ASSIGN_OR_RETURN(const std::string dir, detail::checkpoint_dir(path, options.tag));
   detail::RankFile file;
-  std::optional<std::string> client_state;
+  detail::Manifest manifest;
   // Everything is read and verified on every rank before any state is replaced.
   TZ_TRY(ranks_->agree_on(dir, "loading checkpoint", "checkpoints", "pass the same directory and tag"));
   TZ_TRY(agree(options.refusal, "loading checkpoint " + dir));
   const Status read = [&]() -> Status {
-    TZ_TRY(detail::read_manifest(dir, client_state));
+    TZ_ASSIGN_OR_RETURN(manifest, detail::read_manifest(dir));
     TZ_TRY(read_rank_files(dir, options.weights_only, file));
-    if (options.check_client_state) TZ_TRY_CTX(options.check_client_state(client_state), "checkpoint {}", dir);
+    // Both are sealed; a pair that disagrees was assembled from two saves.
+    if (manifest.step != file.step || manifest.world_size != comm_->size()) {
+      return data_corruption("checkpoint {}: manifest.json says step {} by {} ranks, but rank-{}.json says step {} by "
+                             "{} ranks: the files are from different saves",
+                             dir, manifest.step, manifest.world_size, comm_->rank(), file.step, comm_->size());
+    }
+    if (options.check_client_state) {
+      TZ_TRY_CTX(options.check_client_state(manifest.client_state), "checkpoint {}", dir);
+    }
     return ok_status();
   }();
   TZ_TRY(agree(read, "loading checkpoint " + dir));
@@ -221,7 +279,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   blocks_.loaded();
   reset_io_counters();
   TZ_LOG_INFO("engine", "checkpoint loaded: {} (step {}{})", dir, step_, options.weights_only ? ", weights only" : "");
-  return LoadedCheckpoint{dir, step_, std::move(client_state)};
+  return LoadedCheckpoint{dir, step_, std::move(manifest.client_state)};
 }
 
 Status ZeroEngineImpl::put_rank_file(const detail::RankFile& file) {

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -67,6 +68,46 @@ Expected<nlohmann::json> read_json(const std::string& path) {
   return j;
 }
 
+// Note [Sealed manifests]
+// The states in a rank's .bin file carry checksums, and so must what says
+// how to use them: a step edited from 10 to 90 once resumed at step 90 with
+// step 10's weights, and a misspelt "step" resumed at step 0. So every
+// manifest holds "xxh3", the checksum of its own content: the compact dump of
+// the object without that key (nlohmann::json keeps keys sorted and prints
+// numbers so that they read back to the same value, so the dump is the same
+// on reading). An edited, torn or unsealed manifest is refused as corrupt,
+// and every field is then read as required: a missing one is an error, not a
+// default. Changing a manifest on purpose (tests do) means sealing it again.
+std::string seal_of(const nlohmann::json& m) {
+  const std::string text = m.dump();
+  return hex(nvme::checksum(text.data(), text.size()));
+}
+
+}  // namespace
+
+std::string sealed_text(nlohmann::json m) {
+  m.erase("xxh3");
+  m["xxh3"] = seal_of(m);
+  return m.dump(1);
+}
+
+Expected<nlohmann::json> read_sealed_json(const std::string& path) {
+  TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(path));
+  if (!m.is_object() || !m.contains("xxh3") || !m["xxh3"].is_string()) {
+    return data_corruption("checkpoint: {} has no checksum of its own (\"xxh3\"): not a sealed tierzero manifest "
+                           "(format version {})",
+                           path, kCheckpointFormatVersion);
+  }
+  const std::string saved = m["xxh3"].get<std::string>();
+  m.erase("xxh3");
+  if (seal_of(m) != saved) {
+    return data_corruption("checkpoint: checksum mismatch in {}: the manifest was changed or is torn", path);
+  }
+  return m;
+}
+
+namespace {
+
 std::string shape_text(const std::vector<std::int64_t>& shape) { return fmt::format("({})", fmt::join(shape, ", ")); }
 
 // Note [Checkpoints know their parameters]
@@ -75,11 +116,9 @@ std::string shape_text(const std::vector<std::int64_t>& shape) { return fmt::for
 // parameters swapped, a renamed one) would load it without complaint and
 // train on scrambled weights. So each block's entry in a rank manifest lists
 // its parameters (name, shape), and a load refuses a model whose parameters
-// differ, naming the first difference. Manifests written before this have no
-// list; those load as before, checked by block name and size only.
+// differ, naming the first difference.
 Status check_saved_params(const std::string& dir, const nlohmann::json& saved, const BlockLayout& want) {
-  if (!saved.contains("params")) return ok_status();
-  const nlohmann::json& params = saved["params"];
+  const nlohmann::json& params = saved.at("params");
   if (!params.is_array()) return data_corruption("checkpoint {}: block '{}' has a malformed parameter list", dir, want.name);
   if (params.size() != want.params.size()) {
     return invalid_argument("checkpoint {}: block '{}' was saved with {} parameters; the model's has {}", dir, want.name,
@@ -87,11 +126,8 @@ Status check_saved_params(const std::string& dir, const nlohmann::json& saved, c
   }
   for (std::size_t i = 0; i < params.size(); ++i) {
     const ParamLayout& p = want.params[i];
-    const std::string name = params[i].value("name", "");
-    std::vector<std::int64_t> shape;
-    if (params[i].contains("shape") && params[i]["shape"].is_array()) {
-      for (const auto& d : params[i]["shape"]) shape.push_back(d.is_number_integer() ? d.get<std::int64_t>() : -1);
-    }
+    const auto name = params[i].at("name").get<std::string>();
+    const auto shape = params[i].at("shape").get<std::vector<std::int64_t>>();
     if (name != p.name || shape != p.shape) {
       return invalid_argument("checkpoint {}: parameter {} of block '{}' was saved as '{}' {}; the model has '{}' {}",
                               dir, i, want.name, name, shape_text(shape), p.name, shape_text(p.shape));
@@ -232,6 +268,41 @@ Status publish(const std::string& partial, const std::string& final_dir) {
   return ok_status();
 }
 
+Expected<std::vector<std::string>> prune_checkpoints(const std::string& dir, int keep,
+                                                     const std::vector<std::string>& keep_too) {
+  struct Found {
+    std::int64_t step;
+    fs::file_time_type time;
+    std::string name;
+  };
+  std::vector<Found> found;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory(ec) || !check_tag(name).ok() || !fs::exists(e.path() / "manifest.json", ec)) continue;
+    Expected<Manifest> m = read_manifest(e.path().string());
+    if (!m.ok()) continue;  // not ours to judge, nor to remove
+    found.push_back({m->step, fs::last_write_time(e.path() / "manifest.json", ec), name});
+  }
+  if (ec) return io_error("checkpoint: listing {}: {}", dir, ec.message());
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+    return a.step != b.step ? a.step > b.step : a.time > b.time;  // newest first
+  });
+  std::vector<std::string> removed;
+  for (std::size_t i = static_cast<std::size_t>(std::max(keep, 0)); i < found.size(); ++i) {
+    if (std::find(keep_too.begin(), keep_too.end(), found[i].name) != keep_too.end()) continue;
+    const std::string path = dir + "/" + found[i].name;
+    if (!fs::remove(path + "/manifest.json", ec) || ec) {
+      return io_error("checkpoint: removing {}/manifest.json (keep_last): {}", path, ec.message());
+    }
+    TZ_TRY(sync_directory(path));
+    fs::remove_all(path, ec);
+    if (ec) return io_error("checkpoint: removing {} (keep_last): {}", path, ec.message());
+    removed.push_back(found[i].name);
+  }
+  return removed;
+}
+
 // A file system that cannot exchange (NFS, some FUSE ones) is found out on two
 // empty directories before anything is written, not after every rank has
 // written its shards.
@@ -248,33 +319,37 @@ Status probe_exchange(const std::string& final_dir) {
 }
 
 // The checkpoint's own manifest, and the client state it lists (verified).
-static Status read_manifest_json(const std::string& dir, std::optional<std::string>& client_state) {
-  TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(dir + "/manifest.json"));
-  if (m.value("format", "") != "tierzero-checkpoint" || m.value("version", 0) != kCheckpointFormatVersion) {
-    return data_corruption("checkpoint {}: manifest.json is not a tierzero checkpoint's (format version {})", dir,
-                           kCheckpointFormatVersion);
+static Status read_manifest_json(const std::string& dir, Manifest& out) {
+  TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_sealed_json(dir + "/manifest.json"));
+  if (m.at("format").get<std::string>() != "tierzero-checkpoint") {
+    return data_corruption("checkpoint {}: manifest.json is not a tierzero checkpoint's", dir);
   }
+  if (const int version = m.at("version").get<int>(); version != kCheckpointFormatVersion) {
+    return data_corruption("checkpoint {}: manifest.json has format version {}; this tierzero reads version {}", dir,
+                           version, kCheckpointFormatVersion);
+  }
+  out.world_size = m.at("world_size").get<int>();
+  out.step = m.at("step").get<std::int64_t>();
   if (!m.contains("client_state")) return ok_status();
   const nlohmann::json& c = m["client_state"];
-  if (!c.is_object() || c.value("file", "").empty()) {
-    return data_corruption("checkpoint {}: manifest.json has a malformed client_state entry", dir);
-  }
-  const std::string file = dir + "/" + c.value("file", "");
+  const std::string file = dir + "/" + c.at("file").get<std::string>();
+  const auto want_bytes = c.at("bytes").get<std::uint64_t>();
   TZ_ASSIGN_OR_RETURN(std::string bytes, read_text(file));
-  if (bytes.size() != c.value("bytes", std::uint64_t{0})) {
+  if (bytes.size() != want_bytes) {
     return data_corruption("checkpoint file {} holds {} bytes; its manifest says {} (truncated?)", file, bytes.size(),
-                           c.value("bytes", std::uint64_t{0}));
+                           want_bytes);
   }
-  if (hex(nvme::checksum(bytes.data(), bytes.size())) != c.value("xxh3", "")) {
+  if (hex(nvme::checksum(bytes.data(), bytes.size())) != c.at("xxh3").get<std::string>()) {
     return data_corruption("checkpoint {}: checksum mismatch in {}: the file is corrupt", dir, file);
   }
-  client_state = std::move(bytes);
+  out.client_state = std::move(bytes);
   return ok_status();
 }
 
-Status read_manifest(const std::string& dir, std::optional<std::string>& client_state) {
-  return malformed_is_corrupt(fmt::format("checkpoint {}: manifest.json", dir),
-                              [&] { return read_manifest_json(dir, client_state); });
+Expected<Manifest> read_manifest(const std::string& dir) {
+  Manifest out;
+  TZ_TRY(malformed_is_corrupt(fmt::format("checkpoint {}: manifest.json", dir), [&] { return read_manifest_json(dir, out); }));
+  return out;
 }
 
 // The checkpoint directory `path` and `tag` name: path/<tag>, or what
@@ -296,8 +371,28 @@ Expected<std::string> checkpoint_dir(const std::string& path, const std::string&
                              name);
     }
     dir = path + "/" + name;
+    if (!fs::exists(dir + "/manifest.json")) {
+      return not_found("checkpoint: {}/latest names '{}', which is not a complete checkpoint (no {}/manifest.json)",
+                       path, name, dir);
+    }
   }
   if (!fs::exists(dir + "/manifest.json")) {
+    // The complete checkpoints under `path`, newest first, so the message says what could be loaded.
+    std::vector<std::pair<fs::file_time_type, std::string>> complete;
+    std::error_code ec;
+    for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
+      if (e.is_directory(ec) && fs::exists(e.path() / "manifest.json", ec)) {
+        complete.emplace_back(fs::last_write_time(e.path() / "manifest.json", ec), e.path().filename().string());
+      }
+    }
+    std::sort(complete.rbegin(), complete.rend());
+    std::vector<std::string> names;
+    for (const auto& [time, name] : complete) names.push_back(name);
+    if (dir == path && !names.empty()) {
+      return not_found("checkpoint: {} has no 'latest' (and no manifest.json of its own); its complete checkpoints, "
+                       "newest first: {}; pass a tag",
+                       dir, fmt::join(names, ", "));
+    }
     return not_found("checkpoint: {} has no manifest.json (not a complete checkpoint, and no 'latest' beside it)", dir);
   }
   return dir;
@@ -332,21 +427,26 @@ Status read_state(const RankFile& file, std::size_t b, int k, const std::string&
 namespace {
 
 Status check_rank_header(const std::string& dir, const nlohmann::json& m, const RankExpect& expect) {
-  if (m.value("format", "") != "tierzero-checkpoint-rank" || m.value("version", 0) != kCheckpointFormatVersion) {
-    return data_corruption("checkpoint {}: rank-{}.json is not a tierzero checkpoint (format version {})", dir,
-                           expect.rank, kCheckpointFormatVersion);
+  if (m.at("format").get<std::string>() != "tierzero-checkpoint-rank") {
+    return data_corruption("checkpoint {}: rank-{}.json is not a tierzero checkpoint's", dir, expect.rank);
   }
-  if (m.value("world_size", 0) != expect.world_size) {
-    return invalid_argument("checkpoint {} was saved by {} ranks; this run has {}", dir, m.value("world_size", 0),
-                            expect.world_size);
+  if (const int version = m.at("version").get<int>(); version != kCheckpointFormatVersion) {
+    return data_corruption("checkpoint {}: rank-{}.json has format version {}; this tierzero reads version {}", dir,
+                           expect.rank, version, kCheckpointFormatVersion);
   }
-  const std::string saved_optimizer = m.value("optimizer", "");
+  if (m.at("rank").get<int>() != expect.rank) {
+    return data_corruption("checkpoint {}: rank-{}.json holds rank {}'s states", dir, expect.rank, m.at("rank").get<int>());
+  }
+  if (const int saved = m.at("world_size").get<int>(); saved != expect.world_size) {
+    return invalid_argument("checkpoint {} was saved by {} ranks; this run has {}", dir, saved, expect.world_size);
+  }
+  const std::string saved_optimizer = m.at("optimizer").get<std::string>();
   if (!expect.weights_only && !same_optimizer_states(saved_optimizer, expect.optimizer)) {
     return invalid_argument("checkpoint {} was saved by the {} optimizer; this engine's {} cannot continue from its "
                             "states (set optimizer.type \"{}\", or load the weights alone)",
                             dir, saved_optimizer, expect.optimizer, saved_optimizer);
   }
-  const nlohmann::json& blocks = m["blocks"];
+  const nlohmann::json& blocks = m.at("blocks");
   if (!blocks.is_array() || blocks.size() != expect.layout->blocks.size()) {
     return invalid_argument("checkpoint {} has {} blocks; the model has {}", dir, blocks.size(),
                             expect.layout->blocks.size());
@@ -357,7 +457,7 @@ Status check_rank_header(const std::string& dir, const nlohmann::json& m, const 
 // Opens the rank's states file (and again with O_DIRECT where allowed) and
 // checks it holds the bytes its manifest says.
 Status open_states_file(const std::string& dir, const nlohmann::json& m, RankFile& file) {
-  file.bin = dir + "/" + m.value("file", "");
+  file.bin = dir + "/" + m.at("file").get<std::string>();
   const int fd = ::open(file.bin.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     return errno == ENOENT ? data_corruption("checkpoint {}: its states file {} does not exist", dir, file.bin)
@@ -369,7 +469,7 @@ Status open_states_file(const std::string& dir, const nlohmann::json& m, RankFil
   struct stat info {};
   if (::fstat(file.fd.get(), &info) != 0) return errno_status(errno, "checkpoint: reading " + file.bin);
   if (!S_ISREG(info.st_mode)) return data_corruption("checkpoint: {} is not a regular file", file.bin);
-  const std::uint64_t file_bytes = m.value("bytes", std::uint64_t{0});
+  const auto file_bytes = m.at("bytes").get<std::uint64_t>();
   if (static_cast<std::uint64_t>(info.st_size) != file_bytes) {
     return data_corruption("checkpoint file {} holds {} bytes; its manifest says {} (truncated?)", file.bin,
                            info.st_size, file_bytes);
@@ -381,29 +481,30 @@ Status open_states_file(const std::string& dir, const nlohmann::json& m, RankFil
 Status read_block_entry(const std::string& dir, const nlohmann::json& entry, std::size_t b, const RankExpect& expect,
                         const nlohmann::json& m, RankFile& file) {
   const BlockLayout& want = expect.layout->blocks[b];
-  if (entry.value("name", "") != want.name || entry.value("shard_numel", 0ULL) != want.shard_numel) {
+  const auto name = entry.at("name").get<std::string>();
+  const auto shard_numel = entry.at("shard_numel").get<std::uint64_t>();
+  if (name != want.name || shard_numel != want.shard_numel) {
     return invalid_argument("checkpoint {}: block {} is '{}' with {} elements per shard; the model has '{}' with {}",
-                            dir, b, entry.value("name", ""), entry.value("shard_numel", 0ULL), want.name,
-                            want.shard_numel);
+                            dir, b, name, shard_numel, want.name, want.shard_numel);
   }
   TZ_TRY(check_saved_params(dir, entry, want));
   const bool needed[3] = {true, !expect.weights_only && expect.has_exp_avg,
                           !expect.weights_only && expect.has_exp_avg_sq};
-  const std::uint64_t file_bytes = m.value("bytes", std::uint64_t{0});
+  const auto file_bytes = m.at("bytes").get<std::uint64_t>();
   const nlohmann::json& saved_states = entry.at("states");
   for (int k = 0; k < 3; ++k) {
     if (!needed[k]) continue;
     if (!saved_states.contains(kStateNames[k])) {
       return data_corruption("checkpoint {}: block '{}' has no {} (saved by {})", file.bin, want.name, kStateNames[k],
-                             m.value("optimizer", ""));
+                             m.at("optimizer").get<std::string>());
     }
     const nlohmann::json& saved = saved_states.at(kStateNames[k]);
-    const std::uint64_t offset = saved.value("offset", 0ULL), bytes = saved.value("bytes", 0ULL);
+    const auto offset = saved.at("offset").get<std::uint64_t>(), bytes = saved.at("bytes").get<std::uint64_t>();
     if (bytes != want.shard_numel * 4 || offset > file_bytes || bytes > file_bytes - offset) {
       return data_corruption("checkpoint {}: {} of {} has a bad extent ({} bytes at {})", file.bin, kStateNames[k],
                              want.name, bytes, offset);
     }
-    file.states[b * 3 + k] = SavedState{offset, bytes, saved.value("xxh3", "")};
+    file.states[b * 3 + k] = SavedState{offset, bytes, saved.at("xxh3").get<std::string>()};
   }
   return ok_status();
 }
@@ -411,8 +512,8 @@ Status read_block_entry(const std::string& dir, const nlohmann::json& entry, std
 // The optimizer's progress: step, the caller's learning rate, the loss scaler.
 Status read_progress(const std::string& dir, const nlohmann::json& m, RankFile& file) {
   const nlohmann::json& ls = m.at("loss_scaler");
-  file.step = m.value("step", std::int64_t{0});
-  if (m.contains("lr") && !m["lr"].is_null()) {
+  file.step = m.at("step").get<std::int64_t>();
+  if (!m.at("lr").is_null()) {
     if (!m["lr"].is_number()) return data_corruption("checkpoint {}: learning rate {} is not a number", dir, m["lr"].dump());
     const double lr = m["lr"].get<double>();
     if (!(lr >= 0) || !std::isfinite(lr)) {
@@ -420,7 +521,7 @@ Status read_progress(const std::string& dir, const nlohmann::json& m, RankFile& 
     }
     file.saved_lr = lr;
   }
-  file.scaler = {ls.value("scale", 1.0), ls.value("hysteresis_left", 1), ls.value("good_steps", std::int64_t{0})};
+  file.scaler = {ls.at("scale").get<double>(), ls.at("hysteresis_left").get<int>(), ls.at("good_steps").get<std::int64_t>()};
   const LossScaler::State& scaler = file.scaler;
   if (!(scaler.scale > 0) || !std::isfinite(scaler.scale) || scaler.hysteresis_left < 1 || scaler.good_steps < 0) {
     return data_corruption("checkpoint {}: loss scaler {} is impossible (a scale must be finite and > 0, hysteresis "
@@ -434,7 +535,7 @@ Status read_progress(const std::string& dir, const nlohmann::json& m, RankFile& 
 }
 
 Status read_rank_file_json(const std::string& dir, const RankExpect& expect, RankFile& file) {
-  TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_json(fmt::format("{}/rank-{}.json", dir, expect.rank)));
+  TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_sealed_json(fmt::format("{}/rank-{}.json", dir, expect.rank)));
   TZ_TRY(check_rank_header(dir, m, expect));
   TZ_TRY(open_states_file(dir, m, file));
   const ModelLayout& layout = *expect.layout;

@@ -26,12 +26,20 @@
 
 namespace tz::detail {
 
-inline constexpr int kCheckpointFormatVersion = 1;
+// 2: manifests are sealed (Note [Sealed manifests]) and every field is required.
+inline constexpr int kCheckpointFormatVersion = 2;
 inline constexpr const char* kClientStateFile = "client_state.bin";
 // A block's fp32 states, in the order the rank file holds them.
 inline constexpr const char* kStateNames[3] = {"master", "exp_avg", "exp_avg_sq"};
 
 std::string hex(std::uint64_t x);
+
+// Note [Sealed manifests] (checkpoint_files.cpp): `m` with its own checksum
+// added as "xxh3", as the text a manifest file holds; and a manifest file
+// read back with its seal checked and removed (DataCorruption naming the file
+// when it is missing or does not match).
+std::string sealed_text(nlohmann::json m);
+Expected<nlohmann::json> read_sealed_json(const std::string& path);
 
 // Note [Checkpoint files bypass the page cache] (checkpoint_files.cpp).
 class FileWriter {
@@ -60,13 +68,23 @@ Status check_tag(const std::string& tag);
 // Note [Replacing a checkpoint]: `partial` becomes `final_dir`, by a rename or
 // by exchanging the two and removing the replaced one.
 Status publish(const std::string& partial, const std::string& final_dir);
+// Removes the complete checkpoints under `dir` beyond the newest `keep` (by
+// their manifest's step, then time), never those in `keep_too` (the one just
+// saved, the one `latest` names). Each goes manifest first. Returns the names removed.
+Expected<std::vector<std::string>> prune_checkpoints(const std::string& dir, int keep,
+                                                     const std::vector<std::string>& keep_too);
 // Whether the file system can exchange two directories (tried on two empty ones beside final_dir).
 Status probe_exchange(const std::string& final_dir);
 // The checkpoint directory `path` and `tag` name: path/<tag>, or what
 // path/latest names, or path itself; NotFound without a manifest.json there.
 Expected<std::string> checkpoint_dir(const std::string& path, const std::string& tag);
 // manifest.json checked, and the client state it lists, verified (none when it lists none).
-Status read_manifest(const std::string& dir, std::optional<std::string>& client_state);
+struct Manifest {
+  int world_size = 0;
+  std::int64_t step = 0;
+  std::optional<std::string> client_state;
+};
+Expected<Manifest> read_manifest(const std::string& dir);
 
 // This rank's part of a checkpoint, checked against the model and verified
 // (Note [Streamed checkpoints]).

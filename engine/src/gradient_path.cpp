@@ -30,6 +30,7 @@ Status GradientPath::wait() {
 // so backward goes on while gradients drain.
 Status GradientPath::reduce(std::size_t block, PoolBlock whole, bool first) {
   TZ_TRY(error());
+  ++reduced_;
   // Backpressure: at most kMaxPendingGrads blocks' gradients in flight.
   {
     std::unique_lock<std::mutex> lock(mu_);

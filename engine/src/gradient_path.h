@@ -17,6 +17,7 @@
 // gathers, so every rank issues collectives in one order).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <memory>
@@ -74,6 +75,9 @@ class GradientPath {
     non_finite_[block] = false;
   }
 
+  // reduce() calls since the last take (the step report's blocks reduced).
+  std::uint64_t take_reduced() { return reduced_.exchange(0); }
+
   // Caches the device pool blocks the path can hold at once, so later steps
   // never meet a new high-water mark (and allocate) at a random step.
   Status prewarm();
@@ -94,6 +98,7 @@ class GradientPath {
   std::mutex mu_;
   std::condition_variable cv_;
   int pending_ = 0;  // guarded by mu_
+  std::atomic<std::uint64_t> reduced_{0};
 };
 
 }  // namespace tz::detail

@@ -84,7 +84,7 @@ Status CpuOptimizerPass::make_staging() {
       if (store == nullptr || store->resident()) continue;
       TZ_ASSIGN_OR_RETURN(set.area[store], deps_.host_pool->allocate(max_group_numel_ * 4, store->colour()));
     }
-    if (deps_.param16->tier() != Tier::kCpu && deps_.param_type != DType::kFp32) {
+    if (deps_.param16->host_memory(0) == nullptr && deps_.param_type != DType::kFp32) {
       TZ_ASSIGN_OR_RETURN(set.param16, deps_.host_pool->allocate(max_group_numel_ * dtype_bytes(deps_.param_type),
                                                                  Colour::kParam16));
     }
@@ -103,7 +103,7 @@ void* CpuOptimizerPass::state_ptr(const TieredStore* store, std::size_t block, S
 // The new 16-bit parameters of `block`: in place when they live in CPU
 // memory, else in the staging set on their way out.
 void* CpuOptimizerPass::param16_out(std::size_t block, StagingSet& set) const {
-  if (deps_.param16->tier() == Tier::kCpu) return deps_.param16->memory(block);
+  if (void* in_place = deps_.param16->host_memory(block)) return in_place;
   return static_cast<char*>(set.param16.data()) + offset_in_group_[block] * dtype_bytes(deps_.param_type);
 }
 
@@ -121,22 +121,15 @@ Status CpuOptimizerPass::write_group(std::size_t group, StagingSet& set, std::ve
     if (store == nullptr || store->resident()) continue;
     for (std::size_t b : groups_[group]) writes.push_back(store->write(b, state_ptr(store, b, set)));
   }
-  // The new parameters to their tier: the 16-bit copy-out (in place when
-  // they live in CPU memory), or with fp32 parameters the master weights.
-  TieredStore& param16 = *deps_.param16;
+  // The new parameters to their tier: the 16-bit copy-out (already in place
+  // when they live in CPU memory), or with fp32 parameters the master weights.
+  const TieredStore& param16 = *deps_.param16;
   const bool fp32 = deps_.param_type == DType::kFp32;
   for (std::size_t b : groups_[group]) {
-    const std::size_t bytes = param16.shard_bytes(b);
-    void* out = fp32 ? state_ptr(deps_.master, b, set) : param16_out(b, set);
-    if (fp32 && param16.tier() == Tier::kCpu) std::memcpy(param16.memory(b), out, bytes);
-    if (param16.tier() == Tier::kNvme) {
-      writes.push_back(param16.write(b, out));
-    } else if (param16.tier() == Tier::kGpu) {
-      TZ_TRY(deps_.device->copy_async(param16.memory(b), out, bytes, *deps_.stream));
-    }
+    const void* out = fp32 ? state_ptr(deps_.master, b, set) : param16_out(b, set);
+    TZ_TRY(param16.write_back(b, out, *deps_.stream, writes));
   }
-  if (param16.tier() == Tier::kGpu) TZ_TRY(deps_.device->synchronize_stream(*deps_.stream));
-  return ok_status();
+  return param16.settle(*deps_.stream);
 }
 
 Status CpuOptimizerPass::step_group(std::size_t group, StagingSet& set, const cpu_adam::Hyper& h, std::int64_t step,
@@ -210,20 +203,20 @@ Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double
   // 16-bit parameters off the GPU: the copy-out goes to a device buffer, then
   // down to their tier (2 B/param over PCIe, and to NVMe when they live there).
   TieredStore& param16_store = *deps_.param16;
-  const bool params_on_gpu = param16_store.tier() == Tier::kGpu;
+  const bool params_on_gpu = param16_store.device_memory(0) != nullptr;
   PoolBlock d_out, h_out;
   for (std::size_t b = 0; b < deps_.layout->blocks.size(); ++b) {
     const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
-    auto* master = static_cast<float*>(deps_.master->memory(b));
+    auto* master = static_cast<float*>(deps_.master->device_memory(b));
     if (!params_on_gpu && d_out.size_bytes() < param16_store.shard_bytes(b)) {
       TZ_ASSIGN_OR_RETURN(d_out, deps_.device_pool->allocate(param16_store.shard_bytes(b)));
       TZ_ASSIGN_OR_RETURN(h_out, deps_.host_pool->allocate(param16_store.shard_bytes(b)));
     }
-    auto* param16 = static_cast<std::uint16_t*>(params_on_gpu ? param16_store.memory(b) : d_out.data());
+    auto* param16 = static_cast<std::uint16_t*>(params_on_gpu ? param16_store.device_memory(b) : d_out.data());
     const kernels::AdamTensors t{.param = master,
-                                 .grad = static_cast<const float*>(deps_.grad->memory(b)),
-                                 .exp_avg = static_cast<float*>(deps_.exp_avg->memory(b)),
-                                 .exp_avg_sq = static_cast<float*>(deps_.exp_avg_sq->memory(b)),
+                                 .grad = static_cast<const float*>(deps_.grad->device_memory(b)),
+                                 .exp_avg = static_cast<float*>(deps_.exp_avg->device_memory(b)),
+                                 .exp_avg_sq = static_cast<float*>(deps_.exp_avg_sq->device_memory(b)),
                                  .param16 = deps_.param_type == DType::kBf16 ? param16 : nullptr};
     TZ_TRY_CTX(kernels::adam_step_cuda(t, n, h, stream.native_handle()), "stepping {} on the GPU",
                deps_.layout->blocks[b].name);

@@ -108,6 +108,9 @@ Expected<StepReport> ZeroEngineImpl::step() {
   report.peak_cpu_bytes = cpu.peak_in_use_bytes;
   const std::uint64_t allocations = gpu.backend_allocations + cpu.backend_allocations;
   report.new_allocations = allocations - std::exchange(pool_allocations_seen_, allocations);
+  const std::uint64_t host_waits = device_->host_waits();
+  report.host_waits = host_waits - std::exchange(host_waits_seen_, host_waits);
+  report.blocks_reduced = grads_->take_reduced();
   report.cpu_budget_bytes = cpu.budget_bytes;
   device_pool_->reset_peak();
   host_pool_->reset_peak();

@@ -91,7 +91,7 @@ std::shared_ptr<Prefetcher::Entry> Prefetcher::issue(std::size_t block, void* wh
   e->t_issue = Clock::now();
   const std::size_t bytes = deps_.param16->shard_bytes(block);
   const std::string& name = deps_.layout->blocks[block].name;
-  if (deps_.param16->tier() == Tier::kNvme) {
+  if (!deps_.param16->resident()) {
     Expected<PoolBlock> staging = deps_.host_pool->allocate(bytes);
     if (!staging.ok()) {
       e->fail(std::move(staging).status().with_context(fmt::format("staging {} from NVMe", name)));
@@ -217,7 +217,7 @@ Status Prefetcher::wait_ready(Entry& e, Clock::time_point start) {
   const std::uint64_t shard = deps_.param16->shard_bytes(e.block);
   // Parameters that live in device memory are copied within it, not up from
   // the host: host-to-device counts only what crosses (as the planner does).
-  if (deps_.param16->tier() != Tier::kGpu) waits_.h2d_bytes += shard;
+  if (deps_.param16->device_memory(e.block) == nullptr) waits_.h2d_bytes += shard;
   waits_.gather_bytes += shard * static_cast<std::uint64_t>(deps_.comm->size() - 1);
   return ok_status();
 }

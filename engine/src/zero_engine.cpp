@@ -172,7 +172,7 @@ Status ZeroEngineImpl::release_after(std::size_t block, void* data, Stream* stre
   return s;
 }
 
-Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
+Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block, GradFill fill) {
   if (block >= layout_.blocks.size()) {
     return invalid_argument("grad_buffer: block {} does not exist (the model has {})", block, layout_.blocks.size());
   }
@@ -183,6 +183,7 @@ Expected<GradBlock> ZeroEngineImpl::grad_buffer(std::size_t block) {
   g.type_ = grad_type_;
   g.layout_ = &b;
   TZ_ASSIGN_OR_RETURN(g.buffer_, device_pool_->allocate(b.whole_numel * dtype_bytes(grad_type_)));
+  if (fill == GradFill::kUninitialised) return g;
   if (device_->kind() == BackendKind::kHost) {
     // Host "device" memory is host memory, and a block from the pool has no
     // stream work pending: a round trip through the stream thread would only

@@ -38,8 +38,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status init(const std::vector<BlockSpec>& model, const ParamInit& init);
 
   using ZeroEngine::fetch;
+  using ZeroEngine::grad_buffer;
   Expected<GatheredBlock> fetch(std::size_t block, FetchFor purpose) override;
-  Expected<GradBlock> grad_buffer(std::size_t block) override;
+  Expected<GradBlock> grad_buffer(std::size_t block, GradFill fill) override;
   Status reduce_grads(GradBlock grads) override;
   Expected<StepReport> step() override;
   FetchMark fetch_mark() const override { return prefetcher_->mark(); }
@@ -73,6 +74,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   bool has_values(std::size_t block) const override { return blocks_.has_values(block); }
   RankAgreement& ranks() override { return *ranks_; }
   std::string describe() const override;
+  std::vector<std::string> swap_files() const override {
+    return swap_ ? swap_->file_paths() : std::vector<std::string>{};
+  }
   using ZeroEngine::load_checkpoint;
   using ZeroEngine::save_checkpoint;
   Expected<std::string> save_checkpoint(const std::string& dir, const CheckpointSave& options) override;
@@ -97,6 +101,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // --- creation (zero_engine_setup.cpp)
   Status make_device_and_comm();
   Status make_plan();
+  RankAgreement::Settings settings_that_must_match() const;
   Status make_stores();
   Status init_states(const ParamInit& init);
 
@@ -188,6 +193,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::int64_t step_ = 0;
   NvmeTraffic nvme_traffic_;                   // every store's NVMe bytes since the last step report
   std::uint64_t pool_allocations_seen_ = 0;    // pools' backend allocations at the last report
+  std::uint64_t host_waits_seen_ = 0;          // the device's host waits at the last stepping report
   std::uint64_t read_busy_seen_ns_ = 0, write_busy_seen_ns_ = 0;  // io_'s busy clocks at the last report
   void reset_io_counters();  // after set-up and a checkpoint load: the next report counts from here
   // Seconds with an NVMe read, and a write, in flight since the last call (Note [Busy time]).

@@ -11,6 +11,28 @@
 #include "zero_engine_impl.h"
 
 namespace tz {
+namespace {
+
+// Note [State formats] (tierzero/common/state_format.h): the planner sizes
+// the compact formats, but the optimizer pass, the tiered stores and the
+// checkpoints do not store them yet. Training them as fp32 would be a silent
+// difference from the config, so it is refused before anything is made.
+Status refuse_unimplemented_formats(const StateFormats& states) {
+  std::vector<std::string> asked;
+  if (states.master != MasterFormat::kFp32) {
+    asked.push_back(fmt::format("tierzero.states.master = {}", master_format_name(states.master)));
+  }
+  if (states.moments != MomentFormat::kFp32) {
+    asked.push_back(fmt::format("tierzero.states.moments = {}", moment_format_name(states.moments)));
+  }
+  if (asked.empty()) return ok_status();
+  const bool one = asked.size() == 1;
+  return unavailable("{} {} not implemented by the engine yet; tierzero-estimate plans {} (to train now, leave {} at "
+                     "\"fp32\")",
+                     fmt::join(asked, " and "), one ? "is" : "are", one ? "it" : "them", one ? "it" : "both");
+}
+
+}  // namespace
 
 Status ZeroEngineImpl::make_device_and_comm() {
   if (options_.device != nullptr) {
@@ -44,10 +66,16 @@ Status ZeroEngineImpl::make_plan() {
     TZ_ASSIGN_OR_RETURN(HostMemoryReading mem, read_host_memory());
     tiers.gpu = ByteBudget::of(mem.available_bytes / 4);
   }
+  // Dead runs' swap files go before "auto" reads the free space (Note [Swap file ownership] in nvme/src/swap_files.cpp).
+  std::string swap_files_seen;
+  for (const std::string& path : c.all_nvme_paths()) swap_files_seen += nvme::reclaim_stale_swap_files(path).describe();
   TZ_ASSIGN_OR_RETURN(budgets_, resolve_budgets(tiers, c.all_nvme_paths()));
   PlanInput input = PlanInput::from_config(c, layout_.block_numel(), comm_->size(), 0, budgets_);
   Expected<Plan> plan = plan_placement(input);
-  if (!plan.ok() && !options_.placement) return std::move(plan).status().with_context("placing the model states");
+  if (!plan.ok() && !options_.placement) {
+    const Status refused = std::move(plan).status().with_context("placing the model states");
+    return Status(refused.code(), refused.message() + swap_files_seen, refused.sys_errno());
+  }
   if (plan.ok()) plan_ = std::move(*plan);
   if (options_.placement) plan_.tier = *options_.placement;
   // The optimizer runs on the CPU (cpu_adam); on the Host backend "device"
@@ -94,7 +122,7 @@ Status ZeroEngineImpl::make_stores() {
   for (std::size_t s = 0; s < kNumStateClasses; ++s) {
     if (plan_.tier[s] != Tier::kNvme) continue;
     // The parameters are 16-bit, or fp32 when neither bf16 nor fp16 is on.
-    nvme_bytes += state_elem_bytes(static_cast<StateClass>(s), dtype_bytes(param_type_)) * layout_.shard_numel;
+    nvme_bytes += state_bytes(static_cast<StateClass>(s), layout_.shard_numel, dtype_bytes(param_type_), c.states);
   }
   if (nvme_bytes > 0) {
     const std::vector<std::string> paths = c.all_nvme_paths();
@@ -144,8 +172,54 @@ std::pair<double, double> ZeroEngineImpl::take_io_busy_seconds() {
   return {static_cast<double>(read) / 1e9, static_cast<double>(write) / 1e9};
 }
 
+// Note [Ranks agree on their settings]
+// Each rank steps its own shard with its own config: two ranks whose lr or
+// clipping differ both train, each its part with its value, and exit 0; a
+// different accumulation count or stage waits in a collective until the
+// timeout, and different precisions meet with different message sizes. So,
+// before any state is written, the ranks agree on every setting that must
+// match, and a difference fails every rank naming the first such setting and
+// both values (Note [Agreeing on settings]). Budgets, paths and I/O tuning
+// may differ per rank and are not compared; the placement that follows from
+// them is.
+RankAgreement::Settings ZeroEngineImpl::settings_that_must_match() const {
+  const Config& c = options_.config;
+  const PrecisionConfig& p = c.precision;
+  const OptimizerConfig& o = c.optimizer;
+  const SchedulerConfig& s = c.scheduler;
+  auto tier = [&](StateClass k) { return std::string(tier_name(plan_.tier_of(k))); };
+  return {
+      {"zero_optimization.stage", fmt::format("{}", stage_)},
+      {"gradient_accumulation_steps", fmt::format("{}", gas_)},
+      {"gradient_clipping", fmt::format("{}", c.gradient_clipping)},
+      {"precision", std::string(dtype_name(param_type_))},
+      {"fp16.loss_scale", fmt::format("{}", p.loss_scale)},
+      {"fp16.initial_scale_power", fmt::format("{}", p.initial_scale_power)},
+      {"fp16.loss_scale_window", fmt::format("{}", p.loss_scale_window)},
+      {"fp16.hysteresis", fmt::format("{}", p.hysteresis)},
+      {"fp16.min_loss_scale", fmt::format("{}", p.min_loss_scale)},
+      {"optimizer.type", o.type},
+      {"optimizer.params.lr", fmt::format("{}", o.lr)},
+      {"optimizer.params.betas", fmt::format("[{}, {}]", o.beta1, o.beta2)},
+      {"optimizer.params.eps", fmt::format("{}", o.eps)},
+      {"optimizer.params.weight_decay", fmt::format("{}", o.weight_decay)},
+      {"optimizer.params.amsgrad", o.amsgrad ? "true" : "false"},
+      {"scheduler.type", std::string(scheduler_name(s.type))},
+      {"scheduler.params", fmt::format("min_lr {} max_lr {}{} warmup {} {} total {} min_ratio {} cos_min_ratio {}",
+                                       s.warmup_min_lr, s.warmup_max_lr, s.warmup_max_lr_auto ? " (auto)" : "",
+                                       s.warmup_num_steps, s.warmup_type == WarmupType::kLog ? "log" : "linear",
+                                       s.total_num_steps, s.warmup_min_ratio, s.cos_min_ratio)},
+      {"zero_optimization.stage3_param_persistence_threshold",
+       fmt::format("{}", c.zero.stage3_param_persistence_threshold)},
+      {"zero_optimization.stage3_prefetch_bucket_size", fmt::format("{}", c.zero.stage3_prefetch_bucket_size)},
+      {"placement", fmt::format("params {}, grads {}, master {}, moments {}", tier(StateClass::kParam16),
+                                tier(StateClass::kGrad), tier(StateClass::kMaster), tier(StateClass::kMoments))},
+  };
+}
+
 Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
   const Config& c = options_.config;
+  TZ_TRY(refuse_unimplemented_formats(c.states));
   stage_ = c.zero.stage;
   // Neither fp16 nor bf16: fp32 training, as in DeepSpeed.
   param_type_ = c.precision.fp16 ? DType::kFp16 : c.precision.bf16 ? DType::kBf16 : DType::kFp32;
@@ -200,6 +274,8 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   static constexpr std::string_view kInitialNames[] = {"kRankZero", "kSameOnEveryRank", "kSetLater"};
   TZ_TRY(ranks_->agree_on(fmt::format("initial_values = {}", kInitialNames[static_cast<int>(options_.initial_values)]),
                        "creating the engine", "initial values", "pass the same ZeroOptions::initial_values"));
+  TZ_TRY(ranks_->agree_on_settings(settings_that_must_match(), "creating the engine",
+                                   "every rank must load the same config (Note [Ranks agree on their settings])"));
   const std::uint64_t window =
       static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.stage3_prefetch_bucket_size, 0)) *
       dtype_bytes(param_type_);

@@ -8,6 +8,7 @@
 #include <map>
 #include <unordered_map>
 
+#include "swap_files.h"
 #include "tierzero/nvme/swap_store.h"
 
 namespace tz::nvme {
@@ -62,8 +63,10 @@ class FreeList {
 
 struct SwapFile {
   std::string path;
-  FileId id;
+  FileId id;                      // the I/O engine's open of it; invalid until opened
   FreeList free{0};
+  UniqueFd lock;                  // the store's own open, holding its lock (Note [Swap file ownership])
+  detail::ExitRemoval exit_removal;
 };
 
 struct Share {
@@ -145,24 +148,37 @@ Status SwapStoreImpl::init() {
   }
   const std::uint64_t per_file = round_up((options_.capacity_bytes + options_.paths.size() - 1) / options_.paths.size(),
                                           kMinAlign);
-  static std::atomic<int> counter{0};
-  std::vector<std::string> made;
   Cleanup undo([&] {
-    for (SwapFile& f : files_) engine_->close(f.id).ignore_error();
-    files_.clear();
-    for (const std::string& p : made) ::unlink(p.c_str());
+    for (SwapFile& f : files_) {
+      if (f.id.valid()) engine_->close(f.id).ignore_error();
+      ::unlink(f.path.c_str());
+    }
+    files_.clear();  // then their locks go
   });
   for (const std::string& dir : options_.paths) {
-    const std::string path = fmt::format("{}/tierzero-swap-{}-{}.bin", dir, ::getpid(), counter++);
-    FileOptions fo{.create = true, .exclusive = true, .size_bytes = per_file, .allow_buffered = options_.allow_buffered};
-    Expected<FileId> id = engine_->open(path, fo);
-    TZ_TRY_CTX(id, "creating swap file in {} ({} of {} total over {} path{})", dir, format_bytes(per_file),
-               format_bytes(options_.capacity_bytes), options_.paths.size(), options_.paths.size() == 1 ? "" : "s");
-    made.push_back(path);
+    const auto what = [&] {
+      return fmt::format("creating swap file in {} ({} of {} total over {} path{})", dir, format_bytes(per_file),
+                         format_bytes(options_.capacity_bytes), options_.paths.size(),
+                         options_.paths.size() == 1 ? "" : "s");
+    };
+    const SwapFolderReport seen = reclaim_stale_swap_files(dir);  // Note [Swap file ownership]
+    Expected<detail::OwnedSwapFile> owned = detail::create_owned_swap_file(dir);
+    TZ_TRY_CTX(owned, "{}", what());
+    files_.push_back(SwapFile{.path = owned->path, .lock = std::move(owned->lock)});
+    SwapFile& file = files_.back();
+    FileOptions fo{.size_bytes = per_file, .allow_buffered = options_.allow_buffered};
+    Expected<FileId> id = engine_->open(file.path, fo);
+    if (!id.ok() && id.status().code() == ErrorCode::kNoSpace) {  // say what else is in the folder
+      return Status(ErrorCode::kNoSpace, fmt::format("{}: {}{}", what(), id.status().message(), seen.describe()),
+                    id.status().sys_errno());
+    }
+    TZ_TRY_CTX(id, "{}", what());
+    file.id = *id;
+    file.free = FreeList(per_file);
+    file.exit_removal = detail::ExitRemoval(file.path);
     TZ_ASSIGN_OR_RETURN(FileInfo info, engine_->file_info(*id));
     align_ = std::max<std::size_t>(align_, info.offset_align);
     mem_align_ = std::max<std::size_t>(mem_align_, info.mem_align);
-    files_.push_back(SwapFile{path, *id, FreeList(per_file)});
   }
   if (stripe_ % align_ != 0) {
     return invalid_argument("swap store: stripe_bytes = {} is not a multiple of the paths' direct-I/O alignment {}",
@@ -181,7 +197,10 @@ SwapStoreImpl::~SwapStoreImpl() {
   for (SwapFile& f : files_) {
     Status s = engine_->close(f.id);
     if (!s.ok()) TZ_LOG_WARN("nvme", "closing swap file {}: {}", f.path, s.message());
-    if (::unlink(f.path.c_str()) != 0) TZ_LOG_WARN("nvme", "removing swap file {}: {}", f.path, std::strerror(errno));
+    // ENOENT: remove_swap_files_now() was first.
+    if (::unlink(f.path.c_str()) != 0 && errno != ENOENT) {
+      TZ_LOG_WARN("nvme", "removing swap file {}: {}", f.path, std::strerror(errno));
+    }
   }
 }
 

@@ -169,11 +169,13 @@ class CudaDevice final : public Device {
     return true;
   }
   Status synchronize_event(Event& event) override {
+    count_host_wait();
     TZ_TRY(make_current());
     TZ_CUDA_CHECK(cudaEventSynchronize(raw(event)));
     return ok_status();
   }
   Status synchronize_stream(Stream& stream) override {
+    count_host_wait();
     TZ_TRY(make_current());
     TZ_CUDA_CHECK(cudaStreamSynchronize(raw(stream)));
     return ok_status();

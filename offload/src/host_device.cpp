@@ -224,13 +224,14 @@ class HostDevice final : public Device {
   Status stream_wait_native(Stream& /*stream*/, void* /*native_stream*/) override { return ok_status(); }
   Expected<bool> event_done(Event& event) override { return host(event).current()->is_done(); }
   Status synchronize_event(Event& event) override {
+    count_host_wait();
     host(event).current()->wait();
     return ok_status();
   }
   Status synchronize_stream(Stream& stream) override {
     HostEvent marker;
     TZ_TRY(record_event(marker, stream));
-    return synchronize_event(marker);
+    return synchronize_event(marker);  // counted there
   }
 };
 

@@ -29,10 +29,8 @@ namespace {
 constexpr std::uint64_t kShardAlignNumel = 2048;
 // 2^50 elements (a quadrillion) keeps every byte count below 2^64 even at 16 B/elem.
 constexpr std::uint64_t kMaxModelNumel = std::uint64_t{1} << 50;
-// CPU Adam touches 28 B per element of its shard, reading fp32 p, g, m, v (16)
-// and writing p, m, v (12), plus the training parameter it writes (2 B for a
-// 16-bit one, 4 B in fp32 training).
-constexpr std::uint64_t kCpuAdamFp32BytesPerElem = 28;
+// The fp32 gradient accumulator CPU Adam reads, per element.
+constexpr std::uint64_t kGradBytesPerElem = 4;
 
 std::uint64_t sat_mul(std::uint64_t a, std::uint64_t b) {
   if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) {
@@ -104,6 +102,11 @@ Status validate(const PlanInput& in) {
   if (in.param_bytes != 2 && in.param_bytes != 4) {
     return invalid_argument("param_bytes is {}; it must be 2 (bf16 or fp16) or 4 (fp32)", in.param_bytes);
   }
+  if (in.states.master == MasterFormat::kRemainder && in.param_bytes != 2) {
+    return invalid_argument("tierzero.states.master \"remainder\" needs bf16 parameters, but param_bytes is {} (fp32 "
+                            "training): there is no 16-bit parameter to build the master on",
+                            in.param_bytes);
+  }
   TZ_TRY(validate_blocks(in.block_numel));
   return validate_sizes(in);
 }
@@ -147,12 +150,27 @@ std::size_t idx(Tier t) { return static_cast<std::size_t>(t); }
 // "16-bit params" or "fp32 params": what the training parameters are.
 std::string_view params_name(std::uint64_t param_bytes) { return param_bytes == 2 ? "16-bit params" : "fp32 params"; }
 
-std::string class_label(StateClass s, std::uint64_t param_bytes, std::uint64_t numel) {
-  static constexpr std::string_view kWhat[] = {"", "fp32 grads", "fp32 master weights",
-                                               "Adam moments exp_avg + exp_avg_sq"};
-  const std::string_view what = s == StateClass::kParam16 ? params_name(param_bytes) : kWhat[idx(s)];
-  return fmt::format("{} ({} B x {} elem)", what, state_elem_bytes(s, param_bytes),
-                     format_count(static_cast<double>(numel)));
+std::string_view class_what(StateClass s, std::uint64_t param_bytes, StateFormats formats) {
+  switch (s) {
+    case StateClass::kParam16: return params_name(param_bytes);
+    case StateClass::kGrad: return "fp32 grads";
+    case StateClass::kMaster:
+      return formats.master == MasterFormat::kFp32 ? "fp32 master weights"
+                                                   : "master weights as int16 remainders + tie bits";
+    case StateClass::kMoments:
+      switch (formats.moments) {
+        case MomentFormat::kFp32: break;
+        case MomentFormat::kBf16: return "Adam moments exp_avg + exp_avg_sq in bf16";
+        case MomentFormat::kInt8: return "Adam moments exp_avg + exp_avg_sq in int8 + fp32 block scales";
+      }
+      return "Adam moments exp_avg + exp_avg_sq";
+  }
+  return "?";
+}
+
+std::string class_label(StateClass s, std::uint64_t param_bytes, StateFormats formats, std::uint64_t numel) {
+  return fmt::format("{} ({:g} B x {} elem)", class_what(s, param_bytes, formats),
+                     state_elem_bytes(s, param_bytes, formats), format_count(static_cast<double>(numel)));
 }
 
 void add_item(TierUsage& usage, std::string what, std::uint64_t bytes) {
@@ -232,24 +250,29 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
   // staging when the accumulators live on NVMe).
   const std::uint64_t group = l.largest_sub_group_numel;
   const std::uint64_t sets = std::min<std::uint64_t>(kStagingSets, l.sub_groups);
-  std::uint64_t nvme_elem_bytes = 0;
+  double nvme_elem_bytes = 0;
+  std::uint64_t nvme_group_bytes = 0;
   std::string names;
   for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) {
     if (plan.tier_of(s) != Tier::kNvme) continue;
-    nvme_elem_bytes += state_elem_bytes(s, in.param_bytes);
+    nvme_elem_bytes += state_elem_bytes(s, in.param_bytes, in.states);
+    nvme_group_bytes += state_bytes(s, group, in.param_bytes, in.states);
     names += names.empty() ? "" : " + ";
     names += state_class_name(s);
   }
-  if (nvme_elem_bytes > 0) {
+  if (nvme_group_bytes > 0) {
     add_item(cpu,
-             fmt::format("optimizer sub-group staging ({} x {} elem x {} B: {})", sets,
+             fmt::format("optimizer sub-group staging ({} x {} elem x {:g} B: {})", sets,
                          format_count(static_cast<double>(group)), nvme_elem_bytes, names),
-             sets * group * nvme_elem_bytes);
+             sets * nvme_group_bytes);
   }
+  // A remainder master reads the 16-bit shard in through the same buffer its
+  // new value leaves by (Note [Remainder traffic]): no more staging.
   if (plan.tier_of(StateClass::kParam16) != Tier::kCpu && b != 4) {
+    const bool in_and_out = in.states.master == MasterFormat::kRemainder;
     add_item(cpu,
-             fmt::format("optimizer 16-bit copy-out staging ({} x {} elem x {} B)", sets,
-                         format_count(static_cast<double>(group)), b),
+             fmt::format("optimizer 16-bit {} staging ({} x {} elem x {} B)", in_and_out ? "copy-in/out" : "copy-out",
+                         sets, format_count(static_cast<double>(group)), b),
              sets * group * b);
   }
   const std::uint64_t shard = align_up((l.largest_block_numel + ranks - 1) / ranks, kShardAlignNumel);
@@ -273,7 +296,8 @@ void fill_usage(const PlanInput& in, Plan& plan) {
   const std::uint64_t numel[] = {l.param_numel, l.grad_numel, l.optimizer_numel, l.optimizer_numel};
   for (std::size_t c = 0; c < kNumStateClasses; ++c) {
     const auto s = static_cast<StateClass>(c);
-    add_item(plan.usage[idx(plan.tier[c])], class_label(s, in.param_bytes, numel[c]), plan.class_bytes[c]);
+    add_item(plan.usage[idx(plan.tier[c])], class_label(s, in.param_bytes, in.states, numel[c]),
+             plan.class_bytes[c]);
   }
   add_gpu_extras(in, plan);
   add_cpu_extras(in, plan);
@@ -294,6 +318,41 @@ void add_bytes(std::uint64_t& counter, std::initializer_list<std::uint64_t> fact
   counter = sat_add(counter, product);
 }
 
+// Note [Remainder traffic]: a remainder master is rebuilt from the 16-bit
+// parameter, so the optimizer reads each parameter shard from where it lives
+// before it steps: from NVMe (param16 on NVMe), down over PCIe (param16 on
+// the GPU, and the persistent blocks' shards, for CPU Adam), up over PCIe
+// (param16 off the GPU, for GPU Adam), or in place (param16 where the
+// optimizer runs). The buffer it arrives in is the one the new parameter
+// leaves by, so the staging is the copy-out staging the plan already holds.
+void add_remainder_reads(const PlanInput& in, const Plan& plan, StepTraffic& t) {
+  if (in.states.master != MasterFormat::kRemainder) return;
+  const std::uint64_t p = plan.layout.param_numel;
+  const std::uint64_t b = in.param_bytes;
+  const Tier where = plan.tier_of(StateClass::kParam16);
+  if (where == Tier::kNvme) add_bytes(t.nvme_read_bytes, {b, p});
+  if (plan.tier_of(StateClass::kMaster) == Tier::kGpu) {
+    if (where != Tier::kGpu) add_bytes(t.h2d_bytes, {b, p});
+    return;
+  }
+  if (where == Tier::kGpu) add_bytes(t.d2h_bytes, {b, p});
+  add_bytes(t.d2h_bytes, {b, plan.layout.persistent_shard_numel});
+  add_bytes(t.cpu_optimizer_bytes, {b, plan.layout.optimizer_numel});
+}
+
+// CPU Adam's memory traffic per step: it reads the fp32 gradient, reads and
+// writes master and moments (in their formats) and writes the training
+// parameter (2 B for a 16-bit one, 4 B in fp32 training): 28 B + b per
+// element in the fp32 formats. The remainder's parameter read is
+// add_remainder_reads'.
+std::uint64_t cpu_adam_bytes(const PlanInput& in, std::uint64_t numel) {
+  std::uint64_t bytes = 0;
+  add_bytes(bytes, {kGradBytesPerElem + in.param_bytes, numel});
+  add_bytes(bytes, {2, master_bytes(in.states.master, numel)});
+  add_bytes(bytes, {2, moments_bytes(in.states.moments, numel)});
+  return bytes;
+}
+
 void add_param_traffic(const PlanInput& in, const Plan& plan, StepTraffic& t) {
   const std::uint64_t g = static_cast<std::uint64_t>(in.gradient_accumulation_steps);
   const std::uint64_t p = plan.layout.param_numel;
@@ -311,8 +370,9 @@ void add_param_traffic(const PlanInput& in, const Plan& plan, StepTraffic& t) {
   } else {
     if (where == Tier::kGpu) add_bytes(t.h2d_bytes, {b, p});  // CPU Adam's new params come up
     add_bytes(t.h2d_bytes, {b, plan.layout.persistent_shard_numel});
-    add_bytes(t.cpu_optimizer_bytes, {kCpuAdamFp32BytesPerElem + b, plan.layout.optimizer_numel});
+    t.cpu_optimizer_bytes = sat_add(t.cpu_optimizer_bytes, cpu_adam_bytes(in, plan.layout.optimizer_numel));
   }
+  add_remainder_reads(in, plan, t);
 }
 
 StepTraffic step_traffic(const PlanInput& in, const Plan& plan) {
@@ -329,13 +389,11 @@ StepTraffic step_traffic(const PlanInput& in, const Plan& plan) {
     add_bytes(t.nvme_write_bytes, {4, grad, g});
     add_bytes(t.nvme_read_bytes, {4, grad, g});
   }
-  if (plan.tier_of(StateClass::kMaster) == Tier::kNvme) {
-    add_bytes(t.nvme_read_bytes, {4, opt});
-    add_bytes(t.nvme_write_bytes, {4, opt});
-  }
-  if (plan.tier_of(StateClass::kMoments) == Tier::kNvme) {
-    add_bytes(t.nvme_read_bytes, {8, opt});
-    add_bytes(t.nvme_write_bytes, {8, opt});
+  for (StateClass s : {StateClass::kMaster, StateClass::kMoments}) {
+    if (plan.tier_of(s) != Tier::kNvme) continue;
+    const std::uint64_t bytes = state_bytes(s, opt, in.param_bytes, in.states);
+    add_bytes(t.nvme_read_bytes, {bytes});
+    add_bytes(t.nvme_write_bytes, {bytes});
   }
   const LinkSpeeds& s = in.links;
   t.estimated_seconds = static_cast<double>(t.nvme_read_bytes) / s.nvme_read_Bps +
@@ -439,16 +497,41 @@ Expected<Plan> plan_deepspeed(const PlanInput& in, const PlanLayout& layout) {
 
 }  // namespace
 
-std::uint64_t state_elem_bytes(StateClass state, std::uint64_t param_bytes) {
+double state_elem_bytes(StateClass state, std::uint64_t param_bytes, StateFormats formats) {
   switch (state) {
-    case StateClass::kParam16: return param_bytes;
+    case StateClass::kParam16: return static_cast<double>(param_bytes);
     // fp32 accumulators on every tier: the engine's GPU optimizer keeps its
     // gradient partition in fp32 too (Note [GPU optimizer], zero_engine.cpp).
-    case StateClass::kGrad: return 4;
-    case StateClass::kMaster: return 4;
-    case StateClass::kMoments: return 8;
+    case StateClass::kGrad: return static_cast<double>(kGradBytesPerElem);
+    case StateClass::kMaster: return master_bytes_per_elem(formats.master);
+    case StateClass::kMoments: return moments_bytes_per_elem(formats.moments);
   }
   return 0;
+}
+
+std::uint64_t state_bytes(StateClass state, std::uint64_t numel, std::uint64_t param_bytes, StateFormats formats) {
+  switch (state) {
+    case StateClass::kParam16: return sat_mul(param_bytes, numel);
+    case StateClass::kGrad: return sat_mul(kGradBytesPerElem, numel);
+    case StateClass::kMaster: return master_bytes(formats.master, numel);
+    case StateClass::kMoments: return moments_bytes(formats.moments, numel);
+  }
+  return 0;
+}
+
+std::string_view state_format_name(StateClass state, std::uint64_t param_bytes, StateFormats formats) {
+  switch (state) {
+    case StateClass::kParam16: return param_bytes == 2 ? "bf16/fp16" : "fp32";
+    case StateClass::kGrad: return "fp32";
+    case StateClass::kMaster: return master_format_name(formats.master);
+    case StateClass::kMoments: return moment_format_name(formats.moments);
+  }
+  return "?";
+}
+
+double bytes_per_param(std::uint64_t bytes, const PlanLayout& layout, int ranks) {
+  if (layout.model_numel == 0) return 0;
+  return static_cast<double>(bytes) * static_cast<double>(std::max(ranks, 1)) / static_cast<double>(layout.model_numel);
 }
 
 std::int64_t TierUsage::headroom_bytes() const {
@@ -467,11 +550,12 @@ Plan planner_internal::evaluate_placement(const PlanInput& in, const PlanLayout&
   plan.tier = placement;
   plan.layout = layout;
   plan.param_bytes = in.param_bytes;
+  plan.states = in.states;
   plan.mode = in.mode;
   const std::uint64_t numel[] = {layout.param_numel, layout.grad_numel, layout.optimizer_numel,
                                  layout.optimizer_numel};
   for (std::size_t c = 0; c < kNumStateClasses; ++c) {
-    plan.class_bytes[c] = state_elem_bytes(static_cast<StateClass>(c), in.param_bytes) * numel[c];
+    plan.class_bytes[c] = state_bytes(static_cast<StateClass>(c), numel[c], in.param_bytes, in.states);
   }
   fill_usage(in, plan);
   plan.traffic = step_traffic(in, plan);

@@ -97,6 +97,7 @@ PlanInput PlanInput::from_config(const Config& config, std::vector<std::uint64_t
   in.gradient_accumulation_steps = clamp_to_int(config.gradient_accumulation_steps);
   // Neither bf16 nor fp16: the engine trains fp32 parameters.
   in.param_bytes = config.precision.bf16 || config.precision.fp16 ? 2 : 4;
+  in.states = config.states;
   in.gpu_bytes = budgets.gpu_bytes;
   in.cpu_bytes = budgets.cpu_bytes;
   in.nvme_bytes = budgets.nvme_bytes;

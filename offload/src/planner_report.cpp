@@ -101,8 +101,10 @@ void format_inputs(std::string& out, const Plan& plan, const PlanInput& in) {
                      l.model_numel, l.blocks, format_count(double(l.largest_block_numel)));
   out += fmt::format("partition  ZeRO stage {} over {} rank{} ({} per node), {} micro-batch{} per step\n", in.stage,
                      in.ranks, in.ranks == 1 ? "" : "s", in.effective_ranks_per_node(), g, g == 1 ? "" : "es");
-  out += in.param_bytes == 2 ? "precision  16-bit params (bf16 or fp16, 2 B), fp32 master weights\n"
-                              : "precision  fp32 params (4 B: neither bf16 nor fp16 is enabled)\n";
+  out += in.param_bytes == 2 ? "precision  16-bit params (bf16 or fp16, 2 B)" : "precision  fp32 params (4 B: neither bf16 nor fp16 is enabled)";
+  out += fmt::format("; master {} ({:g} B), moments {} ({:g} B)\n", master_format_name(in.states.master),
+                     master_bytes_per_elem(in.states.master), moment_format_name(in.states.moments),
+                     moments_bytes_per_elem(in.states.moments));
   out += fmt::format("per rank   param16 {} elem, grad {} elem, master/moments {} elem (shards padded to 2048)\n",
                      l.param_numel, l.grad_numel, l.optimizer_numel);
   if (l.persistent_blocks > 0) {
@@ -118,12 +120,28 @@ void format_inputs(std::string& out, const Plan& plan, const PlanInput& in) {
   }
 }
 
+// "4", "2.125", "10.15625": bytes per element, exact to 1/256 B and without trailing zeros.
+std::string elem_bytes_text(double bytes) {
+  std::string text = fmt::format("{:.5f}", bytes);
+  while (text.back() == '0') text.pop_back();
+  if (text.back() == '.') text.pop_back();
+  return text;
+}
+
 void format_tables(std::string& out, const Plan& plan) {
-  out += fmt::format("\n{:<12} {:>10}  {:<5} {:>14}\n", "state class", "bytes/elem", "tier", "per-rank bytes");
+  out += fmt::format("\n{:<12} {:<10} {:>10}  {:<5} {:>14}\n", "state class", "format", "bytes/elem", "tier",
+                     "per-rank bytes");
+  double per_elem = 0;
+  std::uint64_t per_rank = 0;
   for (StateClass s : kClasses) {
-    out += fmt::format("{:<12} {:>10}  {:<5} {:>14}\n", state_class_name(s), plan.elem_bytes_of(s),
+    out += fmt::format("{:<12} {:<10} {:>10}  {:<5} {:>14}\n", state_class_name(s),
+                       state_format_name(s, plan.param_bytes, plan.states), elem_bytes_text(plan.elem_bytes_of(s)),
                        tier_name(plan.tier_of(s)), format_bytes(plan.bytes_of(s)));
+    per_elem += plan.elem_bytes_of(s);
+    per_rank += plan.bytes_of(s);
   }
+  out += fmt::format("{:<12} {:<10} {:>10}  {:<5} {:>14}\n", "total", "", elem_bytes_text(per_elem), "",
+                     format_bytes(per_rank));
   out += fmt::format("\n{:<5} {:>14} {:>14} {:>14}\n", "tier", "needed", "budget", "headroom");
   for (Tier t : kTiers) {
     const TierUsage& u = plan.usage_of(t);
@@ -154,8 +172,9 @@ void format_traffic(std::string& out, const Plan& plan, const PlanInput& in) {
   const LinkSpeeds& s = in.links;
   out += fmt::format("\nper-step traffic per rank ({} micro-batch{} per step):\n", in.gradient_accumulation_steps,
                      in.gradient_accumulation_steps == 1 ? "" : "es");
-  const auto line = [&out](std::string_view what, std::uint64_t bytes, double bps, std::string_view link) {
-    out += fmt::format("  {:<22} {:>14}  {:>9.2f} s at {:.2f} GB/s ({})\n", what, format_bytes(bytes),
+  const auto line = [&](std::string_view what, std::uint64_t bytes, double bps, std::string_view link) {
+    out += fmt::format("  {:<22} {:>14} {:>8.3f} B/param  {:>9.2f} s at {:.2f} GB/s ({})\n", what,
+                       format_bytes(bytes), bytes_per_param(bytes, plan.layout, in.ranks),
                        static_cast<double>(bytes) / bps, bps / 1e9, link);
   };
   line("nvme read", t.nvme_read_bytes, s.nvme_read_Bps, "NVMe read");
@@ -163,6 +182,14 @@ void format_traffic(std::string& out, const Plan& plan, const PlanInput& in) {
   line("host to device", t.h2d_bytes, s.pcie_Bps, "PCIe");
   line("device to host", t.d2h_bytes, s.pcie_Bps, "PCIe");
   line("cpu adam memory", t.cpu_optimizer_bytes, s.cpu_mem_Bps, "CPU memory");
+  out += fmt::format("  per parameter per step: NVMe {:.3f} B (read {:.3f} + write {:.3f}), PCIe {:.3f} B "
+                     "(all ranks' bytes over the model's parameters)\n",
+                     bytes_per_param(t.nvme_read_bytes, plan.layout, in.ranks) +
+                         bytes_per_param(t.nvme_write_bytes, plan.layout, in.ranks),
+                     bytes_per_param(t.nvme_read_bytes, plan.layout, in.ranks),
+                     bytes_per_param(t.nvme_write_bytes, plan.layout, in.ranks),
+                     bytes_per_param(t.h2d_bytes, plan.layout, in.ranks) +
+                         bytes_per_param(t.d2h_bytes, plan.layout, in.ranks));
   out += fmt::format("  estimated data movement: {:.2f} s per step (the sum, before any overlap with compute)\n",
                      t.estimated_seconds);
 }

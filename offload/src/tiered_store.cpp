@@ -109,4 +109,24 @@ nvme::IoFuture TieredStore::write(std::size_t block, const void* host) const {
   return args_.swap->write(extents_[block], host);
 }
 
+Status TieredStore::write_back(std::size_t block, const void* host, Stream& stream,
+                               std::vector<nvme::IoFuture>& pending) const {
+  const std::size_t bytes = shard_bytes_[block];
+  switch (args_.tier) {
+    case Tier::kGpu:
+      return args_.device->copy_async(memory(block), host, bytes, stream);
+    case Tier::kCpu:
+      if (host != memory(block)) std::memcpy(memory(block), host, bytes);
+      return ok_status();
+    case Tier::kNvme:
+      pending.push_back(write(block, host));
+      return ok_status();
+  }
+  return ok_status();
+}
+
+Status TieredStore::settle(Stream& stream) const {
+  return args_.tier == Tier::kGpu ? args_.device->synchronize_stream(stream) : ok_status();
+}
+
 }  // namespace tz

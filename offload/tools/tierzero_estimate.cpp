@@ -3,6 +3,13 @@
 // with NVMe as a third tier and the placement planner's choice.
 //
 //   tierzero-estimate --params 20e9 --ranks 1 --gpu 80GB --cpu 120GB --nvme 2TB
+//   tierzero-estimate --largest --gpu 80GB --cpu 112GB --nvme 52GB --master remainder --moments int8
+//   tierzero-estimate --params 8B --gpu 80GB --cpu 112GB --nvme 2TB --tbw 1200
+//
+// --largest searches the largest model of the family --layers (or
+// --largest-block) describes that fits the budgets, and reports its plan.
+// A drive rating (--tbw, or --dwpd with --drive-capacity) adds the days of
+// training until the node's NVMe writes reach it.
 //
 // Exit status: 0 a plan fits; 1 no plan fits (the reason on stderr); 2 bad
 // arguments (including a config that does not load, or an "auto" budget that
@@ -13,6 +20,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +45,11 @@ struct Options {
   int grad_accum = 1;
   std::string offload_param, offload_optimizer, placement;
   std::string precision;  // bf16 | fp16 | fp32; empty: the config's, or bf16 without one
+  std::string master, moments;  // tierzero.states formats; empty: the config's (fp32)
+  bool largest = false;
+  // Drive wear: a rating in TB written, or drive writes per day x capacity x years.
+  double tbw = 0, dwpd = 0, warranty_years = 5, step_seconds = 0;
+  std::string drive_capacity;
   std::string config_path;
   std::string gpu = "auto", cpu = "auto", nvme = "auto";
   std::vector<std::string> nvme_paths;
@@ -45,15 +59,17 @@ struct Options {
   bool has_stage = false, has_grad_accum = false, has_gpu = false, has_cpu = false, has_nvme = false;
 };
 
-CLI::Validator bytes_or_auto() {
+CLI::Validator bytes(bool allow_auto) {
   return CLI::Validator(
-      [](std::string& text) -> std::string {
-        if (text == "auto") return {};
+      [allow_auto](std::string& text) -> std::string {
+        if (allow_auto && text == "auto") return {};
         const tz::Expected<std::uint64_t> bytes = tz::parse_bytes(text);
         return bytes.ok() ? std::string() : bytes.status().message();
       },
-      "BYTES|auto");
+      allow_auto ? "BYTES|auto" : "BYTES");
 }
+
+CLI::Validator bytes_or_auto() { return bytes(true); }
 
 CLI::Validator count() {
   return CLI::Validator(
@@ -66,8 +82,37 @@ CLI::Validator count() {
       "COUNT");
 }
 
+template <typename Format, std::size_t N>
+std::vector<std::string> format_names(const Format (&formats)[N], std::string_view (*name)(Format)) {
+  std::vector<std::string> out;
+  for (Format f : formats) out.emplace_back(name(f));
+  return out;
+}
+
+void add_wear_options(CLI::App& app, Options& o) {
+  const auto positive = CLI::PositiveNumber;
+  auto* tbw = app.add_option("--tbw", o.tbw, "the NVMe drive's rated endurance, TB written (several drives striped: "
+                                             "their sum); prints the days of training until it is reached")
+                  ->check(positive);
+  auto* capacity = app.add_option("--drive-capacity", o.drive_capacity, "the drive's capacity, for --dwpd (2TB, ...)")
+                       ->check(bytes(false));
+  app.add_option("--dwpd", o.dwpd, "the drive's rating in drive writes per day over its warranty (needs "
+                                   "--drive-capacity)")
+      ->check(positive)
+      ->excludes(tbw)
+      ->needs(capacity);
+  app.add_option("--warranty-years", o.warranty_years, "the warranty a --dwpd rating covers (default 5)")
+      ->check(positive);
+  app.add_option("--step-seconds", o.step_seconds,
+                 "a measured step time for the drive wear (default: the plan's estimated data movement)")
+      ->check(positive);
+}
+
 void add_options(CLI::App& app, Options& o) {
-  app.add_option("--params", o.params, "parameters in the model, e.g. 20e9, 1.3B, 350M")->required()->check(count());
+  auto* params = app.add_option("--params", o.params, "parameters in the model, e.g. 20e9, 1.3B, 350M")->check(count());
+  app.add_flag("--largest", o.largest,
+               "search the largest model of this family (--layers or --largest-block) that fits the budgets")
+      ->excludes(params);
   app.add_option("--ranks", o.ranks, "data-parallel ranks (GPUs)")->check(CLI::Range(1, 1 << 20));
   app.add_option("--ranks-per-node", o.ranks_per_node, "ranks sharing one node's CPU memory and NVMe (default: all)")
       ->check(CLI::Range(1, 1 << 20));
@@ -89,6 +134,12 @@ void add_options(CLI::App& app, Options& o) {
                  "training precision: bf16 or fp16 (2 B params) or fp32 (4 B params); default the config's, "
                  "or bf16 without a config")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  app.add_option("--master", o.master, "the master weights' format: fp32, or remainder (bf16 params; default the "
+                                       "config's tierzero.states.master, or fp32)")
+      ->check(CLI::IsMember(format_names(tz::kMasterFormats, tz::master_format_name)));
+  app.add_option("--moments", o.moments, "the Adam moments' format: fp32, bf16 or int8 (default the config's "
+                                         "tierzero.states.moments, or fp32)")
+      ->check(CLI::IsMember(format_names(tz::kMomentFormats, tz::moment_format_name)));
   app.add_option("--placement", o.placement, "auto (fastest plan that fits) or deepspeed (follow the offload devices)")
       ->check(CLI::IsMember({"auto", "deepspeed"}));
   app.add_option("--config", o.config_path, "tierzero/DeepSpeed JSON config (flags override it)")
@@ -106,27 +157,28 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--nvme-write-gbps", o.nvme_write_gbps, "NVMe write speed, GB/s (default 2)")->check(speed);
   app.add_option("--pcie-gbps", o.pcie_gbps, "host<->device speed, GB/s (default 25)")->check(speed);
   app.add_option("--cpu-mem-gbps", o.cpu_mem_gbps, "CPU Adam memory bandwidth, GB/s (default 40)")->check(speed);
+  add_wear_options(app, o);
 }
 
 std::uint64_t count_of(const std::string& text) {
   return static_cast<std::uint64_t>(std::llround(tz::parse_count(text).value()));
 }
 
-tz::Expected<std::vector<std::uint64_t>> make_blocks(const Options& o) {
-  const std::uint64_t params = count_of(o.params);
+// The model family: `params` in --layers equal blocks, or in blocks of --largest-block.
+tz::Expected<std::vector<std::uint64_t>> make_blocks(const Options& o, std::uint64_t params) {
   std::vector<std::uint64_t> blocks;
   if (!o.largest_block.empty()) {
     const std::uint64_t largest = std::min(count_of(o.largest_block), params);
     if (params / largest > kMaxBlocks) {
       return tz::invalid_argument("--largest-block {} splits {} params into more than {} blocks", o.largest_block,
-                                  o.params, kMaxBlocks);
+                                  params, kMaxBlocks);
     }
     blocks.assign(params / largest, largest);
     if (params % largest != 0) blocks.push_back(params % largest);
     return blocks;
   }
   const auto layers = static_cast<std::uint64_t>(o.layers);
-  if (layers > params) return tz::invalid_argument("--layers {} is more than --params {}", o.layers, o.params);
+  if (layers > params) return tz::invalid_argument("--layers {} is more than --params {}", o.layers, params);
   blocks.assign(layers, params / layers);
   for (std::uint64_t i = 0; i < params % layers; ++i) ++blocks[i];
   return blocks;
@@ -152,6 +204,12 @@ tz::Expected<tz::Config> effective_config(const Options& o) {
     TZ_ASSIGN_OR_RETURN(config, tz::load_config(o.config_path));
   }
   if (!o.precision.empty()) TZ_TRY(tz::set_training_precision(config, o.precision));
+  if (!o.master.empty()) TZ_TRY(tz::set_master_format(config, o.master));
+  if (!o.moments.empty()) TZ_TRY(tz::set_moment_format(config, o.moments));
+  // Again after the flags: --precision fp16 under a remainder config, or --master remainder without bf16.
+  if (const tz::Status s = tz::check_state_formats(config); !s.ok()) {
+    return tz::invalid_argument("{} (on the command line: --master, --precision)", s.message());
+  }
   if (o.has_stage) config.zero.stage = o.stage;
   if (o.has_grad_accum) tz::override_gradient_accumulation_steps(config, o.grad_accum);
   if (o.has_gpu || o.config_path.empty()) config.tiers.gpu = budget_of(o.gpu);
@@ -212,14 +270,17 @@ nlohmann::json plan_json(const tz::Plan& plan, const tz::PlanInput& in, const tz
   nlohmann::json states = nlohmann::json::array();
   for (auto s : {tz::StateClass::kParam16, tz::StateClass::kGrad, tz::StateClass::kMaster, tz::StateClass::kMoments}) {
     states.push_back({{"class", tz::state_class_name(s)}, {"tier", tz::tier_name(plan.tier_of(s))},
+                      {"format", tz::state_format_name(s, plan.param_bytes, plan.states)},
                       {"bytes_per_elem", plan.elem_bytes_of(s)}, {"bytes_per_rank", plan.bytes_of(s)}});
   }
   const tz::StepTraffic& t = plan.traffic;
+  const auto per_param = [&](std::uint64_t bytes) { return tz::bytes_per_param(bytes, l, in.ranks); };
   return {
       {"inputs",
        {{"params", l.model_numel}, {"blocks", l.blocks}, {"largest_block", l.largest_block_numel},
         {"ranks", in.ranks}, {"ranks_per_node", in.effective_ranks_per_node()}, {"stage", in.stage},
         {"gradient_accumulation_steps", in.gradient_accumulation_steps}, {"param_bytes", in.param_bytes},
+        {"master", tz::master_format_name(in.states.master)}, {"moments", tz::moment_format_name(in.states.moments)},
         {"placement", plan.mode == tz::PlacementMode::kAuto ? "auto" : "deepspeed"},
         {"links_Bps", {{"nvme_read", in.links.nvme_read_Bps}, {"nvme_write", in.links.nvme_write_Bps},
                        {"pcie", in.links.pcie_Bps}, {"cpu_mem", in.links.cpu_mem_Bps}}}}},
@@ -233,7 +294,9 @@ nlohmann::json plan_json(const tz::Plan& plan, const tz::PlanInput& in, const tz
       {"tiers", tiers_json(plan)},
       {"traffic", {{"nvme_read_bytes", t.nvme_read_bytes}, {"nvme_write_bytes", t.nvme_write_bytes},
                    {"h2d_bytes", t.h2d_bytes}, {"d2h_bytes", t.d2h_bytes},
-                   {"cpu_optimizer_bytes", t.cpu_optimizer_bytes}, {"estimated_seconds", t.estimated_seconds}}},
+                   {"cpu_optimizer_bytes", t.cpu_optimizer_bytes}, {"estimated_seconds", t.estimated_seconds},
+                   {"nvme_bytes_per_param", per_param(t.nvme_read_bytes) + per_param(t.nvme_write_bytes)},
+                   {"pcie_bytes_per_param", per_param(t.h2d_bytes) + per_param(t.d2h_bytes)}}},
       {"candidates", plan.candidates},
       {"feasible_candidates", plan.feasible_candidates},
       {"summary", plan.summary}};
@@ -250,24 +313,146 @@ int fail(const tz::Status& status, int code) {
   return code;
 }
 
+// "240.00 GB": drives are rated in SI units.
+std::string si_bytes(double bytes) {
+  static constexpr const char* kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
+  std::size_t u = 0;
+  while (bytes >= 1000 && u + 1 < std::size(kUnits)) bytes /= 1000, ++u;
+  return fmt::format("{:.2f} {}", bytes, kUnits[u]);
+}
+
+std::string model_family(const Options& o) {
+  return o.largest_block.empty() ? fmt::format("{} equal blocks (--layers)", o.layers)
+                                 : fmt::format("blocks of {} params (--largest-block)", o.largest_block);
+}
+
+// --largest: the largest model of the family that fits, searched with the planner.
+tz::Expected<tz::LargestModel> search_largest(const Options& o, const tz::PlanInput& base) {
+  const tz::BlocksOf blocks_of = [&o](std::uint64_t params) { return make_blocks(o, params); };
+  std::uint64_t max_params = static_cast<std::uint64_t>(kMaxParams);
+  std::uint64_t min_params = static_cast<std::uint64_t>(o.layers);
+  if (!o.largest_block.empty()) {
+    min_params = 1;
+    max_params = std::min(max_params, count_of(o.largest_block) * kMaxBlocks);
+  }
+  return tz::find_largest_model(base, blocks_of, min_params, max_params);
+}
+
+void print_largest(const Options& o, const tz::LargestModel& m) {
+  fmt::print("largest    {} params ({}) fit, in {}", tz::format_count(static_cast<double>(m.params)), m.params,
+             model_family(o));
+  if (m.next_params != 0) {
+    fmt::print("; {} ({}) finds no placement (searched to {:.2g}%)\n", tz::format_count(static_cast<double>(m.next_params)),
+               m.next_params, 100.0 * static_cast<double>(m.next_params - m.params) / static_cast<double>(m.params));
+  } else {
+    fmt::print("; the search's upper end\n");
+  }
+}
+
+std::optional<tz::Expected<tz::DriveEndurance>> endurance_of(const Options& o) {
+  if (o.tbw > 0) return tz::endurance_from_tbw(o.tbw);
+  if (o.dwpd > 0) return tz::endurance_from_dwpd(o.dwpd, tz::parse_bytes(o.drive_capacity).value(), o.warranty_years);
+  return std::nullopt;
+}
+
+// Note [Step rate for drive wear]: the estimator has no compute model, so its
+// step time is the plan's data movement, every transfer one after another
+// (estimated_seconds): longer than a step that overlaps them, so the wear it
+// gives is the least. The drives' own pace bounds it from the other side: a
+// step takes at least its NVMe reads and writes, one after another on a drive.
+// A measured step time (--step-seconds) replaces both.
+void print_wear(const Options& o, const tz::Plan& plan, const tz::PlanInput& in,
+                const std::optional<tz::DriveEndurance>& endurance) {
+  const tz::DriveEndurance rating = endurance.value_or(tz::DriveEndurance{});
+  const double step = o.step_seconds > 0 ? o.step_seconds : plan.traffic.estimated_seconds;
+  const tz::DriveWear wear = tz::drive_wear(plan, in, step, rating);
+  fmt::print("\ndrive writes (the NVMe tier of a node, {} rank{} writing):\n", in.effective_ranks_per_node(),
+             in.effective_ranks_per_node() == 1 ? "" : "s");
+  if (wear.written_per_step_bytes == 0) {
+    fmt::print("  nothing is written to NVMe in a step: no wear from training\n");
+    return;
+  }
+  fmt::print("  written per step       {} ({:.3f} B/param)\n", si_bytes(static_cast<double>(wear.written_per_step_bytes)),
+             tz::bytes_per_param(plan.traffic.nvme_write_bytes, plan.layout, in.ranks));
+  fmt::print("  step time              {:.2f} s: {}\n", step,
+             o.step_seconds > 0 ? "--step-seconds (measured)"
+                                : "the plan's estimated data movement, every transfer one after another (no compute "
+                                  "model; --step-seconds S to give a measured one)");
+  fmt::print("  written per hour       {}\n", si_bytes(wear.written_per_hour_bytes));
+  if (!endurance) {
+    fmt::print("  (give the drive's rating, --tbw N or --dwpd N --drive-capacity SIZE, for the days until it is "
+               "reached)\n");
+    return;
+  }
+  fmt::print("  rated endurance        {}\n", rating.source);
+  fmt::print("  days of training until the rating is reached: {:.1f} (around the clock at that step time)\n",
+             wear.days_to_rating);
+  if (o.step_seconds > 0) return;
+  const double bound = tz::nvme_bound_seconds(plan, in);
+  const tz::DriveWear fastest = tz::drive_wear(plan, in, bound, rating);
+  fmt::print("  at the drives' own pace (a step no shorter than its NVMe reads and writes, {:.2f} s at {:.2f} + "
+             "{:.2f} GB/s): {:.1f} days\n",
+             bound, in.links.nvme_read_Bps / 1e9, in.links.nvme_write_Bps / 1e9, fastest.days_to_rating);
+}
+
+nlohmann::json wear_json(const Options& o, const tz::Plan& plan, const tz::PlanInput& in,
+                         const std::optional<tz::DriveEndurance>& endurance) {
+  const double step = o.step_seconds > 0 ? o.step_seconds : plan.traffic.estimated_seconds;
+  const tz::DriveWear w = tz::drive_wear(plan, in, step, endurance.value_or(tz::DriveEndurance{}));
+  nlohmann::json j = {{"written_per_step_bytes", w.written_per_step_bytes}, {"step_seconds", step},
+                      {"step_seconds_source", o.step_seconds > 0 ? "--step-seconds" : "estimated_seconds"},
+                      {"written_per_hour_bytes", w.written_per_hour_bytes}};
+  if (endurance && std::isfinite(w.days_to_rating)) {
+    j["rated_bytes"] = endurance->rated_bytes;
+    j["rating"] = endurance->source;
+    j["days_to_rating"] = w.days_to_rating;
+  }
+  return j;
+}
+
 int run(const Options& o) {
-  tz::Expected<std::vector<std::uint64_t>> blocks = make_blocks(o);
-  if (!blocks.ok()) return fail(blocks.status(), kExitBadArgs);
   tz::Expected<tz::Config> config = effective_config(o);
   if (!config.ok()) return fail(config.status(), kExitBadArgs);
   if (const tz::Status s = tz::resolve_batch(*config, o.ranks); !s.ok()) return fail(s, kExitBadArgs);
+  std::optional<tz::DriveEndurance> endurance;
+  if (auto e = endurance_of(o)) {
+    if (!e->ok()) return fail(e->status(), kExitBadArgs);
+    endurance = **e;
+  }
   tz::Expected<tz::ResolvedBudgets> budgets = budgets_for(o, *config);
   if (!budgets.ok()) return fail(budgets.status(), kExitBadArgs);
-  tz::PlanInput in = tz::PlanInput::from_config(*config, *std::move(blocks), o.ranks, o.ranks_per_node, *budgets);
+  tz::PlanInput in = tz::PlanInput::from_config(*config, {}, o.ranks, o.ranks_per_node, *budgets);
   apply_links(o, in.links);
-  const tz::Expected<tz::Plan> plan = tz::plan_placement(in);
+  std::optional<tz::LargestModel> largest;
+  tz::Expected<tz::Plan> plan = tz::invalid_argument("not planned");
+  if (o.largest) {
+    tz::Expected<tz::LargestModel> found = search_largest(o, in);
+    if (found.ok()) {
+      plan = found->plan;
+      in = found->input;
+      largest = *std::move(found);
+    } else {
+      plan = found.status();
+    }
+  } else {
+    tz::Expected<std::vector<std::uint64_t>> blocks = make_blocks(o, count_of(o.params));
+    if (!blocks.ok()) return fail(blocks.status(), kExitBadArgs);
+    in.block_numel = *std::move(blocks);
+    plan = tz::plan_placement(in);
+  }
   if (plan.ok() || plan.status().code() == tz::ErrorCode::kOutOfMemory) print_budgets(*budgets);
   if (!plan.ok()) {
     return fail(plan.status(), plan.status().code() == tz::ErrorCode::kOutOfMemory ? kExitNoFit : kExitBadArgs);
   }
+  if (largest) print_largest(o, *largest);
   fmt::print("{}", tz::format_plan(*plan, in));
+  print_wear(o, *plan, in, endurance);
   if (!o.json_path.empty()) {
-    tz::Status written = tz::write_file_durably(o.json_path, plan_json(*plan, in, *budgets).dump(2) + "\n");
+    nlohmann::json j = plan_json(*plan, in, *budgets);
+    j["drive_wear"] = wear_json(o, *plan, in, endurance);
+    if (largest) j["largest"] = {{"params", largest->params}, {"next_params", largest->next_params},
+                                 {"family", model_family(o)}};
+    tz::Status written = tz::write_file_durably(o.json_path, j.dump(2) + "\n");
     if (!written.ok()) return fail(written.with_context("--json"), kExitBadArgs);
   }
   return 0;
@@ -289,6 +474,10 @@ int main(int argc, char** argv) {
   options.has_gpu = app.count("--gpu") > 0;
   options.has_cpu = app.count("--cpu") > 0;
   options.has_nvme = app.count("--nvme") > 0;
+  if (options.params.empty() && !options.largest) {
+    fmt::print(stderr, "--params is required (or --largest, to search the largest model that fits)\n");
+    return kExitBadArgs;
+  }
   if (options.ranks_per_node > 0 && options.ranks % options.ranks_per_node != 0) {
     fmt::print(stderr, "--ranks-per-node: {} does not divide --ranks {}\n", options.ranks_per_node, options.ranks);
     return kExitBadArgs;

@@ -94,5 +94,40 @@ TEST(RankAgreement, AgreeAndBroadcastAreCollectives) {
   }
 }
 
+// Settings that agree pass with one reduction; settings that differ fail on
+// every rank naming the first differing setting, rank 0's value and the
+// lowest differing rank's, whichever rank is asked (Note [Agreeing on settings]).
+TEST(RankAgreement, SettingsThatDifferAreNamedOnEveryRank) {
+  const int world = 3;
+  TempDir dir;
+  const int port = next_port();
+  const auto outcomes = run_ranks(world, [&](int rank) -> std::string {
+    auto comm = create_communicator(test_options(rank, world, dir.path(), port));
+    if (!comm.ok()) return comm.status().to_string();
+    RankSide side;
+    if (std::string failed = side.make(); !failed.empty()) return failed;
+    RankAgreement ranks(**comm, *side.device, *side.pool);
+    RankAgreement::Settings settings = {{"stage", "3"}, {"optimizer.lr", "0.0003"}, {"gradient_clipping", "1"}};
+    if (Status s = ranks.agree_on_settings(settings, "test", "load one config"); !s.ok()) return "same: " + s.to_string();
+    // Rank 2 differs at lr and clipping, rank 1 only at clipping: lr is first.
+    if (rank == 2) settings[1].second = "0.001";
+    if (rank >= 1) settings[2].second = "0";
+    Status s = ranks.agree_on_settings(settings, "test", "load one config");
+    const std::string want =
+        "test: the ranks' settings differ, first at optimizer.lr: rank 0 has 'optimizer.lr = 0.0003', rank 2 has "
+        "'optimizer.lr = 0.001'; load one config";
+    if (s.code() != ErrorCode::kInvalidArgument || s.message() != want) return "lr: " + s.to_string();
+    // One more setting on rank 1 only.
+    settings = {{"stage", "3"}};
+    if (rank == 1) settings.push_back({"fp16", "true"});
+    s = ranks.agree_on_settings(settings, "test", "do the same");
+    if (s.message().find("first at fp16: rank 0 has '(no more settings)', rank 1 has 'fp16 = true'") == std::string::npos) {
+      return "extra: " + s.to_string();
+    }
+    return "";
+  });
+  EXPECT_ALL_RANKS_PASS(outcomes);
+}
+
 }  // namespace
 }  // namespace tz

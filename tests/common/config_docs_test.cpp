@@ -138,11 +138,12 @@ std::string fingerprint(const Config& c) {
                      static_cast<int>(z.offload_optimizer.device), z.offload_optimizer.nvme_path,
                      z.offload_optimizer.pin_memory, z.offload_optimizer.buffer_count, z.offload_optimizer.pipeline_read,
                      z.offload_optimizer.pipeline_write, z.offload_optimizer.ratio);
-  out += fmt::format("aio {} {} {} {} {} {} {} | tiers {} {} {} {} {} {} | {} {}", c.aio.block_size, c.aio.queue_depth,
-                     c.aio.intra_op_parallelism, c.aio.single_submit, c.aio.sqpoll, c.aio.fixed_buffers,
-                     c.aio.allow_buffered_io, budget(c.tiers.gpu), budget(c.tiers.cpu), budget(c.tiers.nvme),
-                     fmt::join(c.tiers.nvme_paths, ","), c.tiers.numa_node.value_or(-1), c.tiers.huge_pages,
-                     static_cast<int>(c.backend), static_cast<int>(c.placement));
+  out += fmt::format("aio {} {} {} {} {} {} {} | tiers {} {} {} {} {} {} | {} {} | states {} {}", c.aio.block_size,
+                     c.aio.queue_depth, c.aio.intra_op_parallelism, c.aio.single_submit, c.aio.sqpoll,
+                     c.aio.fixed_buffers, c.aio.allow_buffered_io, budget(c.tiers.gpu), budget(c.tiers.cpu),
+                     budget(c.tiers.nvme), fmt::join(c.tiers.nvme_paths, ","), c.tiers.numa_node.value_or(-1),
+                     c.tiers.huge_pages, static_cast<int>(c.backend), static_cast<int>(c.placement),
+                     master_format_name(c.states.master), moment_format_name(c.states.moments));
   return out;
 }
 
@@ -168,9 +169,10 @@ std::vector<Json> candidates(const DocKey& key) {
 }
 
 // What some keys need around them to load: a ratio below 1 needs stage 3, a
-// scheduler parameter the type it belongs to.
+// scheduler parameter the type it belongs to, a remainder master bf16.
 std::vector<Json> contexts() {
-  std::vector<Json> out = {Json::object(), Json{{"zero_optimization", {{"stage", 3}}}}};
+  std::vector<Json> out = {Json::object(), Json{{"zero_optimization", {{"stage", 3}}}},
+                           Json{{"bf16", {{"enabled", true}}}}};
   for (const char* type : {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}) {
     Json params = std::string(type) == "WarmupLR" ? Json::object() : Json{{"total_num_steps", 100000}};
     out.push_back({{"scheduler", {{"type", type}, {"params", params}}}});
@@ -211,7 +213,7 @@ TEST(ConfigDocs, TheTablesListTheBlocksAndKeysTheLoaderReads) {
   ASSERT_GT(docs.ignored.size(), 60u);
   for (const char* block : {"", "fp16", "bf16", "optimizer.params", "scheduler.params", "zero_optimization",
                             "zero_optimization.offload_param", "zero_optimization.offload_optimizer", "aio",
-                            "tierzero.tiers", "tierzero.aio"}) {
+                            "tierzero.tiers", "tierzero.aio", "tierzero.states"}) {
     EXPECT_TRUE(std::any_of(docs.keys.begin(), docs.keys.end(), [&](const DocKey& k) { return k.block == block; }))
         << "no keys read for the block '" << block << "'";
   }

@@ -4,6 +4,7 @@
 // a model, with each refusal and corruption it must catch.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -86,7 +87,16 @@ TEST(CheckpointFiles, ACheckpointDirectoryIsFoundByTagOrLatest) {
   EXPECT_EQ(checkpoint_dir(dir.path(), "step-3").value(), dir.file("step-3"));
   EXPECT_EQ(checkpoint_dir(dir.file("step-3"), "").value(), dir.file("step-3"));
   EXPECT_EQ(checkpoint_dir(dir.path(), "step-4").status().code(), ErrorCode::kNotFound);
-  EXPECT_EQ(checkpoint_dir(dir.path(), "").status().code(), ErrorCode::kNotFound);  // no latest, no manifest
+  // No latest and no manifest: the complete checkpoints beside it are named, newest first.
+  fs::create_directories(dir.file("step-5"));
+  spit(dir.file("step-5/manifest.json"), "{}");
+  fs::last_write_time(dir.file("step-3/manifest.json"), fs::file_time_type::clock::now() - std::chrono::hours(1));
+  fs::create_directories(dir.file("step-6.partial"));  // not complete: not named
+  const auto none = checkpoint_dir(dir.path(), "");
+  EXPECT_EQ(none.status().code(), ErrorCode::kNotFound);
+  EXPECT_NE(none.status().message().find("no 'latest'"), std::string::npos) << none.status().to_string();
+  EXPECT_NE(none.status().message().find("newest first: step-5, step-3; pass a tag"), std::string::npos)
+      << none.status().to_string();
   spit(dir.file("latest"), "step-3\n");  // a hand-written one ends in a newline
   EXPECT_EQ(checkpoint_dir(dir.path(), "").value(), dir.file("step-3"));
   spit(dir.file("latest"), "../elsewhere");
@@ -123,7 +133,7 @@ struct SavedRank {
                 {"file", "rank-0.bin"}, {"bytes", bin.size()}, {"blocks", blocks}};
   }
   Status read(const RankExpect& tweak = {}) {
-    spit(dir.file("rank-0.json"), manifest.dump(1));
+    spit(dir.file("rank-0.json"), sealed_text(manifest));
     RankExpect expect = tweak;
     expect.layout = &layout;
     if (expect.optimizer.empty()) expect.optimizer = "Adam";

@@ -15,10 +15,12 @@
 #include <limits>
 #include <random>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
+#include "../../engine/src/checkpoint_files.h"
 #include "../nvme/nvme_test_util.h"
 #include "tierzero/testing/engine.h"
 
@@ -61,9 +63,11 @@ std::string read_latest(const std::string& dir) {
   return name;
 }
 
+// What a folder holds, less the save lock's file (Note [One saver a folder]).
 std::set<std::string> entries(const std::string& dir) {
   std::set<std::string> out;
   for (const auto& e : std::filesystem::directory_iterator(dir)) out.insert(e.path().filename().string());
+  out.erase(".tierzero-save.lock");
   return out;
 }
 
@@ -135,7 +139,7 @@ TEST(Checkpoint, TheCallersLearningRateIsSavedAndAnImpossibleOneIsRefused) {
   nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
   ASSERT_EQ(m["lr"].get<double>(), 3.5e-4);
   m["lr"] = -1.0;
-  std::ofstream(manifest, std::ios::trunc) << m.dump(1);
+  std::ofstream(manifest, std::ios::trunc) << tz::detail::sealed_text(m);  // Note [Sealed manifests]
   auto c = make(nvme.path(), kCpu);
   ASSERT_TRUE(c);
   const tz::Status refused = c->load_checkpoint(ckpt.path());
@@ -296,13 +300,17 @@ TEST(Checkpoint, AMalformedRankManifestIsRefusedAsCorrupt) {
   auto refused_with = [&](const std::function<void(nlohmann::json&)>& edit, const std::string& text) {
     nlohmann::json m = good;
     edit(m);
-    std::ofstream(manifest, std::ios::trunc) << m.dump();
+    std::ofstream(manifest, std::ios::trunc) << tz::detail::sealed_text(m);  // the checks behind the seal
     const tz::Status s = e->load_checkpoint(ckpt.path());
     EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
     EXPECT_NE(s.message().find(text), std::string::npos) << s.message();
   };
   refused_with([](nlohmann::json& m) { m["loss_scaler"] = "big"; }, "rank-0.json is malformed");
   refused_with([](nlohmann::json& m) { m.erase("loss_scaler"); }, "rank-0.json is malformed");
+  // Nothing missing is read as a default (a missing "step" once resumed at step 0).
+  refused_with([](nlohmann::json& m) { m.erase("step"); }, "'step' not found");
+  refused_with([](nlohmann::json& m) { m.erase("lr"); }, "'lr' not found");
+  refused_with([](nlohmann::json& m) { m["blocks"][0]["states"]["master"].erase("xxh3"); }, "'xxh3' not found");
   refused_with([](nlohmann::json& m) { m["blocks"][0] = 7; }, "rank-0.json is malformed");
   refused_with([](nlohmann::json& m) { m["blocks"][1]["states"].erase("exp_avg_sq"); }, "has no exp_avg_sq");
   // An extent whose offset + bytes wraps past 2^64 once passed the bounds check and was read far outside the file.
@@ -314,7 +322,7 @@ TEST(Checkpoint, AMalformedRankManifestIsRefusedAsCorrupt) {
   refused_with([](nlohmann::json& m) { m["loss_scaler"]["hysteresis_left"] = 0; }, "loss scaler");
   refused_with([](nlohmann::json& m) { m["step"] = -3; }, "step -3 is impossible");
   refused_with([](nlohmann::json& m) { m["step"] = std::numeric_limits<std::int64_t>::max(); }, "is impossible");
-  std::ofstream(manifest, std::ios::trunc) << good.dump();
+  std::ofstream(manifest, std::ios::trunc) << tz::detail::sealed_text(good);
   // `latest` written by hand: a trailing newline is fine; a path out of the directory, or a directory, is not.
   std::ofstream(ckpt.path() + "/latest", std::ios::trunc) << "step-1\n";
   tz::Status s = e->load_checkpoint(ckpt.path());
@@ -549,12 +557,92 @@ TEST(Checkpoint, AModelWithOtherParametersInBlocksOfTheSameSizeIsRefused) {
   EXPECT_NE(s.message().find("the model has 'renamed'"), std::string::npos) << s.message();
   EXPECT_TRUE(load_into(model).ok());  // the same model loads
 
-  // A manifest without parameter lists (written before them) loads by block name and size.
+  // The parameter lists are required: without them a reshaped model would load.
   const std::string manifest = ckpt.path() + "/step-2/rank-0.json";
   nlohmann::json m = nlohmann::json::parse(std::ifstream(manifest));
   for (auto& block : m["blocks"]) block.erase("params");
-  std::ofstream(manifest) << m.dump(1);
-  EXPECT_TRUE(load_into(reshaped).ok());
+  std::ofstream(manifest, std::ios::trunc) << tz::detail::sealed_text(m);
+  s = load_into(reshaped);
+  EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
+  EXPECT_NE(s.message().find("'params' not found"), std::string::npos) << s.message();
+}
+
+// keep_last: the newest N complete checkpoints stay (by step); older ones go,
+// never the one `latest` names nor the one just saved, and nothing that is not
+// a tierzero checkpoint.
+TEST(Checkpoint, KeepLastRemovesTheOldestCompleteCheckpoints) {
+  TempDir nvme, ckpt;
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  namespace fs = std::filesystem;
+  fs::create_directories(ckpt.path() + "/notes");  // the user's: no manifest
+  for (int step = 1; step <= 4; ++step) {
+    ASSERT_TRUE(train(*e, step - 1, step).ok());
+    ASSERT_TRUE(e->save_checkpoint(ckpt.path(), {.keep_last = 2}).ok());
+  }
+  auto names = [&] {
+    std::set<std::string> out;
+    for (const auto& entry : fs::directory_iterator(ckpt.path())) out.insert(entry.path().filename().string());
+    return out;
+  };
+  EXPECT_EQ(names(), (std::set<std::string>{"latest", "notes", "step-3", "step-4"}));
+  // A tagged save of the latest step without moving `latest`: step-4 stays (latest names it), the tag too.
+  ASSERT_TRUE(e->save_checkpoint(ckpt.path(), {.tag = "snapshot", .save_latest = false, .keep_last = 1}).ok());
+  EXPECT_EQ(names(), (std::set<std::string>{"latest", "notes", "snapshot", "step-4"}));
+  EXPECT_TRUE(e->load_checkpoint(ckpt.path()).ok());
+}
+
+// Note [Sealed manifests]: a manifest edited by hand (the step of rank-0.json
+// from 1 to 9 once resumed at step 9 with step 1's weights, exit 0), an
+// unsealed one, or a rank file and manifest.json from two saves are refused.
+TEST(Checkpoint, AnEditedOrMismatchedManifestIsRefused) {
+  TempDir nvme, ckpt;
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 1).ok());
+  ASSERT_TRUE(e->save_checkpoint(ckpt.path(), {.tag = "one"}).ok());
+  ASSERT_TRUE(train(*e, 1, 2).ok());
+  ASSERT_TRUE(e->save_checkpoint(ckpt.path(), {.tag = "two"}).ok());
+  const std::string one = ckpt.path() + "/one", two = ckpt.path() + "/two";
+  auto expect_corrupt = [&](const std::string& dir, const std::string& text) {
+    const tz::Status s = e->load_checkpoint(dir);
+    EXPECT_EQ(s.code(), tz::ErrorCode::kDataCorruption) << s.to_string();
+    EXPECT_NE(s.message().find(text), std::string::npos) << s.message();
+  };
+  auto rewrite = [](const std::string& path, const std::function<void(std::string&)>& edit) {
+    std::stringstream text;
+    text << std::ifstream(path).rdbuf();
+    std::string s = text.str();
+    edit(s);
+    std::ofstream(path, std::ios::trunc) << s;
+  };
+  for (const char* file : {"/rank-0.json", "/manifest.json"}) {
+    SCOPED_TRACE(file);
+    const std::string path = one + file;
+    std::stringstream saved;
+    saved << std::ifstream(path).rdbuf();
+    rewrite(path, [](std::string& s) {
+      const auto at = s.find("\"step\": 1");
+      ASSERT_NE(at, std::string::npos) << s;
+      s.replace(at, 9, "\"step\": 9");
+    });
+    expect_corrupt(one, "checksum mismatch in " + path);
+    nlohmann::json m = nlohmann::json::parse(saved.str());
+    m.erase("xxh3");
+    std::ofstream(path, std::ios::trunc) << m.dump(1);
+    expect_corrupt(one, "has no checksum of its own");
+    std::ofstream(path, std::ios::trunc) << saved.str();
+    EXPECT_TRUE(e->load_checkpoint(one).ok());
+  }
+  // Each file sealed, but from different saves.
+  std::filesystem::copy_file(two + "/manifest.json", one + "/manifest.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  expect_corrupt(one, "manifest.json says step 2 by 1 ranks, but rank-0.json says step 1");
+  // A format-1 checkpoint (unsealed) names the versions.
+  nlohmann::json m = nlohmann::json::parse(std::ifstream(two + "/manifest.json"));
+  m["version"] = 1;
+  std::ofstream(two + "/manifest.json", std::ios::trunc) << tz::detail::sealed_text(m);
+  expect_corrupt(two, "format version 1; this tierzero reads version 2");
 }
 
 TEST(Checkpoint, AnNvmeErrorMidStepFailsTheStepAndLeavesTheSavedStateIntact) {

@@ -224,6 +224,47 @@ TEST(ZeroEngineRanks, DifferentModelsOnTheRanksAreRefusedAtCreation) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
+// Note [Ranks agree on their settings]: a rank with another lr once stepped
+// its shard with it and exited 0; another accumulation count waited for the
+// 300 s timeout; another precision died in Gloo. Each now fails creation on
+// every rank at once, naming the setting and both values.
+TEST(ZeroEngineRanks, RanksWithDifferentSettingsAreRefusedAtCreationNamingTheSetting) {
+  struct Case {
+    std::function<void(tz::Config&)> edit;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {[](tz::Config& c) { c.optimizer.lr = 1e-3; }, "first at optimizer.params.lr: rank 0 has 'optimizer.params.lr = 0.01', rank 1 has 'optimizer.params.lr = 0.001'"},
+      {[](tz::Config& c) { tz::override_gradient_accumulation_steps(c, 4); }, "first at gradient_accumulation_steps"},
+      {[](tz::Config& c) { c.gradient_clipping = 0.5; }, "first at gradient_clipping"},
+      {[](tz::Config& c) { ASSERT_TRUE(tz::set_training_precision(c, "fp32").ok()); }, "first at precision"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.want);
+    TempDir dir;
+    const auto start = std::chrono::steady_clock::now();
+    const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) -> int {
+      tz::Config config = rank_config(dir.path(), info.rank);
+      config.optimizer.lr = 0.01;
+      if (info.rank == 1) k.edit(config);
+      auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+      if (!comm.ok()) return 1;
+      auto created = tz::ZeroEngine::create({.config = config, .comm = comm->get()}, tz::mlp::model(kMlp),
+                                            tz::mlp::init(kMlp));
+      if (created.ok()) return 2;
+      const std::string msg = created.status().message();
+      if (created.status().code() != tz::ErrorCode::kInvalidArgument ||
+          msg.find("creating the engine: the ranks' settings differ, " + k.want) == std::string::npos) {
+        std::fprintf(stderr, "rank %d: %s\n", info.rank, created.status().to_string().c_str());
+        return 3;
+      }
+      return 0;
+    });
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << "refused, not timed out";
+  }
+}
+
 // Note [Initial values]: ranks whose initialisers differ (seeded apart)
 // all start from rank 0's values, a persistent block (whole on every rank)
 // too; with kSameOnEveryRank the engine takes the caller's word and each

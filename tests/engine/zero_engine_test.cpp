@@ -251,6 +251,7 @@ TEST(ZeroEngine, NvmeBytesPerStepAreEachStateOnce) {
   EXPECT_GT(r.nvme_write_busy_seconds, 0.0);
   EXPECT_EQ(r.fetches, 6U);
   EXPECT_EQ(r.prefetched, 6U) << "every fetch of a steady-state step follows the trace";
+  EXPECT_EQ(r.blocks_reduced, 3U) << "one reduce_grads per block in the step";
   EXPECT_EQ(r.h2d_bytes, shard * 2 * 2) << "each of a block's two fetches copies its bf16 shard up from staging";
   // Buffers in flight are bounded (prefetch window, gradient backpressure), so
   // the pools reach their high-water mark in the first steps; how soon depends
@@ -433,6 +434,42 @@ TEST(ZeroEngine, AnAutoStepCountInTheSchedulerIsRefusedByName) {
   ASSERT_FALSE(engine.ok());
   EXPECT_NE(engine.status().message().find("scheduler.params.warmup_num_steps = \"auto\""), std::string::npos)
       << engine.status().message();
+}
+
+// Note [State formats]: the planner knows the compact formats, the engine
+// does not store them yet; asking for one must not train fp32 states quietly.
+TEST(ZeroEngine, CompactStateFormatsAreRefusedUntilTheEngineImplementsThem) {
+  TempDir nvme;
+  const auto refused = [&](tz::StateFormats states) {
+    tz::Config config = test_config(nvme.path(), 3, 1);
+    config.precision.bf16 = true;
+    config.states = states;
+    auto engine = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    EXPECT_FALSE(engine.ok());
+    if (engine.ok()) return std::string();
+    EXPECT_EQ(engine.status().code(), tz::ErrorCode::kUnavailable);
+    return engine.status().message();
+  };
+  using tz::MasterFormat, tz::MomentFormat;
+  EXPECT_NE(refused({MasterFormat::kRemainder, MomentFormat::kFp32})
+                .find("tierzero.states.master = remainder is not implemented by the engine yet; tierzero-estimate "
+                      "plans it"),
+            std::string::npos);
+  for (MomentFormat moments : {MomentFormat::kBf16, MomentFormat::kInt8}) {
+    const std::string message = refused({MasterFormat::kFp32, moments});
+    EXPECT_NE(message.find(fmt::format("tierzero.states.moments = {} is not implemented by the engine yet",
+                                       tz::moment_format_name(moments))),
+              std::string::npos)
+        << message;
+  }
+  const std::string both = refused({MasterFormat::kRemainder, MomentFormat::kInt8});
+  EXPECT_NE(both.find("tierzero.states.master = remainder and tierzero.states.moments = int8 are not implemented"),
+            std::string::npos)
+      << both;
+  // The defaults are today's fp32 states: they train.
+  tz::Config config = test_config(nvme.path(), 3, 1);
+  config.states = {};
+  EXPECT_TRUE(tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp)).ok());
 }
 
 // Trains one optimizer step (gas micro-batches) of the MLP workload; false on an error (printed).

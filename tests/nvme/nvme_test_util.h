@@ -2,6 +2,7 @@
 // and fault injectors.
 #pragma once
 
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -89,5 +90,36 @@ inline std::vector<tz::nvme::IoBackend> runnable_backends() {
   out.push_back(tz::nvme::IoBackend::kThreads);
   return out;
 }
+
+// A real file system that fills up: an ext4 image of `mib` MiB (16 by
+// default), loop-mounted. Needs root (CAP_SYS_ADMIN) and loop devices; tests
+// skip, with the reason, without them.
+class LoopMount {
+ public:
+  explicit LoopMount(const TempDir& dir, int mib = 16) : image_(dir.file("fs.img")), mount_(dir.file("mnt")) {
+    if (::geteuid() != 0) {
+      why_ = "not root: cannot loop-mount a small file system";
+      return;
+    }
+    ::mkdir(mount_.c_str(), 0755);
+    const std::string cmd = "truncate -s " + std::to_string(mib) + "M " + image_ + " && mkfs.ext4 -q -F " + image_ + " >/dev/null 2>&1 && mount -o loop " +
+                            image_ + " " + mount_ + " 2>/dev/null";
+    if (std::system(cmd.c_str()) != 0) {
+      why_ = "loop mount refused here (no loop devices, or mkfs.ext4 missing)";
+      return;
+    }
+    mounted_ = true;
+  }
+  ~LoopMount() {
+    if (mounted_) ::umount2(mount_.c_str(), MNT_DETACH);
+  }
+  bool mounted() const { return mounted_; }
+  const std::string& why_not() const { return why_; }
+  const std::string& path() const { return mount_; }
+
+ private:
+  std::string image_, mount_, why_;
+  bool mounted_ = false;
+};
 
 }  // namespace tzt

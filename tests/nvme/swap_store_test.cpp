@@ -288,36 +288,6 @@ TEST(SwapStore, ReadsOfOneExtentMayOverlapButAWriteMayNot) {
   EXPECT_TRUE(store->free(*e).ok());
 }
 
-// A real full file system: a 16 MiB ext4 image, loop-mounted. Needs root
-// (CAP_SYS_ADMIN) and loop devices; skipped, with the reason, without them.
-class LoopMount {
- public:
-  explicit LoopMount(const TempDir& dir) : image_(dir.file("fs.img")), mount_(dir.file("mnt")) {
-    if (::geteuid() != 0) {
-      why_ = "not root: cannot loop-mount a small file system";
-      return;
-    }
-    ::mkdir(mount_.c_str(), 0755);
-    const std::string cmd = "truncate -s 16M " + image_ + " && mkfs.ext4 -q -F " + image_ + " >/dev/null 2>&1 && mount -o loop " +
-                            image_ + " " + mount_ + " 2>/dev/null";
-    if (std::system(cmd.c_str()) != 0) {
-      why_ = "loop mount refused here (no loop devices, or mkfs.ext4 missing)";
-      return;
-    }
-    mounted_ = true;
-  }
-  ~LoopMount() {
-    if (mounted_) ::umount2(mount_.c_str(), MNT_DETACH);
-  }
-  bool mounted() const { return mounted_; }
-  const std::string& why_not() const { return why_; }
-  const std::string& path() const { return mount_; }
-
- private:
-  std::string image_, mount_, why_;
-  bool mounted_ = false;
-};
-
 TEST(SwapStore, AFullLoopMountedFileSystemIsReportedAtSizingAndOnTheFailingWrite) {
   TempDir dir;
   LoopMount fs(dir);

@@ -74,6 +74,22 @@ TEST_F(HostDeviceTest, RoundTripThroughDeviceMemoryPreservesBytes) {
   ASSERT_TRUE(device_->synchronize_stream(*stream_).ok());
 }
 
+// Every host wait counts once (the step report's host_waits); queuing work,
+// recording and polling events do not block and do not count.
+TEST_F(HostDeviceTest, HostWaitsCountEverySynchronisation) {
+  const std::uint64_t before = device_->host_waits();
+  std::uint8_t a[64] = {}, b[64] = {};
+  auto e = event();
+  ASSERT_TRUE(device_->copy_async(b, a, sizeof a, *stream_).ok());
+  ASSERT_TRUE(device_->record_event(*e, *stream_).ok());
+  ASSERT_TRUE(device_->event_done(*e).ok());
+  EXPECT_EQ(device_->host_waits(), before);
+  ASSERT_TRUE(device_->synchronize_event(*e).ok());
+  ASSERT_TRUE(device_->synchronize_stream(*stream_).ok());
+  ASSERT_TRUE(device_->synchronize_stream(*stream_).ok());
+  EXPECT_EQ(device_->host_waits(), before + 3);
+}
+
 TEST_F(HostDeviceTest, CopiesAreAsynchronousAndOrdered) {
   std::vector<int> a(1024, 1), b(1024, 0), c(1024, 0);
   auto done = event();

@@ -124,9 +124,11 @@ TEST(HostMemory, ColouredBlocksStartTheirColoursStepPastAHugePage) {
       blocks.push_back(std::move(*block));
     }
     // What stays mapped is the blocks, not the 2 MiB more each was cut from
-    // (12 MiB in all); under 1 MiB of slack for the test's own mallocs.
+    // (12 MiB in all); under 1 MiB of slack either way for the test's own
+    // mallocs and frees (glibc trims the top of its heap when enough is free
+    // there: with another test binary's heap layout it gave back 8 KiB here).
     const std::uint64_t grown = vm_size_bytes() - vm_before;
-    EXPECT_GE(grown, 6 * kBlock);
+    EXPECT_GT(grown, 6 * kBlock - kMiB);
     EXPECT_LT(grown, 6 * kBlock + kMiB);
     // Pairwise distinct residues modulo 2 MiB, so modulo any larger power of two too.
     for (std::size_t i = 0; i < blocks.size(); ++i) {

@@ -37,6 +37,11 @@ PlanInput one_billion(std::uint64_t gpu, std::uint64_t cpu, std::uint64_t nvme) 
   return in;
 }
 
+std::string placement_text_for_test(const Plan& plan) {
+  return fmt::format("params {}, master {}", tier_name(plan.tier_of(StateClass::kParam16)),
+                     tier_name(plan.tier_of(StateClass::kMaster)));
+}
+
 Plan must_plan(const PlanInput& in) {
   Expected<Plan> plan = plan_placement(in);
   EXPECT_TRUE(plan.ok()) << plan.status().to_string();
@@ -183,7 +188,7 @@ TEST(PlanTraffic, Fp32ParamsZeroInfinityHandComputed) {
   in.gpu_bytes = 10'000'000'000;  // the working set doubles: 2 x 4'500'025'344
   const Plan plan = must_plan(in);
   EXPECT_EQ(plan.tier, (Tiers{N, C, N, N}));
-  EXPECT_EQ(plan.elem_bytes_of(StateClass::kParam16), 4u);
+  EXPECT_EQ(plan.elem_bytes_of(StateClass::kParam16), 4.0);
   EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 4 * kP1B);
   EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 2 * kWs1B);  // gather and backward gradient both 4 B
   // CPU: fp32 grads 4P, param staging 500'002'816 x 4 = 2'000'011'264, optimizer staging
@@ -442,6 +447,189 @@ TEST(PlanPlacement, TheGatherWindowIsTwoBlocksWhenABlockExceedsTheBucket) {
                                      [](const auto& item) { return item.what.find("gathered") != std::string::npos; });
   ASSERT_NE(gathered, gpu.breakdown.end());
   EXPECT_EQ(gathered->bytes, 2u * 2 * 600'000'512);  // 2 B x (L + max(L, 5e7))
+}
+
+// ---- state formats (Note [State formats], Note [Remainder traffic]) ----------
+
+// The compact formats' bytes of P = kP1B elements (a multiple of 2048, so of
+// 8 tie bits and of 256-element scale blocks): remainder 2P + P/8, int8
+// moments 2 x (P + 4 P/256), bf16 moments 4P.
+constexpr std::uint64_t kRemainder1B = 2 * kP1B + kP1B / 8;          // 2'125'011'968
+constexpr std::uint64_t kInt8Moments1B = 2 * kP1B + 8 * (kP1B / 256);  // 2'031'261'440
+
+TEST(PlanFormats, ClassBytesFollowTheFormats) {
+  PlanInput in = one_billion(kHuge, kHuge, kHuge);
+  in.states = {MasterFormat::kRemainder, MomentFormat::kInt8};
+  const Plan plan = must_plan(in);
+  EXPECT_EQ(plan.tier, (Tiers{G, G, G, G}));
+  EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 2 * kP1B);
+  EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 4 * kP1B);
+  EXPECT_EQ(plan.bytes_of(StateClass::kMaster), kRemainder1B);
+  EXPECT_EQ(plan.bytes_of(StateClass::kMoments), kInt8Moments1B);
+  EXPECT_EQ(plan.elem_bytes_of(StateClass::kMaster), 2.125);
+  EXPECT_EQ(plan.elem_bytes_of(StateClass::kMoments), 2.03125);
+  EXPECT_EQ(plan.usage_of(Tier::kGpu).need_bytes, 6 * kP1B + kRemainder1B + kInt8Moments1B + kWs1B);
+  in.states.moments = MomentFormat::kBf16;
+  EXPECT_EQ(must_plan(in).bytes_of(StateClass::kMoments), 4 * kP1B);
+  EXPECT_EQ(state_format_name(StateClass::kMaster, 2, in.states), "remainder");
+  EXPECT_EQ(state_format_name(StateClass::kMoments, 2, in.states), "bf16");
+  EXPECT_EQ(state_format_name(StateClass::kParam16, 2, in.states), "bf16/fp16");
+  EXPECT_EQ(state_format_name(StateClass::kGrad, 2, in.states), "fp32");
+  EXPECT_EQ(state_bytes(StateClass::kMaster, 8, 2, in.states), 17u);  // 2 x 8 + one byte of tie bits
+}
+
+TEST(PlanFormats, ZeroInfinityWithRemaindersAndInt8MomentsHandComputed) {
+  PlanInput in = zero_infinity();  // params and optimizer on NVMe, grads in CPU memory, G = 2
+  in.states = {MasterFormat::kRemainder, MomentFormat::kInt8};
+  const Plan plan = must_plan(in);
+  EXPECT_EQ(plan.tier, (Tiers{N, C, N, N}));
+  // NVMe: params 2P, master 2.125 P, moments 2.03125 P.
+  EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 2 * kP1B + kRemainder1B + kInt8Moments1B);  // 6'156'284'672
+  // CPU: as ZeroInfinityNeeds but the sub-group staging holds 3 x L x (2.125 + 2.03125) B,
+  // L = 250'001'408: 3 x (531'252'992 + 507'815'360) = 3'117'205'056; the 16-bit staging now
+  // brings the parameter in (for the rebuild) and takes the new one out: the same 3 x L x 2 B.
+  const TierUsage& cpu = plan.usage_of(Tier::kCpu);
+  ASSERT_EQ(cpu.breakdown.size(), 5u);
+  EXPECT_EQ(cpu.breakdown[2].bytes, 3'117'205'056u);
+  EXPECT_NE(cpu.breakdown[2].what.find("x 4.15625 B: master + moments"), std::string::npos) << cpu.breakdown[2].what;
+  EXPECT_EQ(cpu.breakdown[3].bytes, 1'500'008'448u);
+  EXPECT_NE(cpu.breakdown[3].what.find("copy-in/out"), std::string::npos) << cpu.breakdown[3].what;
+  EXPECT_EQ(cpu.need_bytes, 4 * kP1B + 1'000'005'632u + 3'117'205'056u + 2 * 1'500'008'448u);  // 11'117'250'112
+  const StepTraffic& t = plan.traffic;
+  // params as before (H2D 8P, NVMe read 8P, write 2P), plus the optimizer's read of the
+  // parameter shard it rebuilds the master from: NVMe read 2P. Master and moments move
+  // once each way in their formats. CPU Adam: grad 4 + param write 2 + param read 2 B, and
+  // master and moments read and written.
+  EXPECT_EQ(t.h2d_bytes, 8 * kP1B);
+  EXPECT_EQ(t.d2h_bytes, 4 * kP1B);
+  EXPECT_EQ(t.nvme_read_bytes, 10 * kP1B + kRemainder1B + kInt8Moments1B);  // 14'156'329'728
+  EXPECT_EQ(t.nvme_write_bytes, 2 * kP1B + kRemainder1B + kInt8Moments1B);  // 6'156'284'672
+  EXPECT_EQ(t.cpu_optimizer_bytes, 8 * kP1B + 2 * kRemainder1B + 2 * kInt8Moments1B);  // 16'312'591'872
+}
+
+// The main job's placement (params and optimizer on NVMe, grads in CPU
+// memory, one micro-batch): NVMe bytes per parameter per step in each format.
+TEST(PlanFormats, NvmeBytesPerParamPerStepOfEachFormat) {
+  struct Case {
+    StateFormats states;
+    double read, write;  // B per padded parameter
+  };
+  const Case cases[] = {
+      {{MasterFormat::kFp32, MomentFormat::kFp32}, 4 + 12, 2 + 12},            // 30: today's
+      {{MasterFormat::kRemainder, MomentFormat::kFp32}, 4 + 2 + 10.125, 2 + 10.125},  // 28.25
+      {{MasterFormat::kRemainder, MomentFormat::kBf16}, 4 + 2 + 6.125, 2 + 6.125},    // 20.25
+      {{MasterFormat::kRemainder, MomentFormat::kInt8}, 4 + 2 + 4.15625, 2 + 4.15625},  // 16.3125
+      {{MasterFormat::kFp32, MomentFormat::kInt8}, 4 + 6.03125, 2 + 6.03125},   // 18.0625
+  };
+  for (const Case& c : cases) {
+    PlanInput in = zero_infinity();
+    in.gradient_accumulation_steps = 1;
+    in.states = c.states;
+    const Plan plan = must_plan(in);
+    SCOPED_TRACE(fmt::format("{} + {}", master_format_name(c.states.master), moment_format_name(c.states.moments)));
+    EXPECT_EQ(plan.tier, (Tiers{N, C, N, N}));
+    // Per model parameter: the padded shard (P) over the 1e9 parameters.
+    const double padding = static_cast<double>(kP1B) / 1e9;
+    EXPECT_DOUBLE_EQ(bytes_per_param(plan.traffic.nvme_read_bytes, plan.layout, in.ranks), c.read * padding);
+    EXPECT_DOUBLE_EQ(bytes_per_param(plan.traffic.nvme_write_bytes, plan.layout, in.ranks), c.write * padding);
+  }
+}
+
+// Note [Remainder traffic]: where the parameter shard comes from for the
+// rebuild, per placement (pinned with DeepSpeed mode), against the same plan
+// with an fp32 master.
+TEST(PlanFormats, TheRemainderReadsTheParameterFromItsTier) {
+  struct Case {
+    OffloadDevice param, optimizer;
+    std::uint64_t h2d, d2h, nvme_read;  // extra bytes, in units of 2 B x P
+  };
+  const Case cases[] = {
+      {OffloadDevice::kNone, OffloadDevice::kNone, 0, 0, 0},  // GPU Adam beside the params
+      {OffloadDevice::kCpu, OffloadDevice::kNone, 1, 0, 0},   // GPU Adam: up from CPU memory
+      {OffloadDevice::kNvme, OffloadDevice::kNone, 1, 0, 1},  // GPU Adam: from NVMe, up
+      {OffloadDevice::kNone, OffloadDevice::kCpu, 0, 1, 0},   // CPU Adam: down from the GPU
+      {OffloadDevice::kCpu, OffloadDevice::kCpu, 0, 0, 0},    // CPU Adam beside the params
+      {OffloadDevice::kNvme, OffloadDevice::kNvme, 0, 0, 1},  // CPU Adam: from NVMe
+  };
+  for (const Case& c : cases) {
+    PlanInput in = one_billion(kHuge, kHuge, kHuge);
+    in.mode = PlacementMode::kDeepSpeed;
+    in.offload_param = c.param;
+    in.offload_optimizer = c.optimizer;
+    const Plan fp32 = must_plan(in);
+    in.states.master = MasterFormat::kRemainder;
+    const Plan remainder = must_plan(in);
+    SCOPED_TRACE(placement_text_for_test(remainder));
+    EXPECT_EQ(remainder.traffic.h2d_bytes - fp32.traffic.h2d_bytes, c.h2d * 2 * kP1B);
+    EXPECT_EQ(remainder.traffic.d2h_bytes - fp32.traffic.d2h_bytes, c.d2h * 2 * kP1B);
+    const std::uint64_t master_saved = c.optimizer == OffloadDevice::kNvme ? 4 * kP1B - kRemainder1B : 0;
+    EXPECT_EQ(remainder.traffic.nvme_read_bytes + master_saved - fp32.traffic.nvme_read_bytes,
+              c.nvme_read * 2 * kP1B);
+  }
+}
+
+TEST(PlanFormats, PersistentBlocksShardsComeDownForTheRebuild) {
+  PlanInput in = one_billion(kHuge, kHuge, kHuge);
+  in.mode = PlacementMode::kDeepSpeed;  // params on the GPU, the optimizer on the CPU
+  in.offload_optimizer = OffloadDevice::kCpu;
+  in.block_numel.push_back(50'000);  // under the threshold: whole on every GPU
+  const Plan fp32 = must_plan(in);
+  in.states.master = MasterFormat::kRemainder;
+  const Plan remainder = must_plan(in);
+  ASSERT_EQ(remainder.tier, (Tiers{G, C, C, C}));
+  EXPECT_EQ(remainder.layout.persistent_shard_numel, 51'200u);  // A(50'000)
+  EXPECT_EQ(remainder.traffic.d2h_bytes - fp32.traffic.d2h_bytes, 2 * (kP1B + 51'200));
+}
+
+TEST(PlanFormats, CompactFormatsFitWhereFp32StatesDoNot) {
+  // 7 GB of GPU holds the params and the working set. 11 GB of CPU and 6 GB of NVMe cannot
+  // hold 4 + 4 + 8 B of grads, master and moments a parameter whichever way they are split
+  // (no class fits beside another), but hold 4 + 2.125 + 2.03125 B: the grads and the staging
+  // in CPU memory, master and moments (4.16 GB) on NVMe.
+  PlanInput in = one_billion(7'000'000'000, 11'000'000'000, 6'000'000'000);
+  in.sub_group_size = 100'000'000;
+  const Expected<Plan> fp32 = plan_placement(in);
+  ASSERT_FALSE(fp32.ok());
+  EXPECT_EQ(fp32.status().code(), ErrorCode::kOutOfMemory);
+  in.states = {MasterFormat::kRemainder, MomentFormat::kInt8};
+  const Plan compact = must_plan(in);
+  EXPECT_TRUE(compact.fits());
+  EXPECT_EQ(compact.tier_of(StateClass::kParam16), G);
+}
+
+TEST(PlanFormats, ARemainderMasterWithFp32ParametersIsRefused) {
+  PlanInput in = one_billion(kHuge, kHuge, kHuge);
+  in.param_bytes = 4;
+  in.states.master = MasterFormat::kRemainder;
+  const Expected<Plan> plan = plan_placement(in);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("\"remainder\" needs bf16 parameters"), std::string::npos)
+      << plan.status().message();
+}
+
+TEST(PlanFormats, TheReportNamesEachClassesFormatAndBytesPerParameter) {
+  PlanInput in = zero_infinity();
+  in.gradient_accumulation_steps = 1;
+  in.states = {MasterFormat::kRemainder, MomentFormat::kInt8};
+  const Plan plan = must_plan(in);
+  const std::string text = format_plan(plan, in);
+  for (const char* part :
+       {"master remainder (2.125 B), moments int8 (2.03125 B)", "master       remainder       2.125  nvme",
+        "moments      int8          2.03125  nvme", "\ntotal                     10.15625",
+        "master weights as int16 remainders + tie bits (2.125 B x 1.0B elem)",
+        "Adam moments exp_avg + exp_avg_sq in int8 + fp32 block scales (2.03125 B x 1.0B elem)",
+        "per parameter per step: NVMe 16.313 B (read 10.156 + write 6.156), PCIe 6.000 B"}) {
+    EXPECT_NE(text.find(part), std::string::npos) << part << "\n" << text;
+  }
+}
+
+TEST(PlanInput, FromConfigTakesTheStateFormats) {
+  Config config;
+  config.precision.bf16 = true;
+  EXPECT_TRUE(PlanInput::from_config(config, {10}, 1, 0, {}).states.is_default());
+  config.states = {MasterFormat::kRemainder, MomentFormat::kBf16};
+  EXPECT_EQ(PlanInput::from_config(config, {10}, 1, 0, {}).states, config.states);
 }
 
 TEST(PlanFormat, ReportHasTablesAndSummary) {

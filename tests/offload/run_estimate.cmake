@@ -7,19 +7,8 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 file(WRITE "${WORK_DIR}/fp32.json" [=[{"zero_optimization": {"stage": 3}}]=])
 
-# Runs the tool with ARGN; expects exit status `want` and stdout+stderr matching `pattern`.
-function(estimate name want pattern)
-  execute_process(COMMAND "${ESTIMATE}" --params 1B --cpu 120GB --nvme 2TB --json "${WORK_DIR}/${name}.json"
-                          ${ARGN}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  message("---- tierzero-estimate ${ARGN} (exit ${rc})\n${out}${err}")
-  if(NOT rc EQUAL want)
-    message(FATAL_ERROR "${name}: exit ${rc}, expected ${want}")
-  endif()
-  if(NOT "${out}${err}" MATCHES "${pattern}")
-    message(FATAL_ERROR "${name}: the output does not match '${pattern}'")
-  endif()
-endfunction()
+set(ESTIMATE_ARGS --params 1B --cpu 120GB --nvme 2TB)
+include("${CMAKE_CURRENT_LIST_DIR}/estimate_run.cmake")
 
 # param_bytes and the param16 state's bytes per rank, from a --json file.
 function(read_params name)

@@ -7,8 +7,11 @@ tmp_path when it does, else one under /var/tmp, else $TIERZERO_TEST_NVME_DIR.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -64,3 +67,21 @@ def host_config(nvme: str | None = None, *, stage: int = 3, gas: int = 1, offloa
 @pytest.fixture
 def config_factory():
     return host_config
+
+
+def swap_files(folder: str) -> list:
+    """The NVMe swap files in `folder` (tierzero-swap-*.bin: Note [Swap file ownership])."""
+    return [f for f in os.listdir(folder) if f.startswith("tierzero-swap-")]
+
+
+# Appended to a script: prints how many swap files sys.argv[2] holds when the script's own work is done.
+_COUNT_SWAP_FILES = ("\nimport os as _os, sys as _sys\n"
+                     "print(len([f for f in _os.listdir(_sys.argv[2]) if f.startswith('tierzero-swap-')]))\n")
+
+
+def swap_files_while_a_script_runs(code: str, config: dict, nvme: str) -> int:
+    """Runs `code` in a fresh interpreter (sys.argv[1]: `config` as JSON, sys.argv[2]: `nvme`), which exits
+    as it likes; returns how many swap files `nvme` held just before it exited."""
+    out = subprocess.run([sys.executable, "-c", code + _COUNT_SWAP_FILES, json.dumps(config), nvme], check=True,
+                         timeout=120, capture_output=True, text=True).stdout
+    return int(out.split()[-1])

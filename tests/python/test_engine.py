@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tierzero
-from conftest import host_config
+from conftest import host_config, swap_files, swap_files_while_a_script_runs
 
 BLOCKS = [("layer0", [("w", (8, 16)), ("b", (8,))]), ("layer1", [("w", (4, 8))])]
 
@@ -114,6 +114,22 @@ def test_reduce_grads_and_step_train(nvme_dir):
     np.testing.assert_array_equal(after[1], np.zeros(8, np.float32))       # zero gradient, no decay: unchanged
     g = eng.fetch(0)
     np.testing.assert_array_equal(np.from_dlpack(g.param(0)), after[0])    # the new params are what fetch gives
+
+
+def test_a_none_gradient_is_zero_in_a_reused_buffer(nvme_dir):
+    """reduce_grads writes each gradient into an unzeroed pool buffer and zeroes
+    the rest: a None after a step that filled the same buffer must still be 0."""
+    eng, _ = make(nvme_dir, lr=0.1, weight_decay=0.0)
+    for _ in range(2):  # the second reduce of block 0 reuses the first one's buffer
+        eng.reduce_grads(0, [torch.full((8, 16), 1000.0), torch.full((8,), 1000.0)])
+        eng.reduce_grads(1, [np.ones((4, 8), np.float32)])
+        eng.step()
+    eng.reduce_grads(0, [torch.ones(8, 16), None])
+    eng.reduce_grads(1, [None])
+    report = eng.step()
+    assert report["grad_norm"] == pytest.approx(np.sqrt(8 * 16), rel=1e-6)
+    assert report["blocks_reduced"] == 2
+    assert report["host_waits"] >= 0
 
 
 def test_reduce_grads_refuses_what_does_not_fit(nvme_dir):
@@ -342,6 +358,17 @@ def test_checkpoint_tags_and_client_state_bytes(nvme_dir, tmp_path):
         eng.load_checkpoint(tmp_path, "a")
 
 
+def test_keep_last_keeps_the_newest_checkpoints(nvme_dir, tmp_path):
+    eng, _ = make(nvme_dir)
+    for _ in range(3):
+        eng.reduce_grads(0, [torch.ones(8, 16), torch.ones(8)])
+        eng.reduce_grads(1, [torch.ones(4, 8)])
+        eng.step()
+        eng.save_checkpoint(tmp_path / "ckpt", keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-2", "step-3"]
+    assert eng.load_checkpoint(tmp_path / "ckpt")[0] == str(tmp_path / "ckpt" / "step-3")
+
+
 def test_timeline(nvme_dir, tmp_path):
     eng, _ = make(nvme_dir)
     eng.record_timeline(True)
@@ -382,3 +409,56 @@ def test_another_optimizers_checkpoint_is_refused_or_loads_its_weights_alone(nvm
     adamw.load_checkpoint(tmp_path, weights_only=True)
     np.testing.assert_array_equal(adamw.gather_master(0), lion.gather_master(0))
     assert adamw.optimizer_steps == 0
+
+
+# ---------------------------------------------------------------- close() (Note [Closing an engine])
+
+def test_close_removes_the_swap_file_while_references_to_the_engine_live(nvme_dir):
+    eng, _ = make(nvme_dir)
+    holders = [eng, {"engine": eng}]  # references close() must not wait for
+    assert len(swap_files(nvme_dir)) == 1
+    eng.close()
+    assert swap_files(nvme_dir) == [] and eng.closed
+    for call in (lambda: eng.step(), lambda: eng.fetch(0), lambda: eng.gather_master(0), lambda: eng.describe(),
+                 lambda: eng.rank, lambda: eng.save_checkpoint(nvme_dir)):
+        with pytest.raises(RuntimeError, match="the engine is closed"):
+            call()
+    eng.close()  # again: nothing to do
+    assert holders[1]["engine"].closed
+
+
+def test_a_with_block_closes_the_engine(nvme_dir):
+    with tierzero.Engine(host_config(nvme_dir), BLOCKS) as eng:
+        eng.reduce_grads(0, [torch.ones(8, 16), torch.ones(8)])
+        eng.step()
+        assert swap_files(nvme_dir)
+    assert eng.closed and swap_files(nvme_dir) == []
+    with pytest.raises(ValueError, match="raised inside"):  # the block's own error goes through, closed all the same
+        with tierzero.Engine(host_config(nvme_dir), BLOCKS) as other:
+            raise ValueError("raised inside")
+    assert other.closed and swap_files(nvme_dir) == []
+
+
+def test_close_with_a_view_alive_removes_the_swap_file_and_keeps_the_views_memory(nvme_dir):
+    eng, init = make(nvme_dir)
+    g = eng.fetch(0)
+    t = torch.from_dlpack(g.param(0))
+    del g
+    eng.close()
+    assert swap_files(nvme_dir) == [], "removed at once, though the view keeps the rest of the engine"
+    np.testing.assert_array_equal(t.numpy(), init[0][0])  # the view's memory is still the engine's, still there
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        eng.fetch(1)
+    del t
+    gc.collect()  # the last view goes, and the engine with it
+
+
+def test_an_engine_left_in_a_module_global_is_closed_at_exit(nvme_dir):
+    code = ("import sys, json, tierzero\n"
+            "engine = tierzero.Engine(json.loads(sys.argv[1]), [('l', [('w', (64, 64))])])\n"
+            "engine.step()\n"
+            "g = engine.fetch(0)\n"
+            "view = memoryview(g.param(0))  # a view of the engine's memory, alive at exit\n"
+            "keep = [engine]; keep.append(keep)  # a cycle too\n")
+    assert swap_files_while_a_script_runs(code, host_config(nvme_dir), nvme_dir) == 1, "it had one while it ran"
+    assert swap_files(nvme_dir) == []

@@ -114,3 +114,29 @@ def test_the_training_precision_sets_the_bytes_of_a_parameter():
     tierzero.estimate("1B", gpu="4GB", cpu="120GB", nvme="2TB", offload_optimizer="cpu")
     with pytest.raises(MemoryError, match="enable the config's \"bf16\" block"):
         tierzero.estimate("1B", gpu="4GB", cpu="120GB", nvme="2TB", offload_optimizer="cpu", precision="fp32")
+
+
+def test_the_state_formats_set_the_bytes_of_master_and_moments():
+    # tierzero.states in the config, or master=/moments= (which override it): each format's bytes per
+    # element, and the NVMe and PCIe bytes per parameter per step.
+    budgets = dict(gpu="80GB", cpu="120GB", nvme="2TB")
+    compact_config = {"bf16": {"enabled": True}, "tierzero": {"states": {"master": "remainder", "moments": "int8"}}}
+    default, _ = tierzero.estimate("8B", **budgets)
+    from_config, report = tierzero.estimate("8B", config=compact_config, **budgets)
+    flagged, _ = tierzero.estimate("8B", master="remainder", moments="bf16", **budgets)
+    override, _ = tierzero.estimate("8B", config=compact_config, moments="fp32", **budgets)
+    formats = [(p["states"]["master"]["format"], p["states"]["master"]["bytes_per_elem"],
+                p["states"]["moments"]["format"], p["states"]["moments"]["bytes_per_elem"])
+               for p in (default, from_config, flagged, override)]
+    assert formats == [("fp32", 4, "fp32", 8), ("remainder", 2.125, "int8", 2.03125), ("remainder", 2.125, "bf16", 4),
+                       ("remainder", 2.125, "fp32", 8)]
+    assert "master remainder (2.125 B), moments int8 (2.03125 B)" in report
+    # 8B of fp32 states (144 GB) spill to NVMe; the compact ones (81 GB) fit in CPU memory.
+    assert from_config["traffic"]["nvme_bytes_per_param"] == 0 < default["traffic"]["nvme_bytes_per_param"]
+    assert default["traffic"]["pcie_bytes_per_param"] > 0
+    with pytest.raises(ValueError, match="needs bf16 parameters, but fp16.enabled is true"):
+        tierzero.estimate("8B", master="remainder", precision="fp16", **budgets)
+    with pytest.raises(ValueError, match="no 16-bit parameter"):
+        tierzero.estimate("8B", config=compact_config, precision="fp32", **budgets)
+    with pytest.raises(ValueError, match="tierzero.states.moments 'int4'"):
+        tierzero.estimate("8B", moments="int4", **budgets)

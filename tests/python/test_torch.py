@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import tierzero.torch as tzt
-from conftest import host_config
+from conftest import host_config, swap_files, swap_files_while_a_script_runs
 
 # fp32 reordering: the engine sums gradients and computes AdamW in a
 # different order than torch (reduce in fp32, SIMD kernels), so parameters
@@ -73,6 +73,11 @@ class TinyGPT(torch.nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln_f(x))
+
+
+def _entries(folder):
+    """What a checkpoint folder holds, less the save lock's file (Note [One saver a folder])."""
+    return sorted(n for n in os.listdir(folder) if n != ".tierzero-save.lock")
 
 
 def _mlp_batches(seed, n):
@@ -431,6 +436,20 @@ def test_train_batch_size_derives_the_accumulation_steps_and_the_engine_answers_
         tzt.initialize(mlp(), config)
 
 
+def test_state_formats_the_engine_does_not_store_yet_are_refused_not_trained_in_fp32(nvme_dir):
+    # tierzero.states reaches the engine through the config; until it stores the compact formats it says so.
+    config = host_config(nvme_dir)
+    config["bf16"] = {"enabled": True}
+    config["tierzero"]["states"] = {"master": "remainder", "moments": "int8"}
+    with pytest.raises(RuntimeError, match="tierzero.states.master = remainder and tierzero.states.moments = int8 "
+                                           "are not implemented by the engine yet; tierzero-estimate plans them"):
+        tzt.initialize(mlp(), config)
+    config["tierzero"]["states"] = {"master": "remainder"}
+    config["fp16"], config["bf16"] = {"enabled": True}, {"enabled": False}
+    with pytest.raises(ValueError, match="needs bf16 parameters, but fp16.enabled is true"):
+        tzt.initialize(mlp(), config)
+
+
 def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp_path):
     # As DeepSpeed's save_checkpoint(save_dir, tag, client_state) and `_, client_sd = load_checkpoint(...)`.
     torch.manual_seed(0)
@@ -443,7 +462,7 @@ def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp
     state = {"epoch": 2, "order": torch.arange(5), "note": ("resume", 2.5)}
     engine.save_checkpoint(ckpt, "epoch-end", client_state=state)  # replaces the first
     engine.save_checkpoint(ckpt, "no-state", save_latest=False)
-    assert sorted(os.listdir(ckpt)) == ["epoch-end", "latest", "no-state"]
+    assert _entries(ckpt) == ["epoch-end", "latest", "no-state"]
 
     other, _ = tzt.initialize(mlp(), host_config(nvme_dir))
     path, client = other.load_checkpoint(ckpt)  # latest: still the tagged one
@@ -461,7 +480,7 @@ def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp
         engine.save_checkpoint(ckpt, "x", client_state={"args": _Opaque()})
     with pytest.raises(ValueError, match="checkpoint tag 'a/b' is not a directory name"):
         engine.save_checkpoint(ckpt, "a/b")
-    assert sorted(os.listdir(ckpt)) == ["epoch-end", "latest", "no-state"]
+    assert _entries(ckpt) == ["epoch-end", "latest", "no-state"]
     with pytest.raises(ValueError, match="load_optimizer_states=False is not supported"):
         other.load_checkpoint(ckpt, load_optimizer_states=False)
 
@@ -856,3 +875,37 @@ def test_a_forward_that_raises_leaves_nothing_gathered(nvme_dir):
     x = torch.randn(4, 16)
     engine.backward(engine(x).sum())  # and training goes on
     assert engine.step()["stepped"]
+
+
+# ---------------------------------------------------------------- close() (Note [Closing an engine])
+
+def test_close_frees_the_engine_though_the_models_hooks_refer_to_it(nvme_dir):
+    model = mlp()
+    engine, optimizer = tzt.initialize(model, host_config(nvme_dir))
+    _train_mse(engine, _mlp_batches(3, 2))
+    x, _ = _mlp_batches(4, 1)[0]
+    out = model(x)  # a forward whose backward never comes: autograd holds its blocks
+    assert swap_files(nvme_dir)
+    engine.close()
+    assert swap_files(nvme_dir) == [] and engine.closed
+    del out
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        model(x)  # the hooks are still there, and say why they cannot run
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        optimizer.step()
+    engine.close()
+    with tzt.initialize(mlp(), host_config(nvme_dir))[0] as other:
+        _train_mse(other, _mlp_batches(5, 1))
+    assert other.closed and swap_files(nvme_dir) == []
+
+
+def test_a_module_global_torch_engine_and_model_leave_no_swap_file_at_exit(nvme_dir):
+    code = ("import sys, json, torch, tierzero.torch as tzt\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))\n"
+            "engine, optimizer = tzt.initialize(model, json.loads(sys.argv[1]))\n"
+            "loss = engine(torch.randn(8, 16)).square().mean()  # a global, as in any script's loop\n"
+            "engine.backward(loss)\n"
+            "engine.step()\n"
+            "out = engine(torch.randn(8, 16))  # and a forward whose backward never came\n")
+    assert swap_files_while_a_script_runs(code, host_config(nvme_dir), nvme_dir) == 1, "it had one while it ran"
+    assert swap_files(nvme_dir) == [], "the hooks kept the engine alive past exit, and its swap file with it"

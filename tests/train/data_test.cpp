@@ -87,6 +87,15 @@ TEST(Corpus, ErrorsNameThePathOrTheSizes) {
   ASSERT_FALSE(b.ok());
   EXPECT_NE(b.status().message().find("validation split has 10 bytes"), std::string::npos) << b.status().message();
   EXPECT_FALSE(Corpus::from_bytes("abcdefgh", "bad fraction", 1.5).ok());
+  // A folder once threw std::ios_failure, and /dev/urandom was read until std::bad_alloc.
+  auto folder = Corpus::load("/tmp");
+  ASSERT_FALSE(folder.ok());
+  EXPECT_EQ(folder.status().code(), tz::ErrorCode::kInvalidArgument);
+  EXPECT_NE(folder.status().message().find("corpus /tmp: is a folder"), std::string::npos) << folder.status().message();
+  auto device = Corpus::load("/dev/urandom");
+  ASSERT_FALSE(device.ok());
+  EXPECT_NE(device.status().message().find("/dev/urandom: is not a regular file"), std::string::npos)
+      << device.status().message();
 }
 
 TEST(Corpus, DataDirFromTheEnvironmentComesFirst) {

@@ -5,6 +5,7 @@
 
 #include "tierzero/train.h"
 #include "train_test_util.h"
+#include "../../train/src/passes.h"
 
 namespace tzt {
 namespace {
@@ -104,6 +105,38 @@ TEST(Gpt, DefaultWarmupGrowsWithDepthTimesWidthSquaredTimesLr) {
   EXPECT_EQ(default_warmup_steps(wide, -1.0), 0);
   EXPECT_EQ(default_warmup_steps(wide, std::nan("")), 0);
   EXPECT_EQ(default_warmup_steps(wide, 1e30), 1000000000);  // capped, no overflow
+}
+
+// activation_bytes is what the trainer's Workspace holds after resize, plus
+// its fp32 copies of the embedding block and one transformer block (weights
+// and gradients): every buffer counted, none twice.
+TEST(Gpt, ActivationBytesAreTheWorkspacesBuffers) {
+  const GptConfig cfg{.layers = 3, .hidden = 48, .heads = 4, .seq = 24, .batch = 5};
+  tz::train::detail::Workspace<float> ws;
+  ws.resize(tz::train::detail::shape_of(cfg, cfg.batch, cfg.seq), cfg.layers);
+  std::uint64_t floats = 0;
+  for (const auto& a : ws.layers) {
+    for (const auto* v : {&a.x_in, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.probs, &a.att, &a.x_mid, &a.ln2,
+                          &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.gelu}) {
+      floats += v->size();
+    }
+  }
+  for (const auto* v : {&ws.x_final, &ws.lnf, &ws.lnf_mean, &ws.lnf_rstd, &ws.logits, &ws.dlogits, &ws.dx, &ws.dx_next,
+                        &ws.d_mid, &ws.d_tmp, &ws.d_att, &ws.d_qkv, &ws.d_ffn}) {
+    floats += v->size();
+  }
+  const std::vector<tz::BlockSpec> blocks = tz::train::model(cfg);
+  auto numel = [](const tz::BlockSpec& b) {
+    std::uint64_t n = 0;
+    for (const auto& p : b.params) {
+      std::uint64_t k = 1;
+      for (auto d : p.shape) k *= static_cast<std::uint64_t>(d);
+      n += k;
+    }
+    return n;
+  };
+  floats += 2 * numel(blocks[0]) + 2 * numel(blocks[1]);
+  EXPECT_EQ(cfg.activation_bytes(), 4 * floats);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 # A training step's NVMe I/O, recorded and replayed (ctest TrainIoLogReplaysThroughTheEngineAndFio):
 #   1. tierzero-train --io-log writes the traced step's NVMe requests as a fio
 #      version 2 I/O log (the tiny preset with every state on NVMe): reads and
-#      writes of the swap file, and the summary reports the NVMe rates achieved;
+#      writes of the swap file, and the summary reports the NVMe rates achieved
+#      and the bytes written per step and per hour (drive wear);
 #   2. tierzero-nvme-bench --replay replays it through the engine and through
 #      fio, and leaves nothing in its directory.
 # Inputs: -DTRAIN=<tierzero-train> -DBENCH=<tierzero-nvme-bench> -DWORK_DIR=<scratch directory>.
@@ -17,6 +18,9 @@ if(NOT rc EQUAL 0)
 endif()
 if(NOT out MATCHES "NVMe rates achieved +read [0-9.]+ GB/s \\([0-9.]+ s a step with a read in flight\\), write [0-9.]+ GB/s")
   message(FATAL_ERROR "the summary does not report the NVMe rates achieved")
+endif()
+if(NOT out MATCHES "NVMe write +[0-9.]+ [kMG]?B +\\([0-9.]+ B/param; [0-9.]+ [kMGT]?B per hour of training at [0-9.]+ s a step: drive wear\\)")
+  message(FATAL_ERROR "the summary does not report the NVMe bytes written per step and per hour")
 endif()
 file(STRINGS "${WORK_DIR}/step.iolog" lines)
 list(GET lines 0 header)

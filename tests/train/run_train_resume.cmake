@@ -35,14 +35,33 @@ train(full --steps 16)
 if(NOT last_output MATCHES "the loss fell")
   message(FATAL_ERROR "the unbroken run's loss did not fall")
 endif()
-train(first --steps 8 --save "${WORK_DIR}/ckpt")
-train(resumed --steps 8 --resume "${WORK_DIR}/ckpt")
+# A restart loop's first run: --resume-if-present on a folder with nothing yet
+# starts fresh; --keep-last 2 leaves the two newest of its four checkpoints.
+train(first --steps 8 --resume "${WORK_DIR}/ckpt" --resume-if-present --save "${WORK_DIR}/ckpt" --save-every 2
+      --keep-last 2)
+if(NOT last_output MATCHES "no checkpoint there yet, starting fresh")
+  message(FATAL_ERROR "--resume-if-present did not start fresh on an empty folder")
+endif()
+file(GLOB kept RELATIVE "${WORK_DIR}/ckpt" "${WORK_DIR}/ckpt/*")
+list(SORT kept)
+if(NOT kept STREQUAL "latest;step-6;step-8")
+  message(FATAL_ERROR "--keep-last 2 left: ${kept}")
+endif()
+train(resumed --steps 8 --resume "${WORK_DIR}/ckpt" --resume-if-present)
 if(NOT last_output MATCHES "resumed from .* at step 8")
   message(FATAL_ERROR "the resumed run did not start at step 8")
 endif()
 
 read_losses("${WORK_DIR}/full/loss.csv" full)
 read_losses("${WORK_DIR}/resumed/loss.csv" resumed)
+# A broken latest is not "nothing yet": refused even with --resume-if-present.
+file(WRITE "${WORK_DIR}/broken/latest" "step-99")
+execute_process(COMMAND "${TRAIN}" --backend host --preset tiny --steps 1 --nvme-path "${WORK_DIR}/nvme-broken"
+                        --out "${WORK_DIR}/broken-out" --resume "${WORK_DIR}/broken" --resume-if-present
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT err MATCHES "broken/latest names 'step-99', which is not a complete checkpoint")
+  message(FATAL_ERROR "a broken checkpoint folder was taken for an empty one (rc ${rc}):\n${out}${err}")
+endif()
 foreach(step RANGE 9 16)
   if(NOT DEFINED resumed_${step})
     message(FATAL_ERROR "the resumed run has no loss for step ${step}")

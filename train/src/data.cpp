@@ -21,11 +21,31 @@ Expected<Corpus> Corpus::from_bytes(std::string bytes, std::string name, double 
   return c;
 }
 
+// The corpus is read whole: it must be a regular file (a folder once threw
+// std::ios_failure, and /dev/urandom was read until std::bad_alloc).
 Expected<Corpus> Corpus::load(const std::string& path, double val_fraction) {
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(st)) return not_found("corpus {}: no such file", path);
+  if (std::filesystem::is_directory(st)) return invalid_argument("corpus {}: is a folder; pass a text file", path);
+  if (!std::filesystem::is_regular_file(st)) {
+    return invalid_argument("corpus {}: is not a regular file (a device or a pipe is not read whole); pass a text file",
+                            path);
+  }
+  const std::uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) return io_error("corpus {}: {}", path, ec.message());
   std::ifstream in(path, std::ios::binary);
   if (!in) return not_found("corpus {}: cannot open it", path);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return io_error("corpus {}: read failed", path);
+  std::string bytes;
+  try {
+    bytes.resize(static_cast<std::size_t>(size));
+  } catch (const std::bad_alloc&) {
+    return out_of_memory("corpus {}: {} bytes do not fit in memory (the corpus is read whole)", path, size);
+  }
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (in.bad() || static_cast<std::uintmax_t>(in.gcount()) != size) {
+    return io_error("corpus {}: read {} of its {} bytes", path, in.gcount(), size);
+  }
   return from_bytes(std::move(bytes), path, val_fraction);
 }
 

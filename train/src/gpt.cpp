@@ -71,6 +71,23 @@ std::uint64_t GptConfig::param_count() const {
   return embed + static_cast<std::uint64_t>(layers) * (12 * h * h + 13 * h);
 }
 
+std::uint64_t GptConfig::activation_bytes() const {
+  const auto n = static_cast<std::uint64_t>(batch) * static_cast<std::uint64_t>(seq);
+  const auto h = static_cast<std::uint64_t>(hidden), v = static_cast<std::uint64_t>(vocab);
+  const std::uint64_t probs = static_cast<std::uint64_t>(batch) * heads * static_cast<std::uint64_t>(seq) * seq;
+  // Per layer (LayerActs): x_in, ln1, att, x_mid, ln2 (N x H), four (N) statistics,
+  // qkv (N x 3H), probs, fc and gelu (N x 4H each).
+  const std::uint64_t per_layer = 5 * n * h + 4 * n + 3 * n * h + probs + 8 * n * h;
+  // Once: x_final, lnf, dx, dx_next, d_mid, d_tmp, d_att (N x H), two (N),
+  // logits and dlogits (N x V), d_qkv (N x 3H), d_ffn (N x 4H).
+  const std::uint64_t once = 7 * n * h + 2 * n + 2 * n * v + 3 * n * h + 4 * n * h;
+  // The trainer's fp32 block copies: the embedding block (weights and, Note
+  // [Tied embedding], gradients) and one transformer block (weights, gradients).
+  const std::uint64_t embed = v * h + static_cast<std::uint64_t>(seq) * h + 2 * h;
+  const std::uint64_t layer = 12 * h * h + 13 * h;
+  return 4 * (static_cast<std::uint64_t>(layers) * per_layer + once + 2 * embed + 2 * layer);
+}
+
 double GptConfig::flops_per_token() const {
   return 6.0 * static_cast<double>(param_count()) + 12.0 * layers * hidden * static_cast<double>(seq);
 }

@@ -13,6 +13,12 @@
 // records the prefetch trace). Ranks start as for any tierzero program
 // (torchrun / mpirun variables); rank 0 prints and writes.
 //
+// SIGINT or SIGTERM stops the run when the step under way ends: it writes the
+// same files (the summary says which signal stopped it after which step),
+// removes its swap files and ends by that signal (a shell reports 128 + N); a
+// second signal aborts at once, removing the swap files first (Note
+// [Stopping on a signal] in stop_signals.cpp).
+//
 // Where the GPT computes: --backend (default: the config's tierzero.backend,
 // "auto" in the shipped config). "auto" takes the GPU when this build has
 // CUDA and one is present, the CPU otherwise. On the CPU the engine runs on
@@ -33,6 +39,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "stop_signals.h"
 #include "tierzero/train.h"
 #include "train_report.h"
 
@@ -69,6 +76,9 @@ struct Flags {
   std::optional<std::int64_t> steps;
   std::string json_path, csv_path, plot_path, trace_path, save_dir, resume_dir, io_log_path;
   int eval_every = 50, eval_batches = 4, save_every = 0, log_every = 10, threads = 0;
+  double collective_timeout_s = 300;  // per collective and for the rendezvous
+  bool resume_if_present = false;     // --resume DIR with nothing there yet starts fresh
+  int keep_last = 0;                  // checkpoints kept under --save (0: all)
   std::optional<std::int64_t> warmup_steps;  // unset: tz::train::default_warmup_steps (Note [Default warm-up])
   std::uint64_t data_seed = 1234, init_seed = 1234;
   std::string command;
@@ -173,6 +183,20 @@ std::string client_state(const Warmup& warmup) {
 }
 
 // The warm-up of the checkpoint --resume loads, as its run saved it.
+// --resume-if-present: a restart loop's first run finds nothing to resume
+// and starts fresh; anything there (a `latest`, a complete checkpoint, a
+// manifest) is resumed or refused as --resume alone would: a broken
+// checkpoint is never taken for "nothing yet".
+bool nothing_to_resume(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return true;
+  if (fs::exists(fs::path(dir) / "latest", ec) || fs::exists(fs::path(dir) / "manifest.json", ec)) return false;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    if (e.is_directory(ec) && fs::exists(e.path() / "manifest.json", ec)) return false;
+  }
+  return true;
+}
+
 tz::Expected<std::int64_t> saved_warmup(const std::string& dir) {
   TZ_ASSIGN_OR_RETURN(std::optional<std::string> state, tz::read_checkpoint_client_state(dir, ""));
   const std::string advice = "give --warmup-steps N (0: none, as tierzero-train did by default before it saved one)";
@@ -225,9 +249,12 @@ class Run {
   tz::Status setup();
   tz::Status train();
   tz::Status finish();
+  // Set when a signal stopped the run (this rank's or another's).
+  const std::string& stopped_by() const { return info_.stopped_by; }
 
  private:
   tz::Status train_step(std::int64_t step);
+  tz::Expected<bool> stop_now(std::int64_t steps_done);
   void check_rise();
   tz::Status evaluate(std::int64_t after_step);
   tz::Status save(std::int64_t after_step);
@@ -269,10 +296,27 @@ tz::Status Run::setup() {
   }
   TZ_ASSIGN_OR_RETURN(corpus_, tz::train::Corpus::load(f_.data_path));
   if (ranks.world_size > 1) {
-    TZ_ASSIGN_OR_RETURN(comm_, tz::create_communicator({.ranks = ranks}));
+    const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(f_.collective_timeout_s * 1000));
+    TZ_ASSIGN_OR_RETURN(comm_, tz::create_communicator({.ranks = ranks, .timeout = timeout}));
   }
   TZ_ASSIGN_OR_RETURN(engine_, tz::ZeroEngine::create({.config = config_, .comm = comm_.get()}, tz::train::model(gpt_),
                                                       tz::train::init(gpt_)));
+  // Activations were neither budgeted nor estimated: a large --batch or --seq
+  // ended in std::bad_alloc or the OOM killer. The CPU trainer's are known
+  // exactly (GptConfig::activation_bytes); after the engine's pools are
+  // made, they must fit in what is left.
+  if (engine_->device().kind() == tz::BackendKind::kHost) {
+    TZ_ASSIGN_OR_RETURN(const tz::HostMemoryReading mem, tz::read_host_memory());
+    const std::uint64_t need = gpt_.activation_bytes();
+    if (need > mem.available_bytes) {
+      return tz::out_of_memory("the activations of {} x {} tokens through {} layers x {} hidden (with the trainer's "
+                               "block copies) need {}, but {} of host memory is available after the engine's pools; "
+                               "lower --batch or --seq, or the CPU budget (tierzero.tiers.cpu_bytes)",
+                               gpt_.batch, gpt_.seq, gpt_.layers, gpt_.hidden, tz::format_bytes(need),
+                               tz::format_bytes(mem.available_bytes));
+    }
+  }
+  info_.activation_bytes = gpt_.activation_bytes();
   TZ_ASSIGN_OR_RETURN(trainer_, tz::train::GptTrainer::create(*engine_, gpt_, {.tf32 = f_.tf32}));
   if (!f_.io_log_path.empty()) {  // refused on every rank now, not on rank 0 after step 2
     bool nvme = false;
@@ -315,7 +359,8 @@ tz::Status Run::setup() {
     }
     std::printf("\nconfig %s; data %s; %d x %d tokens per micro-batch, %d micro-batch(es) per step, %d rank(s)\n",
                 f_.config_path.c_str(), info_.corpus.c_str(), gpt_.batch, gpt_.seq, info_.gas, info_.ranks);
-    std::printf("the GPT computes on: %s\n", trainer_->describe().c_str());
+    std::printf("the GPT computes on: %s; activations and its block copies %s per micro-batch\n",
+                trainer_->describe().c_str(), tz::tool::format_bytes_si(static_cast<double>(info_.activation_bytes)).c_str());
     std::printf("where the states live: %s\n", info_.engine.c_str());
     std::printf("learning rate: %s\n", warmup_.about.c_str());
     if (!f_.resume_dir.empty()) std::printf("resumed from %s at step %lld\n", f_.resume_dir.c_str(),
@@ -397,7 +442,7 @@ tz::Status Run::evaluate(std::int64_t after_step) {
 
 tz::Status Run::save(std::int64_t after_step) {
   const auto begin = Clock::now();
-  TZ_TRY_CTX(engine_->save_checkpoint(f_.save_dir, tz::CheckpointSave{.client_state = client_state(warmup_)}).status(),
+  TZ_TRY_CTX(engine_->save_checkpoint(f_.save_dir, tz::CheckpointSave{.client_state = client_state(warmup_), .keep_last = f_.keep_last}).status(),
              "--save {}", f_.save_dir);
   info_.checkpoint_dir = f_.save_dir;
   if (leader()) {
@@ -407,12 +452,32 @@ tz::Status Run::save(std::int64_t after_step) {
   return tz::ok_status();
 }
 
+// Whether to stop now, after `steps_done` steps: a SIGINT or SIGTERM was
+// received (Note [Stopping on a signal]). With several ranks every rank asks
+// at the same points, and all stop if any was signalled: each names "stop" or
+// "go", and names that differ are a stop too (agree_on fails with
+// InvalidArgument only for that; any other failure is the collective's own).
+tz::Expected<bool> Run::stop_now(std::int64_t steps_done) {
+  const int sig = tz::tool::StopSignals::requested();
+  bool stop = sig != 0;
+  if (engine_->world_size() > 1) {
+    const tz::Status agreed = engine_->ranks().agree_on(stop ? "stop" : "go", "tierzero-train: stopping on a signal");
+    if (!agreed.ok() && agreed.code() != tz::ErrorCode::kInvalidArgument) return agreed;
+    stop = stop || !agreed.ok();
+  }
+  if (!stop) return false;
+  info_.stopped_by = sig != 0 ? tz::tool::StopSignals::name(sig) : "a signal to another rank";
+  info_.stopped_after_step = steps_done;
+  return true;
+}
+
 tz::Status Run::train() {
   start_ = Clock::now();
   const std::int64_t first = info_.first_step, last = first + info_.steps;
   const std::int64_t traced = first + std::min<std::int64_t>(1, info_.steps - 1);
-  if (f_.eval_every > 0) TZ_TRY(evaluate(first));
-  for (std::int64_t step = first; step < last; ++step) {
+  TZ_ASSIGN_OR_RETURN(bool stop, stop_now(first));  // a signal while the engine was being made
+  if (f_.eval_every > 0 && !stop) TZ_TRY(evaluate(first));
+  for (std::int64_t step = first; step < last && !stop; ++step) {
     engine_->record_timeline(step == traced);
     if (!f_.io_log_path.empty()) engine_->record_io_log(step == traced);
     TZ_TRY_CTX(train_step(step), "step {}", step + 1);
@@ -428,9 +493,11 @@ tz::Status Run::train() {
       }
     }
     const std::int64_t done = step + 1;
-    if (leader() && (f_.log_every <= 1 || done % f_.log_every == 0 || step == first || done == last)) {
+    TZ_ASSIGN_OR_RETURN(stop, stop_now(done));
+    if (leader() && (f_.log_every <= 1 || done % f_.log_every == 0 || step == first || done == last || stop)) {
       tz::tool::print_progress(steps_.back(), last, info_.flops_per_token);
     }
+    if (stop) break;  // the evaluations and saves still due are skipped
     if (f_.eval_every > 0 && (done % f_.eval_every == 0 || done == last)) TZ_TRY(evaluate(done));
     if (!f_.save_dir.empty() && ((f_.save_every > 0 && done % f_.save_every == 0) || done == last)) TZ_TRY(save(done));
   }
@@ -444,12 +511,21 @@ tz::Status Run::finish() {
   std::printf("where the states lived: %s\n", info_.engine.c_str());
   const std::string json = out(f_.json_path, "summary.json"), csv = out(f_.csv_path, "loss.csv"),
                     png = out(f_.plot_path, "loss.png");
+  if (!info_.stopped_by.empty()) {
+    std::printf("stopped by %s after step %lld of %lld\n", info_.stopped_by.c_str(),
+                static_cast<long long>(info_.stopped_after_step),
+                static_cast<long long>(info_.first_step + info_.steps));
+  }
   TZ_TRY(tz::tool::write_json(json, info_, steps_, evals_));
   TZ_TRY(tz::tool::write_csv(csv, steps_, evals_));
-  TZ_TRY(tz::tool::write_plot(png, info_, steps_, evals_));
-  std::printf("wrote %s, %s, %s; Chrome trace of step %lld: %s\n", json.c_str(), csv.c_str(), png.c_str(),
-              static_cast<long long>(info_.first_step + std::min<std::int64_t>(2, info_.steps)),
-              info_.trace_path.c_str());
+  if (!steps_.empty()) TZ_TRY(tz::tool::write_plot(png, info_, steps_, evals_));  // no points, no chart
+  std::printf("wrote %s, %s%s%s", json.c_str(), csv.c_str(), steps_.empty() ? "" : ", ",
+              steps_.empty() ? "" : png.c_str());
+  if (!info_.trace_path.empty()) {
+    std::printf("; Chrome trace of step %lld: %s", static_cast<long long>(info_.first_step + std::min<std::int64_t>(2, info_.steps)),
+                info_.trace_path.c_str());
+  }
+  std::printf("\n");
   if (steps_.size() >= 8) {  // the verdict the CI test looks for
     const std::size_t n = std::max<std::size_t>(1, std::min<std::size_t>(10, steps_.size() / 4));
     double head = 0, tail = 0;
@@ -487,6 +563,10 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--save", f.save_dir, "checkpoint directory, written at the end (and every --save-every steps)");
   app.add_option("--save-every", f.save_every, "also save every N steps (0: only at the end)");
   app.add_option("--resume", f.resume_dir, "continue from this checkpoint directory's latest checkpoint");
+  app.add_flag("--resume-if-present", f.resume_if_present, "with --resume: start fresh when the directory holds no "
+               "checkpoint yet (a restart loop's first run); a broken one is still an error");
+  app.add_option("--keep-last", f.keep_last, "keep the newest N checkpoints under --save (0: all)")
+      ->capture_default_str()->check(CLI::Range(0, 1000000));
   app.add_option("--eval-every", f.eval_every, "validation loss every N steps (0: never)")->capture_default_str();
   app.add_option("--eval-batches", f.eval_batches, "validation batches per evaluation")->capture_default_str()
       ->check(CLI::Range(1, 100000));
@@ -497,6 +577,41 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--data-seed", f.data_seed, "seed of the batch sampler")->capture_default_str();
   app.add_option("--init-seed", f.init_seed, "seed of the initial weights")->capture_default_str();
   app.add_option("--threads", f.threads, "CPU compute threads (0: all cores)")->capture_default_str();
+  app.add_option("--collective-timeout", f.collective_timeout_s, "seconds a collective (and the rendezvous) may wait "
+                 "for a silent peer before the run fails naming the call")->capture_default_str()
+      ->check(CLI::Range(0.1, 86400.0));
+}
+
+// The run, start to end; its engine (and so its swap files) is gone when
+// this returns.
+int run_main(Flags f) {
+  std::optional<tbb::global_control> threads;
+  if (f.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, f.threads);
+  // Note [Foreign exceptions stop at the edge]: the engine reports failures
+  // as Status; anything a library still throws (std::bad_alloc, a parser's)
+  // ends here as an error naming it, not as std::terminate's abort.
+  tz::Status s;
+  std::string stopped_by;
+  try {
+    Run run(std::move(f));
+    s = run.setup();
+    if (s.ok()) s = run.train();
+    if (s.ok()) s = run.finish();
+    stopped_by = run.stopped_by();
+  } catch (const std::bad_alloc&) {
+    s = tz::out_of_memory("out of host memory (std::bad_alloc); lower --batch or --seq, or the CPU budget");
+  } catch (const std::exception& e) {
+    s = tz::internal_error("an unexpected exception: {}", e.what());
+  }
+  if (!s.ok()) {
+    std::fprintf(stderr, "tierzero-train: %s\n", s.message().c_str());
+    return s.code() == tz::ErrorCode::kInvalidArgument ? 2 : 1;
+  }
+  if (!stopped_by.empty() && tz::tool::StopSignals::requested() == 0) {
+    std::fprintf(stderr, "tierzero-train: stopped early: %s\n", stopped_by.c_str());
+    return 1;  // not a finished run, and not one this rank's signal ended
+  }
+  return 0;
 }
 
 }  // namespace
@@ -506,16 +621,12 @@ int main(int argc, char** argv) {
   Flags f;
   add_flags(app, f);
   CLI11_PARSE(app, argc, argv);
-  for (int i = 0; i < argc; ++i) f.command += (i ? " " : "") + std::string(argv[i]);
-  std::optional<tbb::global_control> threads;
-  if (f.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, f.threads);
-  Run run(std::move(f));
-  tz::Status s = run.setup();
-  if (s.ok()) s = run.train();
-  if (s.ok()) s = run.finish();
-  if (!s.ok()) {
-    std::fprintf(stderr, "tierzero-train: %s\n", s.message().c_str());
-    return s.code() == tz::ErrorCode::kInvalidArgument ? 2 : 1;
+  if (f.resume_if_present && !f.resume_dir.empty() && nothing_to_resume(f.resume_dir)) {
+    std::printf("--resume %s: no checkpoint there yet, starting fresh (--resume-if-present)\n", f.resume_dir.c_str());
+    f.resume_dir.clear();
   }
-  return 0;
+  for (int i = 0; i < argc; ++i) f.command += (i ? " " : "") + std::string(argv[i]);
+  tz::tool::StopSignals::install();  // Note [Stopping on a signal]
+  const int rc = run_main(std::move(f));
+  return tz::tool::StopSignals::exit_as_signalled(rc);
 }

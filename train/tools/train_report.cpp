@@ -93,6 +93,25 @@ NvmeRates nvme_rates(const std::vector<const StepRecord*>& st) {
   return r;
 }
 
+// NVMe bytes a steady-state step writes on this rank, per parameter (all
+// ranks' bytes over the model's) and per hour of training at the mean step
+// time: what the drives' rated endurance is spent at.
+struct NvmeWrites {
+  double per_step = 0, per_param = 0, read_per_param = 0, per_hour = 0;
+};
+
+NvmeWrites nvme_writes(const RunInfo& info, const std::vector<const StepRecord*>& st) {
+  NvmeWrites w;
+  const double step_s = mean_of(st, [](const StepRecord& r) { return r.seconds; });
+  w.per_step = mean_of(st, [](const StepRecord& r) { return static_cast<double>(r.nvme_write_bytes); });
+  const double read = mean_of(st, [](const StepRecord& r) { return static_cast<double>(r.nvme_read_bytes); });
+  const double params = static_cast<double>(std::max<std::uint64_t>(info.params, 1));
+  w.per_param = w.per_step * info.ranks / params;
+  w.read_per_param = read * info.ranks / params;
+  if (step_s > 0) w.per_hour = w.per_step * 3600 / step_s;
+  return w;
+}
+
 void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, const std::vector<EvalRecord>& evals) {
   if (steps.empty()) return;
   const std::vector<const StepRecord*> st = steady(steps);
@@ -118,8 +137,12 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
   auto per_step = [&](double (*get)(const StepRecord&)) { return format_bytes_si(mean_of(st, get)); };
   std::printf("bytes per step, this rank (mean over %zu steady-state steps: not the first, which records the prefetch "
               "trace, nor those right after an evaluation):\n", st.size());
-  std::printf("  %-28s %12s\n", "NVMe read", per_step([](const StepRecord& r) { return double(r.nvme_read_bytes); }).c_str());
-  std::printf("  %-28s %12s\n", "NVMe write", per_step([](const StepRecord& r) { return double(r.nvme_write_bytes); }).c_str());
+  const NvmeWrites writes = nvme_writes(info, st);
+  std::printf("  %-28s %12s  (%.2f B/param)\n", "NVMe read",
+              per_step([](const StepRecord& r) { return double(r.nvme_read_bytes); }).c_str(), writes.read_per_param);
+  std::printf("  %-28s %12s  (%.2f B/param; %s per hour of training at %.2f s a step: drive wear)\n", "NVMe write",
+              format_bytes_si(writes.per_step).c_str(), writes.per_param, format_bytes_si(writes.per_hour).c_str(),
+              step_s);
   if (const NvmeRates rates = nvme_rates(st); rates.read_busy_s > 0 || rates.write_busy_s > 0) {
     std::printf("  %-28s read %.2f GB/s (%.3f s a step with a read in flight), write %.2f GB/s (%.3f s with a "
                 "write in flight)\n", "NVMe rates achieved", rates.read_gbps, rates.read_busy_s, rates.write_gbps,
@@ -127,6 +150,10 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
   }
   std::printf("  %-28s %12s\n", "host-to-device", per_step([](const StepRecord& r) { return double(r.h2d_bytes); }).c_str());
   std::printf("  %-28s %12s\n", "all-gather (received)", per_step([](const StepRecord& r) { return double(r.gather_bytes); }).c_str());
+  const double waits = mean_of(st, [](const StepRecord& r) { return double(r.report.host_waits); });
+  const double reduced = mean_of(st, [](const StepRecord& r) { return double(r.report.blocks_reduced); });
+  std::printf("host waits on the device per step: %.1f (%.2f per reduced block)\n", waits,
+              reduced > 0 ? waits / reduced : 0.0);
   const double w_nvme = mean_of(st, [](const StepRecord& r) { return r.wait_nvme_seconds; });
   const double w_h2d = mean_of(st, [](const StepRecord& r) { return r.wait_h2d_seconds; });
   const double w_gather = mean_of(st, [](const StepRecord& r) { return r.wait_gather_seconds; });
@@ -160,9 +187,11 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                   {"wait_gather_seconds", r.wait_gather_seconds},
                   {"nvme_read_busy_seconds", r.nvme_read_busy_seconds},
                   {"nvme_write_busy_seconds", r.nvme_write_busy_seconds}, {"peak_gpu_bytes", r.report.peak_gpu_bytes},
-                  {"peak_cpu_bytes", r.report.peak_cpu_bytes}, {"peak_nvme_bytes", r.report.peak_nvme_bytes}});
+                  {"peak_cpu_bytes", r.report.peak_cpu_bytes}, {"peak_nvme_bytes", r.report.peak_nvme_bytes},
+                  {"host_waits", r.report.host_waits}, {"blocks_reduced", r.report.blocks_reduced}});
   }
   const NvmeRates rates = nvme_rates(steady(steps));
+  const NvmeWrites writes = nvme_writes(info, steady(steps));
   nlohmann::json je = nlohmann::json::array();
   for (const EvalRecord& e : evals) je.push_back({{"step", e.step}, {"val_loss", e.val_loss}});
   const nlohmann::json out = {
@@ -171,11 +200,18 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
       {"model_state_bytes", info.state_bytes}, {"gpu_budget_bytes", info.gpu_budget_bytes}, {"corpus", info.corpus},
       {"batch", info.batch}, {"seq", info.seq}, {"ranks", info.ranks}, {"gradient_accumulation_steps", info.gas},
       {"first_step", info.first_step}, {"steps", info.steps}, {"wall_seconds", info.wall_seconds},
-      {"trace", info.trace_path}, {"checkpoint", info.checkpoint_dir}, {"step_records", js}, {"evals", je},
+      {"trace", info.trace_path}, {"checkpoint", info.checkpoint_dir},
+      {"stopped", info.stopped_by.empty() ? nlohmann::json()
+                                          : nlohmann::json{{"by", info.stopped_by},
+                                                           {"after_step", info.stopped_after_step}}},
+      {"step_records", js}, {"evals", je},
       {"nvme_rates", {{"read_gbps", rates.read_gbps}, {"write_gbps", rates.write_gbps},
                       {"read_busy_seconds_per_step", rates.read_busy_s},
                       {"write_busy_seconds_per_step", rates.write_busy_s},
-                      {"over", "the steady-state steps: their bytes over the time a read (write) was in flight"}}}};
+                      {"over", "the steady-state steps: their bytes over the time a read (write) was in flight"}}},
+      {"nvme_writes", {{"bytes_per_step", writes.per_step}, {"bytes_per_param_per_step", writes.per_param},
+                       {"bytes_per_hour", writes.per_hour},
+                       {"over", "the steady-state steps, this rank; per hour at their mean step time"}}}};
   return write_file_durably(path, out.dump(1) + "\n");
 }
 

@@ -37,12 +37,18 @@ struct RunInfo {
   std::uint64_t params = 0;
   double flops_per_token = 0;
   std::uint64_t state_bytes = 0;  // 16 B / param
+  std::uint64_t activation_bytes = 0;  // GptConfig::activation_bytes: the CPU trainer's per micro-batch
   std::uint64_t gpu_budget_bytes = 0;
   std::string corpus;
   int batch = 0, seq = 0, ranks = 1, gas = 1;
   std::int64_t first_step = 0, steps = 0;
   double wall_seconds = 0;
   std::string trace_path, checkpoint_dir;
+  // Set when a signal stopped the run early (Note [Stopping on a signal]):
+  // "SIGTERM", "SIGINT", or "a signal to another rank"; after this many
+  // optimizer steps (counted from the start of training, as step numbers are).
+  std::string stopped_by;
+  std::int64_t stopped_after_step = 0;
 };
 
 std::string format_bytes_si(double bytes);  // "12.3 MB"

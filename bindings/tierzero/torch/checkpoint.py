@@ -37,13 +37,16 @@ class _Checkpoints:
     module, _slot (the trained parameters), _blocks, optimizer and step counters."""
 
     def save_checkpoint(self, save_dir: Union[str, os.PathLike], tag: Any = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False, *,
+                        keep_last: int = 0) -> bool:
         """Every rank's master weights, optimizer moments, step, learning rate and loss scale under
         save_dir/<tag> (default "step-<N>"), as DeepSpeed's save_checkpoint: saving under an existing tag
         replaces that checkpoint atomically, and save_dir/latest points at it unless save_latest is False.
         Rank 0 adds the model's buffers and frozen parameters (those too unless exclude_frozen_parameters)
         and client_state, a dict of yours (an epoch, a data loader's position) that load_checkpoint
-        returns (Note [Client state]). A collective: every rank calls it."""
+        returns (Note [Client state]). keep_last=N (tierzero's; as Hugging Face's save_total_limit) then
+        keeps the newest N complete checkpoints under save_dir (0: all; never the one latest names). A
+        collective: every rank calls it."""
         blob, refusal = None, None
         if self.rank == 0:  # the other ranks' client_state is not saved, as in DeepSpeed
             try:
@@ -53,7 +56,7 @@ class _Checkpoints:
                 refusal = str(e) if isinstance(e, ValueError) else \
                     f"save_checkpoint: client_state does not save ({type(e).__name__}: {e})"
         self._core.save_checkpoint(os.fspath(save_dir), tag=None if tag is None else str(tag), client_state=blob,
-                                   save_latest=save_latest, refusal=refusal)
+                                   save_latest=save_latest, refusal=refusal, keep_last=int(keep_last))
         return True
 
     def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Any = None, load_module_strict: bool = True,

@@ -249,6 +249,20 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
         return [flat.as_strided(*b.views[i]).to(device=self._torch_device, dtype=self._dtype, copy=True)
                 for i in slots]
 
+    def close(self) -> None:
+        """Frees the engine now (its swap files, memory, threads, the ranks' communicator), though the model's
+        hooks still refer to it: they raise RuntimeError ("the engine is closed") if the model is run again. The
+        trained weights lived in the engine: save a checkpoint, export them, or detach_module() first to keep
+        them. Closing again does nothing; engines still open at interpreter exit are closed then."""
+        if self.closed:
+            return
+        self._release_all()  # the views this engine's hooks hold; views still held elsewhere keep its memory
+        _ENGINES.discard(self)
+        super().close()
+
+    def __enter__(self) -> "TorchEngine":
+        return self
+
     def detach_module(self) -> torch.nn.Module:
         """Removes the hooks and puts the master weights back into the parameters; the engine is done after it."""
         weights = self.master_state_dict()

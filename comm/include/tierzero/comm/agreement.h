@@ -23,6 +23,8 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
+#include <utility>
 
 #include "tierzero/comm/communicator.h"
 #include "tierzero/offload.h"
@@ -52,6 +54,13 @@ class RankAgreement {
   // refusing rank reports its reason even when the values differ too) or when
   // the ranks' `value`s differ.
   Status agree(const std::string& value, const Status& refusal, std::string_view what);
+  // Every rank has the same settings: (name, value) pairs, built by the same
+  // code so the names come in the same order. Otherwise kInvalidArgument on
+  // every rank naming the first setting that differs, rank 0's value and the
+  // first differing rank's: "<what>: the ranks' settings differ, first at
+  // optimizer.lr: rank 0 has 0.0003, rank 1 has 0.001; <advice>".
+  using Settings = std::vector<std::pair<std::string, std::string>>;
+  Status agree_on_settings(const Settings& settings, std::string_view what, std::string_view advice);
   // Rank `root`'s `bytes` bytes at `data` (host memory) into every rank's
   // `data`. The ranks first agree on the size and the root, so a mismatch is
   // an error naming them rather than a collective that reads garbage or hangs.

@@ -17,7 +17,8 @@
 //       "nvme_paths": ["/nvme0/tz", "/nvme1/tz"],   // striped
 //       "numa_node": "auto"                  // or a node number for pinned memory
 //     },
-//     "aio": { "sqpoll": false, "fixed_buffers": true, "allow_buffered_io": false }
+//     "aio": { "sqpoll": false, "fixed_buffers": true, "allow_buffered_io": false },
+//     "states": { "master": "fp32", "moments": "fp32" }   // or "remainder"; "bf16" | "int8"
 //   }
 //
 // Rules (docs/configuration.md lists every key):
@@ -42,6 +43,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tierzero/common/state_format.h"
 #include "tierzero/common/status.h"
 
 namespace tz {
@@ -209,6 +211,9 @@ struct Config {
   TierConfig tiers;
   BackendChoice backend = BackendChoice::kAuto;
   PlacementMode placement = PlacementMode::kAuto;
+  // tierzero.states: the optimizer states' formats (tierzero/common/state_format.h).
+  // Non-default formats need what check_state_formats() says.
+  StateFormats states;
   // Dotted paths of keys accepted but unused, in file order.
   std::vector<std::string> ignored_keys;
 
@@ -238,5 +243,16 @@ void override_gradient_accumulation_steps(Config& config, std::int64_t steps);
 // A tool's precision flag: "bf16" or "fp16" enables that block (and disables
 // the other), "fp32" disables both. Anything else is kInvalidArgument naming it.
 Status set_training_precision(Config& config, std::string_view precision);
+// The states' formats against the training precision: master "remainder"
+// needs bf16 parameters (fp16's exponent cannot hold the master; fp32
+// training has no 16-bit parameter to build on). kInvalidArgument naming the
+// key, the value, why, and what to use instead. parse_config() runs it; a
+// tool that overrides the precision or the formats runs it again.
+Status check_state_formats(const Config& config);
+// A tool's --master / --moments flag: the format of that name (the config's
+// spellings), or kInvalidArgument naming it and the allowed ones. Run
+// check_state_formats() once every override is applied.
+Status set_master_format(Config& config, std::string_view name);
+Status set_moment_format(Config& config, std::string_view name);
 
 }  // namespace tz

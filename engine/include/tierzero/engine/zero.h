@@ -187,6 +187,15 @@ struct FetchMark {
 
 // A whole block's gradient buffer on the device (zeroed), for the caller's
 // backward to fill; handed back through reduce_grads().
+// What grad_buffer leaves in the buffer it hands out.
+enum class GradFill : std::uint8_t {
+  kZeroed,          // every element zero: the caller may leave parameters (and the gaps) untouched
+  kUninitialised,   // the caller writes every element of data(): each parameter's gradient and
+                    // zeros elsewhere (the gaps between parameters and the padding are in the
+                    // reduced shard and its norm). Saves a pass over the buffer and, on CUDA, a
+                    // host wait per block.
+};
+
 class GradBlock {
  public:
   GradBlock() = default;
@@ -235,6 +244,11 @@ struct StepReport {
   // Raw allocations the device and CPU pools made since the last report: 0 in
   // steady state (buffers come back to the pools and are reused).
   std::uint64_t new_allocations = 0;
+  // Since the last report that stepped: the times a thread of the engine (or
+  // of the Python bindings' gradient copies) blocked waiting for the device
+  // (Device::host_waits), and the reduce_grads calls those steps made. Their
+  // ratio is the host synchronisations per reduced block the gradient path costs.
+  std::uint64_t host_waits = 0, blocks_reduced = 0;
 };
 
 // save_checkpoint's choices beyond the directory (DeepSpeed's save_checkpoint
@@ -254,6 +268,12 @@ struct CheckpointSave {
   // on with the other ranks before anything is written: one rank's refusal
   // fails the save on every rank instead of leaving them waiting.
   Status refusal;
+  // Keep the newest `keep_last` complete checkpoints under `dir` (by step),
+  // this one included; 0 keeps all. Older ones are removed once this one is
+  // published (their manifest first, so none is ever left half-removed yet
+  // loadable); the one `latest` names is never removed. Only directories with
+  // a tierzero manifest count; anything else under `dir` is left alone.
+  int keep_last = 0;
 };
 
 // load_checkpoint's choices beyond the directory.
@@ -301,7 +321,8 @@ class ZeroEngine {
 
   virtual Expected<GatheredBlock> fetch(std::size_t block, FetchFor purpose) = 0;
   Expected<GatheredBlock> fetch(std::size_t block) { return fetch(block, FetchFor::kTraining); }
-  virtual Expected<GradBlock> grad_buffer(std::size_t block) = 0;
+  virtual Expected<GradBlock> grad_buffer(std::size_t block, GradFill fill) = 0;
+  Expected<GradBlock> grad_buffer(std::size_t block) { return grad_buffer(block, GradFill::kZeroed); }
   // Refused (FailedPrecondition) for a block with no values yet (Note [Initial values]).
   virtual Status reduce_grads(GradBlock grads) = 0;
   // Ends a micro-batch; at the accumulation boundary runs the optimizer.
@@ -374,6 +395,9 @@ class ZeroEngine {
   virtual RankAgreement& ranks() = 0;
   // Human-readable: where each state class lives, the budgets and use.
   virtual std::string describe() const = 0;
+  // The NVMe swap files the engine made, one per NVMe path (none when no
+  // state lives on NVMe). Scratch: removed when the engine is destroyed.
+  virtual std::vector<std::string> swap_files() const = 0;
 
   // Checkpoints (collectives: every rank calls them at the same point).
   // save_checkpoint writes every rank's master weights, Adam moments, step

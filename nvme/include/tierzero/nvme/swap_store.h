@@ -1,12 +1,21 @@
 // SwapStore: byte extents (tensors) in preallocated swap files on one or more
 // paths, for the NVMe tier.
 //
-// create() makes one swap file per path (named tierzero-swap-<pid>-<n>.bin,
-// created exclusively) and reserves capacity_bytes / paths in each with
-// fallocate, so a disk too small is reported at start-up with the path, the
-// size asked and the space free, not mid-run. The files are scratch for the
-// life of the store and are removed when it is destroyed (checkpoints are the
-// engine's, with their own manifest).
+// create() makes one swap file per path (named tierzero-swap-<16 random hex
+// digits>.bin, created exclusively) and reserves capacity_bytes / paths in
+// each with fallocate, so a disk too small is reported at start-up with the
+// path, the size asked and the space free, not mid-run. The files are scratch
+// for the life of the store and are removed when it is destroyed (checkpoints
+// are the engine's, with their own manifest).
+//
+// Ownership: the store holds an advisory lock on each of its files for its
+// whole life, and the kernel drops it when the process ends, however it ends.
+// Before making its own, create() removes every swap file in the folder whose
+// lock is free (left by a run that has ended: kill -9, a crash, a container
+// restarted), logging each with its size, and leaves those of live runs (in
+// this process or any other sharing the folder) alone. When the disk is then
+// too small, the NoSpace error names the files it removed, and those live
+// runs hold (Note [Swap file ownership] in src/swap_files.cpp).
 //
 // An extent of n bytes occupies padded_bytes(n) (n rounded up to the direct-I/O
 // alignment, 4 KiB). With several paths it is striped: stripe units of
@@ -107,9 +116,46 @@ class SwapStore {
   virtual Status register_buffer(void* data, std::size_t bytes) = 0;  // see IoEngine::register_buffer
   virtual Status unregister_buffer(void* data) = 0;
 
-  virtual std::vector<std::string> file_paths() const = 0;  // the swap files, one per path
+  // The swap files, one per path. An outsider may open them to look, but
+  // must not take their lock (Note [Swap file ownership]).
+  virtual std::vector<std::string> file_paths() const = 0;
   virtual SwapStats stats() const = 0;
   virtual IoEngine& engine() = 0;
 };
+
+// A swap file reclaim_stale_swap_files found.
+struct SwapFileSeen {
+  std::string path;
+  std::uint64_t bytes = 0;     // disk space it holds (allocated blocks)
+  std::string why;             // for one that could not be checked: the error
+};
+
+// What reclaim_stale_swap_files found in one folder.
+struct SwapFolderReport {
+  std::string dir;
+  std::vector<SwapFileSeen> removed;    // no process held their lock: left by runs that have ended
+  std::vector<SwapFileSeen> held;       // a live process holds their lock: left alone
+  std::vector<SwapFileSeen> unchecked;  // could not be opened or locked (another user's, say): left alone
+  // "; in <dir>, 1 stale swap file ... was removed first: ...; 2 swap files
+  // are held by another live run ...": the clause an out-of-space message
+  // ends with ("" when there was nothing to say).
+  std::string describe() const;
+};
+
+// Removes each swap file in `dir` that no live store holds (its lock is
+// free), logging its name and size, and lists those that live runs hold.
+// create() does it for each of its paths; an engine does it before it reads
+// the free space there (a "nvme_bytes": "auto" budget), so a dead run's file
+// is not counted against the next. A folder that cannot be read gives an
+// empty report.
+SwapFolderReport reclaim_stale_swap_files(const std::string& dir);
+
+// Removes (unlinks) the swap files of every SwapStore alive in this process,
+// now, for a process about to end abnormally: a second SIGINT or SIGTERM, a
+// fatal signal. Async-signal-safe, so a signal handler may call it; the
+// stores are left unusable (their I/O goes on to files no longer named), so
+// call it only on the way out (Note [Swap files removed at abort] in
+// src/swap_files.cpp).
+void remove_swap_files_now() noexcept;
 
 }  // namespace tz::nvme

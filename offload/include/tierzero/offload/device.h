@@ -24,6 +24,7 @@
 // next synchronizing call on that stream or event.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -107,8 +108,20 @@ class Device {
   virtual Status stream_wait_native(Stream& stream, void* native_stream) = 0;
   // True when the work before the event's record point is done.
   virtual Expected<bool> event_done(Event& event) = 0;
+  // Block the calling thread until the event (the stream's work so far) is
+  // done. Each call counts as one host wait.
   virtual Status synchronize_event(Event& event) = 0;
   virtual Status synchronize_stream(Stream& stream) = 0;
+
+  // Host waits (synchronize_event/synchronize_stream calls) since creation,
+  // from every thread: the engine's step report counts them per step.
+  std::uint64_t host_waits() const { return host_waits_.load(std::memory_order_relaxed); }
+
+ protected:
+  void count_host_wait() { host_waits_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<std::uint64_t> host_waits_{0};
 };
 
 struct DeviceOptions {

@@ -5,9 +5,16 @@
 //
 //   class     bytes/elem                         where the optimizer allows it
 //   param16   2 (bf16/fp16); 4 in fp32 training  gpu | cpu | nvme (off-GPU needs stage 3)
-//   grad      2 on gpu (16-bit), 4 off it (fp32) with the optimizer, see below
-//   master    4 (fp32)                           gpu | cpu | nvme
-//   moments   8 (fp32 exp_avg + exp_avg_sq)      with the optimizer, see below
+//   grad      4 (fp32 accumulator)               with the optimizer, see below
+//   master    4 (fp32); 2.125 (remainder)        gpu | cpu | nvme
+//   moments   8 (fp32 exp_avg + exp_avg_sq);     with the optimizer, see below
+//             4 (bf16); 2.03125 (int8)
+//
+// The master's and the moments' formats are PlanInput::states
+// (tierzero/common/state_format.h, from the config's tierzero.states). A
+// remainder master is rebuilt from the bf16 parameter, so the optimizer also
+// reads the parameter shard from its tier each step: the plan counts that
+// traffic (docs/placement.md).
 //
 // The optimizer runs where `master` lives: master on gpu puts grad and moments
 // on gpu (GPU Adam); master on cpu or nvme puts grad and moments each on cpu or
@@ -50,6 +57,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -74,8 +82,15 @@ inline constexpr std::size_t kNumStateClasses = 4;
 std::string_view tier_name(Tier tier);                  // "gpu" | "cpu" | "nvme"
 std::string_view state_class_name(StateClass state);    // "param16" | "grad" | "master" | "moments"
 // Bytes per element of a state class: param16 is `param_bytes` (2 for bf16 or
-// fp16, 4 when training in fp32), grad and master 4, moments 8.
-std::uint64_t state_elem_bytes(StateClass state, std::uint64_t param_bytes);
+// fp16, 4 when training in fp32), grad 4, master and moments as their format
+// says (4 and 8 in fp32; 2.125, and 4 or 2.03125, compact).
+double state_elem_bytes(StateClass state, std::uint64_t param_bytes, StateFormats formats = {});
+// Bytes of `numel` elements of a state class, exactly (whole tie-bit bytes
+// and scale blocks: master_bytes / moments_bytes).
+std::uint64_t state_bytes(StateClass state, std::uint64_t numel, std::uint64_t param_bytes, StateFormats formats = {});
+// The class's format in words: "bf16/fp16" or "fp32" for param16, "fp32" for
+// grad, the format's name for master and moments.
+std::string_view state_format_name(StateClass state, std::uint64_t param_bytes, StateFormats formats = {});
 
 // Sustained link speeds, bytes/second, for the movement-time estimate.
 struct LinkSpeeds {
@@ -115,6 +130,8 @@ struct PlanInput {
   // Bytes of a training parameter, and of its gradient in backward: 2 (bf16 or
   // fp16), or 4 when neither bf16 nor fp16 is enabled (fp32 training).
   std::uint64_t param_bytes = 2;
+  // The master's and the moments' formats; a remainder master needs param_bytes 2.
+  StateFormats states;
   std::uint64_t gpu_bytes = 0;             // budget per GPU
   std::uint64_t cpu_bytes = 0;             // budget per node
   std::uint64_t nvme_bytes = 0;            // budget per node
@@ -126,7 +143,7 @@ struct PlanInput {
   std::int64_t sub_group_size = 1'000'000'000;    // elements per optimizer sub-group
   LinkSpeeds links;
 
-  // Stage, accumulation, precision, mode, offload devices, thresholds and
+  // Stage, accumulation, precision, state formats, mode, offload devices, thresholds and
   // sizes from `config`; budgets from `budgets`. offload_param's
   // buffer_count, buffer_size and max_in_cpu are not read: the engine stages
   // parameters read from NVMe through its CPU pool, one shard per block in
@@ -177,9 +194,17 @@ struct StepTraffic {
   std::uint64_t nvme_write_bytes = 0;
   std::uint64_t h2d_bytes = 0;
   std::uint64_t d2h_bytes = 0;
-  std::uint64_t cpu_optimizer_bytes = 0;  // memory traffic of CPU Adam: (28 B + param_bytes) x optimizer shard
+  // Memory traffic of CPU Adam over its shard: reads the fp32 grad, reads and
+  // writes master and moments in their formats, writes the training parameter
+  // (and reads it, for a remainder master): (28 B + param_bytes) per element in fp32.
+  std::uint64_t cpu_optimizer_bytes = 0;
   double estimated_seconds = 0;           // the four above over their link speeds, summed (no overlap)
 };
+
+// A step's bytes per parameter of the model: `bytes` moved by each rank over
+// the parameters one rank's share stands for (model / ranks), e.g. NVMe
+// bytes per parameter per step. 0 for an empty layout.
+double bytes_per_param(std::uint64_t bytes, const PlanLayout& layout, int ranks);
 
 struct Plan {
   std::array<Tier, kNumStateClasses> tier{};               // indexed by StateClass
@@ -188,6 +213,7 @@ struct Plan {
   StepTraffic traffic;
   PlanLayout layout;
   std::uint64_t param_bytes = 2;        // PlanInput::param_bytes
+  StateFormats states;                  // PlanInput::states
   PlacementMode mode = PlacementMode::kAuto;
   std::size_t candidates = 0;           // placements considered (1 in kDeepSpeed mode)
   std::size_t feasible_candidates = 0;  // of those, how many fit
@@ -195,7 +221,7 @@ struct Plan {
 
   Tier tier_of(StateClass state) const { return tier[static_cast<std::size_t>(state)]; }
   std::uint64_t bytes_of(StateClass state) const { return class_bytes[static_cast<std::size_t>(state)]; }
-  std::uint64_t elem_bytes_of(StateClass state) const { return state_elem_bytes(state, param_bytes); }
+  double elem_bytes_of(StateClass state) const { return state_elem_bytes(state, param_bytes, states); }
   const TierUsage& usage_of(Tier t) const { return usage[static_cast<std::size_t>(t)]; }
   bool fits() const;
 };
@@ -208,5 +234,47 @@ Expected<Plan> plan_placement(const PlanInput& input);
 // The human-readable report tierzero-estimate prints: inputs, the state-class
 // table, the tier table with headroom, each tier's breakdown, the traffic.
 std::string format_plan(const Plan& plan, const PlanInput& input);
+
+// ---- what a plan means: the largest model, the drives' life ----------------
+
+// The largest model of a family that fits `base`'s budgets: `blocks_of(n)`
+// gives the blocks of an n-parameter model (e.g. 32 equal blocks). Searches
+// n in [min_params, max_params] by doubling, then bisection, to within
+// `relative_tolerance` of n, assuming that a model that fits means every
+// smaller one of the family fits too. kOutOfMemory (the planner's message for
+// min_params) when not even min_params fits; blocks_of's errors pass through.
+struct LargestModel {
+  std::uint64_t params = 0;       // the largest found to fit
+  Plan plan;                      // its plan
+  PlanInput input;                // base with its blocks
+  std::uint64_t next_params = 0;  // the smallest found not to fit (0: max_params fits)
+  Status next_status;             // why next_params does not fit
+};
+using BlocksOf = std::function<Expected<std::vector<std::uint64_t>>(std::uint64_t params)>;
+Expected<LargestModel> find_largest_model(const PlanInput& base, const BlocksOf& blocks_of, std::uint64_t min_params,
+                                          std::uint64_t max_params, double relative_tolerance = 1e-4);
+
+// A drive's rated endurance, in bytes written (TB = 1e12 B, as drives are rated).
+struct DriveEndurance {
+  double rated_bytes = 0;
+  std::string source;  // "1200 TBW", "1 DWPD x 2.00 TB x 365 days x 5 years = 3650 TBW"
+};
+// kInvalidArgument naming the value unless positive and finite.
+Expected<DriveEndurance> endurance_from_tbw(double tbw);
+Expected<DriveEndurance> endurance_from_dwpd(double dwpd, std::uint64_t capacity_bytes, double warranty_years);
+
+// What a plan's NVMe writes do to the node's drives: every rank on a node
+// writes to the node's NVMe tier (per-rank writes x ranks_per_node), and a
+// drive's rating is reached after rated_bytes of them.
+struct DriveWear {
+  std::uint64_t written_per_step_bytes = 0;  // per node
+  double step_seconds = 0;                   // as given
+  double written_per_hour_bytes = 0;         // per node, at that step time
+  double days_to_rating = 0;                 // of training, around the clock; infinity when nothing is written
+};
+DriveWear drive_wear(const Plan& plan, const PlanInput& input, double step_seconds, const DriveEndurance& endurance);
+// The least time a step can take on the drives: its NVMe reads and writes at
+// the link speeds, one after the other (a drive shares its time between them).
+double nvme_bound_seconds(const Plan& plan, const PlanInput& input);
 
 }  // namespace tz

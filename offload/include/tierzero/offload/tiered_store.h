@@ -82,6 +82,10 @@ class TieredStore {
   bool resident() const { return args_.tier != Tier::kNvme; }
   // The shard's memory on the gpu and cpu tiers; nullptr on NVMe.
   void* memory(std::size_t block) const { return memory_.empty() ? nullptr : memory_[block].data(); }
+  // Where host code may work on the shard in place (the cpu tier), and where
+  // device code may (the gpu tier); nullptr where it may not.
+  void* host_memory(std::size_t block) const { return args_.tier == Tier::kCpu ? memory(block) : nullptr; }
+  void* device_memory(std::size_t block) const { return args_.tier == Tier::kGpu ? memory(block) : nullptr; }
   nvme::ExtentId extent(std::size_t block) const { return extents_[block]; }
 
   // The whole shard from / into `host` (ordinary host memory), whatever the
@@ -95,6 +99,15 @@ class TieredStore {
   nvme::IoFuture read(std::size_t block, void* host) const;
   nvme::IoFuture write(std::size_t block, const void* host) const;
   void read(std::size_t block, void* host, nvme::IoCallback done) const;
+
+  // Starts moving the shard's new values at `host` (pinned, shard_bytes
+  // long; aligned for O_DIRECT) to the tier, whatever it is, and adds what to
+  // wait for to `pending`: the cpu tier copies now (nothing when `host` is
+  // the shard's own memory), the gpu tier queues the copy on `stream` (moved
+  // once settle(stream) returns), NVMe writes asynchronously.
+  Status write_back(std::size_t block, const void* host, Stream& stream, std::vector<nvme::IoFuture>& pending) const;
+  // Waits for the copies write_back queued on `stream`; nothing to do off the gpu tier.
+  Status settle(Stream& stream) const;
 
  private:
   explicit TieredStore(const TieredStoreArgs& args) : args_(args) {}

@@ -72,6 +72,12 @@ struct GptConfig {
   // head's matmul counted once through wte) + 12 x layers x hidden x seq for
   // attention's score and value products, the usual estimate (PaLM, app. B).
   double flops_per_token() const;
+  // Host memory the CPU trainer holds besides the engine for one micro-batch
+  // of batch x seq tokens: its fp32 activations and backward scratch
+  // (detail::Workspace, exactly) and its fp32 copies of the embedding block
+  // and one transformer block's weights and gradients. tierzero-train refuses
+  // a --batch or --seq whose activations do not fit in available memory.
+  std::uint64_t activation_bytes() const;
 };
 
 // Parameter indices within the blocks.

@@ -1,0 +1,69 @@
+// The formats the optimizer's states are stored in, and what each costs.
+//
+// Mixed-precision Adam keeps, beside the 16-bit parameter, an fp32 master
+// weight and two fp32 moments: 12 B a parameter. The compact formats
+// (issue #21) store the same states in fewer bytes:
+//
+//   state    format       bytes/elem   what is stored per element
+//   master   fp32         4            the fp32 master weight
+//            remainder    2.125        an int16 remainder + one tie bit; with
+//                                      the bf16 parameter the tiers already
+//                                      hold, the fp32 master rebuilt bit for bit
+//   moments  fp32         8            exp_avg + exp_avg_sq, fp32 each
+//            bf16         4            both in bf16
+//            int8         2.03125      both as 8-bit codes, block-wise: one
+//                                      fp32 scale per kInt8MomentBlockNumel
+//                                      elements of each moment
+//
+// Note [Master remainder]: bf16 b = round-to-nearest-even(m) of an fp32
+// master m. The fp32 values that round to b lie within half a bf16 step of
+// it: 2^16 - 1 of them when b's last mantissa bit is odd (ties go away from
+// it), 2^16 + 1 when it is even (both ties come to it). An exact rebuild of m
+// from b therefore needs 65537 codes for even b: a 16-bit remainder and one
+// more bit, kept packed 8 to a byte beside the remainders.
+//
+// Note [State formats]: these definitions are the one place the layouts'
+// sizes live. The config names them (tierzero.states), the planner sizes
+// tiers and traffic with them, and the kernels, stores and checkpoints that
+// implement a format must store exactly this many bytes (the block size
+// above included), so what the planner promised is what is allocated.
+// Defaults (fp32, fp32) are today's layout bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace tz {
+
+enum class MasterFormat : std::uint8_t { kFp32, kRemainder };
+enum class MomentFormat : std::uint8_t { kFp32, kBf16, kInt8 };
+
+// Every format, in the order the config's error messages list them.
+inline constexpr MasterFormat kMasterFormats[] = {MasterFormat::kFp32, MasterFormat::kRemainder};
+inline constexpr MomentFormat kMomentFormats[] = {MomentFormat::kFp32, MomentFormat::kBf16, MomentFormat::kInt8};
+
+// Elements of one moment that share one fp32 scale in the int8 format.
+inline constexpr std::uint64_t kInt8MomentBlockNumel = 256;
+inline constexpr std::uint64_t kInt8MomentScaleBytes = 4;  // fp32
+
+struct StateFormats {
+  MasterFormat master = MasterFormat::kFp32;
+  MomentFormat moments = MomentFormat::kFp32;
+
+  bool is_default() const { return master == MasterFormat::kFp32 && moments == MomentFormat::kFp32; }
+  friend bool operator==(const StateFormats&, const StateFormats&) = default;
+};
+
+// The config's spellings: "fp32" | "remainder", and "fp32" | "bf16" | "int8".
+std::string_view master_format_name(MasterFormat format);
+std::string_view moment_format_name(MomentFormat format);
+
+// Bytes that `numel` elements of a shard take in each format, exactly
+// (partial tie-bit bytes and partial scale blocks round up).
+std::uint64_t master_bytes(MasterFormat format, std::uint64_t numel);
+std::uint64_t moments_bytes(MomentFormat format, std::uint64_t numel);  // both moments together
+// The same per element, for large shards: 4 or 2.125; 8, 4 or 2.03125.
+double master_bytes_per_elem(MasterFormat format);
+double moments_bytes_per_elem(MomentFormat format);
+
+}  // namespace tz
