@@ -63,7 +63,7 @@ nlohmann::json row_json(const Row& r) {
           {"algorithm", r.kernel.kind == Kind::kStep ? nlohmann::json(ca::algorithm_name(r.kernel.algorithm))
                                                      : nlohmann::json(nullptr)},
           {"copy_out", r.kernel.copy_out ? "bf16" : "none"},
-          {"master", ca::master_format_name(r.kernel.master)},
+          {"master", tz::master_format_name(r.kernel.master)},
           {"grad_dtype", tz::dtype_name(r.kernel.grad_dtype)},
           {"size", r.n},
           {"threads", r.threads},

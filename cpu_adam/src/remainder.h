@@ -21,7 +21,9 @@
 // no h to be near (the copy-out makes (bits >> 16) | 0x40 of them), so they
 // store r = t = 0 and come back as that bf16 NaN widened: still a NaN, its
 // payload's low bits lost (a NaN master has no future in a step anyway).
-// Cost: 2 + 1/8 bytes a parameter instead of 4.
+// Cost: 2 + 1/8 bytes a parameter instead of 4 (tz::master_bytes in
+// common/state_format.h, whose Note [Master remainder] sizes the format for
+// the planner).
 //
 // The tie bits are packed, element i in bit i % 8 of byte i / 8. Tiles start
 // at multiples of 16 elements (optimizer.cpp: kTileQuantum, and

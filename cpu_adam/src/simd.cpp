@@ -119,14 +119,6 @@ std::string_view algorithm_name(Algorithm algorithm) {
   return "unknown";
 }
 
-std::string_view master_format_name(MasterFormat format) {
-  switch (format) {
-    case MasterFormat::kFp32: return "fp32";
-    case MasterFormat::kRemainder: return "remainder";
-  }
-  return "unknown";
-}
-
 namespace detail {
 
 Expected<Simd> choose_simd(const std::optional<Simd>& forced) {

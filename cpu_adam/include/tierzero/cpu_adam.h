@@ -117,9 +117,10 @@ struct StepArgs {
   double grad_scale = 1.0;     // every gradient is multiplied by this first; finite, > 0
 };
 
-// How the master weights are stored (the formulas above describe both).
-enum class MasterFormat : std::uint8_t { kFp32, kRemainder };
-std::string_view master_format_name(MasterFormat format);  // "fp32" | "remainder"
+// How the master weights are stored (the formulas above describe both): the
+// config's tz::MasterFormat (tierzero/common/state_format.h, which also has
+// tz::master_format_name and the bytes each format takes).
+using MasterFormat = tz::MasterFormat;
 
 // One shard's state as spans of n elements. Which spans an algorithm needs:
 //   Adam/AdamW  master, grad, exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)
