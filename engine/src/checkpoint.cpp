@@ -110,9 +110,9 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
 // engine of the same program saving there later (a resumed run in a
 // notebook). An untagged save picks a name no checkpoint has before it locks,
 // so under the lock it checks the name is still free: if not, another run
-// saved meanwhile. A save that fails removes its own .partial (it holds the
-// lock, so the .partial is its own); a process killed mid-save leaves it to
-// the next save of that name, as before.
+// saved meanwhile. keep_last prunes under the lock too. A save that fails
+// removes its own .partial (it holds the lock, so the .partial is its own); a
+// process killed mid-save leaves it to the next save of that name, as before.
 static Expected<LockFile> lock_save_folder(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);

@@ -585,10 +585,11 @@ TEST(Checkpoint, KeepLastRemovesTheOldestCompleteCheckpoints) {
     for (const auto& entry : fs::directory_iterator(ckpt.path())) out.insert(entry.path().filename().string());
     return out;
   };
-  EXPECT_EQ(names(), (std::set<std::string>{"latest", "notes", "step-3", "step-4"}));
+  // .tierzero-save.lock: Note [One saver a folder].
+  EXPECT_EQ(names(), (std::set<std::string>{".tierzero-save.lock", "latest", "notes", "step-3", "step-4"}));
   // A tagged save of the latest step without moving `latest`: step-4 stays (latest names it), the tag too.
   ASSERT_TRUE(e->save_checkpoint(ckpt.path(), {.tag = "snapshot", .save_latest = false, .keep_last = 1}).ok());
-  EXPECT_EQ(names(), (std::set<std::string>{"latest", "notes", "snapshot", "step-4"}));
+  EXPECT_EQ(names(), (std::set<std::string>{".tierzero-save.lock", "latest", "notes", "snapshot", "step-4"}));
   EXPECT_TRUE(e->load_checkpoint(ckpt.path()).ok());
 }
 

@@ -365,7 +365,7 @@ def test_keep_last_keeps_the_newest_checkpoints(nvme_dir, tmp_path):
         eng.reduce_grads(1, [torch.ones(4, 8)])
         eng.step()
         eng.save_checkpoint(tmp_path / "ckpt", keep_last=2)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-2", "step-3"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".tierzero-save.lock", "latest", "step-2", "step-3"]
     assert eng.load_checkpoint(tmp_path / "ckpt")[0] == str(tmp_path / "ckpt" / "step-3")
 
 
