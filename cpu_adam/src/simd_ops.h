@@ -311,7 +311,12 @@ struct XsimdOps {
   // Note [Remainder masters], lane-wise; bit k of `ties` (and of the result) is lane k's tie.
   TZ_ADAM_INLINE static V load_master(const std::uint16_t* h, const std::int16_t* r, std::uint32_t ties) {
     const U lane_bits = U::load_aligned(kLaneBits);
-    const U tie = xsimd::select((U(ties) & lane_bits) == lane_bits, U(kTieStep), U(0));
+    // Lane k's bit of `ties` as 0 or kTieStep without an integer select (xsimd's
+    // AVX-512BW select on 32-bit lanes does not compile unoptimised, as in the
+    // sanitizer build): x | -x has its top bit set exactly when x != 0.
+    const U bit = U(ties) & lane_bits;
+    static_assert(kTieStep == 1U << 16);
+    const U tie = ((bit | (U(0) - bit)) >> 31) << 16;
     return xsimd::bitwise_cast<V>((U(C::load_u16(h)) << 16) + U(C::load_i16(r)) + tie);
   }
   // h and int16(d) (the tie's +0x8000 becomes -0x8000) are the high and low
