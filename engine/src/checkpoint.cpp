@@ -191,7 +191,7 @@ Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, co
       TZ_TRY(sync_directory(partial));
       TZ_TRY(detail::publish(partial, final_dir));  // Note [Replacing a checkpoint]
       if (options.save_latest) {
-        TZ_TRY(write_file_durably(dir + "/latest", name).with_context("checkpoint: pointing latest at " + name));
+        TZ_TRY_CTX(write_file_durably(dir + "/latest", name), "checkpoint: pointing latest at {}", name);
       } else {
         TZ_TRY(sync_directory(dir));
       }
