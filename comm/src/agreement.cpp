@@ -22,16 +22,21 @@ Status RankAgreement::agree(const Status& mine, std::string_view what) {
   return ok_status();
 }
 
-Status RankAgreement::agree_on(const std::string& value, std::string_view what, std::string_view noun,
-                               std::string_view advice) {
-  // The largest and the smallest of the ranks' hashes (as max of h and of -h):
-  // equal when all ranks agree. Shifted to 62 bits so -h cannot overflow.
+// The largest and the smallest of the ranks' hashes (as max of h and of -h):
+// equal when all ranks agree. Shifted to 62 bits so -h cannot overflow.
+Expected<bool> RankAgreement::same_everywhere(const std::string& value) {
   const auto h = static_cast<std::int64_t>(nvme::checksum(value.data(), value.size()) >> 2);
   std::int64_t extremes[2] = {h, -h};
   TZ_TRY(run([&] {
     return detail::all_reduce_host(comm_, device_, device_pool_, extremes, 2, DType::kInt64, ReduceOp::kMax);
   }));
-  if (extremes[0] != -extremes[1]) {
+  return extremes[0] == -extremes[1];
+}
+
+Status RankAgreement::agree_on(const std::string& value, std::string_view what, std::string_view noun,
+                               std::string_view advice) {
+  TZ_ASSIGN_OR_RETURN(const bool same, same_everywhere(value));
+  if (!same) {
     return invalid_argument("{}: the ranks name different {} (this rank: '{}'); every rank must {}", what, noun, value,
                             advice);
   }
@@ -60,12 +65,8 @@ std::string setting_line(const RankAgreement::Settings& settings, std::size_t i)
 Status RankAgreement::agree_on_settings(const Settings& settings, std::string_view what, std::string_view advice) {
   std::string text;
   for (std::size_t i = 0; i < settings.size(); ++i) text += setting_line(settings, i) + "\n";
-  const auto h = static_cast<std::int64_t>(nvme::checksum(text.data(), text.size()) >> 2);
-  std::int64_t extremes[2] = {h, -h};
-  TZ_TRY(run([&] {
-    return detail::all_reduce_host(comm_, device_, device_pool_, extremes, 2, DType::kInt64, ReduceOp::kMax);
-  }));
-  if (extremes[0] == -extremes[1]) return ok_status();
+  TZ_ASSIGN_OR_RETURN(const bool same, same_everywhere(text));
+  if (same) return ok_status();
   // Rank `root`'s string into every rank's `s`, its size first.
   auto share = [&](std::string& s, int root) -> Status {
     std::int64_t n = static_cast<std::int64_t>(s.size());

@@ -67,6 +67,8 @@ class RankAgreement {
   Status broadcast(void* data, std::size_t bytes, int root);
 
  private:
+  // Whether every rank passed the same `value` (one all-reduce of its hash).
+  Expected<bool> same_everywhere(const std::string& value);
   Status run(const std::function<Status()>& collective) const {
     return serialise_ ? serialise_(collective) : collective();
   }
