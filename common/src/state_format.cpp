@@ -34,6 +34,11 @@ std::uint64_t master_bytes(MasterFormat format, std::uint64_t numel) {
   return 0;
 }
 
+std::uint64_t stored_master_bytes(MasterFormat format, std::uint64_t numel) {
+  const std::uint64_t bytes = master_bytes(format, numel);
+  return ceil_div(bytes, kStoredShardAlign) * kStoredShardAlign;
+}
+
 std::uint64_t moments_bytes(MomentFormat format, std::uint64_t numel) {
   switch (format) {
     case MomentFormat::kFp32: return 2 * 4 * numel;

@@ -60,7 +60,7 @@ Status& Status::with_context(std::string_view context) & {
   if (state_ && !context.empty()) state_->message = fmt::format("{}: {}", context, state_->message);
   return *this;
 }
-Status&& Status::with_context(std::string_view context) && { return std::move(with_context(context)); }
+Status Status::with_context(std::string_view context) && { return std::move(with_context(context)); }
 
 Status& Status::add_frame(std::source_location where) & {
   if (state_) {
@@ -70,7 +70,7 @@ Status& Status::add_frame(std::source_location where) & {
   }
   return *this;
 }
-Status&& Status::add_frame(std::source_location where) && { return std::move(add_frame(where)); }
+Status Status::add_frame(std::source_location where) && { return std::move(add_frame(where)); }
 
 Status errno_status(int err, std::string_view what) {
   ErrorCode code = ErrorCode::kIoError;

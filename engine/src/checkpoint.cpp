@@ -70,8 +70,8 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
     nlohmann::json states = nlohmann::json::object();
     for (int k = 0; k < 3; ++k) {
       if (stores[k] == nullptr) continue;
-      TZ_TRY_CTX(get(*stores[k], b, buffer), "reading {} of {} for the checkpoint", kStateNames[k],
-                 layout_.blocks[b].name);
+      TZ_TRY_CTX(k == 0 ? get_master(b, buffer) : get_moment(k - 1, b, buffer), "reading {} of {} for the checkpoint",
+                 kStateNames[k], layout_.blocks[b].name);
       const std::size_t bytes = layout_.blocks[b].shard_numel * 4;
       states[kStateNames[k]] = {{"offset", offset}, {"bytes", bytes}, {"xxh3", hex(nvme::checksum(buffer, bytes))}};
       TZ_TRY(out.append(buffer, bytes));
@@ -284,13 +284,12 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
 
 Status ZeroEngineImpl::put_rank_file(const detail::RankFile& file) {
   TZ_ASSIGN_OR_RETURN(AlignedFloats buffer, aligned_floats(layout_.largest_shard_numel()));
-  TieredStore* const stores[3] = {master_.get(), exp_avg_.get(), exp_avg_sq_.get()};
   for (std::size_t b = 0; b < layout_.blocks.size(); ++b) {
     const std::string& name = layout_.blocks[b].name;
     for (int k = 0; k < 3; ++k) {
       if (!file.states[b * 3 + k]) continue;
       TZ_TRY_CTX(detail::read_state(file, b, k, name, buffer.get()), "reading it again to load it (it was verified a moment ago)");
-      TZ_TRY_CTX(k == 0 ? put_weights(b, buffer.get()) : put(*stores[k], b, buffer.get()), "writing {} of {}",
+      TZ_TRY_CTX(k == 0 ? put_weights(b, buffer.get()) : put_moment(k - 1, b, buffer.get()), "writing {} of {}",
                  kStateNames[k], name);
     }
   }

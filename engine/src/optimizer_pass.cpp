@@ -43,9 +43,11 @@ class CpuOptimizerPass final : public OptimizerPass {
     PoolBlock param16;
   };
 
+  bool remainder() const { return deps_.master_format == MasterFormat::kRemainder; }
   Status make_staging();
+  std::uint64_t offset_in_group(const TieredStore& store, std::size_t block) const;
   void* state_ptr(const TieredStore* store, std::size_t block, StagingSet& set) const;
-  std::vector<nvme::IoFuture> read_group(std::size_t group, StagingSet& set);
+  Status read_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& reads);
   Status write_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes);
   Status step_group(std::size_t group, StagingSet& set, const cpu_adam::Hyper& h, std::int64_t step,
                     double grad_scale);
@@ -53,6 +55,7 @@ class CpuOptimizerPass final : public OptimizerPass {
 
   OptimizerPassDeps deps_;
   std::vector<std::vector<std::size_t>> groups_;
+  std::vector<std::size_t> group_of_;           // per block
   std::vector<std::uint64_t> offset_in_group_;  // per block: elements before it in its sub-group
   std::uint64_t max_group_numel_ = 0;
   std::vector<StagingSet> staging_;             // min(kStagingSets, sub-groups), made at the first step
@@ -68,6 +71,7 @@ CpuOptimizerPass::CpuOptimizerPass(const OptimizerPassDeps& deps) : deps_(deps) 
       in_group = 0;
     }
     groups_.back().push_back(b);
+    group_of_.push_back(groups_.size() - 1);
     offset_in_group_.push_back(in_group);
     in_group += n;
     max_group_numel_ = std::max(max_group_numel_, in_group);
@@ -82,7 +86,11 @@ Status CpuOptimizerPass::make_staging() {
   for (StagingSet& set : staging_) {
     for (const TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq, deps_.grad}) {
       if (store == nullptr || store->resident()) continue;
-      TZ_ASSIGN_OR_RETURN(set.area[store], deps_.host_pool->allocate(max_group_numel_ * 4, store->colour()));
+      std::uint64_t largest = 0;  // bytes of the largest sub-group in this store's format
+      for (const std::vector<std::size_t>& group : groups_) {
+        largest = std::max(largest, offset_in_group(*store, group.back()) + store->shard_bytes(group.back()));
+      }
+      TZ_ASSIGN_OR_RETURN(set.area[store], deps_.host_pool->allocate(largest, store->colour()));
     }
     if (deps_.param16->host_memory(0) == nullptr && deps_.param_type != DType::kFp32) {
       TZ_ASSIGN_OR_RETURN(set.param16, deps_.host_pool->allocate(max_group_numel_ * dtype_bytes(deps_.param_type),
@@ -92,12 +100,24 @@ Status CpuOptimizerPass::make_staging() {
   return ok_status();
 }
 
+// Bytes before `block` in its sub-group's staging area for `store`: its
+// group's earlier shards, in the store's format (whole 4 KiB each, so every
+// shard starts aligned for O_DIRECT).
+std::uint64_t CpuOptimizerPass::offset_in_group(const TieredStore& store, std::size_t block) const {
+  std::uint64_t offset = 0;
+  for (std::size_t b : groups_[group_of_[block]]) {
+    if (b == block) break;
+    offset += store.shard_bytes(b);
+  }
+  return offset;
+}
+
 // Where a state of `block` is while its sub-group steps: its own memory, or
 // its place in the staging set (blocks of a group lie one after another).
 void* CpuOptimizerPass::state_ptr(const TieredStore* store, std::size_t block, StagingSet& set) const {
   if (store == nullptr) return nullptr;
   if (store->resident()) return store->memory(block);
-  return static_cast<char*>(set.area.at(store).data()) + offset_in_group_[block] * store->elem_bytes();
+  return static_cast<char*>(set.area.at(store).data()) + offset_in_group(*store, block);
 }
 
 // The new 16-bit parameters of `block`: in place when they live in CPU
@@ -107,13 +127,18 @@ void* CpuOptimizerPass::param16_out(std::size_t block, StagingSet& set) const {
   return static_cast<char*>(set.param16.data()) + offset_in_group_[block] * dtype_bytes(deps_.param_type);
 }
 
-std::vector<nvme::IoFuture> CpuOptimizerPass::read_group(std::size_t group, StagingSet& set) {
-  std::vector<nvme::IoFuture> reads;
+// Starts the reads of a sub-group's states into its staging set. A
+// remainder master also needs its 16-bit parameter shards, read from their
+// tier into the copy-out staging they leave by (Note [Remainder traffic]);
+// a copy from the GPU tier is there once the stream settles.
+Status CpuOptimizerPass::read_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& reads) {
   for (const TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq, deps_.grad}) {
     if (store == nullptr || store->resident()) continue;
     for (std::size_t b : groups_[group]) reads.push_back(store->read(b, state_ptr(store, b, set)));
   }
-  return reads;
+  if (!remainder()) return ok_status();
+  for (std::size_t b : groups_[group]) TZ_TRY(deps_.param16->read_into(b, param16_out(b, set), *deps_.stream, reads));
+  return deps_.param16->settle(*deps_.stream);
 }
 
 Status CpuOptimizerPass::write_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes) {
@@ -135,16 +160,24 @@ Status CpuOptimizerPass::write_group(std::size_t group, StagingSet& set, std::ve
 Status CpuOptimizerPass::step_group(std::size_t group, StagingSet& set, const cpu_adam::Hyper& h, std::int64_t step,
                                     double grad_scale) {
   for (std::size_t b : groups_[group]) {
-    // With fp32 parameters there is no copy-out: they are written from the master weights.
+    // With fp32 parameters there is no copy-out: they are written from the
+    // master weights. A remainder master is the 16-bit parameter (read, then
+    // rewritten) and the remainders and tie bits of Note [Stored remainder shards].
+    const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
     void* param16 = deps_.param_type == DType::kFp32 ? nullptr : param16_out(b, set);
-    const cpu_adam::Spans spans{.n = deps_.layout->blocks[b].shard_numel,
-                                .param = static_cast<float*>(state_ptr(deps_.master, b, set)),
+    auto* master = static_cast<std::uint8_t*>(state_ptr(deps_.master, b, set));
+    const cpu_adam::Spans spans{.n = n,
+                                .param = remainder() ? nullptr : reinterpret_cast<float*>(master),
                                 .grad = state_ptr(deps_.grad, b, set),
                                 .grad_dtype = DType::kFp32,
                                 .exp_avg = state_ptr(deps_.exp_avg, b, set),
                                 .exp_avg_sq = state_ptr(deps_.exp_avg_sq, b, set),
+                                .moment_dtype = deps_.moment_dtype,
                                 .param16 = param16,
-                                .param16_dtype = param16 != nullptr ? deps_.param_type : DType::kBf16};
+                                .param16_dtype = param16 != nullptr ? deps_.param_type : DType::kBf16,
+                                .master_format = deps_.master_format,
+                                .remainder = remainder() ? reinterpret_cast<std::int16_t*>(master) : nullptr,
+                                .tie_bits = remainder() ? master + remainder_tie_bits_offset(n) : nullptr};
     TZ_TRY_CTX(deps_.cpu_opt->step(h, {.step = step, .grad_scale = grad_scale}, spans), "stepping {}",
                deps_.layout->blocks[b].name);
   }
@@ -155,8 +188,7 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
   if (staging_.empty()) TZ_TRY(make_staging());
   const std::size_t groups = groups_.size(), sets = staging_.size();
   std::vector<std::vector<nvme::IoFuture>> reads(sets), writes(sets);
-  reads[0] = read_group(0, staging_[0]);
-  Status failed;
+  Status failed = read_group(0, staging_[0], reads[0]);
   for (std::size_t g = 0; g < groups && failed.ok(); ++g) {
     failed = wait_all(reads[g % sets]);
     if (!failed.ok()) break;
@@ -164,7 +196,8 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
       const std::size_t next = (g + 1) % sets;
       failed = wait_all(writes[next]);  // the writes of g + 1 - sets used this set
       if (!failed.ok()) break;
-      reads[next] = read_group(g + 1, staging_[next]);
+      failed = read_group(g + 1, staging_[next], reads[next]);
+      if (!failed.ok()) break;
     }
     const auto begin = std::chrono::steady_clock::now();
     failed = step_group(g, staging_[g % sets], h, step, grad_scale);

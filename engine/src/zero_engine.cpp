@@ -88,9 +88,65 @@ ZeroEngineImpl::~ZeroEngineImpl() {
 
 Status ZeroEngineImpl::sync() { return device_->synchronize_stream(*stream_); }
 
+// Note [Remainder masters in the engine]
+// With tierzero.states.master = "remainder" the master store holds, per
+// shard, int16 remainders and tie bits (Note [Stored remainder shards]), and
+// the fp32 master is rebuilt from them and the bf16 parameter shard the
+// param16 store already holds (Note [Master remainder]). So a master is put
+// by splitting it (the bf16 half is the parameter), read back by joining the
+// two stores, and stepped by the CPU optimizer pass reading the parameter
+// shard in beside the remainders (Note [Remainder traffic] counts it). The
+// split is exact both ways: an fp32 master saved by one run loads into a
+// remainder run and back bit for bit, so checkpoints and exports always hold
+// the rebuilt fp32 master, whatever the run's format.
 Status ZeroEngineImpl::put_weights(std::size_t block, const float* shard) {
+  const std::uint64_t n = layout_.blocks[block].shard_numel;
+  if (options_.config.states.master == MasterFormat::kRemainder) {
+    std::vector<std::uint16_t> bf16(n);
+    std::vector<std::uint8_t> stored(master_->shard_bytes(block), 0);  // the padding stays zero
+    TZ_TRY(cpu_adam::encode_remainder_masters(shard, n, bf16.data(), reinterpret_cast<std::int16_t*>(stored.data()),
+                                              stored.data() + remainder_tie_bits_offset(n)));
+    TZ_TRY(put(*master_, block, stored.data()));
+    return put(*param16_, block, bf16.data());
+  }
   TZ_TRY(put(*master_, block, shard));
-  return put(*param16_, block, to_param_type(shard, layout_.blocks[block].shard_numel, param_type_).data());
+  return put(*param16_, block, to_param_type(shard, n, param_type_).data());
+}
+
+// Note [Moments in bf16]
+// With tierzero.states.moments = "bf16" both moments are stored, moved and
+// stepped in bf16 (cpu_adam rounds each new moment to nearest even as it
+// stores it). Checkpoints hold them widened to fp32, exactly: a bf16 run
+// resumes bit for bit, and an fp32 checkpoint loads into a bf16 run rounded
+// to nearest even, as the step itself rounds.
+Status ZeroEngineImpl::put_moment(int which, std::size_t block, const float* shard) {
+  TieredStore& store = which == 0 ? *exp_avg_ : *exp_avg_sq_;
+  if (moment_type() == DType::kFp32) return put(store, block, shard);
+  return put(store, block, to_param_type(shard, layout_.blocks[block].shard_numel, DType::kBf16).data());
+}
+
+Status ZeroEngineImpl::get_moment(int which, std::size_t block, float* shard) {
+  const TieredStore& store = which == 0 ? *exp_avg_ : *exp_avg_sq_;
+  if (moment_type() == DType::kFp32) return get(store, block, shard);
+  const std::uint64_t n = layout_.blocks[block].shard_numel;
+  std::vector<std::uint16_t> bf16(n);
+  TZ_TRY(get(store, block, bf16.data()));
+  for (std::uint64_t i = 0; i < n; ++i) {
+    const std::uint32_t bits = static_cast<std::uint32_t>(bf16[i]) << 16;
+    std::memcpy(shard + i, &bits, 4);
+  }
+  return ok_status();
+}
+
+Status ZeroEngineImpl::get_master(std::size_t block, float* shard) {
+  if (options_.config.states.master != MasterFormat::kRemainder) return get(*master_, block, shard);
+  const std::uint64_t n = layout_.blocks[block].shard_numel;
+  std::vector<std::uint16_t> bf16(n);
+  std::vector<std::uint8_t> stored(master_->shard_bytes(block));
+  TZ_TRY(get(*master_, block, stored.data()));
+  TZ_TRY(get(*param16_, block, bf16.data()));
+  return cpu_adam::decode_remainder_masters(bf16.data(), reinterpret_cast<const std::int16_t*>(stored.data()),
+                                            stored.data() + remainder_tie_bits_offset(n), n, shard);
 }
 
 Status ZeroEngineImpl::gather_persistent(bool unset_too) {
@@ -211,7 +267,7 @@ Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {
   const BlockLayout& b = layout_.blocks[block];
   std::vector<float> whole(b.whole_numel);
   float* mine = whole.data() + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
-  TZ_TRY(get(*master_, block, mine));
+  TZ_TRY(get_master(block, mine));
   if (comm_->size() > 1) {
     TZ_TRY(comm_thread_->wait_idle());
     if (device_->kind() != BackendKind::kHost) {
@@ -298,8 +354,17 @@ std::string ZeroEngineImpl::describe() const {
                                 format_count(static_cast<double>(layout_.param_numel)),
                                 format_count(static_cast<double>(layout_.shard_numel)), padded,
                                 dtype_name(param_type_), dtype_name(grad_type_), device_->name());
+  const StateFormats& formats = options_.config.states;
   for (std::size_t s = 0; s < kNumStateClasses; ++s) {
-    out += fmt::format("; {} on {}", state_class_name(static_cast<StateClass>(s)), tier_name(plan_.tier[s]));
+    const auto cls = static_cast<StateClass>(s);
+    // The master's and moments' formats (tierzero.states), where they are not fp32.
+    std::string format;
+    if (cls == StateClass::kMaster && formats.master != MasterFormat::kFp32) {
+      format = fmt::format(" ({})", master_format_name(formats.master));
+    } else if (cls == StateClass::kMoments && formats.moments != MomentFormat::kFp32) {
+      format = fmt::format(" ({})", moment_format_name(formats.moments));
+    }
+    out += fmt::format("; {}{} on {}", state_class_name(cls), format, tier_name(plan_.tier[s]));
   }
   if (io_) out += fmt::format("; NVMe: {}", io_->describe());
   return out;

@@ -113,7 +113,18 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status get(const TieredStore& store, std::size_t block, void* host) { return store.get(block, host, *stream_); }
   // This rank's shard of `block`'s fp32 master weights, and the 16-bit
   // parameters as the optimizer's copy-out writes them: the masters rounded.
+  // A block's fp32 master shard into the stores (with its 16-bit copy), and
+  // out of them, whatever the master's format (Note [Remainder masters in the engine]).
   Status put_weights(std::size_t block, const float* shard);
+  Status get_master(std::size_t block, float* shard);
+  // A moment's shard (0: exp_avg, 1: exp_avg_sq) as fp32, whatever its
+  // format, into and out of its store (Note [Moments in bf16]).
+  Status put_moment(int which, std::size_t block, const float* shard);
+  Status get_moment(int which, std::size_t block, float* shard);
+  // The dtype the moments are stored and stepped in: fp32 or bf16.
+  DType moment_type() const {
+    return options_.config.states.moments == MomentFormat::kBf16 ? DType::kBf16 : DType::kFp32;
+  }
   // Gathers every persistent block's 16-bit parameters; with unset_too, also
   // those of blocks still marked unset (a load that has just written them).
   Status gather_persistent(bool unset_too = false);

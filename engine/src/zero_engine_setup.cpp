@@ -14,15 +14,12 @@ namespace tz {
 namespace {
 
 // Note [State formats] (tierzero/common/state_format.h): the planner sizes
-// the compact formats, but the optimizer pass, the tiered stores and the
-// checkpoints do not store them yet. Training them as fp32 would be a silent
+// every format, but the optimizer pass, the tiered stores and the checkpoints
+// do not store 8-bit moments yet. Training them as fp32 would be a silent
 // difference from the config, so it is refused before anything is made.
 Status refuse_unimplemented_formats(const StateFormats& states) {
   std::vector<std::string> asked;
-  if (states.master != MasterFormat::kFp32) {
-    asked.push_back(fmt::format("tierzero.states.master = {}", master_format_name(states.master)));
-  }
-  if (states.moments != MomentFormat::kFp32) {
+  if (states.moments == MomentFormat::kInt8) {
     asked.push_back(fmt::format("tierzero.states.moments = {}", moment_format_name(states.moments)));
   }
   if (asked.empty()) return ok_status();
@@ -93,6 +90,12 @@ Status ZeroEngineImpl::make_plan() {
                            tier_name(plan_.tier_of(StateClass::kGrad)), tier_name(plan_.tier_of(StateClass::kMaster)),
                            tier_name(plan_.tier_of(StateClass::kMoments)));
       }
+      if (!c.states.is_default()) {
+        return unavailable("tierzero.states = {{master: {}, moments: {}}}: the GPU optimizer steps fp32 master weights "
+                           "and fp32 moments only; offload the optimizer (zero_optimization.offload_optimizer.device "
+                           "\"cpu\" or \"nvme\") to step compact states with cpu_adam, or keep \"fp32\" states on the GPU",
+                           master_format_name(c.states.master), moment_format_name(c.states.moments));
+      }
       if (c.optimizer.type != "Adam" && c.optimizer.type != "AdamW") {
         return unavailable("optimizer.type = \"{}\": the GPU optimizer steps Adam and AdamW; offload the optimizer "
                            "(zero_optimization.offload_optimizer.device \"cpu\") to step {} with cpu_adam",
@@ -139,21 +142,29 @@ Status ZeroEngineImpl::make_stores() {
   }
   std::vector<ShardSpec> shards;
   for (const BlockLayout& b : layout_.blocks) shards.push_back({.name = b.name, .numel = b.shard_numel});
-  auto make = [&](StateClass cls, std::size_t elem_bytes, Colour colour) -> Expected<std::unique_ptr<TieredStore>> {
-    return TieredStore::create({.state = cls, .tier = plan_.tier_of(cls), .elem_bytes = elem_bytes, .colour = colour,
-                                .device = device_, .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
-                                .swap = swap_.get(), .traffic = &nvme_traffic_},
-                               shards);
+  auto store_args = [&](StateClass cls, std::size_t elem_bytes, Colour colour) {
+    return TieredStoreArgs{.state = cls, .tier = plan_.tier_of(cls), .elem_bytes = elem_bytes, .colour = colour,
+                           .device = device_, .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+                           .swap = swap_.get(), .traffic = &nvme_traffic_};
+  };
+  auto make = [&](StateClass cls, std::size_t elem_bytes, Colour colour) {
+    return TieredStore::create(store_args(cls, elem_bytes, colour), shards);
   };
   // Note [Coloured arrays]: the five arrays one optimizer kernel streams each get their own colour.
   TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, dtype_bytes(param_type_), Colour::kParam16));
   TZ_ASSIGN_OR_RETURN(grad_, make(StateClass::kGrad, 4, Colour::kGrad));
-  TZ_ASSIGN_OR_RETURN(master_, make(StateClass::kMaster, 4, Colour::kMaster));
+  if (c.states.master == MasterFormat::kRemainder) {  // Note [Stored remainder shards]
+    TieredStoreArgs args = store_args(StateClass::kMaster, 0, Colour::kMaster);
+    args.bytes_of = [](std::uint64_t n) { return stored_master_bytes(MasterFormat::kRemainder, n); };
+    TZ_ASSIGN_OR_RETURN(master_, TieredStore::create(args, shards));
+  } else {
+    TZ_ASSIGN_OR_RETURN(master_, make(StateClass::kMaster, 4, Colour::kMaster));
+  }
   if (!adagrad) {
-    TZ_ASSIGN_OR_RETURN(exp_avg_, make(StateClass::kMoments, 4, Colour::kExpAvg));
+    TZ_ASSIGN_OR_RETURN(exp_avg_, make(StateClass::kMoments, dtype_bytes(moment_type()), Colour::kExpAvg));
   }
   if (!lion) {
-    TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make(StateClass::kMoments, 4, Colour::kExpAvgSq));
+    TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make(StateClass::kMoments, dtype_bytes(moment_type()), Colour::kExpAvgSq));
   }
   return ok_status();
 }
@@ -242,6 +253,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       {.device = device_, .stream = stream_.get(), .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
        .param16 = param16_.get(), .grad = grad_.get(), .master = master_.get(), .exp_avg = exp_avg_.get(),
        .exp_avg_sq = exp_avg_sq_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_, .param_type = param_type_,
+       .master_format = c.states.master, .moment_dtype = moment_type(),
        .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
        .timeline = &timeline_},
       gpu_optimizer_);

@@ -12,7 +12,7 @@ Expected<std::unique_ptr<TieredStore>> TieredStore::create(const TieredStoreArgs
   std::unique_ptr<TieredStore> store(new TieredStore(args));
   const std::string_view what = state_class_name(args.state);
   for (const ShardSpec& shard : shards) {
-    const std::size_t bytes = shard.numel * args.elem_bytes;
+    const std::size_t bytes = args.bytes_of ? args.bytes_of(shard.numel) : shard.numel * args.elem_bytes;
     store->names_.push_back(shard.name);
     store->shard_bytes_.push_back(bytes);
     switch (args.tier) {
@@ -120,6 +120,22 @@ Status TieredStore::write_back(std::size_t block, const void* host, Stream& stre
       return ok_status();
     case Tier::kNvme:
       pending.push_back(write(block, host));
+      return ok_status();
+  }
+  return ok_status();
+}
+
+Status TieredStore::read_into(std::size_t block, void* host, Stream& stream,
+                              std::vector<nvme::IoFuture>& pending) const {
+  const std::size_t bytes = shard_bytes_[block];
+  switch (args_.tier) {
+    case Tier::kGpu:
+      return args_.device->copy_async(host, memory(block), bytes, stream);
+    case Tier::kCpu:
+      if (host != memory(block)) std::memcpy(host, memory(block), bytes);
+      return ok_status();
+    case Tier::kNvme:
+      pending.push_back(read(block, host));
       return ok_status();
   }
   return ok_status();

@@ -40,13 +40,20 @@ struct Tiers {
 
 const std::vector<ShardSpec> kShards = {{"layer0", 1024}, {"layer1", 4096}, {"layer2", 2048}};
 
-TEST(TieredStore, EveryTierGivesBackWhatWasPut) {
+// body(tiers, store, tier) on a fresh store of kShards on each tier.
+template <class Body>
+void on_every_tier(Body body) {
   for (Tier tier : {Tier::kGpu, Tier::kCpu, Tier::kNvme}) {
     SCOPED_TRACE(tier_name(tier));
     Tiers t;
     auto store = TieredStore::create(t.args(tier), kShards);
     ASSERT_TRUE(store.ok()) << store.status().to_string();
-    TieredStore& s = **store;
+    body(t, **store, tier);
+  }
+}
+
+TEST(TieredStore, EveryTierGivesBackWhatWasPut) {
+  on_every_tier([](Tiers& t, TieredStore& s, Tier tier) {
     EXPECT_EQ(s.blocks(), 3u);
     EXPECT_EQ(s.total_bytes(), (1024u + 4096 + 2048) * 4);
     EXPECT_EQ(s.resident(), tier != Tier::kNvme);
@@ -63,7 +70,7 @@ TEST(TieredStore, EveryTierGivesBackWhatWasPut) {
     const std::uint64_t moved = tier == Tier::kNvme ? s.total_bytes() : 0;
     EXPECT_EQ(t.traffic.write_bytes, moved);
     EXPECT_EQ(t.traffic.read_bytes, moved);
-  }
+  });
 }
 
 // The asynchronous NVMe path the optimizer pass and the prefetcher use is
@@ -118,6 +125,45 @@ TEST(TieredStore, WriteBackReachesEveryTier) {
       ASSERT_TRUE(s.write_back(0, s.host_memory(0), *t.stream, pending).ok());
       EXPECT_EQ(static_cast<const std::uint8_t*>(s.host_memory(0))[7], 0x5a);
     }
+  }
+}
+
+// read_into mirrors write_back: whatever the tier, the shard's values arrive
+// in the caller's buffer (NVMe through `pending`, the gpu tier once settled).
+TEST(TieredStore, ReadIntoBringsAShardFromEveryTier) {
+  on_every_tier([](Tiers& t, TieredStore& s, Tier tier) {
+    std::vector<tzt::AlignedBuffer> values, back;
+    std::vector<nvme::IoFuture> pending;
+    for (std::size_t b = 0; b < 3; ++b) {
+      values.emplace_back(s.shard_bytes(b));
+      values.back().fill_random(300 + b);
+      ASSERT_TRUE(s.put(b, values.back().data(), *t.stream).ok());
+      back.emplace_back(s.shard_bytes(b));
+      back.back().fill_random(400 + b);  // not the values
+      ASSERT_TRUE(s.read_into(b, back.back().data(), *t.stream, pending).ok());
+    }
+    EXPECT_EQ(pending.size(), tier == Tier::kNvme ? 3u : 0u);
+    for (nvme::IoFuture& f : pending) ASSERT_TRUE(f.wait().ok());
+    ASSERT_TRUE(s.settle(*t.stream).ok());
+    for (std::size_t b = 0; b < 3; ++b) {
+      EXPECT_EQ(std::memcmp(back[b].data(), values[b].data(), s.shard_bytes(b)), 0) << "block " << b;
+    }
+  });
+}
+
+// A format that is not a whole number of bytes an element sizes its shards
+// with bytes_of: a remainder master's 2.125 B an element, padded to 4 KiB.
+TEST(TieredStore, BytesOfSizesEachShard) {
+  for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
+    Tiers t;
+    TieredStoreArgs args = t.args(tier);
+    args.bytes_of = [](std::uint64_t n) { return stored_master_bytes(MasterFormat::kRemainder, n); };
+    const std::vector<ShardSpec> shards = {{"a", 2048}, {"b", 16 * 2048}};
+    auto store = TieredStore::create(args, shards);
+    ASSERT_TRUE(store.ok()) << store.status().to_string();
+    EXPECT_EQ((*store)->shard_bytes(0), 8192u);             // 4096 + 256, padded
+    EXPECT_EQ((*store)->shard_bytes(1), 16u * 4352u);       // 69632: already whole 4 KiB
+    EXPECT_EQ((*store)->total_bytes(), 8192u + 69632u);
   }
 }
 

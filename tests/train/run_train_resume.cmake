@@ -21,15 +21,7 @@ function(train name)
   set(last_output "${out}" PARENT_SCOPE)
 endfunction()
 
-# step -> loss, from a loss.csv
-function(read_losses csv prefix)
-  file(STRINGS "${csv}" lines)
-  foreach(line IN LISTS lines)
-    if(line MATCHES "^([0-9]+),([^,]+),")
-      set(${prefix}_${CMAKE_MATCH_1} "${CMAKE_MATCH_2}" PARENT_SCOPE)
-    endif()
-  endforeach()
-endfunction()
+include("${CMAKE_CURRENT_LIST_DIR}/train_losses.cmake")  # read_losses
 
 train(full --steps 16)
 if(NOT last_output MATCHES "the loss fell")

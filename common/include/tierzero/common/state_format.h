@@ -66,4 +66,17 @@ std::uint64_t moments_bytes(MomentFormat format, std::uint64_t numel);  // both 
 double master_bytes_per_elem(MasterFormat format);
 double moments_bytes_per_elem(MomentFormat format);
 
+// Note [Stored remainder shards]: a stored master shard of `numel` elements
+// (numel a multiple of 8) is laid out as numel int16 remainders, then
+// numel / 8 tie-bit bytes, then zero padding up to a whole kStoredShardAlign:
+// every shard stays an O_DIRECT extent, and shards staged one after another
+// start aligned. Layout shards hold a multiple of 2048 elements, so fp32
+// masters need no padding and a remainder shard at most 4 KiB less 256 B
+// (under 0.2% of a shard of 1M elements; the planner counts the formats'
+// bytes without it, and the NVMe store's per-extent slack holds it).
+inline constexpr std::uint64_t kStoredShardAlign = 4096;
+std::uint64_t stored_master_bytes(MasterFormat format, std::uint64_t numel);
+// Where a stored remainder shard's tie bits start: after its remainders.
+inline std::uint64_t remainder_tie_bits_offset(std::uint64_t numel) { return 2 * numel; }
+
 }  // namespace tz

@@ -78,12 +78,14 @@ class [[nodiscard]] Status {
   // to_string() plus the call sites the error passed through, innermost first.
   std::string debug_string() const;
 
-  // Prefixes "context: " to the message. No-op on OK.
+  // Prefixes "context: " to the message. No-op on OK. The rvalue forms return
+  // by value, so `auto&& s = f().with_context(...)` (as TZ_TRY binds it) owns
+  // its Status instead of naming a temporary that dies at the semicolon.
   Status& with_context(std::string_view context) &;
-  Status&& with_context(std::string_view context) &&;
+  Status with_context(std::string_view context) &&;
   // Records a call site (used by the TZ_TRY macros). No-op on OK.
   Status& add_frame(std::source_location where) &;
-  Status&& add_frame(std::source_location where) &&;
+  Status add_frame(std::source_location where) &&;
 
   // Marks the status as looked at, for code that really means to drop an error.
   void ignore_error() const {}

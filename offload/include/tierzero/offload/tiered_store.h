@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -53,6 +54,9 @@ struct TieredStoreArgs {
   StateClass state = StateClass::kMaster;
   Tier tier = Tier::kCpu;
   std::size_t elem_bytes = 4;
+  // A shard's bytes for a format that is not a whole number of bytes an
+  // element (a remainder master: stored_master_bytes); numel x elem_bytes when empty.
+  std::function<std::uint64_t(std::uint64_t numel)> bytes_of;
   Colour colour = Colour::kMaster;       // gpu and cpu tiers, and NVMe staging (Note [Coloured arrays])
   Device* device = nullptr;              // copies to and from the gpu tier
   MemoryPool* device_pool = nullptr;     // for Tier::kGpu
@@ -63,7 +67,7 @@ struct TieredStoreArgs {
 
 class TieredStore {
  public:
-  // Reserves a shard per block (numel x elem_bytes each) on the tier. Errors
+  // Reserves a shard per block (numel x elem_bytes, or bytes_of(numel), each) on the tier. Errors
   // name the state class, the block and the tier (a pool over its budget, NVMe
   // out of room, a shard the NVMe paths' direct-I/O alignment does not divide).
   static Expected<std::unique_ptr<TieredStore>> create(const TieredStoreArgs& args, std::span<const ShardSpec> shards);
@@ -106,7 +110,13 @@ class TieredStore {
   // the shard's own memory), the gpu tier queues the copy on `stream` (moved
   // once settle(stream) returns), NVMe writes asynchronously.
   Status write_back(std::size_t block, const void* host, Stream& stream, std::vector<nvme::IoFuture>& pending) const;
-  // Waits for the copies write_back queued on `stream`; nothing to do off the gpu tier.
+  // Its mirror: starts moving the shard's values from the tier, whatever it
+  // is, into `host` (pinned, shard_bytes long; aligned for O_DIRECT): the cpu
+  // tier copies now (nothing when `host` is the shard's own memory), the gpu
+  // tier queues the copy on `stream` (there once settle(stream) returns), NVMe
+  // reads asynchronously into `pending`.
+  Status read_into(std::size_t block, void* host, Stream& stream, std::vector<nvme::IoFuture>& pending) const;
+  // Waits for the copies write_back or read_into queued on `stream`; nothing to do off the gpu tier.
   Status settle(Stream& stream) const;
 
  private:

@@ -6,8 +6,10 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "tierzero/engine.h"
 #include "tierzero/testing/mlp.h"
@@ -95,6 +97,58 @@ inline double train_and_compare(tz::ZeroEngine& engine, tz::mlp::Reference& ref,
     if (c.ok()) worst = std::max(worst, c->max_abs);
   }
   return worst;
+}
+
+// One run, recorded for bit-for-bit comparisons: every block's gathered fp32
+// master after each optimizer step (as bits, blocks one after another), each
+// block's gathered 16-bit parameters at the end (host backend: device memory
+// is host memory), and each step's gradient norm before clipping.
+struct RunBits {
+  std::vector<std::vector<std::uint32_t>> masters;
+  std::vector<std::vector<std::uint8_t>> params;
+  std::vector<double> grad_norms;
+};
+
+inline tz::Expected<RunBits> train_for_bits(tz::ZeroEngine& engine, const tz::mlp::MlpConfig& mlp, int steps,
+                                            int gas) {
+  RunBits run;
+  for (int step = 0; step < steps; ++step) {
+    for (int micro = 0; micro < gas; ++micro) {
+      TZ_TRY(tz::mlp::train_micro_batch(engine, mlp, tz::mlp::make_batch(mlp, engine.rank(), micro, step)).status());
+      TZ_ASSIGN_OR_RETURN(tz::StepReport report, engine.step());
+      if (report.stepped) run.grad_norms.push_back(report.grad_norm);
+    }
+    std::vector<std::uint32_t>& bits = run.masters.emplace_back();
+    for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+      TZ_ASSIGN_OR_RETURN(std::vector<float> master, engine.gather_master(b));
+      const std::size_t at = bits.size();
+      bits.resize(at + master.size());
+      std::memcpy(bits.data() + at, master.data(), master.size() * 4);
+    }
+  }
+  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+    TZ_ASSIGN_OR_RETURN(tz::GatheredBlock gathered, engine.fetch(b, tz::FetchFor::kEvaluation));
+    const auto* data = static_cast<const std::uint8_t*>(gathered.data());
+    run.params.emplace_back(data, data + engine.layout().blocks[b].whole_numel * 2);
+  }
+  return run;
+}
+
+// The first difference between two recorded runs, or "" when they are the same bit for bit.
+inline std::string first_difference(const RunBits& a, const RunBits& b) {
+  if (a.masters.size() != b.masters.size()) return fmt::format("{} vs {} steps", a.masters.size(), b.masters.size());
+  for (std::size_t s = 0; s < a.masters.size(); ++s) {
+    if (a.masters[s].size() != b.masters[s].size()) return fmt::format("step {}: master sizes differ", s + 1);
+    for (std::size_t i = 0; i < a.masters[s].size(); ++i) {
+      if (a.masters[s][i] != b.masters[s][i]) {
+        return fmt::format("after step {}, master element {}: bits {:08x} vs {:08x}", s + 1, i, a.masters[s][i],
+                           b.masters[s][i]);
+      }
+    }
+  }
+  if (a.params != b.params) return "the gathered 16-bit parameters differ";
+  if (a.grad_norms != b.grad_norms) return "the gradient norms differ";
+  return "";
 }
 
 }  // namespace tzt
