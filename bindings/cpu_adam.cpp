@@ -23,6 +23,8 @@ const ArraySpec kFp32{{DType::kFp32}};
 const ArraySpec kGrad{{DType::kFp32, DType::kBf16, DType::kFp16}};
 const ArraySpec kMoment{{DType::kFp32, DType::kBf16}};
 const ArraySpec kHalf{{DType::kBf16, DType::kFp16}};
+const ArraySpec kBf16{{DType::kBf16}};
+const ArraySpec kBytes{{DType::kUint8}};
 
 // One state array: checked, and its element count matched against the param's.
 void* state(const std::optional<WritableArg>& a, const ArraySpec& spec, const char* arg, std::size_t n,
@@ -53,8 +55,10 @@ class PyCpuOptimizer {
   void step(const ca::Hyper& hyper, std::int64_t step, double grad_scale, const WritableArg& param,
             const InArray& grad, const std::optional<WritableArg>& exp_avg,
             const std::optional<WritableArg>& exp_avg_sq, const std::optional<WritableArg>& max_exp_avg_sq,
-            const std::optional<WritableArg>& param16) {
-    const ArrayInfo p = check(param, kFp32, "CpuOptimizer.step()", "param");
+            const std::optional<WritableArg>& param16, const std::optional<WritableArg>& remainder) {
+    // Note [Remainder masters]: with `remainder`, param is the bf16 parameter and the master's bf16 part.
+    const bool rem = remainder.has_value();
+    const ArrayInfo p = check(param, rem ? kBf16 : kFp32, "CpuOptimizer.step()", "param");
     const ArrayInfo g = check(grad, kGrad, "CpuOptimizer.step()", "grad");
     if (g.numel != p.numel) {
       PyErr_SetString(PyExc_ValueError,
@@ -62,8 +66,30 @@ class PyCpuOptimizer {
                                   p.numel).c_str());
       throw nb::python_error();
     }
-    ca::Spans s{.n = p.numel, .param = static_cast<float*>(p.data), .grad = g.data,
+    ca::Spans s{.n = p.numel, .param = rem ? nullptr : static_cast<float*>(p.data), .grad = g.data,
                 .grad_dtype = *g.dtype};
+    if (rem) {
+      if (param16) {
+        PyErr_SetString(PyExc_ValueError, "CpuOptimizer.step(): 'param16' with 'remainder': the bf16 'param' is the "
+                                          "parameter the step writes; there is no other copy-out");
+        throw nb::python_error();
+      }
+      // One uint8 array: n int16 remainders, then ceil(n / 8) tie-bit bytes (tz::master_bytes(kRemainder, n)).
+      const ArrayInfo r = check(*remainder, kBytes, "CpuOptimizer.step()", "remainder");
+      const std::uint64_t want = tz::master_bytes(tz::MasterFormat::kRemainder, p.numel);
+      if (r.numel != want) {
+        PyErr_SetString(PyExc_ValueError,
+                        fmt::format("CpuOptimizer.step(): argument 'remainder' has {} bytes; a remainder master of "
+                                    "{} elements takes 2 x {} + ceil({} / 8) = {}",
+                                    r.numel, p.numel, p.numel, p.numel, want).c_str());
+        throw nb::python_error();
+      }
+      s.master_format = tz::MasterFormat::kRemainder;
+      s.param16 = p.data;
+      s.param16_dtype = DType::kBf16;
+      s.remainder = static_cast<std::int16_t*>(r.data);
+      s.tie_bits = static_cast<std::uint8_t*>(r.data) + 2 * p.numel;
+    }
     DType m_dtype = DType::kFp32, v_dtype = DType::kFp32, h_dtype = DType::kBf16;
     s.exp_avg = state(exp_avg, kMoment, "exp_avg", p.numel, &m_dtype);
     s.exp_avg_sq = state(exp_avg_sq, kMoment, "exp_avg_sq", p.numel, &v_dtype);
@@ -73,8 +99,10 @@ class PyCpuOptimizer {
     }
     s.moment_dtype = s.exp_avg ? m_dtype : v_dtype;
     s.max_exp_avg_sq = static_cast<float*>(state(max_exp_avg_sq, kFp32, "max_exp_avg_sq", p.numel));
-    s.param16 = state(param16, kHalf, "param16", p.numel, &h_dtype);
-    s.param16_dtype = h_dtype;
+    if (!rem) {
+      s.param16 = state(param16, kHalf, "param16", p.numel, &h_dtype);
+      s.param16_dtype = h_dtype;
+    }
     tz::Status status;
     {
       nb::gil_scoped_release release;
@@ -147,10 +175,12 @@ void bind_cpu_adam(nb::module_& m) {
            "widest this CPU runs, or $TIERZERO_SIMD).")
       .def("step", &PyCpuOptimizer::step, nb::arg("hyper"), nb::arg("step"), nb::arg("grad_scale"),
            nb::arg("param"), nb::arg("grad"), nb::arg("exp_avg") = nb::none(), nb::arg("exp_avg_sq") = nb::none(),
-           nb::arg("max_exp_avg_sq") = nb::none(), nb::arg("param16") = nb::none(),
+           nb::arg("max_exp_avg_sq") = nb::none(), nb::arg("param16") = nb::none(), nb::arg("remainder") = nb::none(),
            "One step in place. param: float32, C-contiguous, cpu, n elements (updated); grad: float32 | bfloat16 | "
            "float16, n elements; exp_avg, exp_avg_sq: float32 | bfloat16 (same dtype), n elements; max_exp_avg_sq: "
-           "float32 (amsgrad); param16: bfloat16 | float16, receives the new param rounded (the fused copy-out). "
+           "float32 (amsgrad); param16: bfloat16 | float16, receives the new param rounded (the fused copy-out); "
+           "remainder: uint8, 2n + ceil(n / 8) bytes, makes param the bfloat16 parameter of a remainder master "
+           "(the fp32 master rebuilt from both, bit for bit; tierzero/cpu_adam.h). "
            "Which states an algorithm needs: tierzero/cpu_adam.h. Arrays of any shape with n contiguous elements.")
       .def("accumulate_grad", &PyCpuOptimizer::accumulate_grad, nb::arg("acc"), nb::arg("grad"),
            nb::arg("overwrite") = false, nb::arg("scale") = 1.0,

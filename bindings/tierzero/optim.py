@@ -30,6 +30,21 @@ cost ~2.3 us, the view ~0.1 us), and only after the kernel ran, so a refused
 parameter's state is left as it was (parameters before it in the same step()
 have stepped: each is stepped or refused on its own, as before).
 
+Note [Compact states in tierzero.optim]
+master="remainder" (Adam, AdamW, Adagrad, Lion) steps bf16 parameters as if
+each had an fp32 master weight, bit for bit, storing 2.125 B a parameter
+instead of 4 (Note [Remainder masters] in cpu_adam/src/remainder.h): the
+parameters are the model's contiguous bfloat16 CPU tensors, updated in place
+to the round-to-nearest-even of the master, and state["master_remainder"]
+(uint8, 2n + ceil(n / 8) bytes: n int16 remainders, then n tie bits) holds
+what the bf16 value lacks. A new state starts at zero remainder: the master
+is the bf16 parameter exactly, as torch's optimizers over bf16 parameters
+have it, so such a state_dict loads as that. moments="bf16" keeps exp_avg and
+exp_avg_sq (Adagrad's sum) in bfloat16, rounded to nearest even by the step
+(4 B a parameter instead of 8); "fp32" is torch's. load_state_dict keeps
+these dtypes (torch would cast every state to the parameter's dtype: a
+remainder to bf16) and converts moments of the other width.
+
 param16_dtype=torch.bfloat16 (or float16) adds the fused 16-bit copy-out:
 the same pass writes each new parameter rounded to 16 bits into a separate
 tensor, `optimizer.param16(p)`, for a mixed-precision model to run on. It is
@@ -96,9 +111,19 @@ class _CpuOptimizer(torch.optim.Optimizer):
     _optional_state_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: Iterable[Any], defaults: dict, *, threads: int = 0,
-                 param16_dtype: Optional[torch.dtype] = None):
+                 param16_dtype: Optional[torch.dtype] = None, master: str = "fp32", moments: str = "fp32"):
         if param16_dtype not in (None, torch.bfloat16, torch.float16):
             raise TypeError(f"param16_dtype = {param16_dtype}: expected None, torch.bfloat16 or torch.float16")
+        if master not in ("fp32", "remainder"):
+            raise ValueError(f"master = {master!r}: expected 'fp32' or 'remainder'")
+        if moments not in ("fp32", "bf16"):
+            raise ValueError(f"moments = {moments!r}: expected 'fp32' or 'bf16'"
+                             + (" ('int8' is not implemented yet)" if moments == "int8" else ""))
+        if master == "remainder" and param16_dtype is not None:
+            raise ValueError("param16_dtype with master='remainder': the bfloat16 parameters are the 16-bit copy, "
+                             "updated in place; there is no other")
+        self._remainder = master == "remainder"
+        self._moment_dtype = torch.bfloat16 if moments == "bf16" else torch.float32
         super().__init__(params, defaults)
         self._kernel = _core.CpuOptimizer(threads=threads)
         self._param16_dtype = param16_dtype
@@ -122,9 +147,12 @@ class _CpuOptimizer(torch.optim.Optimizer):
         return f"{type(self).__name__}: param_groups[{g}]['params'][{i}]"
 
     def _check(self, p: torch.Tensor, g: int, i: int) -> None:
-        if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+        want = torch.bfloat16 if self._remainder else torch.float32
+        if p.device.type != "cpu" or p.dtype != want or not p.is_contiguous():
+            kind = "master='remainder' steps contiguous bfloat16" if self._remainder else \
+                "the CPU optimizer steps contiguous float32"
             raise TypeError(f"{self._name(g, i)} is a {'' if p.is_contiguous() else 'non-contiguous '}{p.dtype} "
-                            f"tensor on {p.device}; the CPU optimizer steps contiguous float32 CPU tensors")
+                            f"tensor on {p.device}; {kind} CPU tensors")
         grad = p.grad
         if grad.is_sparse:
             raise TypeError(f"{self._name(g, i)} has a sparse gradient; sparse gradients are not supported")
@@ -143,7 +171,15 @@ class _CpuOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         state["step"] = torch.tensor(0.0)
         for key in self._state_keys:
-            state[key] = _coloured_like(p, _COLOURS[key], torch.zeros)
+            state[key] = _coloured_like(p, _COLOURS[key], torch.zeros, self._moment_dtype)
+        if self._remainder:
+            state["master_remainder"] = self._zero_remainder(p)
+
+    @staticmethod
+    def _zero_remainder(p: torch.Tensor) -> torch.Tensor:
+        """The remainder of a master equal to the bf16 parameter: all zero (Note [Compact states in tierzero.optim])."""
+        n = p.numel()
+        return torch.zeros(2 * n + (n + 7) // 8, dtype=torch.uint8)
 
     def _state_arrays(self, state: dict, group: dict) -> dict:
         raise NotImplementedError
@@ -196,8 +232,9 @@ class _CpuOptimizer(torch.optim.Optimizer):
         try:
             # p.detach(): the same storage (torch refuses to export a tensor that requires grad).
             states = {k: to_dlpack(v) for k, v in self._state_arrays(state, group).items()}
+            remainder = to_dlpack(state["master_remainder"]) if self._remainder else None
             self._kernel.step(hyper, n, 1.0, to_dlpack(p.detach()), to_dlpack(grad),
-                              param16=None if param16 is None else to_dlpack(param16), **states)
+                              param16=None if param16 is None else to_dlpack(param16), remainder=remainder, **states)
         except BaseException:
             if fresh:
                 state.clear()  # a refused parameter keeps no state
@@ -215,6 +252,8 @@ class _CpuOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name}.load_state_dict: param_groups[{g}] has no {missing}: the state_dict is "
                                  "another optimizer's")
         allowed = {"step", *self._state_keys, *self._optional_state_keys}
+        if self._remainder:
+            allowed.add("master_remainder")
         for index, state in state_dict.get("state", {}).items():
             keys = set(state)
             if keys and (keys - allowed or not set(self._state_keys) <= keys):
@@ -223,7 +262,10 @@ class _CpuOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._refuse_foreign(state_dict)
+        if self._remainder:
+            self._check_remainders(state_dict)
         super().load_state_dict(state_dict)
+        self._restore_state_dtypes(state_dict)
         # torch casts floating state to the parameter's dtype and device; the
         # kernels also need contiguous memory.
         for state in self.state.values():
@@ -239,6 +281,41 @@ class _CpuOptimizer(torch.optim.Optimizer):
         self._param16.clear()
         self._counters.clear()
 
+    def _check_remainders(self, state_dict: dict) -> None:
+        """Each saved remainder fits its parameter, before anything is loaded."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved_ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+        for index, p in zip(saved_ids, params):
+            r = state_dict.get("state", {}).get(index, {}).get("master_remainder")
+            n = p.numel()
+            if r is not None and (not isinstance(r, torch.Tensor) or r.dtype != torch.uint8
+                                  or r.numel() != 2 * n + (n + 7) // 8):
+                what = f"a {r.dtype} tensor of {r.numel()} elements" if isinstance(r, torch.Tensor) else type(r)
+                raise ValueError(f"{type(self).__name__}.load_state_dict: state[{index}]['master_remainder'] is "
+                                 f"{what}; a parameter of {n} elements needs uint8 x {2 * n + (n + 7) // 8}")
+
+    def _restore_state_dtypes(self, state_dict: dict) -> None:
+        """Undoes torch's cast of every state to the parameter's dtype (Note [Compact states in tierzero.optim]):
+        each state is taken again from the saved one, moments converted to this optimizer's dtype, a remainder
+        as saved (none: zero, the master being the bf16 parameter)."""
+        saved_ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved = state_dict.get("state", {})
+        moment_keys = set(self._state_keys)
+        for index, p in zip(saved_ids, params):
+            state = self.state.get(p)
+            original = saved.get(index)
+            if not state or original is None:
+                continue
+            for key, value in original.items():
+                if key == "step" or not isinstance(value, torch.Tensor):
+                    continue
+                dtype = self._moment_dtype if key in moment_keys else torch.uint8 if key == "master_remainder" \
+                    else torch.float32
+                state[key] = value.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+            if self._remainder and "master_remainder" not in original:
+                state["master_remainder"] = self._zero_remainder(p)
+
 
 class Adam(_CpuOptimizer):
     """torch.optim.Adam on tierzero's SIMD kernels (L2 weight decay added to the gradient; amsgrad supported)."""
@@ -249,20 +326,22 @@ class Adam(_CpuOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
-                 threads: int = 0, param16_dtype: Optional[torch.dtype] = None):
+                 threads: int = 0, param16_dtype: Optional[torch.dtype] = None, master: str = "fp32",
+                 moments: str = "fp32"):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype)
+        super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype, master=master,
+                         moments=moments)
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         super()._init_state(p, state, group)
         if group["amsgrad"]:
-            state["max_exp_avg_sq"] = _coloured_like(p, _COLOURS["max_exp_avg_sq"], torch.zeros)
+            state["max_exp_avg_sq"] = _coloured_like(p, _COLOURS["max_exp_avg_sq"], torch.zeros, torch.float32)
 
     def _state_arrays(self, state: dict, group: dict) -> dict:
         out = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
         if group["amsgrad"]:
             if "max_exp_avg_sq" not in state:  # amsgrad switched on after the first step
-                state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
+                state["max_exp_avg_sq"] = state["exp_avg_sq"].to(torch.float32, copy=True)
             out["max_exp_avg_sq"] = state["max_exp_avg_sq"]
         return out
 
@@ -280,9 +359,10 @@ class AdamW(Adam):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 threads: int = 0, param16_dtype: Optional[torch.dtype] = None):
+                 threads: int = 0, param16_dtype: Optional[torch.dtype] = None, master: str = "fp32",
+                 moments: str = "fp32"):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, threads=threads,
-                         param16_dtype=param16_dtype)
+                         param16_dtype=param16_dtype, master=master, moments=moments)
 
 
 class Adagrad(_CpuOptimizer):
@@ -293,14 +373,16 @@ class Adagrad(_CpuOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
-                 threads: int = 0, param16_dtype: Optional[torch.dtype] = None):
+                 threads: int = 0, param16_dtype: Optional[torch.dtype] = None, master: str = "fp32",
+                 moments: str = "fp32"):
         if not initial_accumulator_value >= 0:  # a negative sum of squares has no square root
             raise ValueError(f"Adagrad: initial_accumulator_value = {initial_accumulator_value} must be >= 0")
         if not lr_decay >= 0:
             raise ValueError(f"Adagrad: lr_decay = {lr_decay} must be >= 0")
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize)
-        super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype)
+        super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype, master=master,
+                         moments=moments)
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         state["step"] = torch.tensor(0.0)
@@ -322,9 +404,11 @@ class Lion(_CpuOptimizer):
     _state_keys = ("exp_avg",)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0, *, threads: int = 0, param16_dtype: Optional[torch.dtype] = None):
+                 weight_decay: float = 0.0, *, threads: int = 0, param16_dtype: Optional[torch.dtype] = None,
+                 master: str = "fp32", moments: str = "fp32"):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
-        super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype)
+        super().__init__(params, defaults, threads=threads, param16_dtype=param16_dtype, master=master,
+                         moments=moments)
 
     def _state_arrays(self, state: dict, group: dict) -> dict:
         return {"exp_avg": state["exp_avg"]}

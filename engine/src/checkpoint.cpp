@@ -73,7 +73,8 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
       TZ_TRY_CTX(k == 0 ? get_master(b, buffer) : get_moment(k - 1, b, buffer), "reading {} of {} for the checkpoint",
                  kStateNames[k], layout_.blocks[b].name);
       const std::size_t bytes = layout_.blocks[b].shard_numel * 4;
-      states[kStateNames[k]] = {{"offset", offset}, {"bytes", bytes}, {"xxh3", hex(nvme::checksum(buffer, bytes))}};
+      states[kStateNames[k]] = {{"offset", offset}, {"bytes", bytes}, {"dtype", detail::kStoredStateDtype},
+                                {"xxh3", hex(nvme::checksum(buffer, bytes))}};
       TZ_TRY(out.append(buffer, bytes));
       offset += bytes;
     }
@@ -87,6 +88,9 @@ Status ZeroEngineImpl::write_rank_files(const std::string& dir) {
   const nlohmann::json manifest = {{"format", "tierzero-checkpoint-rank"}, {"version", detail::kCheckpointFormatVersion},
                                    {"rank", rank}, {"world_size", comm_->size()}, {"step", step_},
                                    {"optimizer", options_.config.optimizer.type},
+                                   // what the run trained in; the file holds fp32 states whatever these are
+                                   {"states", {{"master", master_format_name(options_.config.states.master)},
+                                               {"moments", moment_format_name(options_.config.states.moments)}}},
                                    // set_learning_rate()'s (null when never set), so a schedule of
                                    // the caller's resumes; the config's derives its rate from `step`
                                    {"lr", lr_set_by_caller_ ? nlohmann::json(base_lr_) : nlohmann::json()},

@@ -324,9 +324,10 @@ static Status read_manifest_json(const std::string& dir, Manifest& out) {
   if (m.at("format").get<std::string>() != "tierzero-checkpoint") {
     return data_corruption("checkpoint {}: manifest.json is not a tierzero checkpoint's", dir);
   }
-  if (const int version = m.at("version").get<int>(); version != kCheckpointFormatVersion) {
-    return data_corruption("checkpoint {}: manifest.json has format version {}; this tierzero reads version {}", dir,
-                           version, kCheckpointFormatVersion);
+  if (const int version = m.at("version").get<int>();
+      version < kOldestReadableCheckpointVersion || version > kCheckpointFormatVersion) {
+    return data_corruption("checkpoint {}: manifest.json has format version {}; this tierzero reads versions {} to {}",
+                           dir, version, kOldestReadableCheckpointVersion, kCheckpointFormatVersion);
   }
   out.world_size = m.at("world_size").get<int>();
   out.step = m.at("step").get<std::int64_t>();
@@ -430,9 +431,22 @@ Status check_rank_header(const std::string& dir, const nlohmann::json& m, const 
   if (m.at("format").get<std::string>() != "tierzero-checkpoint-rank") {
     return data_corruption("checkpoint {}: rank-{}.json is not a tierzero checkpoint's", dir, expect.rank);
   }
-  if (const int version = m.at("version").get<int>(); version != kCheckpointFormatVersion) {
-    return data_corruption("checkpoint {}: rank-{}.json has format version {}; this tierzero reads version {}", dir,
-                           expect.rank, version, kCheckpointFormatVersion);
+  if (const int version = m.at("version").get<int>();
+      version < kOldestReadableCheckpointVersion || version > kCheckpointFormatVersion) {
+    return data_corruption("checkpoint {}: rank-{}.json has format version {}; this tierzero reads versions {} to {}",
+                           dir, expect.rank, version, kOldestReadableCheckpointVersion, kCheckpointFormatVersion);
+  }
+  if (m.at("version").get<int>() >= 3) {
+    const nlohmann::json& states = m.at("states");  // the run's formats: required, and what they say is known
+    const auto master = states.at("master").get<std::string>(), moments = states.at("moments").get<std::string>();
+    auto known = [](const auto& formats, auto name_of, const std::string& name) {
+      return std::any_of(std::begin(formats), std::end(formats), [&](auto f) { return name_of(f) == name; });
+    };
+    if (!known(kMasterFormats, master_format_name, master) || !known(kMomentFormats, moment_format_name, moments)) {
+      return data_corruption("checkpoint {}: rank-{}.json says the run trained in master {}, moments {}: formats "
+                             "this tierzero does not know",
+                             dir, expect.rank, master, moments);
+    }
   }
   if (m.at("rank").get<int>() != expect.rank) {
     return data_corruption("checkpoint {}: rank-{}.json holds rank {}'s states", dir, expect.rank, m.at("rank").get<int>());
@@ -499,6 +513,12 @@ Status read_block_entry(const std::string& dir, const nlohmann::json& entry, std
                              m.at("optimizer").get<std::string>());
     }
     const nlohmann::json& saved = saved_states.at(kStateNames[k]);
+    // Version 2 stored fp32 alone; from version 3 each state says (and must say) what it holds.
+    const std::string dtype = m.at("version").get<int>() >= 3 ? saved.at("dtype").get<std::string>() : "fp32";
+    if (dtype != kStoredStateDtype) {
+      return data_corruption("checkpoint {}: {} of {} is stored as \"{}\"; this tierzero reads {} states", file.bin,
+                             kStateNames[k], want.name, dtype, kStoredStateDtype);
+    }
     const auto offset = saved.at("offset").get<std::uint64_t>(), bytes = saved.at("bytes").get<std::uint64_t>();
     if (bytes != want.shard_numel * 4 || offset > file_bytes || bytes > file_bytes - offset) {
       return data_corruption("checkpoint {}: {} of {} has a bad extent ({} bytes at {})", file.bin, kStateNames[k],

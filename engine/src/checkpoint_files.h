@@ -27,7 +27,15 @@
 namespace tz::detail {
 
 // 2: manifests are sealed (Note [Sealed manifests]) and every field is required.
-inline constexpr int kCheckpointFormatVersion = 2;
+// 3: each state records the dtype it is stored in ("fp32": the rebuilt master
+//    and the moments widened, whatever the run's tierzero.states: Note
+//    [Remainder masters in the engine], Note [Moments in bf16]), and the rank
+//    manifest the formats the run trained in ("states"). Version 2 files are
+//    read as what they are: every state fp32 (nothing else was written).
+inline constexpr int kCheckpointFormatVersion = 3;
+inline constexpr int kOldestReadableCheckpointVersion = 2;
+// The dtype every state is stored in by this version.
+inline constexpr const char* kStoredStateDtype = "fp32";
 inline constexpr const char* kClientStateFile = "client_state.bin";
 // A block's fp32 states, in the order the rank file holds them.
 inline constexpr const char* kStateNames[3] = {"master", "exp_avg", "exp_avg_sq"};

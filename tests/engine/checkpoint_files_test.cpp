@@ -118,7 +118,7 @@ struct SavedRank {
       nlohmann::json states = nlohmann::json::object();
       for (int k = 0; k < 3; ++k) {
         std::string bytes(b.shard_numel * 4, static_cast<char>('a' + k));
-        states[kStateNames[k]] = {{"offset", bin.size()}, {"bytes", bytes.size()},
+        states[kStateNames[k]] = {{"offset", bin.size()}, {"bytes", bytes.size()}, {"dtype", "fp32"},
                                   {"xxh3", hex(nvme::checksum(bytes.data(), bytes.size()))}};
         bin += bytes;
       }
@@ -128,7 +128,8 @@ struct SavedRank {
     }
     spit(dir.file("rank-0.bin"), bin);
     manifest = {{"format", "tierzero-checkpoint-rank"}, {"version", kCheckpointFormatVersion}, {"rank", 0},
-                {"world_size", 1}, {"step", 7}, {"optimizer", "AdamW"}, {"lr", nullptr},
+                {"world_size", 1}, {"step", 7}, {"optimizer", "AdamW"},
+                {"states", {{"master", "remainder"}, {"moments", "bf16"}}}, {"lr", nullptr},
                 {"loss_scaler", {{"scale", 1.0}, {"hysteresis_left", 1}, {"good_steps", 0}}},
                 {"file", "rank-0.bin"}, {"bytes", bin.size()}, {"blocks", blocks}};
   }

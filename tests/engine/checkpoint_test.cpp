@@ -643,7 +643,58 @@ TEST(Checkpoint, AnEditedOrMismatchedManifestIsRefused) {
   nlohmann::json m = nlohmann::json::parse(std::ifstream(two + "/manifest.json"));
   m["version"] = 1;
   std::ofstream(two + "/manifest.json", std::ios::trunc) << tz::detail::sealed_text(m);
-  expect_corrupt(two, "format version 1; this tierzero reads version 2");
+  expect_corrupt(two, "format version 1; this tierzero reads versions 2 to 3");
+}
+
+// Version 3 records each state's stored dtype (always fp32) and the run's
+// formats; a version-2 checkpoint (neither) still loads, as fp32 states; a
+// stored dtype this tierzero does not read is refused, naming the state.
+TEST(Checkpoint, VersionThreeRecordsTheFormatsAndVersionTwoStillLoads) {
+  TempDir nvme, ckpt;
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 2).ok());
+  ASSERT_TRUE(e->save_checkpoint(ckpt.path(), {.tag = "v"}).ok());
+  const std::string dir = ckpt.path() + "/v";
+  auto read = [](const std::string& path) {
+    nlohmann::json m = nlohmann::json::parse(std::ifstream(path));
+    m.erase("xxh3");
+    return m;
+  };
+  const nlohmann::json rank = read(dir + "/rank-0.json"), top = read(dir + "/manifest.json");
+  EXPECT_EQ(rank["version"], 3);
+  EXPECT_EQ(rank["states"], (nlohmann::json{{"master", "fp32"}, {"moments", "fp32"}}));
+  EXPECT_EQ(rank["blocks"][0]["states"]["exp_avg"]["dtype"], "fp32");
+  const auto masters_before = masters(*e);
+  // As version 2 wrote it.
+  nlohmann::json v2 = rank, v2_top = top;
+  v2["version"] = v2_top["version"] = 2;
+  v2.erase("states");
+  for (auto& block : v2["blocks"]) {
+    for (auto& state : block["states"]) state.erase("dtype");
+  }
+  std::ofstream(dir + "/rank-0.json", std::ios::trunc) << tz::detail::sealed_text(v2);
+  std::ofstream(dir + "/manifest.json", std::ios::trunc) << tz::detail::sealed_text(v2_top);
+  ASSERT_TRUE(train(*e, 2, 3).ok());
+  const tz::Status old = e->load_checkpoint(dir);
+  ASSERT_TRUE(old.ok()) << old.to_string();
+  EXPECT_EQ(masters(*e), masters_before);
+  // A version-3 state stored as something else is refused by name, not read as fp32.
+  nlohmann::json other = rank;
+  other["blocks"][1]["states"]["exp_avg_sq"]["dtype"] = "int8";
+  std::ofstream(dir + "/rank-0.json", std::ios::trunc) << tz::detail::sealed_text(other);
+  std::ofstream(dir + "/manifest.json", std::ios::trunc) << tz::detail::sealed_text(top);
+  const tz::Status refused = e->load_checkpoint(dir);
+  EXPECT_EQ(refused.code(), tz::ErrorCode::kDataCorruption) << refused.to_string();
+  EXPECT_NE(refused.message().find("exp_avg_sq of " + e->layout().blocks[1].name + " is stored as \"int8\"; this "
+                                   "tierzero reads fp32 states"),
+            std::string::npos)
+      << refused.message();
+  // A version-3 rank file without the run's formats is refused (every field required).
+  nlohmann::json missing = rank;
+  missing.erase("states");
+  std::ofstream(dir + "/rank-0.json", std::ios::trunc) << tz::detail::sealed_text(missing);
+  EXPECT_FALSE(e->load_checkpoint(dir).ok());
 }
 
 TEST(Checkpoint, AnNvmeErrorMidStepFailsTheStepAndLeavesTheSavedStateIntact) {
