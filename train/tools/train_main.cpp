@@ -71,6 +71,7 @@ struct Flags {
   std::string config_path, preset = "cpu", data_path, nvme_path, out_dir = "tierzero-train-out";
   std::string backend;   // "", "auto", "cuda", "host": empty follows the config
   std::string gpu_bytes; // "", "auto" or a size: replaces tierzero.tiers.gpu_bytes
+  std::string master, moments;  // "" or a format name: replace tierzero.states.master / .moments
   bool tf32 = true;      // CUDA only
   std::optional<int> layers, hidden, heads, seq, batch;
   std::optional<std::int64_t> steps;
@@ -134,6 +135,11 @@ tz::Expected<tz::Config> load_train_config(Flags& f) {
   if (!f.gpu_bytes.empty() && f.gpu_bytes != "auto") {
     TZ_ASSIGN_OR_RETURN(std::uint64_t bytes, tz::parse_bytes(f.gpu_bytes));
     config.tiers.gpu = tz::ByteBudget::of(bytes);
+  }
+  if (!f.master.empty()) TZ_TRY(tz::set_master_format(config, f.master));
+  if (!f.moments.empty()) TZ_TRY(tz::set_moment_format(config, f.moments));
+  if (const tz::Status s = tz::check_state_formats(config); !s.ok()) {  // --master remainder on an fp16 config, say
+    return tz::invalid_argument("{} (on the command line: --master)", s.message());
   }
   if (!f.nvme_path.empty()) {  // one directory for everything on NVMe, replacing the config's
     config.tiers.nvme_paths = {f.nvme_path};
@@ -543,6 +549,10 @@ void add_flags(CLI::App& app, Flags& f) {
                  "(\"8GiB\") or auto (e.g. for a GPU run with the shipped 32 MiB CPU-demo config)");
   app.add_flag("--tf32,!--no-tf32", f.tf32, "CUDA: cuBLAS matmuls on TF32 tensor cores (default: on; --no-tf32 for "
                "full fp32)");
+  app.add_option("--master", f.master, "the master weights' format, replacing the config's tierzero.states.master: "
+                                       "fp32, or remainder (bf16 parameters; exact, 2.125 B instead of 4)");
+  app.add_option("--moments", f.moments, "the Adam moments' format, replacing the config's tierzero.states.moments: "
+                                         "fp32 or bf16 (int8 is planned, and refused)");
   app.add_option("--preset", f.preset, "model size: tiny, cpu (default), small, gpt2")->capture_default_str();
   app.add_option("--layers", f.layers, "transformer blocks (overrides the preset)")->check(CLI::Range(1, 1000));
   app.add_option("--hidden", f.hidden, "model width")->check(CLI::Range(1, 65536));
