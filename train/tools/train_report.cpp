@@ -148,7 +148,11 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
                 "write in flight)\n", "NVMe rates achieved", rates.read_gbps, rates.read_busy_s, rates.write_gbps,
                 rates.write_busy_s);
   }
-  std::printf("  %-28s %12s\n", "host-to-device", per_step([](const StepRecord& r) { return double(r.h2d_bytes); }).c_str());
+  // PCIe upward, per parameter as the NVMe lines (device-to-host is not counted yet: issue #22).
+  const double h2d = mean_of(st, [](const StepRecord& r) { return double(r.h2d_bytes); });
+  std::printf("  %-28s %12s  (%.2f B/param)\n", "host-to-device",
+              per_step([](const StepRecord& r) { return double(r.h2d_bytes); }).c_str(),
+              h2d * info.ranks / static_cast<double>(std::max<std::uint64_t>(info.params, 1)));
   std::printf("  %-28s %12s\n", "all-gather (received)", per_step([](const StepRecord& r) { return double(r.gather_bytes); }).c_str());
   const double waits = mean_of(st, [](const StepRecord& r) { return double(r.report.host_waits); });
   const double reduced = mean_of(st, [](const StepRecord& r) { return double(r.report.blocks_reduced); });
