@@ -408,7 +408,10 @@ std::vector<Placement> candidate_placements(const PlanInput& in) {
   if (in.stage == 3) param_tiers = {Tier::kGpu, Tier::kCpu, Tier::kNvme};
   std::vector<Placement> out;
   for (Tier param : param_tiers) {
-    out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
+    // The GPU optimizer steps fp32 masters and moments only (the engine
+    // refuses compact states there): with compact ones the optimizer's
+    // states are placed off the GPU, where cpu_adam steps them.
+    if (in.states.is_default()) out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
     for (Tier master : {Tier::kCpu, Tier::kNvme}) {
       for (Tier grad : {Tier::kCpu, Tier::kNvme}) {
         for (Tier moments : {Tier::kCpu, Tier::kNvme}) out.push_back({param, grad, master, moments});
