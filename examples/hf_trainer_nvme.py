@@ -93,7 +93,7 @@ def losses(trainer: transformers.Trainer) -> list:
 
 
 def both_runs(nvme_path: str, steps: int, out: str) -> tuple:
-    """(the plain Trainer's losses, tierzero's losses, the tierzero Trainer)."""
+    """(the plain Trainer, the tierzero Trainer), both trained."""
     model = gpt2()
     plain = transformers.Trainer(model=copy.deepcopy(model), args=training_args(f"{out}/plain", steps),
                                  train_dataset=Text())
@@ -101,7 +101,7 @@ def both_runs(nvme_path: str, steps: int, out: str) -> tuple:
     ours = tierzero.hf.Trainer(model=model, args=training_args(f"{out}/tierzero", steps), train_dataset=Text(),
                                tierzero_config=ds_config(nvme_path))
     ours.train()
-    return losses(plain), losses(ours), ours
+    return plain, ours
 
 
 def main() -> int:
@@ -110,11 +110,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        theirs, mine, trainer = both_runs(a.nvme_path, a.steps, out)
+        plain, trainer = both_runs(a.nvme_path, a.steps, out)
+        theirs, mine = losses(plain), losses(trainer)
         print(f"tierzero: {trainer.engine.describe()}")
-        print("step  plain Trainer  tierzero.hf.Trainer")
-        for i, (t, m) in enumerate(zip(theirs, mine)):
-            print(f"{i + 1:4d}  {t:13.6f}  {m:19.6f}")
+        print("step  loss: plain Trainer  tierzero.hf.Trainer   grad norm: plain  tierzero")
+        norms = [(p.get("grad_norm", 0.0), m.get("grad_norm", 0.0)) for p, m in
+                 zip(plain.state.log_history, trainer.state.log_history) if "loss" in m]
+        for i, ((t, m), (tn, mn)) in enumerate(zip(zip(theirs, mine), norms)):
+            print(f"{i + 1:4d}  {t:19.6f}  {m:19.6f}  {tn:17.6f}  {mn:8.6f}")
         worst = max(abs(t - m) / abs(t) for t, m in zip(theirs, mine))
         same = len(theirs) == len(mine) == a.steps and worst <= TOLERANCE
         print(f"largest relative difference {worst:.3g} over {len(mine)} steps: "

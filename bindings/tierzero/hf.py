@@ -31,7 +31,8 @@ tierzero.torch.initialize:
   Trainer has divided already is multiplied back) and runs its optimizer at
   the boundary, so the
   Trainer's optimizer.step() does nothing and its clipping call is the
-  engine's (the config's gradient_clipping). The Trainer's schedule
+  engine's (the config's gradient_clipping; the Trainer's clip call gets
+  the engine's gradient norm, which it logs). The Trainer's schedule
   (lr_scheduler_type, warmup) runs on the returned optimizer, whose rate the
   engine takes at its next step; a config "scheduler" block is run by the
   engine instead.
@@ -167,7 +168,9 @@ class Trainer(transformers.Trainer):
                               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0})
                   if g["params"]]
         engine, optimizer, _, schedule = initialize(model=self.model, config=config, model_parameters=groups)
-        engine._clip_warned = True  # the Trainer's clip_grad_norm_ call: the engine clips by gradient_clipping
+        # The Trainer's clip_grad_norm_ call comes after training_step() has stepped the engine, which clipped by
+        # gradient_clipping: it gets the engine's norm of that step (before clipping, as torch's returns it).
+        engine._clip_reports_norm = True
         optimizer._stepped_by_engine = True  # training_step() steps the engine; the Trainer's step() is a no-op
         self.engine, self.optimizer = engine, optimizer
         if self._engine_checkpoint is not None:

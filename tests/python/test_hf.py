@@ -18,13 +18,17 @@ spec.loader.exec_module(example)
 
 
 def test_the_trainer_on_nvme_matches_the_plain_trainer_for_20_steps(nvme_dir, tmp_path):
-    theirs, mine, trainer = example.both_runs(nvme_dir, 20, str(tmp_path))
+    plain, trainer = example.both_runs(nvme_dir, 20, str(tmp_path))
+    theirs, mine = example.losses(plain), example.losses(trainer)
     worst = max(abs(t - m) / abs(t) for t, m in zip(theirs, mine))
     print(f"20 Trainer steps on NVMe: losses {mine[0]:.4f} -> {mine[-1]:.4f}, largest relative difference "
           f"from the plain Trainer {worst:.3g}")
     assert len(mine) == len(theirs) == 20
     assert mine[-1] < 0.8 * mine[0], "the model did not learn: the comparison would show nothing"
     assert worst <= example.TOLERANCE
+    norms = [(h["grad_norm"], g["grad_norm"]) for h, g in zip(trainer.state.log_history, plain.state.log_history)
+             if "grad_norm" in h]  # the engine's norm, which the Trainer logs, against torch's
+    assert len(norms) == 20 and all(m == pytest.approx(t, rel=1e-3) for m, t in norms), norms
     placed = trainer.engine.describe()
     assert "nvme" in placed.lower(), placed
     # Every tensor round-trips through save_model and from_pretrained, the tied lm_head included.
