@@ -709,6 +709,27 @@ void bind_engine(nb::module_& m) {
            nb::arg("lr"),
            "Sets the optimizer's learning rate for the next steps (finite, >= 0); refused when the config has a "
            "scheduler block. Checkpoints carry it once set.")
+      .def_prop_ro(
+          "optimizer",
+          [](PyEngine& e) {
+            const tz::OptimizerConfig& o = e.engine().config().optimizer;
+            nb::dict d;
+            d["type"] = o.type;
+            d["betas"] = nb::make_tuple(o.beta1, o.beta2);
+            d["eps"] = o.eps;
+            d["weight_decay"] = o.weight_decay;
+            d["amsgrad"] = o.amsgrad;
+            return d;
+          },
+          "The optimizer the engine runs, as the config resolved it: type (\"Adam\" is L2 Adam; DeepSpeed's "
+          "\"Adam\" with adam_w_mode is \"AdamW\" here), betas, eps, weight_decay, amsgrad. The learning rate is "
+          "learning_rate.")
+      .def_prop_ro("zero_stage", [](PyEngine& e) { return e.engine().config().zero.stage; },
+                   "The config's zero_optimization.stage.")
+      .def_prop_ro("gradient_clipping", [](PyEngine& e) { return e.engine().config().gradient_clipping; },
+                   "The config's gradient_clipping (0: off).")
+      .def_prop_ro("dataloader_drop_last", [](PyEngine& e) { return e.engine().config().dataloader_drop_last; },
+                   "The config's dataloader_drop_last (DeepSpeed's; for the data loader initialize() builds).")
       .def_prop_ro("param_dtype", [](PyEngine& e) { return numpy_name(e.engine().param_type()); })
       .def_prop_ro("grad_dtype", [](PyEngine& e) { return numpy_name(e.engine().grad_type()); })
       .def_prop_ro("device", [](PyEngine& e) { return describe_device(e.core().dl_device_type, e.core().dl_device_id); })

@@ -205,6 +205,24 @@ void bind_planner(nb::module_& m) {
       nb::arg("nvme_write_gbps") = 0.0, nb::arg("pcie_gbps") = 0.0, nb::arg("cpu_mem_gbps") = 0.0,
       "Plans where each state class lives for blocks of `block_numel` elements; returns (plan dict, report text). "
       "MemoryError (naming the tier, need, budget and keys) when nothing fits; ValueError for bad input.");
+  m.def(
+      "check_config",
+      [](const std::optional<std::string>& config_path, const std::optional<std::string>& config_json) {
+        const tz::Config c = config_path ? value_or_raise(tz::load_config(*config_path))
+                                         : value_or_raise(tz::parse_config(config_json.value_or("{}"), "<config dict>"));
+        nb::dict d;
+        d["source"] = c.source;
+        d["ignored_keys"] = c.ignored_keys;
+        d["unresolved_auto"] = c.unresolved_auto;
+        d["zero_stage"] = c.zero.stage;
+        d["optimizer"] = c.optimizer.type;
+        d["precision"] = c.precision.bf16 ? "bf16" : c.precision.fp16 ? "fp16" : "fp32";
+        return d;
+      },
+      nb::arg("config_path") = nb::none(), nb::arg("config_json") = nb::none(),
+      "Loads a config as the engine would (without touching its NVMe paths): a dict of source, ignored_keys, "
+      "unresolved_auto (\"auto\" values the engine would refuse), zero_stage, optimizer (the one that runs) and "
+      "precision; ValueError naming the key otherwise.");
 }
 
 }  // namespace tzpy

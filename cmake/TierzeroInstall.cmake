@@ -25,3 +25,20 @@ install(FILES
   ${PROJECT_BINARY_DIR}/tierzeroConfig.cmake
   ${PROJECT_BINARY_DIR}/tierzeroConfigVersion.cmake
   DESTINATION ${TIERZERO_INSTALL_CMAKEDIR})
+
+# `pip install .` (scikit-build-core sets SKBUILD): the tools go into the
+# environment's scripts directory (its bin/, on PATH once it is active), and
+# what tierzero-train reads beside its bin/ (the corpus, the example config)
+# into the environment's share/tierzero, through the wheel's data scheme. Only
+# the `python` component goes into the wheel (pyproject.toml).
+if(DEFINED SKBUILD)
+  set(_tz_tools tierzero-info tierzero-estimate tierzero-train)
+  if(TARGET tierzero-nvme-bench)
+    list(APPEND _tz_tools tierzero-nvme-bench)
+  endif()
+  install(TARGETS ${_tz_tools} RUNTIME DESTINATION ${SKBUILD_SCRIPTS_DIR} COMPONENT python)
+  install(FILES ${PROJECT_SOURCE_DIR}/data/kjv.txt ${PROJECT_SOURCE_DIR}/data/README.md
+    DESTINATION ${SKBUILD_DATA_DIR}/${CMAKE_INSTALL_DATADIR}/tierzero/data COMPONENT python)
+  install(FILES ${PROJECT_SOURCE_DIR}/examples/train_cpu_nvme.json
+    DESTINATION ${SKBUILD_DATA_DIR}/${CMAKE_INSTALL_DATADIR}/tierzero/examples COMPONENT python)
+endif()

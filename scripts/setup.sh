@@ -40,11 +40,13 @@ fi
 # Python packages: safetensors and numpy read what tierzero writes; the
 # Python package (bindings/, issue #7) builds with scikit-build-core and
 # nanobind and is tested with pytest against torch (CPU wheels are fine) and
-# transformers (a GPT-2-shaped model built from a config, no download).
+# transformers (a GPT-2-shaped model built from a config, no download) with
+# accelerate, which its Trainer needs (tests/python/test_hf.py).
 # Where the interpreter is Debian's own (PEP 668), pip needs
 # --break-system-packages; elsewhere (pyenv, a venv) plain pip is fine.
-python_packages=(safetensors numpy scikit-build-core nanobind pytest torch transformers)
-if ! python3 -c "import safetensors, numpy, scikit_build_core, nanobind, pytest, torch, transformers" 2>/dev/null; then
+python_packages=(safetensors numpy scikit-build-core nanobind pytest torch transformers accelerate)
+if ! python3 -c "import safetensors, numpy, scikit_build_core, nanobind, pytest, torch, transformers, accelerate" \
+    2>/dev/null; then
   echo "setup: pip installing ${python_packages[*]}"
   python3 -m pip install --quiet "${python_packages[@]}" 2>/dev/null ||
     python3 -m pip install --quiet --break-system-packages "${python_packages[@]}"

@@ -80,7 +80,7 @@ def main() -> None:
         config = host_config(nvme)
         config["tierzero"]["tiers"] = {"gpu_bytes": "1GiB", "cpu_bytes": "4GiB", "nvme_bytes": "8GiB"}
         params = sum(p.numel() for p in model.parameters())
-        engine, _ = tzt.initialize(model, config)
+        engine, *_ = tzt.initialize(model, config)
         print(f"case {args.case}: {params / 1e6:.1f}M params on NVMe, interrupted before step 3")
         print("step  fetches  prefetched  seconds")
         for i, (x, y) in enumerate(batches):

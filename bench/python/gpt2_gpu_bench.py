@@ -99,7 +99,7 @@ def run_tierzero(args, batches, offload: str) -> dict:
     nvme = tempfile.mkdtemp(prefix="tz-gpt2-", dir=args.nvme_path)
     model = make_model(args).to(torch.bfloat16).cuda()
     torch.cuda.reset_peak_memory_stats()
-    engine, _ = tzt.initialize(model, tierzero_config(args, offload, nvme))
+    engine, *_ = tzt.initialize(model, tierzero_config(args, offload, nvme))
     losses = []
 
     def step(i):

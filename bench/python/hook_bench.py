@@ -171,7 +171,7 @@ def main() -> None:
         plain(x).sum().backward()
         plain.zero_grad(set_to_none=True)
 
-    engine, _ = tzt.initialize(model(args.modules, args.width), config(args.modules))
+    engine, *_ = tzt.initialize(model(args.modules, args.width), config(args.modules))
 
     def tz_fwd_bwd():
         engine.backward(engine(x).sum())

@@ -10,8 +10,8 @@ NVMe, as DeepSpeed ZeRO-Infinity does, in C++ (the extension tierzero._core).
     engine, opt = tierzero.torch.initialize(model, config="ds_config.json")
 
 Submodules: tierzero.optim (torch.optim optimizers), tierzero.torch (the
-DeepSpeed-style engine for torch models), tierzero.nvme (the NVMe tier and
-its benchmark). torch is imported only by the submodules that need it.
+DeepSpeed-style engine for torch models), tierzero.hf (Hugging Face's Trainer
+on that engine), tierzero.nvme (the NVMe tier and its benchmark). torch is imported only by the submodules that need it.
 docs/python.md describes the package.
 """
 
@@ -53,7 +53,8 @@ from . import _core  # noqa: E402
 from .engine import Engine  # noqa: E402
 
 __version__: str = _core.__version__
-__all__ = ["info", "describe", "estimate", "Engine", "set_log_level", "optim", "nvme", "torch", "__version__"]
+__all__ = ["info", "describe", "estimate", "check_config", "Engine", "set_log_level", "optim", "nvme", "torch", "hf",
+           "__version__"]
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any]]
 
@@ -116,6 +117,18 @@ def config_args(config: ConfigLike | None) -> dict:
     return {"config_path": os.fspath(config)}
 
 
+def check_config(config: ConfigLike) -> dict:
+    """A config (a path or a dict) as the engine reads it, without touching its NVMe paths (`tierzero-info
+    --config` as a call).
+
+    Returns {"source", "ignored_keys" (DeepSpeed keys accepted and unused, dotted), "unresolved_auto" ("auto"
+    values nothing in the file resolves: the engine refuses to train with them), "zero_stage", "optimizer" (the
+    one that runs: DeepSpeed's "Adam" with its default adam_w_mode is "AdamW"), "precision"}. A key tierzero
+    does not know, a DeepSpeed feature it does not support, or a bad value raises ValueError naming the key.
+    """
+    return _core.check_config(**config_args(config))
+
+
 def estimate(params: Union[int, float, str], *, ranks: int = 1, ranks_per_node: int = 0, layers: int = 32,
              largest_block: Union[int, float, str, None] = None, config: ConfigLike | None = None,
              stage: int | None = None, grad_accum: int | None = None, gpu: str | None = None,
@@ -158,7 +171,7 @@ def estimate(params: Union[int, float, str], *, ranks: int = 1, ranks_per_node: 
 
 
 def __getattr__(name: str) -> Any:
-    # Submodules on first use: tierzero.optim and tierzero.torch import torch.
-    if name in ("optim", "nvme", "torch"):
+    # Submodules on first use: tierzero.optim and tierzero.torch import torch, tierzero.hf transformers.
+    if name in ("optim", "nvme", "torch", "hf"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'tierzero' has no attribute {name!r}")

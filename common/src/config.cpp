@@ -73,6 +73,8 @@ struct ParseState {
   Config config;
   bool placement_given = false;
   bool scheduler_given = false;
+  std::vector<std::string> batch_auto;   // batch keys given as "auto" (Note [Auto values])
+  std::optional<bool> adam_w_mode;       // optimizer.params.adam_w_mode as given
   std::string legacy_optimizer_offload;  // path of zero_optimization.cpu_offload: true
   std::string legacy_param_offload;      // path of zero_optimization.cpu_offload_param(s): true
 };
@@ -267,7 +269,10 @@ constexpr std::int64_t kMaxBatchKey = std::numeric_limits<std::int32_t>::max();
 // derives the rest; "auto" leaves it to be derived.
 Key batch_key(std::string_view name, std::optional<std::int64_t> BatchKeys::*given) {
   return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
-            if (is_auto(v)) return ok_status();
+            if (is_auto(v)) {  // Note [Auto values]: derived from the other two, or unresolved
+              st.batch_auto.push_back(path);
+              return ok_status();
+            }
             TZ_ASSIGN_OR_RETURN(std::int64_t n, as_integer(st, v, path, "an integer or \"auto\""));
             // 2^31: no batch is larger, and products of three such values with the ranks stay in 64 bits.
             if (n < 1 || n > kMaxBatchKey) return range_error(st, path, v, int_range(1, kMaxBatchKey));
@@ -275,6 +280,73 @@ Key batch_key(std::string_view name, std::optional<std::int64_t> BatchKeys::*giv
             if (given == &BatchKeys::train_micro_batch_size_per_gpu) st.config.train_micro_batch_size_per_gpu = n;
             if (given == &BatchKeys::gradient_accumulation_steps) st.config.gradient_accumulation_steps = n;
             return ok_status();
+          }};
+}
+
+// Note [Auto values]
+// "auto" is the Hugging Face Trainer's word for "fill this in from my
+// TrainingArguments", which it does before DeepSpeed reads the file. Where
+// DeepSpeed itself reads a block through pydantic (zero_optimization, its
+// offload blocks, fp16, bf16) it drops "auto" values, so they mean DeepSpeed's
+// default, and tierzero's defaults there are DeepSpeed's: such keys keep the
+// default. Where a default would train another run than the one meant (the
+// batch, fp16/bf16 "enabled", gradient_clipping, the optimizer's
+// hyperparameters, the scheduler's steps and ratios), "auto" is resolved
+// from the file where the file says it (a batch key from the other two, the
+// scheduler's warmup_max_lr from the optimizer's lr, its warmup_min_lr as
+// the Trainer fills it, 0), and is otherwise listed in
+// Config::unresolved_auto: the config loads, so the estimator and
+// tierzero-info read Trainer templates, and the engine refuses to train with
+// it, naming every such key. Before, they silently became lr 1e-3 and fp32.
+Key needs_value(Key key) {
+  key.set = [set = std::move(key.set)](ParseState& st, const Json& v, const std::string& path) -> Status {
+    if (!is_auto(v)) return set(st, v, path);
+    st.config.unresolved_auto.push_back(path);
+    return ok_status();
+  };
+  return key;
+}
+
+// Note [DeepSpeed features tierzero lacks]
+// A DeepSpeed key is never "unknown": it is read with its meaning, accepted
+// and listed as ignored (the loader's one warning names it), or, where it
+// turns on a DeepSpeed feature tierzero does not have (mixture-of-experts
+// expert parallelism, sequence parallelism, ZenFlow, summed gradients, Apex
+// AMP, torch.autocast, elastic batch sizes, ...), refused as such. A value
+// that leaves the feature off loads and is listed as ignored, so configs
+// that spell out the defaults keep working.
+Status unsupported_feature(const ParseState& st, std::string_view path, const Json& value, std::string_view what) {
+  return key_error(st, path,
+                   fmt::format("{} turns on {}, a DeepSpeed feature tierzero does not support; remove the key (or "
+                               "turn it off) to train with tierzero",
+                               shown(value), what));
+}
+
+Key feature_key(std::string_view name, std::string_view what, bool (*off)(const Json&)) {
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (!off(v)) return unsupported_feature(st, path, v, what);
+            st.config.ignored_keys.push_back(path);
+            return ok_status();
+          }};
+}
+
+bool is_false(const Json& v) { return v.is_null() || (v.is_boolean() && !v.get<bool>()); }
+// A DeepSpeed feature block whose "enabled" defaults to false.
+bool is_disabled(const Json& v) {
+  if (is_false(v)) return true;
+  return v.is_object() && (!v.contains("enabled") || is_false(v["enabled"]));
+}
+bool is_at_most_one(const Json& v) { return v.is_null() || (v.is_number() && v.get<double>() <= 1); }
+bool has_no_autotp(const Json& v) { return !v.is_object() || !v.contains("autotp_size") || is_at_most_one(v["autotp_size"]); }
+
+// A DeepSpeed key whose only value tierzero has is `expected`: that value is
+// read with its meaning (it is what tierzero does), the other turns on `what`.
+Key fixed_bool_key(std::string_view name, bool expected, std::string_view what) {
+  return {name, [=](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (is_auto(v) || v.is_null()) return ok_status();
+            if (!v.is_boolean()) return type_error(st, path, v, "true or false");
+            if (v.get<bool>() == expected) return ok_status();
+            return unsupported_feature(st, path, v, what);
           }};
 }
 
@@ -459,6 +531,68 @@ Key auto_tune_key() {
           }};
 }
 
+// zero_optimization: an object, or DeepSpeed's older form: true is stage 1,
+// false stage 0 (with the top-level allgather_size as its bucket, which
+// tierzero has no use for), read as DeepSpeed reads it, with its warning.
+Key zero_optimization_key(Schema schema) {
+  return {"zero_optimization", [schema](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (v.is_null()) return ok_status();
+            if (v.is_boolean()) {
+              st.config.zero.stage = v.get<bool>() ? 1 : 0;
+              TZ_LOG_WARN("config", "{}: {}: {} is DeepSpeed's deprecated form of {{\"stage\": {}}}; read as that",
+                          st.config.source, path, shown(v), st.config.zero.stage);
+              return ok_status();
+            }
+            if (!v.is_object()) return type_error(st, path, v, "an object (or true/false, DeepSpeed's older form)");
+            return parse_block(st, v, path, schema());
+          }};
+}
+
+// DeepSpeed's gradient_allreduce_op (case-insensitive): "mean", what tierzero
+// does (gradients are averaged over ranks), or "sum".
+Key allreduce_op_key() {
+  return {"gradient_allreduce_op", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            TZ_ASSIGN_OR_RETURN(std::size_t i, pick(st, v, path, {"mean", "sum"}, /*ignore_case=*/true));
+            if (i == 1) return unsupported_feature(st, path, v, "summed (not averaged) gradients over ranks");
+            return ok_status();
+          }};
+}
+
+// optimizer.type, case-insensitive as in DeepSpeed. DeepSpeed's other
+// optimizers and the torch.optim classes it builds for names it does not know
+// are refused as what they are.
+Key optimizer_type_key() {
+  return {"type", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            constexpr std::string_view kSteps = "tierzero's engine steps \"Adam\", \"AdamW\", \"Adagrad\" or \"Lion\"";
+            if (!v.is_string()) return type_error(st, path, v, "an optimizer name (\"Adam\", \"AdamW\", \"Adagrad\", \"Lion\")");
+            const std::string name = lower(v.get_ref<const std::string&>());
+            for (std::string_view known : {"Adam", "AdamW", "Adagrad", "Lion"}) {
+              if (name == lower(known)) {
+                st.config.optimizer.type = std::string(known);
+                return ok_status();
+              }
+            }
+            for (std::string_view theirs : {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw",
+                                            "musgd", "muon"}) {
+              if (name == theirs) {
+                return key_error(st, path, fmt::format("{} is a DeepSpeed optimizer tierzero does not support; {}",
+                                                       shown(v), kSteps));
+              }
+            }
+            return key_error(st, path, fmt::format("{} is not an optimizer tierzero has (DeepSpeed would look for "
+                                                   "torch.optim.{}); {}",
+                                                   shown(v), v.get_ref<const std::string&>(), kSteps));
+          }};
+}
+
+Key adam_w_mode_key() {
+  return {"adam_w_mode", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (!v.is_boolean()) return type_error(st, path, v, "true or false");
+            st.adam_w_mode = v.get<bool>();
+            return ok_status();
+          }};
+}
+
 void ignore(Block& block, std::initializer_list<std::string_view> names) {
   for (std::string_view name : names) block.keys.push_back({name, nullptr});
 }
@@ -486,7 +620,7 @@ const Block& top_block() {
         batch_key("train_batch_size", &BatchKeys::train_batch_size),
         batch_key("train_micro_batch_size_per_gpu", &BatchKeys::train_micro_batch_size_per_gpu),
         batch_key("gradient_accumulation_steps", &BatchKeys::gradient_accumulation_steps),
-        real_key("gradient_clipping", TZ_FIELD(gradient_clipping), kNonNegative),
+        needs_value(real_key("gradient_clipping", TZ_FIELD(gradient_clipping), kNonNegative)),
         block_key("fp16", fp16_block),
         block_key("bf16", bf16_block),
         block_key("bfloat16", bf16_block),  // DeepSpeed's older spelling
@@ -498,21 +632,37 @@ const Block& top_block() {
            st.scheduler_given = true;
            return parse_block(st, v, path, scheduler_block());
          }},
-        block_key("zero_optimization", zero_block),
+        zero_optimization_key(zero_block),
         block_key("aio", aio_block),
         block_key("tierzero", tierzero_block),
+        bool_key("dataloader_drop_last", TZ_FIELD(dataloader_drop_last), AutoOk::kNo),
+        // Note [DeepSpeed features tierzero lacks]
+        fixed_bool_key("managed_gradient_accumulation", true,
+                       "accumulation boundaries managed by the caller (tierzero counts micro-batches itself, as "
+                       "DeepSpeed's true does: call engine.step() after every micro-batch)"),
+        allreduce_op_key(),
+        feature_key("expert_parallel", "mixture-of-experts expert parallelism (AutoEP)", is_disabled),
+        feature_key("sequence_parallel_size", "sequence parallelism", is_at_most_one),
+        feature_key("tensor_parallel", "tensor parallelism (AutoTP)", has_no_autotp),
+        feature_key("amp", "Apex AMP", is_disabled),
+        feature_key("torch_autocast", "torch.autocast around the forward", is_disabled),
+        feature_key("elasticity", "elastic batch sizes", is_disabled),
+        feature_key("progressive_layer_drop", "progressive layer dropping", is_disabled),
+        feature_key("curriculum_learning", "curriculum learning", is_disabled),
+        feature_key("data_efficiency", "data efficiency (data sampling and routing)", is_disabled),
+        feature_key("hybrid_engine", "the hybrid (RLHF) engine", is_disabled),
+        feature_key("quantize_training", "quantization-aware training (MoQ)", is_disabled),
     }};
     ignore(b, {"steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
                "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp32_allreduce",
                "disable_allgather", "communication_data_type", "seq_parallel_communication_data_type",
-               "data_types", "amp", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+               "data_types", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
                "activation_checkpointing", "sparse_attention", "flops_profiler", "tensorboard", "wandb",
-               "csv_monitor", "comet", "monitor_config", "comms_logger", "autotuning", "elasticity",
-               "data_efficiency", "curriculum_learning", "compression_training", "quantize_training",
-               "eigenvalue", "progressive_layer_drop", "checkpoint", "load_universal_checkpoint",
+               "csv_monitor", "comet", "monitor_config", "comms_logger", "autotuning", "compression_training",
+               "eigenvalue", "checkpoint", "load_universal_checkpoint",
                "use_node_local_storage", "nebula", "pipeline", "hybrid_engine", "weight_quantization", "compile",
-               "timers", "dataloader_drop_last", "vocabulary_size", "graph_harvesting",
-               "use_data_before_expert_parallelism", "torch_autocast", "tensor_parallel"});
+               "timers", "vocabulary_size", "graph_harvesting", "use_data_before_expert_parallelism",
+               "data_parallel_size", "log_level", "datastates_ckpt", "allgather_size"});
     return b;
   }();
   return block;
@@ -521,14 +671,19 @@ const Block& top_block() {
 const Block& fp16_block() {
   static const Block block = [] {
     Block b{{
-        bool_key("enabled", TZ_FIELD(precision.fp16)),
+        needs_value(bool_key("enabled", TZ_FIELD(precision.fp16))),
         real_key("loss_scale", TZ_FIELD(precision.loss_scale), kNonNegative),
         int_key("initial_scale_power", TZ_FIELD(precision.initial_scale_power), 0, 63),
         int_key("loss_scale_window", TZ_FIELD(precision.loss_scale_window), 1),
         int_key("hysteresis", TZ_FIELD(precision.hysteresis), 1),
         real_key("min_loss_scale", TZ_FIELD(precision.min_loss_scale), kPositive),
     }};
-    ignore(b, {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads", "immediate_grad_update"});
+    b.keys.push_back(feature_key("auto_cast", "casting the model's inputs to fp16 (cast them yourself)", is_false));
+    b.keys.push_back(feature_key("consecutive_hysteresis", "refilling the hysteresis on every step without overflow",
+                                 is_false));
+    b.keys.push_back(feature_key("fp16_master_weights_and_grads", "fp16 master weights (tierzero keeps fp32 masters)",
+                                 is_false));
+    ignore(b, {"immediate_grad_update"});
     return b;
   }();
   return block;
@@ -536,9 +691,14 @@ const Block& fp16_block() {
 
 const Block& bf16_block() {
   static const Block block = [] {
-    Block b{{bool_key("enabled", TZ_FIELD(precision.bf16))}};
-    ignore(b, {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
-               "bf16_optimizer_states"});
+    Block b{{needs_value(bool_key("enabled", TZ_FIELD(precision.bf16)))}};
+    b.keys.push_back(feature_key("bf16_master_weights_and_grads",
+                                 "bf16 master weights (tierzero keeps fp32 masters, or exact 16-bit remainders: "
+                                 "tierzero.states)",
+                                 is_false));
+    b.keys.push_back(feature_key("bf16_optimizer_states",
+                                 "bf16 optimizer states (tierzero's are set by tierzero.states)", is_false));
+    ignore(b, {"immediate_grad_update", "check_grad_overflow"});
     return b;
   }();
   return block;
@@ -547,9 +707,7 @@ const Block& bf16_block() {
 const Block& optimizer_block() {
   static const Block block = [] {
     Block b{{
-        choice_key<std::string_view>("type", TZ_FIELD(optimizer.type),
-                                     {{"Adam", "Adam"}, {"AdamW", "AdamW"}, {"Adagrad", "Adagrad"}, {"Lion", "Lion"}},
-                                     /*ignore_case=*/true),
+        optimizer_type_key(),
         block_key("params", optimizer_params_block),
     }};
     ignore(b, {"legacy_fusion"});
@@ -558,12 +716,35 @@ const Block& optimizer_block() {
   return block;
 }
 
+// scheduler.type: DeepSpeed's other schedules, and the torch.optim.lr_scheduler
+// classes it builds for names it does not know, are refused as what they are.
+Key scheduler_type_key() {
+  Key choose = choice_key<SchedulerType>("type", TZ_FIELD(scheduler.type),
+                                         {{"WarmupLR", SchedulerType::kWarmupLR},
+                                          {"WarmupDecayLR", SchedulerType::kWarmupDecayLR},
+                                          {"WarmupCosineLR", SchedulerType::kWarmupCosineLR}});
+  return {"type", [set = std::move(choose.set)](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (!v.is_string()) return set(st, v, path);
+            const std::string& name = v.get_ref<const std::string&>();
+            constexpr std::string_view kOurs =
+                "tierzero runs \"WarmupLR\", \"WarmupDecayLR\" and \"WarmupCosineLR\"; or build a torch scheduler on "
+                "the optimizer initialize() returns (tierzero.torch.initialize(lr_scheduler=...))";
+            if (name == "OneCycle" || name == "LRRangeTest") {
+              return key_error(st, path, fmt::format("{} is a DeepSpeed scheduler tierzero does not support; {}",
+                                                     shown(v), kOurs));
+            }
+            if (name != "WarmupLR" && name != "WarmupDecayLR" && name != "WarmupCosineLR") {
+              return key_error(st, path, fmt::format("{} is not a schedule tierzero has (DeepSpeed would look for "
+                                                     "torch.optim.lr_scheduler.{}); {}",
+                                                     shown(v), name, kOurs));
+            }
+            return set(st, v, path);
+          }};
+}
+
 const Block& scheduler_block() {
   static const Block block{{
-      choice_key<SchedulerType>("type", TZ_FIELD(scheduler.type),
-                                {{"WarmupLR", SchedulerType::kWarmupLR},
-                                 {"WarmupDecayLR", SchedulerType::kWarmupDecayLR},
-                                 {"WarmupCosineLR", SchedulerType::kWarmupCosineLR}}),
+      scheduler_type_key(),
       block_key("params", scheduler_params_block),
   }};
   return block;
@@ -580,18 +761,10 @@ Key scheduler_param(Key key) {
           }};
 }
 
-// A step count. "auto" is what the Hugging Face Trainer writes for itself to
-// fill in; nobody fills it in here and a default would be a different run, so
-// it is recorded as unresolved (SchedulerConfig::unresolved_auto).
+// A step count: "auto" is unresolved (Note [Auto values]).
 template <typename Get>
 Key scheduler_steps_key(std::string_view name, Get get, std::int64_t lo) {
-  Key number = int_key(name, get, lo, kMaxInt, AutoOk::kNo);
-  return scheduler_param({name, [name, set = std::move(number.set)](ParseState& st, const Json& v,
-                                                                      const std::string& path) -> Status {
-                            if (!is_auto(v)) return set(st, v, path);
-                            st.config.scheduler.unresolved_auto.emplace_back(name);
-                            return ok_status();
-                          }});
+  return scheduler_param(needs_value(int_key(name, get, lo, kMaxInt, AutoOk::kNo)));
 }
 
 const Block& scheduler_params_block() {
@@ -615,8 +788,8 @@ const Block& scheduler_params_block() {
         scheduler_param(choice_key<WarmupType>("warmup_type", TZ_FIELD(scheduler.warmup_type),
                                                {{"log", WarmupType::kLog}, {"linear", WarmupType::kLinear}})),
         scheduler_steps_key("total_num_steps", TZ_FIELD(scheduler.total_num_steps), 1),
-        scheduler_param(real_key("warmup_min_ratio", TZ_FIELD(scheduler.warmup_min_ratio), kUnit)),
-        scheduler_param(real_key("cos_min_ratio", TZ_FIELD(scheduler.cos_min_ratio), kUnit)),
+        scheduler_param(needs_value(real_key("warmup_min_ratio", TZ_FIELD(scheduler.warmup_min_ratio), kUnit))),
+        scheduler_param(needs_value(real_key("cos_min_ratio", TZ_FIELD(scheduler.cos_min_ratio), kUnit))),
     }};
     // The schedule's position comes from the engine's optimizer step count
     // (restored by load_checkpoint), not from the file.
@@ -629,15 +802,22 @@ const Block& scheduler_params_block() {
 const Block& optimizer_params_block() {
   static const Block block = [] {
     Block b{{
-        real_key("lr", TZ_FIELD(optimizer.lr), kPositive),
-        betas_key(),
-        real_key("eps", TZ_FIELD(optimizer.eps), kPositive),
-        real_key("weight_decay", TZ_FIELD(optimizer.weight_decay), kNonNegative),
+        needs_value(real_key("lr", TZ_FIELD(optimizer.lr), kPositive)),
+        needs_value(betas_key()),
+        needs_value(real_key("eps", TZ_FIELD(optimizer.eps), kPositive)),
+        needs_value(real_key("weight_decay", TZ_FIELD(optimizer.weight_decay), kNonNegative)),
         bool_key("amsgrad", TZ_FIELD(optimizer.amsgrad)),
+        adam_w_mode_key(),  // applied once the type is known (apply_adam_w_mode)
+        fixed_bool_key("bias_correction", true, "Adam without bias correction (tierzero's always corrects it)"),
+        fixed_bool_key("maximize", false, "maximising the loss (negate the loss instead)"),
+        {"max_grad_norm",
+         [](ParseState& st, const Json&, const std::string& path) -> Status {
+           return key_error(st, path, "not an optimizer parameter here, as in DeepSpeed; use the top-level "
+                                      "\"gradient_clipping\"");
+         }},
     }};
-    ignore(b, {"bias_correction", "adam_w_mode", "torch_adam", "fused", "set_grad_none", "max_grad_norm",
-               "freeze_step", "cuda_aware", "comm_backend_name", "foreach", "capturable", "maximize",
-               "differentiable", "fp32_optimizer_states"});
+    ignore(b, {"torch_adam", "fused", "set_grad_none", "freeze_step", "cuda_aware", "comm_backend_name", "foreach",
+               "capturable", "differentiable", "fp32_optimizer_states"});
     return b;
   }();
   return block;
@@ -700,7 +880,12 @@ const Block& zero_block() {
                "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
                "pipeline_loading_checkpoint", "override_module_apply", "cpu_offload_use_pin_memory",
                "log_trace_cache_warnings", "stage3_module_granularity_threshold", "module_granularity_threshold",
-               "stage3_use_all_reduce_for_fetch_params"});
+               "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
+               "stage3_allgather_sequential", "allgather_sequential", "enable_sanity_checks",
+               "save_muon_momentum_buffer_in_memory", "leaf_module"});
+    // Note [DeepSpeed features tierzero lacks]
+    b.keys.push_back(feature_key("zenflow", "ZenFlow (stale-gradient CPU optimizer steps)",
+                                 [](const Json& v) { return v.is_null(); }));
     return b;
   }();
   return block;
@@ -889,6 +1074,34 @@ Status apply_legacy_offload(ParseState& st, const std::string& legacy_path, std:
   return ok_status();
 }
 
+// Note [Auto values]: a batch key given as "auto" is derived (Note [Batch
+// keys]) when the other two are numbers; otherwise nothing says what it is.
+void resolve_batch_autos(ParseState& st) {
+  const BatchKeys& given = st.config.batch_given;
+  const int numbers = int{given.train_batch_size.has_value()} + int{given.train_micro_batch_size_per_gpu.has_value()} +
+                      int{given.gradient_accumulation_steps.has_value()};
+  if (numbers < 2) {
+    st.config.unresolved_auto.insert(st.config.unresolved_auto.end(), st.batch_auto.begin(), st.batch_auto.end());
+  }
+}
+
+// DeepSpeed runs "Adam" as AdamW (decoupled weight decay) unless
+// optimizer.params.adam_w_mode is false (its default is true), and "AdamW"
+// as AdamW whatever adam_w_mode says; the Config holds what runs.
+void apply_adam_w_mode(ParseState& st) {
+  OptimizerConfig& o = st.config.optimizer;
+  if (o.type == "Adam" && st.adam_w_mode.value_or(true)) {
+    o.type = "AdamW";
+    if (o.weight_decay != 0 && !st.adam_w_mode.has_value()) {
+      TZ_LOG_INFO("config",
+                  "{}: optimizer.type \"Adam\" with weight_decay {} runs AdamW (decoupled weight decay), as "
+                  "DeepSpeed's does (its adam_w_mode defaults to true); \"adam_w_mode\": false in "
+                  "optimizer.params runs Adam with L2 weight decay",
+                  st.config.source, o.weight_decay);
+    }
+  }
+}
+
 Status check_nvme_target(const ParseState& st, std::string_view block, OffloadDevice device,
                          const std::string& nvme_path) {
   if (device != OffloadDevice::kNvme || !nvme_path.empty() || !st.config.tiers.nvme_paths.empty()) {
@@ -932,7 +1145,8 @@ Status check_scheduler(const ParseState& st) {
                                  listed(s.params_given, "warmup_max_lr") ? "" : " (the default)", s.warmup_min_lr));
   }
   if (s.type == SchedulerType::kWarmupLR) return ok_status();
-  if (listed(s.unresolved_auto, "total_num_steps") || listed(s.unresolved_auto, "warmup_num_steps")) {
+  const std::vector<std::string>& autos = st.config.unresolved_auto;
+  if (listed(autos, "scheduler.params.total_num_steps") || listed(autos, "scheduler.params.warmup_num_steps")) {
     return ok_status();  // the engine refuses them
   }
   if (s.total_num_steps == 0) {
@@ -1091,6 +1305,8 @@ Expected<Config> parse_config(std::string_view json_text, std::string_view sourc
                               zero.offload_optimizer.device));
   TZ_TRY(apply_legacy_offload(st, st.legacy_param_offload, "offload_param", zero.has_offload_param,
                               zero.offload_param.device));
+  resolve_batch_autos(st);
+  apply_adam_w_mode(st);
   TZ_TRY(check_consistency(st));
   Config& config = st.config;
   if (!st.placement_given) {

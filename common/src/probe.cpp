@@ -292,8 +292,15 @@ CudaCapabilities probe_cuda() {
   Status status = probe_cuda_devices(cuda);
   if (status.ok()) {
     cuda.status = cuda.device_count > 0 ? "ok" : "no CUDA device";
+  } else if (cuda.driver_version == 0) {
+    // No libcuda.so at all: the runtime then reports an "insufficient" driver
+    // (cudaErrorInsufficientDriver), which reads as if one were installed but old.
+    cuda.status = fmt::format("no CUDA driver (no NVIDIA driver is installed or visible here; the runtime says: {})",
+                              status.message());
+    cuda.device_count = 0;
+    cuda.devices.clear();
   } else {
-    // No driver or no device is an answer, not an error.
+    // No device is an answer, not an error.
     cuda.status = status.message();
     cuda.device_count = 0;
     cuda.devices.clear();

@@ -9,6 +9,7 @@
 // writable), the config does not load, or the JSON cannot be written.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdio>
 #include <iostream>
@@ -61,6 +62,8 @@ struct Report {
   tz::Capabilities caps;
   std::vector<PathReport> paths;
   std::string config_error;  // --config did not load
+  std::string config_verdict;  // --config loaded: what it says, and what the engine would still refuse
+  std::vector<std::string> ignored_keys, unresolved_auto;
   bool failed = false;
 };
 
@@ -75,6 +78,21 @@ void probe_paths(Report& report, const Options& options) {
     report.failed = true;
     return;
   }
+  report.ignored_keys = config->ignored_keys;
+  report.unresolved_auto = config->unresolved_auto;
+  // Note [Auto values] (common/src/config.cpp): such a config loads, and the engine refuses to train with it.
+  report.config_verdict =
+      config->unresolved_auto.empty()
+          ? fmt::format("config: {} is valid (ZeRO stage {}, optimizer {}{})\n", options.config_file,
+                        config->zero.stage, config->optimizer.type,
+                        config->ignored_keys.empty()
+                            ? ""
+                            : fmt::format("; {} DeepSpeed key(s) ignored: {}", config->ignored_keys.size(),
+                                          fmt::join(config->ignored_keys, ", ")))
+          : fmt::format("config: {} loads, but the engine refuses \"auto\" with nothing to resolve it: {}; give "
+                        "these values\n",
+                        options.config_file, fmt::join(config->unresolved_auto, ", "));
+  if (!config->unresolved_auto.empty()) report.failed = true;
   for (const std::string& path : config->all_nvme_paths()) {
     report.paths.push_back({path, options.config_file, tz::probe_path(path)});
   }
@@ -83,6 +101,7 @@ void probe_paths(Report& report, const Options& options) {
 std::string text_report(const Report& report) {
   std::string out = tz::describe(report.caps);
   if (!report.config_error.empty()) out += fmt::format("config: {}\n", report.config_error);
+  out += report.config_verdict;
   for (const PathReport& p : report.paths) {
     out += p.result.ok() ? tz::describe(*p.result)
                          : fmt::format("{}: unusable: {}\n", p.path, p.result.status().message());
@@ -108,7 +127,11 @@ nlohmann::json json_report(const Report& report, const Options& options) {
   }
   out["paths"] = std::move(paths);
   if (!options.config_file.empty()) {
-    out["config"] = {{"file", options.config_file}, {"loaded", report.config_error.empty()}};
+    out["config"] = {{"file", options.config_file},
+                     {"loaded", report.config_error.empty()},
+                     {"valid", report.config_error.empty() && report.unresolved_auto.empty()},
+                     {"ignored_keys", report.ignored_keys},
+                     {"unresolved_auto", report.unresolved_auto}};
     if (!report.config_error.empty()) out["config"]["error"] = report.config_error;
   }
   return out;
@@ -135,7 +158,8 @@ int main(int argc, char** argv) {
   Options options;
   app.add_option("--path", options.paths, "also probe DIR as an NVMe tier directory (repeatable)")
       ->type_name("DIR");
-  app.add_option("--config", options.config_file, "also probe every NVMe path named in this config")
+  app.add_option("--config", options.config_file,
+                 "also check this config (says whether it is valid) and probe every NVMe path it names")
       ->type_name("FILE");
   app.add_option("--json", options.json_file, "also write everything as JSON to FILE ('-': stdout, text omitted)")
       ->type_name("FILE|-");

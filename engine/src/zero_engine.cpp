@@ -386,10 +386,12 @@ Expected<std::unique_ptr<ZeroEngine>> ZeroEngine::create(const ZeroOptions& opti
     return invalid_argument("optimizer.params.amsgrad = true is not supported by the engine yet");
   }
   const SchedulerConfig& sched = options.config.scheduler;
-  if (!sched.unresolved_auto.empty()) {
-    return invalid_argument("{}: scheduler.params.{} = \"auto\": give the number of optimizer steps (the Hugging "
-                            "Face Trainer fills these in; tierzero has nothing to fill them from)",
-                            options.config.source, fmt::join(sched.unresolved_auto, ", scheduler.params."));
+  if (!options.config.unresolved_auto.empty()) {  // Note [Auto values] in common/src/config.cpp
+    return invalid_argument("{}: {} = \"auto\": nothing resolves it here; give the value in the config (the "
+                            "Hugging Face Trainer fills these in from its TrainingArguments before DeepSpeed reads "
+                            "the config; tierzero.torch.initialize takes the config as it is, "
+                            "and a default would train another run than the one meant)",
+                            options.config.source, fmt::join(options.config.unresolved_auto, " = \"auto\", "));
   }
   if (sched.warmup_max_lr_auto && sched.type != SchedulerType::kWarmupCosineLR &&
       options.config.optimizer.lr < sched.warmup_min_lr) {

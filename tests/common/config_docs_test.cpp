@@ -129,7 +129,7 @@ std::string fingerprint(const Config& c) {
   out += fmt::format("sched {} {} {} {} {} {} {} {} {} {} {} | ", static_cast<int>(s.type), s.warmup_min_lr,
                      s.warmup_max_lr, s.warmup_max_lr_auto, s.warmup_num_steps, static_cast<int>(s.warmup_type),
                      s.total_num_steps, s.warmup_min_ratio, s.cos_min_ratio, fmt::join(s.params_given, ","),
-                     fmt::join(s.unresolved_auto, ","));
+                     fmt::join(c.unresolved_auto, ","));
   out += fmt::format("zero {} {} {} {} {} {} {} | param {} {} {} {} {} {} | optim {} {} {} {} {} {} {} | ", z.stage,
                      z.has_offload_param, z.has_offload_optimizer, z.sub_group_size, z.stage3_prefetch_bucket_size,
                      z.stage3_max_live_parameters, z.stage3_param_persistence_threshold,
@@ -144,6 +144,7 @@ std::string fingerprint(const Config& c) {
                      budget(c.tiers.nvme), fmt::join(c.tiers.nvme_paths, ","), c.tiers.numa_node.value_or(-1),
                      c.tiers.huge_pages, static_cast<int>(c.backend), static_cast<int>(c.placement),
                      master_format_name(c.states.master), moment_format_name(c.states.moments));
+  out += fmt::format(" | drop_last {}", c.dataloader_drop_last);
   return out;
 }
 
@@ -169,10 +170,11 @@ std::vector<Json> candidates(const DocKey& key) {
 }
 
 // What some keys need around them to load: a ratio below 1 needs stage 3, a
-// scheduler parameter the type it belongs to, a remainder master bf16.
+// scheduler parameter the type it belongs to, a remainder master bf16;
+// adam_w_mode shows only with type "Adam".
 std::vector<Json> contexts() {
   std::vector<Json> out = {Json::object(), Json{{"zero_optimization", {{"stage", 3}}}},
-                           Json{{"bf16", {{"enabled", true}}}}};
+                           Json{{"bf16", {{"enabled", true}}}}, Json{{"optimizer", {{"type", "Adam"}}}}};
   for (const char* type : {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}) {
     Json params = std::string(type) == "WarmupLR" ? Json::object() : Json{{"total_num_steps", 100000}};
     out.push_back({{"scheduler", {{"type", type}, {"params", params}}}});

@@ -228,7 +228,7 @@ TEST(Config, CpuOffloadWithFp16DynamicScalingAndSchedulerLoads) {
   EXPECT_EQ(c.precision.loss_scale_window, 500);
   EXPECT_EQ(c.precision.hysteresis, 2);
   EXPECT_DOUBLE_EQ(c.precision.min_loss_scale, 1.0);
-  EXPECT_EQ(c.optimizer.type, "Adam") << "case-insensitive type, canonical spelling";
+  EXPECT_EQ(c.optimizer.type, "AdamW") << "DeepSpeed's \"adam\" with adam_w_mode: true runs AdamW";
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-4);
   EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
   EXPECT_EQ(c.zero.stage, 2);
@@ -250,8 +250,10 @@ TEST(Config, CpuOffloadWithFp16DynamicScalingAndSchedulerLoads) {
   EXPECT_FALSE(contains(c.ignored_keys, "scheduler")) << "the scheduler is read now";
   EXPECT_TRUE(contains(c.ignored_keys, "activation_checkpointing"));
   EXPECT_TRUE(contains(c.ignored_keys, "tensorboard"));
-  EXPECT_TRUE(contains(c.ignored_keys, "fp16.auto_cast"));
-  EXPECT_TRUE(contains(c.ignored_keys, "optimizer.params.adam_w_mode"));
+  EXPECT_TRUE(contains(c.ignored_keys, "fp16.auto_cast")) << "false: the feature stays off";
+  EXPECT_FALSE(contains(c.ignored_keys, "optimizer.params.adam_w_mode")) << "read now";
+  EXPECT_FALSE(contains(c.ignored_keys, "optimizer.params.bias_correction")) << "true is what tierzero does";
+  EXPECT_TRUE(c.unresolved_auto.empty());
   for (const std::string& key : c.ignored_keys) {
     EXPECT_FALSE(key.starts_with("scheduler.")) << key;
     EXPECT_FALSE(key.starts_with("tensorboard.")) << key;
@@ -277,7 +279,12 @@ TEST(Config, BatchKeysResolveAsDeepSpeedsForTheRanks) {
   EXPECT_EQ(pair(resolved(R"("train_batch_size": 64, "gradient_accumulation_steps": 4)", 2)), std::pair(8L, 4L));
   EXPECT_EQ(pair(resolved(R"("train_batch_size": 64)", 4)), std::pair(16L, 1L));
   EXPECT_EQ(pair(resolved(R"("train_micro_batch_size_per_gpu": 4)", 8)), std::pair(4L, 1L));
-  EXPECT_EQ(pair(resolved(R"("train_batch_size": "auto", "gradient_accumulation_steps": "auto")", 2)), std::pair(1L, 1L));
+  // Note [Auto values]: an "auto" batch key is derived from the other two, or left unresolved.
+  EXPECT_EQ(pair(resolved(R"("train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+                             "gradient_accumulation_steps": 2)", 2)), std::pair(4L, 2L));
+  Config autos = parse_ok(R"({"train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+                              "train_micro_batch_size_per_gpu": 2})");
+  EXPECT_EQ(autos.unresolved_auto, (std::vector<std::string>{"train_batch_size", "gradient_accumulation_steps"}));
   // All three must agree.
   Expected<Config> fixture_config = load_config(fixture("ds_zero_offload_cpu_fp16.json"));  // 256 = 8 x 4 x 8
   ASSERT_TRUE(fixture_config.ok());
@@ -318,7 +325,8 @@ TEST(Config, BatchKeysResolveAsDeepSpeedsForTheRanks) {
   EXPECT_EQ(pair(o), std::pair(8L, 2L));
 }
 
-TEST(Config, HfTrainerAutoValuesKeepTierzeroDefaults) {
+// Note [Auto values]
+TEST(Config, HfTrainerAutoValuesAreResolvedFromTheFileOrListedAsUnresolved) {
   Expected<Config> loaded = load_config(fixture("hf_trainer_zero3_auto.json"));
   ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
   const Config& c = *loaded;
@@ -345,7 +353,76 @@ TEST(Config, HfTrainerAutoValuesKeepTierzeroDefaults) {
   EXPECT_EQ(c.scheduler.type, SchedulerType::kWarmupLR);
   EXPECT_DOUBLE_EQ(c.scheduler.warmup_min_lr, 0.0);
   EXPECT_TRUE(c.scheduler.warmup_max_lr_auto);
-  EXPECT_EQ(c.scheduler.unresolved_auto, std::vector<std::string>{"warmup_num_steps"});
+  // What would change the run without a source to fill it from: the engine refuses these by name.
+  EXPECT_EQ(c.unresolved_auto,
+            (std::vector<std::string>{"fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+                                      "optimizer.params.eps", "optimizer.params.weight_decay",
+                                      "scheduler.params.warmup_num_steps", "gradient_clipping",
+                                      "gradient_accumulation_steps", "train_batch_size",
+                                      "train_micro_batch_size_per_gpu"}));
+}
+
+// DeepSpeed's "Adam" is AdamW unless adam_w_mode is false; its "AdamW" is AdamW whatever adam_w_mode says.
+TEST(Config, AdamMeansWhatItMeansInDeepSpeed) {
+  auto type = [](std::string_view optimizer) {
+    return parse_ok(fmt::format(R"({{"optimizer": {}}})", optimizer)).optimizer.type;
+  };
+  EXPECT_EQ(type(R"({"type": "Adam", "params": {"weight_decay": 0.1}})"), "AdamW");
+  EXPECT_EQ(type(R"({"type": "adam", "params": {"adam_w_mode": true}})"), "AdamW");
+  EXPECT_EQ(type(R"({"type": "Adam", "params": {"adam_w_mode": false, "weight_decay": 0.1}})"), "Adam");
+  EXPECT_EQ(type(R"({"type": "ADAMW", "params": {"adam_w_mode": false}})"), "AdamW");
+  EXPECT_EQ(type(R"({"type": "adagrad"})"), "Adagrad");
+  expect_invalid(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": 1}}})",
+                 {"optimizer.params.adam_w_mode", "true or false"});
+  expect_invalid(R"({"optimizer": {"type": "Adam", "params": {"bias_correction": false}}})",
+                 {"optimizer.params.bias_correction", "false turns on Adam without bias correction"});
+  expect_invalid(R"({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}})",
+                 {"optimizer.params.max_grad_norm", "gradient_clipping"});
+}
+
+// Note [DeepSpeed features tierzero lacks]: never "unknown key" for a key DeepSpeed knows.
+TEST(Config, DeepSpeedFeaturesTierzeroLacksAreRefusedAsSuch) {
+  for (const char* json : {
+           R"({"expert_parallel": {"enabled": true, "autoep_size": 2}})",
+           R"({"sequence_parallel_size": 2})",
+           R"({"tensor_parallel": {"autotp_size": 4}})",
+           R"({"gradient_allreduce_op": "SUM"})",
+           R"({"managed_gradient_accumulation": false})",
+           R"({"optimizer": {"type": "AdamW", "params": {"maximize": true}}})",
+           R"({"torch_autocast": {"enabled": true}})",
+           R"({"amp": {"enabled": true, "opt_level": "O1"}})",
+           R"({"elasticity": {"enabled": true}})",
+           R"({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}})",
+           R"({"fp16": {"enabled": true, "auto_cast": true}})",
+           R"({"bf16": {"enabled": true, "bf16_optimizer_states": true}})",
+       }) {
+    Expected<Config> c = parse_config(json, "ds.json");
+    ASSERT_FALSE(c.ok()) << json;
+    EXPECT_NE(c.status().message().find("a DeepSpeed feature tierzero does not support"), std::string::npos)
+        << c.status().message();
+    EXPECT_EQ(c.status().message().find("unknown key"), std::string::npos) << c.status().message();
+  }
+  // The same keys leaving the feature off load, listed as ignored.
+  Config off = parse_ok(R"({"expert_parallel": {"enabled": false}, "sequence_parallel_size": 1,
+      "tensor_parallel": {"autotp_size": 1}, "torch_autocast": {"enabled": false}, "amp": {"enabled": false},
+      "elasticity": {"enabled": false}, "fp16": {"auto_cast": false}, "log_level": "info"})");
+  for (const char* key : {"expert_parallel", "sequence_parallel_size", "tensor_parallel", "torch_autocast", "amp",
+                          "elasticity", "fp16.auto_cast", "log_level"}) {
+    EXPECT_TRUE(contains(off.ignored_keys, key)) << key;
+  }
+  // Read with their meaning, which is tierzero's: not listed.
+  Config same = parse_ok(R"({"gradient_allreduce_op": "mean", "managed_gradient_accumulation": true,
+      "zero_optimization": {"stage": 3, "enable_sanity_checks": true}, "dataloader_drop_last": true})");
+  EXPECT_TRUE(same.dataloader_drop_last);
+  EXPECT_FALSE(contains(same.ignored_keys, "gradient_allreduce_op"));
+  EXPECT_TRUE(contains(same.ignored_keys, "zero_optimization.enable_sanity_checks"));
+}
+
+// DeepSpeed's older form: "zero_optimization": true is stage 1, false stage 0.
+TEST(Config, ZeroOptimizationAsABooleanIsStageOneOrZero) {
+  EXPECT_EQ(parse_ok(R"({"zero_optimization": true, "allgather_size": 5e8})").zero.stage, 1);
+  EXPECT_EQ(parse_ok(R"({"zero_optimization": false})").zero.stage, 0);
+  expect_invalid(R"({"zero_optimization": 3})", {"zero_optimization", "an object (or true/false"});
 }
 
 TEST(Config, SchedulerBlocksReadTheirTypesParameters) {
@@ -371,7 +448,9 @@ TEST(Config, SchedulerMistakesNameTheKeyAndWhatIsAllowed) {
   expect_invalid(R"({"scheduler": {"params": {"warmup_num_steps": 10}}})",
                  {"scheduler.type", "missing", "\"WarmupLR\"", "\"WarmupCosineLR\""});
   expect_invalid(R"({"scheduler": {"type": "OneCycle"}})",
-                 {"scheduler.type", "\"OneCycle\"", "\"WarmupLR\"", "\"WarmupDecayLR\"", "\"WarmupCosineLR\""});
+                 {"scheduler.type", "\"OneCycle\" is a DeepSpeed scheduler tierzero does not support", "\"WarmupLR\"",
+                  "\"WarmupDecayLR\"", "\"WarmupCosineLR\"", "initialize(lr_scheduler=...)"});
+  expect_invalid(R"({"scheduler": {"type": "StepLR"}})", {"scheduler.type", "torch.optim.lr_scheduler.StepLR"});
   expect_invalid(R"({"scheduler": {"type": "WarmupLR", "params": {"cos_min_ratio": 0.1}}})",
                  {"scheduler.params.cos_min_ratio", "not a parameter of WarmupLR", "warmup_max_lr"});
   expect_invalid(R"({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_max_lr": 0.1, "total_num_steps": 9}}})",
@@ -543,7 +622,7 @@ TEST(Config, WrongTypeNamesKeyValueAndExpectedType) {
                  {"zero_optimization.stage", "{\"value\":3}", "expected an integer"});
   expect_invalid(R"({"zero_optimization": {"offload_param": {"pin_memory": "yes"}}})",
                  {"zero_optimization.offload_param.pin_memory", "\"yes\"", "true, false"});
-  expect_invalid(R"({"zero_optimization": true})", {"zero_optimization", "expected an object"});
+  expect_invalid(R"({"zero_optimization": "yes"})", {"zero_optimization", "expected an object"});
 }
 
 TEST(Config, OutOfRangeValuesNameTheAllowedRange) {
@@ -665,7 +744,9 @@ TEST(Config, BadByteStringNamesKeyAndText) {
 
 TEST(Config, UnknownOptimizerTypeListsTheSupportedOnes) {
   expect_invalid(R"({"optimizer": {"type": "OneBitAdam"}})",
-                 {"optimizer.type", "\"OneBitAdam\"", "\"Adam\"", "\"AdamW\"", "\"Adagrad\"", "\"Lion\""});
+                 {"optimizer.type", "\"OneBitAdam\" is a DeepSpeed optimizer tierzero does not support", "\"Adam\"",
+                  "\"AdamW\"", "\"Adagrad\"", "\"Lion\""});
+  expect_invalid(R"({"optimizer": {"type": "SGD"}})", {"optimizer.type", "torch.optim.SGD", "\"AdamW\""});
 }
 
 TEST(Config, NegativeNumaNodeIsRefused) {

@@ -151,6 +151,9 @@ TEST(Capabilities, CudaDevicesMatchCountOrStatusSaysWhy) {
     return;
   }
   EXPECT_GT(cuda.runtime_version, 0);
+  if (cuda.driver_version == 0) {  // no libcuda: said as such, not as an "insufficient" driver
+    EXPECT_TRUE(cuda.status.starts_with("no CUDA driver")) << cuda.status;
+  }
   if (cuda.device_count == 0) {
     EXPECT_NE(cuda.status, "ok");
     return;

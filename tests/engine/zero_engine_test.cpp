@@ -429,7 +429,7 @@ TEST(ZeroEngine, AnAutoStepCountInTheSchedulerIsRefusedByName) {
   TempDir nvme;
   tz::Config config = test_config(nvme.path(), 3, 1);
   config.scheduler.type = tz::SchedulerType::kWarmupLR;
-  config.scheduler.unresolved_auto = {"warmup_num_steps"};
+  config.unresolved_auto = {"scheduler.params.warmup_num_steps"};
   auto engine = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   ASSERT_FALSE(engine.ok());
   EXPECT_NE(engine.status().message().find("scheduler.params.warmup_num_steps = \"auto\""), std::string::npos)

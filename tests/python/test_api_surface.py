@@ -571,7 +571,7 @@ def _mlp():
 
 def test_torch_engine_facts_and_train_mode():
     model = _mlp()
-    engine, _ = tzt.initialize(model, host_config(None))
+    engine, *_ = tzt.initialize(model, host_config(None))
     assert engine.loss_scale == 1.0 == engine._core.loss_scale
     assert "ZeRO stage 3" in engine.describe()
     assert engine.device == torch.device("cpu") and (engine.rank, engine.world_size) == (0, 1)
@@ -580,11 +580,9 @@ def test_torch_engine_facts_and_train_mode():
 
 
 def test_engine_optimizer_refusals():
-    engine, opt = tzt.initialize(_mlp(), host_config(None))
-    with pytest.raises(NotImplementedError, match="save_checkpoint"):
-        opt.state_dict()
-    with pytest.raises(NotImplementedError, match="load_checkpoint"):
-        opt.load_state_dict({})
+    engine, opt, _, _ = tzt.initialize(_mlp(), host_config(None))
+    with pytest.raises(ValueError, match="not a state_dict.. of a tierzero engine's optimizer.*engine.load_checkpoint"):
+        opt.load_state_dict(torch.optim.AdamW(_mlp().parameters()).state_dict())
     with pytest.raises(ValueError, match="closures are not supported"):
         opt.step(lambda: 0.0)
     assert opt.zero_grad() is None
@@ -596,9 +594,9 @@ def test_engine_optimizer_refusals():
 
 def test_initialize_model_parameters():
     model = _mlp()
-    engine, _ = tzt.initialize(model, host_config(None), model_parameters=model.parameters())
+    engine, *_ = tzt.initialize(model, host_config(None), model_parameters=model.parameters())
     assert engine.block_names == ["0", "2"]
-    with pytest.raises(ValueError, match="model_parameters must be the model's trainable parameters"):
+    with pytest.raises(ValueError, match="model_parameters must be the model's trainable parameters, each once"):
         tzt.initialize(_mlp(), host_config(None), model_parameters=_mlp().parameters())
 
 

@@ -25,7 +25,7 @@ def _step_both(engine, ref, opt, pairs):
 def test_gathered_parameters_hand_out_copies_and_drop_edits_without_modifier_rank(nvme_dir):
     torch.manual_seed(0)
     model = mlp()
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     batches = _mlp_batches(1, 2)
     for x, y in batches:
         engine.backward(F.mse_loss(engine(x), y))
@@ -45,7 +45,7 @@ def test_gathered_parameters_hand_out_copies_and_drop_edits_without_modifier_ran
     assert all(torch.equal(after[n], masters[n]) for n in masters)
     # and training goes on from the untouched weights: the same loss as an engine that never gathered
     torch.manual_seed(0)
-    twin, _ = tzt.initialize(mlp(), host_config(nvme_dir))
+    twin, *_ = tzt.initialize(mlp(), host_config(nvme_dir))
     for x, y in batches:
         twin.backward(F.mse_loss(twin(x), y))
         twin.step()
@@ -79,7 +79,7 @@ def test_a_16_bit_edit_keeps_the_full_precision_of_the_weights_it_did_not_touch(
     model = mlp()
     config = host_config(nvme_dir, lr=3e-3)
     config["bf16"] = {"enabled": True}
-    engine, _ = tzt.initialize(model, config)
+    engine, *_ = tzt.initialize(model, config)
     for x, y in _mlp_batches(5, 3):
         engine.backward(F.mse_loss(engine(x.bfloat16()), y.bfloat16()).float())
         engine.step()
@@ -102,7 +102,7 @@ def test_safe_get_and_set_full_fp32_param(nvme_dir):
     torch.manual_seed(0)
     model = mlp()
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     w, name = model[5].weight, "5.weight"
     got = tzt.safe_get_full_fp32_param(w)
     assert got.dtype == torch.float32 and torch.equal(got, engine.master_state_dict()[name])
@@ -137,7 +137,7 @@ def _refused_leaves_the_weights(model, nvme_dir, error, match, act):
     """Runs act(engine) on a fresh engine of `model`, which must raise `error` matching `match` and leave every
     master weight as it was. Returns the engine."""
     torch.manual_seed(0)
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     before = engine.master_state_dict()
     with pytest.raises(error, match=match):
         act(engine)
@@ -170,7 +170,7 @@ def test_a_wrong_shape_is_refused_on_leaving(nvme_dir):
 def test_edits_nest_survive_a_step_inside_and_may_follow_an_evaluation(nvme_dir):
     torch.manual_seed(0)
     model = mlp()
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     x, y = _mlp_batches(7, 1)[0]
     with torch.no_grad():
         engine(x)  # an evaluation forward: no backward pending, so edits may follow without a step
@@ -201,7 +201,7 @@ def test_edits_nest_survive_a_step_inside_and_may_follow_an_evaluation(nvme_dir)
 def test_a_forward_inside_the_context_computes_with_the_copy(nvme_dir):
     torch.manual_seed(0)
     model = mlp()
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     x = _mlp_batches(8, 1)[0][0]
     with torch.no_grad():
         out = engine(x)
@@ -219,7 +219,7 @@ def test_a_forward_inside_the_context_computes_with_the_copy(nvme_dir):
 def test_a_refused_edit_of_two_blocks_writes_neither_and_parameters_still_pickle(nvme_dir, tmp_path):
     torch.manual_seed(0)
     model = mlp()
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     before = engine.master_state_dict()
     with pytest.raises(ValueError, match=r"2.weight was handed out with shape \(48, 48\) and now has shape \(24, 96\)"):
         with torch.no_grad(), tzt.GatheredParameters([model[0].weight, model[2].weight], modifier_rank=0):
@@ -242,7 +242,7 @@ def test_a_pending_backward_is_seen_through_reentrant_checkpointing(nvme_dir):
             return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
     torch.manual_seed(0)
     model = Checkpointed()
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     out = engine(torch.ones(2, 4, requires_grad=True))
     with pytest.raises(ValueError, match="a forward ran with gradients enabled and its backward has not"):
         tzt.safe_set_full_fp32_param(model.lin.weight, torch.zeros(4, 4))
@@ -257,7 +257,7 @@ def test_a_context_that_outlives_its_blocks_gathering_leaves_nothing_gathered(nv
     # had on entering, which would hold the gathered buffer.
     torch.manual_seed(0)
     model = mlp()
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     contexts = []
 
     def enter(module, args):

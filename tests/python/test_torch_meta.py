@@ -34,7 +34,7 @@ def test_the_same_seed_makes_the_same_weights_and_the_same_training(nvme_dir):
     model = on_meta(mlp)
     ids = [id(p) for p in model.parameters()]
     config = host_config(nvme_dir, clip=1.0)
-    engine, _ = tzt.initialize(model, config)
+    engine, *_ = tzt.initialize(model, config)
     assert [id(p) for p in model.parameters()] == ids, "the parameters are the model's own objects still"
     master = engine.master_state_dict()
     assert all(torch.equal(master[n], p.detach()) for n, p in ref.named_parameters())
@@ -57,7 +57,7 @@ def test_a_parents_initialisation_of_its_children_holds(nvme_dir):
     layer = on_meta(lambda: torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True))
     for p in layer.self_attn.out_proj.parameters():  # MultiheadAttention reads them without calling out_proj
         tzt.register_external_parameter(layer.self_attn, p)
-    engine, _ = tzt.initialize(layer, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(layer, host_config(nvme_dir))
     master = engine.master_state_dict()
     assert torch.equal(master["self_attn.out_proj.bias"], torch.zeros(64))
     assert torch.equal(master["self_attn.in_proj_bias"], torch.zeros(192))
@@ -77,7 +77,7 @@ def test_gpt2_gets_its_scaled_residual_initialisation(nvme_dir):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4)
     model = on_meta(lambda: transformers.GPT2LMHeadModel(cfg))
-    engine, _ = tzt.initialize(model, host_config(nvme_dir, lr=1e-3), init_fn=model._init_weights)
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir, lr=1e-3), init_fn=model._init_weights)
     master = engine.master_state_dict()
     scaled = 0.02 / math.sqrt(2 * cfg.n_layer)
     for name, std in (("transformer.h.1.attn.c_proj.weight", scaled), ("transformer.h.1.mlp.c_proj.weight", scaled),
@@ -110,7 +110,7 @@ def test_tied_weights_with_a_bias_and_buffers(nvme_dir):
     ref = TiedHead()
     torch.manual_seed(3)
     model = on_meta(TiedHead)
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     assert model.head.weight is model.emb.weight
     master = engine.master_state_dict()
     assert set(master) == {"emb.weight", "norm.weight", "norm.bias", "head.bias"}
@@ -145,7 +145,7 @@ def test_a_failed_initialize_leaves_the_model_on_meta_for_a_retry(nvme_dir):
     torch.manual_seed(0)
     ref = mlp()
     torch.manual_seed(0)
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))  # the retry makes it from scratch
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))  # the retry makes it from scratch
     master = engine.master_state_dict()
     assert all(torch.equal(master[n], p.detach()) for n, p in ref.named_parameters())
 
@@ -189,7 +189,7 @@ def test_what_cannot_be_made_is_refused_naming_it(nvme_dir):
                                          r"reset_parameters\(\).*pass init_fn="):
         tzt.initialize(model, config)
     # With init_fn it is made.
-    engine, _ = tzt.initialize(model, config, init_fn=lambda m: [torch.nn.init.ones_(p) for p in
+    engine, *_ = tzt.initialize(model, config, init_fn=lambda m: [torch.nn.init.ones_(p) for p in
                                                                m.parameters(recurse=False)])
     assert torch.equal(engine.master_state_dict()["1.weight"], torch.ones(8, 8))
     # Meta and real tensors in one model: refused, naming one of each.
@@ -261,7 +261,7 @@ def test_refusals_that_need_no_making_leave_the_model_on_meta(nvme_dir):
         tzt.initialize(model, bf16)
     assert all_meta(model)
     model[0].__dict__.pop("_tierzero_external")
-    engine, _ = tzt.initialize(model, bf16)
+    engine, *_ = tzt.initialize(model, bf16)
     assert model[1].weight.dtype == torch.bfloat16 and not model[1].weight.is_meta  # frozen: kept, 16-bit
     assert sorted(engine.master_state_dict()) == ["0.bias", "0.weight", "1.bias"]
 
@@ -281,7 +281,7 @@ def test_with_init_fn_tied_and_shared_modules_end_as_model_apply_leaves_them(nvm
             module.reset_parameters()
 
     tied = on_meta(TiedHead)
-    engine, _ = tzt.initialize(tied, host_config(nvme_dir), init_fn=init_fn)
+    engine, *_ = tzt.initialize(tied, host_config(nvme_dir), init_fn=init_fn)
     reference = TiedHead()
     reference.apply(init_fn)
     master = engine.master_state_dict()
@@ -293,7 +293,7 @@ def test_with_init_fn_tied_and_shared_modules_end_as_model_apply_leaves_them(nvm
         return torch.nn.Sequential(torch.nn.Sequential(inner), Zeroing(inner))
 
     shared = on_meta(shared_model)
-    engine, _ = tzt.initialize(shared, host_config(nvme_dir), init_fn=init_fn)
+    engine, *_ = tzt.initialize(shared, host_config(nvme_dir), init_fn=init_fn)
     assert torch.equal(engine.master_state_dict()["0.0.bias"], torch.zeros(4)), "the second parent's init holds"
 
 
@@ -363,7 +363,7 @@ def test_each_initialisation_reaches_a_tensor_once(nvme_dir):
     ref = torch.nn.Sequential(Halving())
     torch.manual_seed(4)
     model = on_meta(lambda: torch.nn.Sequential(Halving()))
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     assert torch.equal(model[0].a.weight, ref[0].a.weight.detach()), "the frozen weight, halved once"
     assert torch.equal(engine.master_state_dict()["0.b.weight"], ref[0].b.weight.detach())
 
@@ -377,7 +377,7 @@ def test_each_initialisation_reaches_a_tensor_once(nvme_dir):
             module.reset_parameters()
 
     model = on_meta(lambda: torch.nn.Sequential(Halving()))
-    engine, _ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
     ref = torch.nn.Sequential(Halving())
     with torch.no_grad():
         ref.apply(init_fn)
@@ -443,7 +443,7 @@ def test_a_shared_module_gets_every_call_model_apply_makes(nvme_dir):
 
     model = on_meta(build)
     first = model[0]
-    engine, _ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
     ref = build()
     first = ref[0]
     with torch.no_grad():
@@ -474,7 +474,7 @@ class Tagged(torch.nn.Module):
 
 def test_parameters_keep_their_class_and_attributes(nvme_dir):
     model = on_meta(Tagged)
-    engine, _ = tzt.initialize(model, host_config(nvme_dir))
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir))
     assert type(model.w) is TaggedParam and model.w.init_std == 0.5 and model.b.no_decay is True
     std = float(engine.master_state_dict()["w"].std())
     assert 0.2 < std < 0.8, std  # drawn with the tagged std, not a default
@@ -499,7 +499,7 @@ def test_a_tied_weight_gets_a_common_parents_initialisation_once(nvme_dir):
             module.emb.weight.mul_(0.5)
 
     model = on_meta(Model)
-    engine, _ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
     ref = Model()
     with torch.no_grad():
         ref.apply(init_fn)
@@ -556,7 +556,7 @@ def test_a_tied_weight_has_every_holders_call_in_apply_order(nvme_dir):
             module.b.bias.copy_(module.b.w)  # reads the tied weight, made at b's visit
 
     model = on_meta(TwoHolders)
-    engine, _ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
+    engine, *_ = tzt.initialize(model, host_config(nvme_dir), init_fn=init_fn)
     ref = TwoHolders()
     with torch.no_grad():
         ref.apply(init_fn)

@@ -32,7 +32,7 @@ WORKER = textwrap.dedent("""
     from test_torch import mlp
     config, batches, out = json.loads(sys.argv[1]), torch.load(sys.argv[2]), sys.argv[3]
     torch.manual_seed(0)
-    engine, _ = tzt.initialize(mlp(), config)
+    engine, *_ = tzt.initialize(mlp(), config)
     assert (engine.rank, engine.world_size) == ({rank}, 2), (engine.rank, engine.world_size)
 
     class Skipped(Exception):
@@ -72,7 +72,7 @@ WORKER = textwrap.dedent("""
             want = reason if {rank} == 0 else "1 other rank(s) failed"
             assert want in str(e), (type(e), str(e))
     engine.save_checkpoint(ckpt, "t", client_state={{"epoch": 3}} if {rank} == 0 else None)
-    other, _ = tzt.initialize(mlp(), config)
+    other, *_ = tzt.initialize(mlp(), config)
     path, client = other.load_checkpoint(ckpt, "t")
     assert client == {{"epoch": 3}} and other.global_steps == engine.global_steps, (client, other.global_steps)
     theirs = other.master_state_dict()
@@ -126,7 +126,7 @@ WORKER = textwrap.dedent("""
         assert all(p.is_meta for p in meta.parameters())
     # Each rank draws other values; rank 0's are the ones kept, on both.
     torch.manual_seed(100 + {rank})
-    made, _ = tzt.initialize(meta, config)
+    made, *_ = tzt.initialize(meta, config)
     torch.manual_seed(100)
     want = dict(mlp().named_parameters())
     got = made.master_state_dict()
@@ -158,7 +158,7 @@ WORKER = textwrap.dedent("""
     with torch.device("meta"):
         meta = frozen_model()
     torch.manual_seed(200 + {rank})
-    made, _ = tzt.initialize(meta, config)
+    made, *_ = tzt.initialize(meta, config)
     torch.manual_seed(200)
     want = frozen_model()
     assert torch.equal(meta[0].weight, want[0].weight.detach()), "rank 0's frozen weight on both ranks"
@@ -188,7 +188,7 @@ WORKER = textwrap.dedent("""
         m[1].register_buffer("positions", torch.arange(positions).expand(3, positions))
         return m
     mem = drawn(300 + {rank})
-    made, _ = tzt.initialize(mem, config)
+    made, *_ = tzt.initialize(mem, config)
     want = drawn(300)
     got = made.master_state_dict()
     assert all(torch.equal(got[n], p.detach()) for n, p in want.named_parameters() if p.requires_grad), \

@@ -1,6 +1,6 @@
 """tierzero.torch: train a torch model through tierzero's engine, as DeepSpeed users write it.
 
-    engine, optimizer = tierzero.torch.initialize(model, config="ds_config.json")
+    engine, optimizer, _, _ = tierzero.torch.initialize(model=model, config="ds_config.json")
     for x, y in data:
         loss = loss_fn(engine(x), y)
         engine.backward(loss)
@@ -16,11 +16,13 @@ them on GPU, pinned CPU memory or NVMe as the config says (a DeepSpeed
 
 The package, a module a concern (each module's Notes sit with its code):
 
-- engine.py: TorchEngine and initialize(); Notes [A forward that raised], [Model dtype].
+- engine.py: TorchEngine; Notes [A forward that raised], [Model dtype].
+- initialize.py: initialize(), as deepspeed.initialize takes and returns it, EngineLRScheduler; Notes
+  [DeepSpeed's initialize], [Clipping].
 - hooks.py: the module hooks that gather blocks for forward and backward and hand gradients
   to the engine; Notes [Parameters live in the engine], [Saved tensors], [Gradients],
   [Capsules, not tensors], [Evaluation fetches]; register_external_parameter().
-- optimizer.py: EngineOptimizer, the config's optimizer block; Note [Learning rate].
+- optimizer.py: EngineOptimizer, the config's optimizer block; Notes [Learning rate], [Optimizer state_dict].
 - checkpoint.py: save_checkpoint, load_checkpoint, export_safetensors; Note [Client state].
 - edit.py: GatheredParameters, safe_get_full_fp32_param, safe_set_full_fp32_param; Note
   [Editing weights].
@@ -33,10 +35,11 @@ The package, a module a concern (each module's Notes sit with its code):
 from __future__ import annotations
 
 from .edit import GatheredParameters, safe_get_full_fp32_param, safe_set_full_fp32_param
-from .engine import TorchEngine, initialize
+from .engine import TorchEngine
 from .engine import _live_gathered  # noqa: F401 - for the tests
+from .initialize import EngineLRScheduler, initialize
 from .hooks import register_external_parameter
 from .optimizer import EngineOptimizer
 
 __all__ = ["initialize", "register_external_parameter", "GatheredParameters", "safe_get_full_fp32_param",
-           "safe_set_full_fp32_param", "TorchEngine", "EngineOptimizer"]
+           "safe_set_full_fp32_param", "TorchEngine", "EngineOptimizer", "EngineLRScheduler"]

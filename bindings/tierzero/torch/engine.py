@@ -3,7 +3,7 @@
 TorchEngine puts the pieces together: the model's blocks (model.py) go to an engine created once every
 rank agrees on what it holds, with rank 0's values (rank0.py) or made on the meta device (meta.py); the
 module hooks (hooks.py) run the model on the engine's memory; checkpoints are checkpoint.py's, and the
-optimizer initialize() returns is optimizer.py's.
+optimizer initialize() (initialize.py) returns is optimizer.py's.
 
 Note [A forward that raised]
 A forward that raises half-way (a batch the loop then skips, an interrupt)
@@ -40,6 +40,7 @@ by name (the engine would otherwise round or widen it silently).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Optional
 
@@ -52,7 +53,7 @@ from .errors import _add_note, _refusal_text
 from .hooks import _Block, _Hooks
 from .meta import _check_meta, _MetaMaker
 from .model import _check_external, _collect_blocks
-from .optimizer import EngineOptimizer, _hyper_from_config
+from .optimizer import EngineOptimizer
 from .rank0 import _frozen, _kept_digest, _take_rank0s_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,7 +86,10 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
         self.global_steps = 0
         self.micro_steps = 0  # engine.step() calls, as DeepSpeed's engine counts them
         self._last_grad_norm: Optional[float] = None
-        self.optimizer: Optional[EngineOptimizer] = None  # set by initialize()
+        self.optimizer: Optional[EngineOptimizer] = None  # set by initialize(), with the three below
+        self.lr_scheduler: Any = None
+        self.training_dataloader: Any = None
+        self._client_scheduler: Any = None  # initialize(lr_scheduler=f): f(optimizer), stepped after each step
         _ENGINES.add(self)  # Note [Editing weights]
         self._install_hooks(model)
         if self._dtype != torch.float32:
@@ -188,6 +192,10 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
             self.optimizer._show_lr()
             if self.last_report["stepped"]:
                 self.optimizer._opt_called = True  # what torch's schedulers check: the optimizer stepped
+        if self._client_scheduler is not None and self.last_report["stepped"]:
+            self._client_scheduler.step()  # as DeepSpeed's engine steps a client scheduler; the next step's rate
+            self.optimizer._take_lr()
+            self.optimizer._show_lr()
         return self.last_report
 
     # DeepSpeed's engine queries, for scripts and trainers that call them.
@@ -224,6 +232,53 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
         if self.optimizer is not None:
             return [self.optimizer._group_lr()]
         return [self.learning_rate]
+
+    def zero_optimization_stage(self) -> int:
+        """The config's zero_optimization.stage."""
+        return self._core.zero_stage
+
+    def zero_optimization(self) -> bool:
+        return self._core.zero_stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.param_dtype == "float16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.param_dtype == "bfloat16"
+
+    def gradient_clipping(self) -> float:
+        """The config's gradient_clipping (0: off); the engine clips at the step (Note [Clipping])."""
+        return self._core.gradient_clipping
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    def parameters(self, recurse: bool = True) -> Any:
+        """The model's parameters (outside their module's forward, placeholders: the engine holds the values)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.named_parameters(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Any:
+        """Accepted for code written for DDP and DeepSpeed: the engine sums every micro-batch's gradients into its
+        fp32 accumulators and averages over ranks once per accumulation boundary either way, so there is no
+        per-micro-batch reduction to skip; the result is the same."""
+        yield
+
+    def zero_grad(self) -> None:
+        """Does nothing: the engine takes every gradient out of .grad as it arrives."""
+        return None
 
     def train(self, mode: bool = True) -> "TorchEngine":
         self.module.train(mode)
@@ -285,43 +340,6 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
     @property
     def block_names(self) -> list:
         return [b.name for b in self._blocks]
-
-
-def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = None,
-               model_parameters: Any = None, lr_scheduler: Any = None,
-               init_fn: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
-    """(engine, optimizer) for `model`, as deepspeed.initialize returns them.
-
-    config: a path to a DeepSpeed-style JSON file, or a dict. The engine's
-    optimizer is the config's "optimizer" block (Adam, AdamW, Adagrad, Lion);
-    passing a torch optimizer is refused, since its states would live outside
-    the engine's tiers. model_parameters is accepted for DeepSpeed
-    compatibility and must be None or the model's parameters. Learning-rate
-    schedules: the config's "scheduler" block, or a torch scheduler built on
-    the returned optimizer (Note [Learning rate]); lr_scheduler= is refused.
-    A model built on the meta device (with torch.device("meta")) is made one
-    module at a time, straight into the engine, never whole in memory (Note
-    [Models on the meta device]); init_fn(module) initialises each module's
-    tensors, in place of its reset_parameters().
-    """
-    if config is None:
-        raise ValueError("tierzero.torch.initialize: config= is required (a path or a dict)")
-    if optimizer is not None:
-        raise ValueError("tierzero.torch.initialize: the engine steps its own optimizer (the config's \"optimizer\" "
-                         "block, on its tiers); pass optimizer=None")
-    if lr_scheduler is not None:
-        raise ValueError("tierzero.torch.initialize: lr_scheduler= is not taken; use the config's \"scheduler\" block "
-                         "(WarmupLR, WarmupDecayLR, WarmupCosineLR), or build a torch scheduler on the returned "
-                         "optimizer and call its step() after engine.step()")
-    if model_parameters is not None:
-        given = {id(p) for p in model_parameters}
-        if given != {id(p) for p in model.parameters() if p.requires_grad}:
-            raise ValueError("tierzero.torch.initialize: model_parameters must be the model's trainable parameters")
-    if isinstance(config, (str, os.PathLike)):
-        config = os.fspath(config)
-    engine = TorchEngine(model, config, init_fn)
-    engine.optimizer = EngineOptimizer(engine, _hyper_from_config(config))
-    return engine, engine.optimizer
 
 
 def _live_gathered(engine: TorchEngine) -> int:

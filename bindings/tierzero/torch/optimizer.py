@@ -12,12 +12,25 @@ before the step, so a torch scheduler built on it (LambdaLR, CosineAnnealingLR,
 each engine.step() "lr" shows the learning rate of the next step. Changing
 "lr" while the config has a scheduler is a ValueError; a torch scheduler's
 own state is saved by its owner (scheduler.state_dict()), as in plain torch.
+With several param groups (initialize(model_parameters=[{...}, {...}])) every
+group's "lr" must be the same: the engine runs one rate.
+
+Note [Optimizer state_dict]
+transformers.Trainer and accelerate save and load the optimizer through
+state_dict() and load_state_dict(). The moments live in the engine's tiers,
+possibly larger than host memory, and are saved by engine.save_checkpoint, so
+state_dict() holds torch's layout (param_groups with the parameters' indices,
+an empty "state") and the engine's optimizer step count, and
+load_state_dict() takes the param groups' "lr" and checks that count against
+the engine's: a dict taken at another step would otherwise be loaded as if
+the moments came with it (a fresh engine's are zero), so it is refused,
+naming engine.load_checkpoint, which restores them.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -30,18 +43,27 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     A torch.optim.Optimizer, so torch's learning-rate schedulers take it
     (Note [Learning rate]). step() is engine.step(); zero_grad() does nothing
-    (the engine takes every gradient out of .grad as it arrives). One param
-    group: every trainable parameter, the config's hyperparameters, and "lr",
-    the learning rate of the next optimizer step. Only "lr" may be changed.
+    (the engine takes every gradient out of .grad as it arrives). Its param
+    groups are the groups initialize() was given (one group of every trainable
+    parameter by default), each with the hyperparameters the engine runs (the
+    config's, as numbers: "type" is the optimizer that runs, DeepSpeed's
+    "Adam" with adam_w_mode being "AdamW") and "lr", the learning rate of the
+    next optimizer step. Only "lr" may be changed, alike in every group.
+    state_dict() and load_state_dict() as Note [Optimizer state_dict] says.
     """
 
-    def __init__(self, engine: "TorchEngine", hyper: dict):
-        params = [p for b in engine._blocks for p in b.params]
-        defaults = {k: v for k, v in hyper.items() if k != "params"}
-        defaults["lr"] = engine.learning_rate
-        super().__init__(params, defaults)
+    def __init__(self, engine: "TorchEngine", groups: Optional[list] = None):
+        hyper = dict(engine._core.optimizer)
+        hyper["betas"] = tuple(hyper["betas"])
+        hyper["lr"] = engine.learning_rate
+        if groups is None:
+            groups = [{"params": [p for b in engine._blocks for p in b.params]}]
+        super().__init__([{**g, **{k: v for k, v in hyper.items() if k != "lr"}, "lr": hyper["lr"]} for g in groups],
+                         hyper)
         self._engine_ref = weakref.ref(engine)
-        self._fixed = {k: v for k, v in self.param_groups[0].items() if k not in ("params", "lr", "initial_lr")}
+        self._stepped_by_engine = False  # set by tierzero.hf.Trainer, whose training_step() calls engine.step()
+        self._fixed = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                       for g in self.param_groups]
 
     def _engine(self) -> "TorchEngine":
         engine = self._engine_ref()
@@ -52,50 +74,73 @@ class EngineOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> dict:
         if closure is not None:
             raise ValueError("EngineOptimizer.step(): closures are not supported; call engine.backward, engine.step")
-        return self._engine().step()
+        engine = self._engine()
+        if self._stepped_by_engine:  # tierzero.hf: the trainer's step() after engine.step() has stepped
+            return engine.last_report
+        return engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
 
     def add_param_group(self, param_group: dict) -> None:
-        if self.param_groups:
-            raise ValueError("EngineOptimizer: the engine trains every parameter in one group; add_param_group is "
-                             "not supported")
+        if getattr(self, "_engine_ref", None) is not None:
+            raise ValueError("EngineOptimizer: the engine's parameters are fixed at initialize(); add_param_group "
+                             "is not supported (pass the groups as initialize(model_parameters=[...]))")
         super().add_param_group(param_group)
 
     def state_dict(self) -> dict:
-        raise NotImplementedError("the optimizer's states live in the engine's tiers: use engine.save_checkpoint")
+        """torch's layout with an empty "state" and the engine's optimizer step count (Note [Optimizer
+        state_dict]): the moments are saved by engine.save_checkpoint."""
+        out = super().state_dict()
+        out["tierzero"] = {"optimizer_steps": self._engine().optimizer_steps,
+                           "moments": "in the engine's tiers: engine.save_checkpoint saves them"}
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
-        raise NotImplementedError("the optimizer's states live in the engine's tiers: use engine.load_checkpoint")
+        """Takes the groups' "lr" from a state_dict() of this engine's optimizer, taken at the engine's
+        current optimizer step (after engine.load_checkpoint); anything else is refused (Note [Optimizer
+        state_dict])."""
+        engine = self._engine()
+        ours = state_dict.get("tierzero") if isinstance(state_dict, dict) else None
+        if ours is None:
+            raise ValueError("EngineOptimizer.load_state_dict: not a state_dict() of a tierzero engine's optimizer; "
+                             "its moments live in the engine's tiers: load them with engine.load_checkpoint")
+        if ours.get("optimizer_steps") != engine.optimizer_steps:
+            raise ValueError(f"EngineOptimizer.load_state_dict: the state_dict was taken at optimizer step "
+                             f"{ours.get('optimizer_steps')}, the engine is at step {engine.optimizer_steps}; the "
+                             "moments are not in it: load the engine's checkpoint of that step first "
+                             "(engine.load_checkpoint), which restores them")
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"EngineOptimizer.load_state_dict: {len(groups)} param groups; this optimizer has "
+                             f"{len(self.param_groups)}")
+        for mine, theirs in zip(self.param_groups, groups):
+            mine["lr"] = theirs["lr"]
+        self._take_lr()
 
     def _take_lr(self) -> None:
-        """Hands a changed param_groups[0]['lr'] to the engine; any other change is refused."""
-        group = self.param_groups[0]
-        for k, v in self._fixed.items():
-            if group.get(k) != v:
-                raise ValueError(f"EngineOptimizer: param_groups[0]['{k}'] changed from {v!r} to {group.get(k)!r}; "
-                                 "only 'lr' can change after initialize (the rest is the config's optimizer block)")
+        """Hands a changed param_groups[*]['lr'] to the engine; any other change is refused."""
+        for i, (group, fixed) in enumerate(zip(self.param_groups, self._fixed)):
+            for k, v in fixed.items():
+                if group.get(k) != v:
+                    raise ValueError(f"EngineOptimizer: param_groups[{i}]['{k}'] changed from {v!r} to "
+                                     f"{group.get(k)!r}; only 'lr' can change after initialize (the rest is the "
+                                     "config's optimizer block)")
         lr = self._group_lr()
+        for i in range(1, len(self.param_groups)):
+            if self._group_lr(i) != lr:
+                raise ValueError(f"EngineOptimizer: param_groups[{i}]['lr'] = {self._group_lr(i)} differs from "
+                                 f"param_groups[0]['lr'] = {lr}; the engine runs one learning rate for every "
+                                 "parameter")
         engine = self._engine()
         if lr != engine.learning_rate:
             engine.set_learning_rate(lr)
 
-    def _group_lr(self) -> float:
-        lr = self.param_groups[0]["lr"]
+    def _group_lr(self, i: int = 0) -> float:
+        lr = self.param_groups[i]["lr"]
         return float(lr.item() if isinstance(lr, torch.Tensor) else lr)  # torch allows a tensor lr
 
     def _show_lr(self) -> None:
-        self.param_groups[0]["lr"] = self._engine().learning_rate
-
-
-def _hyper_from_config(config: Any) -> dict:
-    import json
-
-    if config is None:
-        return {}
-    if not isinstance(config, dict):
-        with open(config, encoding="utf-8") as f:
-            config = json.load(f)
-    opt = config.get("optimizer", {})
-    return dict(type=opt.get("type", "AdamW"), **opt.get("params", {}))
+        lr = self._engine().learning_rate
+        for group in self.param_groups:
+            group["lr"] = lr

@@ -25,8 +25,21 @@
 // - DeepSpeed keys that tierzero has no use for (logging, profilers,
 //   overlap_comm, ...) are accepted and returned in Config::ignored_keys; the
 //   loader logs them once as a single warning.
+// - DeepSpeed keys for features tierzero lacks (MoE expert parallelism,
+//   sequence parallelism, ZenFlow, "sum" gradient all-reduce, ...) load when
+//   they leave the feature off and are otherwise refused as "a DeepSpeed
+//   feature tierzero does not support"; a DeepSpeed key is never "unknown".
 // - A key nobody knows is an InvalidArgument error naming its dotted path and
 //   the nearest known key ("did you mean ...?").
+// - "auto" (Note [Auto values] in config.cpp): in a block DeepSpeed reads
+//   through pydantic (zero_optimization, its offload blocks) it means
+//   DeepSpeed's default, which is tierzero's; where it would change what is
+//   trained (batch, precision, clipping, the optimizer's hyperparameters,
+//   step counts) and the file does not resolve it, it is listed in
+//   Config::unresolved_auto and the engine refuses it.
+// - optimizer.type "Adam" runs AdamW (decoupled weight decay) unless
+//   optimizer.params.adam_w_mode is false, as in DeepSpeed; the loaded
+//   Config holds the optimizer that runs.
 // - A wrong type or an impossible value is an error naming the key, the value,
 //   and what is allowed.
 // - Integer keys accept JSON numbers written as 5e8 when they are whole.
@@ -153,10 +166,6 @@ struct SchedulerConfig {
   double warmup_min_ratio = 0.0;         // WarmupCosineLR
   double cos_min_ratio = 0.0001;
   std::vector<std::string> params_given; // the params keys the file set (checked against the type)
-  // Step counts given as "auto" (a Hugging Face Trainer template, which the
-  // Trainer fills in): the config loads (the estimator reads such files), the
-  // engine refuses to train with them, naming them.
-  std::vector<std::string> unresolved_auto;
 };
 
 // W above: the warm-up length the schedule runs, max(2, warmup_num_steps).
@@ -216,6 +225,15 @@ struct Config {
   StateFormats states;
   // Dotted paths of keys accepted but unused, in file order.
   std::vector<std::string> ignored_keys;
+  // Note [Auto values]: dotted paths of the keys given as "auto" that nothing
+  // in the file resolves (a Hugging Face Trainer template, which the Trainer
+  // fills in before DeepSpeed reads it). The config loads (the estimator and
+  // tierzero-info read such files); the engine refuses to train with them,
+  // naming them.
+  std::vector<std::string> unresolved_auto;
+  // DeepSpeed's dataloader_drop_last: the data loader initialize(training_data=)
+  // builds drops a last, incomplete batch. The engine does not read it.
+  bool dataloader_drop_last = false;
 
   // Every NVMe directory in use (tiers.nvme_paths, then the nvme_path of each
   // offload block whose device is "nvme"), without duplicates, in that order.
