@@ -457,7 +457,7 @@ def _train_tiny_gpt(nvme_dir, states):
     config["bf16"] = {"enabled": True}
     config["gradient_clipping"] = 0.1
     config["tierzero"]["states"] = states
-    engine, _ = tzt.initialize(TinyGPT(), config)
+    engine, *_ = tzt.initialize(TinyGPT(), config)
     losses = []
     for x, y in _gpt_batches(5, 6):
         loss = _next_token_loss(engine(x), y)
