@@ -69,12 +69,13 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
     GatheredParameters or safe_set_full_fp32_param.
     """
 
-    def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None):
+    def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None, *, store: Any = None,
+                 timeout: float = 300.0):
         self.module = model
         blocks, self._module_blocks = _collect_blocks(model)
         if not blocks:
             raise ValueError("tierzero.torch.initialize: the model has no parameters that require grad")
-        on_meta, kept = self._create_agreed(model, config, init_fn, blocks)
+        on_meta, kept = self._create_agreed(model, config, init_fn, blocks, store, timeout)
         layout = self.layout
         if on_meta:
             _MetaMaker(self._core, model, blocks, layout, init_fn, self._dtype).run()
@@ -91,7 +92,8 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
         if self._dtype != torch.float32:
             model.to(self._dtype)  # Note [Model dtype]: frozen parameters and floating buffers
 
-    def _create_agreed(self, model: torch.nn.Module, config: Any, init_fn: Any, blocks: list) -> tuple[bool, list]:
+    def _create_agreed(self, model: torch.nn.Module, config: Any, init_fn: Any, blocks: list, store: Any,
+                       timeout: float) -> tuple[bool, list]:
         """Creates the engine, with no values, once every rank has agreed on what it holds. Returns (whether
         the model is on the meta device, the frozen parameters and buffers to take rank 0's values of)."""
         # In the engine a parameter is named within its block (the module): "h.0.attn" + "weight", as its
@@ -113,7 +115,7 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
             refusal, held = e, "refused"
         # No values at creation: every rank learns first whether the others are on the meta device or
         # refuse, then each block is set (rank 0's values) from the model, or as _MetaMaker makes it.
-        super().__init__(config, specs, initial_values="later")
+        super().__init__(config, specs, initial_values="later", store=store, timeout=timeout)
         self._dtype = _DTYPES[self.param_dtype]
         try:
             if refusal is None and self._dtype == torch.float32:
@@ -289,7 +291,7 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
 
 def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = None,
                model_parameters: Any = None, lr_scheduler: Any = None,
-               init_fn: Any = None) -> tuple[TorchEngine, EngineOptimizer]:
+               init_fn: Any = None, store: Any = None, timeout: float = 300.0) -> tuple[TorchEngine, EngineOptimizer]:
     """(engine, optimizer) for `model`, as deepspeed.initialize returns them.
 
     config: a path to a DeepSpeed-style JSON file, or a dict. The engine's
@@ -303,6 +305,10 @@ def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = N
     module at a time, straight into the engine, never whole in memory (Note
     [Models on the meta device]); init_fn(module) initialises each module's
     tensors, in place of its reset_parameters().
+    Ranks on several machines meet through `store` (a torch.distributed
+    Store; by default torch's own: the initialised process group's, or
+    torchrun's at MASTER_ADDR:MASTER_PORT), within `timeout` seconds, which
+    also bounds each collective (tierzero.Engine).
     """
     if config is None:
         raise ValueError("tierzero.torch.initialize: config= is required (a path or a dict)")
@@ -319,7 +325,7 @@ def initialize(model: torch.nn.Module, config: Any = None, *, optimizer: Any = N
             raise ValueError("tierzero.torch.initialize: model_parameters must be the model's trainable parameters")
     if isinstance(config, (str, os.PathLike)):
         config = os.fspath(config)
-    engine = TorchEngine(model, config, init_fn)
+    engine = TorchEngine(model, config, init_fn, store=store, timeout=timeout)
     engine.optimizer = EngineOptimizer(engine, _hyper_from_config(config))
     return engine, engine.optimizer
 
