@@ -35,11 +35,11 @@ def launcher_store(timeout_s: float) -> Optional[Any]:
         return dist.distributed_c10d._get_default_store()
     if not os.environ.get("TORCHELASTIC_RUN_ID") or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    import torch.distributed.rendezvous as rendezvous
+    from torch.distributed.rendezvous import rendezvous  # the function; torch.distributed.rendezvous is it too
 
     addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
     try:
-        store, _, _ = next(rendezvous.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+        store, _, _ = next(rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError and DistStoreError are RuntimeErrors
         raise TimeoutError(f"tierzero: rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} could not "
                            f"reach torchrun's store at MASTER_ADDR={addr} MASTER_PORT={port} within {timeout_s:g} s "

@@ -138,6 +138,8 @@ class Engine:
         self._core = _core.Engine(blocks=_normalise_blocks(blocks), init=arrays, initial_values=initial_values,
                                   store=store, store_name=_store.describe(store) if store is not None else "",
                                   timeout=timeout, **_config_kwargs(config))
+        # Rank 0 may serve the store (env:// without torchrun's agent): it lives as long as the engine.
+        self._store = store
         self._layout = self._core.layout()
         _OPEN.add(self)  # Note [Engines left open at exit]
 

@@ -81,14 +81,24 @@ on_host() {
     sh -c 'mount -t tmpfs tmpfs /tmp && hostname "$0" && exec "$@"' "$name" "$@"
 }
 
-# drop_port a|b PORT: the host's firewall silently drops TCP packets arriving
-# for PORT (tc, which iproute2 always has; iptables or nft need not exist).
-drop_port() {
+# firewall_drop a|b PORT: the host silently drops what a firewall rule
+# `-p tcp --dport PORT -j DROP` would: with iptables or nft, that rule; on
+# kernels without netfilter (and without tc's filter actions, as this test's
+# CI machine), every packet the host sends on tz0 is dropped instead (tc
+# pfifo with room for none), which a peer sees the same way for PORT: no
+# answer at all, not a refusal. Use it where PORT is the host's only traffic.
+firewall_drop() {
   local ns
   ns=$(ns_of "$1") || return 1
-  ip netns exec "$ns" tc qdisc add dev tz0 ingress
-  ip netns exec "$ns" tc filter add dev tz0 parent ffff: protocol ip prio 1 u32 \
-    match ip protocol 6 0xff match ip dport "$2" 0xffff action drop
+  if command -v iptables >/dev/null && ip netns exec "$ns" iptables -A INPUT -p tcp --dport "$2" -j DROP 2>/dev/null; then
+    return 0
+  fi
+  if command -v nft >/dev/null && ip netns exec "$ns" nft add table ip tz 2>/dev/null &&
+    ip netns exec "$ns" nft add chain ip tz in '{ type filter hook input priority 0; }' &&
+    ip netns exec "$ns" nft add rule ip tz in tcp dport "$2" drop; then
+    return 0
+  fi
+  ip netns exec "$ns" tc qdisc add dev tz0 root pfifo limit 0
 }
 
 # expect_failure LOG MAX_S PATTERN CMD...: CMD must fail, within MAX_S

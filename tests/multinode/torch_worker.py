@@ -22,7 +22,9 @@ out, timeout_s = sys.argv[1], float(sys.argv[2])
 rank = int(os.environ["RANK"])
 if os.environ.get("TZ_TEST_NEVER_ARRIVE") == str(rank):
     time.sleep(600)
-nvme = tempfile.mkdtemp(prefix=f"tz-nvme-rank{rank}-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+# The swap files: not in the host's own /tmp (a tmpfs, without O_DIRECT), and gone at exit.
+scratch = tempfile.TemporaryDirectory(prefix=f"tz-nvme-rank{rank}-", dir=os.environ.get("TZ_NVME_DIR", "/var/tmp"))
+nvme = scratch.name
 config = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 1,
@@ -49,4 +51,5 @@ master = engine.master_state_dict()
 if rank == 0:
     torch.save(master, out)
 engine.close()
+scratch.cleanup()
 print(f"rank {rank} done", flush=True)

@@ -9,7 +9,8 @@
 #      naming the store's address and port and the missing rank;
 #   4. host a's firewall drops the store's port: rank 1 on host b fails
 #      within the timeout naming that address and port.
-# Usage: torchrun_two_hosts.sh PYTHON WORK_DIR (PYTHON has tierzero and torch).
+# Usage: torchrun_two_hosts.sh PYTHON WORK_DIR (PYTHON has tierzero and torch;
+# WORK_DIR not under /tmp, which each host has its own of).
 # Exits 77 (skipped) with the reason where the machine refuses network namespaces.
 set -euo pipefail
 PY=$1 WORK=$2 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -74,7 +75,7 @@ grep -q "TimeoutError: rendezvous through torch TCPStore at $HOST_A_ADDR:$PORT (
 echo "a rank that never arrived: rank 0 failed, named ($took s in all, torchrun's start and teardown included)"
 
 echo "--- 4. host a's firewall drops the store's port"
-drop_port a "$PORT"
+firewall_drop a "$PORT"
 expect_failure "$WORK/dropped.log" 60 \
   "TimeoutError: tierzero: rank 1 of 2 could not reach torchrun's store at MASTER_ADDR=$HOST_A_ADDR MASTER_PORT=$PORT within 5 s" \
   on_host b env TORCHELASTIC_RUN_ID=dropped RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \

@@ -7,9 +7,11 @@ across two hosts (network namespaces, torchrun --nnodes 2) is tests/multinode/to
 import datetime
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -31,7 +33,7 @@ WORKER = textwrap.dedent("""
         engine = tierzero.Engine(json.loads(sys.argv[1]), {blocks!r}, store=store, timeout=60)
         assert (engine.rank, engine.world_size) == (rank, 2), (engine.rank, engine.world_size)
         whole = engine.gather_master(0)  # a collective between the two
-        assert whole.shape == (64,), whole.shape
+        assert whole.shape[0] >= 64, whole.shape  # padded to whole runs
         engine.close()
     print("rank", rank, "ok")
 """)
@@ -90,11 +92,15 @@ def test_a_timeout_that_is_not_positive_is_refused(timeout):
         tierzero.Engine(host_config(None), BLOCKS, timeout=timeout)
 
 
-def test_torchrun_across_two_hosts_matches_one_host(tmp_path):
+def test_torchrun_across_two_hosts_matches_one_host():
     """tests/multinode/torchrun_two_hosts.sh: tierzero.torch under torchrun --nnodes 2 in two network namespaces."""
     script = os.path.join(os.path.dirname(__file__), "..", "multinode", "torchrun_two_hosts.sh")
-    run = subprocess.run(["bash", script, sys.executable, str(tmp_path / "work")], capture_output=True, text=True,
-                         timeout=900)
+    # Not under /tmp: each host has its own.
+    work = tempfile.mkdtemp(prefix="tz-multinode-", dir="/var/tmp" if os.path.isdir("/var/tmp") else os.getcwd())
+    try:
+        run = subprocess.run(["bash", script, sys.executable, work], capture_output=True, text=True, timeout=900)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print(run.stdout, run.stderr)
     if run.returncode == 77:
         pytest.skip(run.stdout.strip().splitlines()[-1])
