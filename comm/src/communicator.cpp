@@ -191,6 +191,13 @@ comm_detail::RendezvousKind pick_rendezvous(const CommOptions& options) {
                      "directory, which ranks on other machines reach only on a shared file system",
                      options.ranks.source);
   }
+  if (!dir_named && options.ranks.local_world_size < options.ranks.world_size) {
+    TZ_LOG_ONCE_WARN("comm", "ranks on several machines (LOCAL_WORLD_SIZE {} < WORLD_SIZE {}, launched by {}) meet "
+                     "in a rendezvous directory, which only a file system every machine shares can hold: set "
+                     "TIERZERO_RENDEZVOUS_DIR to one, launch C++ programs with mpirun, or Python ranks with torchrun "
+                     "(docs/engine.md, \"Ranks on several machines\")",
+                     options.ranks.local_world_size, options.ranks.world_size, options.ranks.source);
+  }
   return comm_detail::RendezvousKind::kFile;
 }
 
