@@ -121,7 +121,10 @@ Status ensure_initialised(Clock::time_point deadline, milliseconds timeout, cons
         "program)", timeout.count(), ranks.rank, ranks.world_size, host_name());
   }
   const int provided = init.get();
-  if (provided < 0) return unavailable("MPI_Init_thread failed on {}", host_name());
+  if (provided < 0) {
+    p.failed = true;  // no MPI_Finalize at exit for an MPI that never started
+    return unavailable("MPI_Init_thread failed on {} (rank {} of {})", host_name(), ranks.rank, ranks.world_size);
+  }
   if (provided < MPI_THREAD_SERIALIZED) {
     return unavailable("{} provides thread level {} only; tierzero needs MPI_THREAD_SERIALIZED ({})",
                        library_version(), provided, MPI_THREAD_SERIALIZED);
