@@ -47,6 +47,7 @@
 
 #include "arrays.h"
 #include "errors.h"
+#include "store.h"
 #include "tierzero/engine.h"
 
 namespace tzpy {
@@ -261,10 +262,15 @@ tz::InitialValues initial_values(const std::string& name, const InitArrays& init
 }
 
 tz::Status make_core(CoreHandle& core, const tz::Config& config, const BlockList& blocks,
-                     const std::vector<std::vector<const float*>>& init, tz::InitialValues from) {
+                     const std::vector<std::vector<const float*>>& init, tz::InitialValues from,
+                     std::shared_ptr<tz::RendezvousStore> store, std::chrono::milliseconds timeout) {
   TZ_ASSIGN_OR_RETURN(tz::RankInfo ranks, tz::rank_info_from_env());
   TZ_ASSIGN_OR_RETURN(core.device, tz::create_device({.backend = config.backend, .ordinal = ranks.local_rank}));
-  TZ_ASSIGN_OR_RETURN(core.comm, tz::create_communicator({.ranks = ranks, .device = core.device.get()}));
+  // Note [Python store and the GIL] (bindings/store.h) for `store`.
+  TZ_ASSIGN_OR_RETURN(core.comm, tz::create_communicator({.ranks = ranks,
+                                                          .timeout = timeout,
+                                                          .store = std::move(store),
+                                                          .device = core.device.get()}));
   std::vector<tz::BlockSpec> model;
   for (const auto& [name, params] : blocks) {
     tz::BlockSpec spec{name, {}};
@@ -389,12 +395,19 @@ tz::Status reduce_from(CoreHandle& core, std::size_t block, const std::vector<st
 class PyEngine {
  public:
   PyEngine(std::optional<std::string> config_path, std::optional<std::string> config_json, const BlockList& blocks,
-           const InitArrays& init, const std::string& initial)
+           const InitArrays& init, const std::string& initial, nb::object store, const std::string& store_name,
+           double timeout_s)
       : core_(std::make_shared<CoreHandle>()) {
     const tz::InitialValues from = initial_values(initial, init);
     const tz::Config config = load(config_path, config_json);
     const std::vector<std::vector<const float*>> ptrs = init_pointers(blocks, init);
-    locked(*core_, [&] { return make_core(*core_, config, blocks, ptrs, from); });
+    if (!(timeout_s > 0) || timeout_s > 7 * 24 * 3600.0) {
+      raise_status(tz::invalid_argument("Engine(): timeout={} s must be positive and at most a week", timeout_s));
+    }
+    const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1e3));
+    std::shared_ptr<tz::RendezvousStore> rendezvous;
+    if (!store.is_none()) rendezvous = make_python_store(std::move(store), store_name);
+    locked(*core_, [&] { return make_core(*core_, config, blocks, ptrs, from, rendezvous, timeout); });
   }
 
   std::unique_ptr<PyGathered> fetch(std::size_t block, std::optional<std::int64_t> stream, bool evaluation) {
@@ -558,13 +571,16 @@ void bind_engine(nb::module_& m) {
                        "ZeRO-partitioned, tiered model states and the training step (tierzero/engine/zero.h). Ranks "
                        "come from the environment as torchrun sets it (one rank without it).")
       .def(nb::init<std::optional<std::string>, std::optional<std::string>, const BlockList&, const InitArrays&,
-                    const std::string&>(),
+                    const std::string&, nb::object, const std::string&, double>(),
            nb::arg("config_path") = nb::none(), nb::arg("config_json") = nb::none(),
            nb::arg("blocks") = BlockList{}, nb::arg("init") = InitArrays{}, nb::arg("initial_values") = "rank0",
+           nb::arg("store") = nb::none(), nb::arg("store_name") = "a Python store", nb::arg("timeout") = 300.0,
            "blocks: [(block name, [(param name, shape)])]; init: per block, per parameter, a float32 cpu array of its "
            "numel or None (zeros); empty: all zeros. initial_values: 'rank0' (every rank starts from rank 0's init), "
            "'same' (every rank's init is the same: no broadcast) or 'later' (no init: each block gets its values "
-           "from set_master() or load_checkpoint() before use; tz::InitialValues).")
+           "from set_master() or load_checkpoint() before use; tz::InitialValues). store: a torch.distributed Store "
+           "every rank reaches, through which ranks meet (None: MPI or the rendezvous directory); store_name: how "
+           "errors name it; timeout: seconds for the ranks to meet and for each collective.")
       .def("fetch", &PyEngine::fetch, nb::arg("block"), nb::kw_only(), nb::arg("stream") = nb::none(),
            nb::arg("evaluation") = false,
            "The whole block, gathered (waits for NVMe and collectives). On CUDA the buffer goes back to the engine "

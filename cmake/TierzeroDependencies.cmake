@@ -20,6 +20,26 @@ if(NOT TARGET gloo)
   message(FATAL_ERROR "Gloo was found but defines no `gloo` target; install Debian's libgloo-dev")
 endif()
 
+# MPI: how ranks started by mpirun meet (Note [MPI rendezvous]); Debian's
+# libopenmpi-dev. TIERZERO_MPI=AUTO (the default) uses it when found.
+set(TIERZERO_MPI AUTO CACHE STRING "Meet through MPI under mpirun: ON, OFF or AUTO (when found)")
+set_property(CACHE TIERZERO_MPI PROPERTY STRINGS ON OFF AUTO)
+set(TIERZERO_WITH_MPI OFF)
+if(NOT TIERZERO_MPI STREQUAL "OFF")
+  # MPI's C API from C++; not the long-deprecated C++ bindings (libmpi_cxx).
+  set(MPI_CXX_SKIP_MPICXX ON)
+  if(TIERZERO_MPI STREQUAL "ON")
+    find_package(MPI REQUIRED COMPONENTS CXX)
+  else()
+    find_package(MPI COMPONENTS CXX)
+  endif()
+  if(MPI_CXX_FOUND)
+    set(TIERZERO_WITH_MPI ON)
+  else()
+    message(STATUS "MPI not found (libopenmpi-dev): ranks under mpirun meet in a rendezvous directory")
+  endif()
+endif()
+
 # NCCL: the GPU collectives. TIERZERO_NCCL says whether the engine builds its
 # NCCL backend; TIERZERO_NCCL_STATUS says why (it ends up in error messages).
 set(TIERZERO_NCCL OFF)

@@ -16,6 +16,7 @@ packages=(
   libcli11-dev          # command-line parsing for the tools
   libxxhash-dev         # checksums for NVMe extents
   libgloo-dev           # Gloo: CPU collectives between ranks
+  libopenmpi-dev openmpi-bin  # MPI: how mpirun's ranks meet across machines
   zlib1g-dev            # tierzero-train's loss-curve PNG
   libgtest-dev libgmock-dev  # tests
   fio                   # the peer our NVMe benchmark compares against

@@ -30,7 +30,7 @@ import warnings
 import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from . import _core
+from . import _core, _store
 
 # Note [Engines left open at exit]
 # Scripts and notebooks keep the engine, the model whose hooks refer to it and
@@ -119,8 +119,11 @@ class Engine:
     passes the same values (no broadcast); "later": no init at all, each
     block's values come from set_master() or load_checkpoint(), and until
     then fetch, step, gather_master and saves are refused, naming the block.
+    Ranks on several machines meet through `store`, a torch.distributed Store every rank reaches; by
+    default torch's own (an initialised process group's, or torchrun's at MASTER_ADDR:MASTER_PORT), else
+    a rendezvous directory. `timeout` (seconds) bounds the meeting and each collective.
     Errors: ValueError (bad config or input), OSError (NVMe), MemoryError (a
-    tier budget), each with the engine's message.
+    tier budget), TimeoutError (ranks that did not meet, naming them), each with the engine's message.
 
     close() frees the swap file, memory and threads at once; `with
     tierzero.Engine(...) as engine:` closes at the end of the block, and
@@ -128,10 +131,15 @@ class Engine:
     """
 
     def __init__(self, config: Any, blocks: Any, init: Optional[Sequence[Sequence[Any]]] = None, *,
-                 initial_values: str = "rank0"):
+                 initial_values: str = "rank0", store: Any = None, timeout: float = 300.0):
         arrays = [] if init is None else [[_as_cpu_array(a) for a in block] for block in init]
+        if store is None:
+            store = _store.launcher_store(timeout)
         self._core = _core.Engine(blocks=_normalise_blocks(blocks), init=arrays, initial_values=initial_values,
-                                  **_config_kwargs(config))
+                                  store=store, store_name=_store.describe(store) if store is not None else "",
+                                  timeout=timeout, **_config_kwargs(config))
+        # Rank 0 may serve the store (env:// without torchrun's agent): it lives as long as the engine.
+        self._store = store
         self._layout = self._core.layout()
         _OPEN.add(self)  # Note [Engines left open at exit]
 

@@ -174,12 +174,51 @@ Status check_options(const CommOptions& options) {
   return ok_status();
 }
 
+std::string env_or_empty(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? std::string(value) : std::string();
+}
+
+bool launched_by_mpi(const RankInfo& ranks) { return ranks.source.starts_with("mpirun") || ranks.source == "PMI"; }
+
+// The order comm/communicator.h states: a store, MPI, a directory.
+comm_detail::RendezvousKind pick_rendezvous(const CommOptions& options) {
+  if (options.store) return comm_detail::RendezvousKind::kStore;
+  const bool dir_named = !options.rendezvous_dir.empty() || !env_or_empty("TIERZERO_RENDEZVOUS_DIR").empty();
+  if (launched_by_mpi(options.ranks) && !dir_named) {
+    if (comm_detail::mpi_built()) return comm_detail::RendezvousKind::kMpi;
+    TZ_LOG_ONCE_WARN("comm", "launched by {}, but this tierzero was built without MPI: ranks meet in a rendezvous "
+                     "directory, which ranks on other machines reach only on a shared file system",
+                     options.ranks.source);
+  }
+  if (!dir_named && options.ranks.local_world_size < options.ranks.world_size) {
+    TZ_LOG_ONCE_WARN("comm", "ranks on several machines (LOCAL_WORLD_SIZE {} < WORLD_SIZE {}, launched by {}) meet "
+                     "in a rendezvous directory, which only a file system every machine shares can hold: set "
+                     "TIERZERO_RENDEZVOUS_DIR to one, launch C++ programs with mpirun, or Python ranks with torchrun "
+                     "(docs/engine.md, \"Ranks on several machines\")",
+                     options.ranks.local_world_size, options.ranks.world_size, options.ranks.source);
+  }
+  return comm_detail::RendezvousKind::kFile;
+}
+
+// CommOptions::interface, else GLOO_SOCKET_IFNAME's first entry (torch
+// accepts a comma-separated list; a Gloo device binds to one interface).
+std::string resolve_interface(const CommOptions& options) {
+  if (!options.interface.empty()) return options.interface;
+  const std::string list = env_or_empty("GLOO_SOCKET_IFNAME");
+  const std::string first = list.substr(0, list.find(','));
+  if (first.size() < list.size()) {
+    TZ_LOG_ONCE_INFO("comm", "GLOO_SOCKET_IFNAME={}: Gloo binds to the first, {}", list, first);
+  }
+  return first;
+}
+
 Expected<std::string> resolve_rendezvous_dir(const CommOptions& options) {
   std::string dir = options.rendezvous_dir;
   if (dir.empty()) {
-    const char* env = std::getenv("TIERZERO_RENDEZVOUS_DIR");
-    dir = env != nullptr && *env != '\0'
-              ? std::string(env)
+    const std::string env = env_or_empty("TIERZERO_RENDEZVOUS_DIR");
+    dir = !env.empty()
+              ? env
               : fmt::format("/tmp/tierzero-rendezvous-{}-{}", comm_detail::file_name_safe(options.ranks.master_addr),
                             options.ranks.master_port);
   }
@@ -200,11 +239,15 @@ Expected<std::unique_ptr<Communicator>> create_communicator(const CommOptions& o
   comm_detail::ResolvedCommOptions resolved{.backend = backend,
                                             .ranks = options.ranks,
                                             .timeout = options.timeout,
+                                            .rendezvous = pick_rendezvous(options),
                                             .rendezvous_dir = {},
-                                            .interface = options.interface,
+                                            .store = options.store,
+                                            .interface = resolve_interface(options),
                                             .device = options.device};
   if (options.ranks.world_size == 1) return comm_detail::create_single_rank_communicator(resolved);
-  TZ_ASSIGN_OR_RETURN(resolved.rendezvous_dir, resolve_rendezvous_dir(options));
+  if (resolved.rendezvous == comm_detail::RendezvousKind::kFile) {
+    TZ_ASSIGN_OR_RETURN(resolved.rendezvous_dir, resolve_rendezvous_dir(options));
+  }
 #if defined(TIERZERO_WITH_NCCL)
   if (backend == CommBackend::kNccl) return comm_detail::create_nccl_communicator(resolved);
 #endif

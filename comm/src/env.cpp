@@ -90,7 +90,10 @@ Status read_launcher(const LauncherVars& vars, RankInfo& info) {
 }
 
 Status read_master(RankInfo& info) {
-  if (std::optional<std::string> addr = env("MASTER_ADDR")) info.master_addr = *addr;
+  if (std::optional<std::string> addr = env("MASTER_ADDR")) {
+    info.master_addr = *addr;
+    info.master_addr_set = true;
+  }
   TZ_ASSIGN_OR_RETURN(info.master_port, env_int_or("MASTER_PORT", info.master_port));
   if (info.master_port < 1 || info.master_port > 65535) {
     return invalid_argument("environment variable MASTER_PORT={} must be a port in 1..65535", info.master_port);

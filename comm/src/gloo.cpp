@@ -177,11 +177,20 @@ bool is_ip_literal(const std::string& text) {
 
 // CommOptions::interface: an address, an interface name, or "" for the
 // address that reaches master_addr.
-Expected<TcpEndpoint> choose_endpoint(const std::string& interface, const std::string& master_addr) {
+Expected<TcpEndpoint> choose_endpoint(const std::string& interface, const RankInfo& ranks,
+                                      RendezvousKind rendezvous) {
   TcpEndpoint endpoint;
+  if (interface.empty() && rendezvous == RendezvousKind::kMpi && !ranks.master_addr_set) {
+    // mpirun sets no MASTER_ADDR: this host's name, as Gloo's own default.
+    endpoint.attr.hostname = host_name();
+    endpoint.label = fmt::format("host name {}", endpoint.attr.hostname);
+    return endpoint;
+  }
+  const std::string& master_addr = ranks.master_addr;
   if (!interface.empty() && !is_ip_literal(interface)) {
     if (::if_nametoindex(interface.c_str()) == 0) {
-      return invalid_argument("CommOptions::interface \"{}\": no such network interface or address", interface);
+      return invalid_argument("network interface \"{}\" (CommOptions::interface or GLOO_SOCKET_IFNAME) does not "
+                              "exist on {}", interface, host_name());
     }
     endpoint.attr.iface = interface;
     endpoint.label = interface;
@@ -195,6 +204,13 @@ Expected<TcpEndpoint> choose_endpoint(const std::string& interface, const std::s
   const std::string name = interface_holding(address);
   endpoint.label = name.empty() ? address : fmt::format("{} {}", name, address);
   return endpoint;
+}
+
+// "[10.0.0.1]" from a Gloo device's str() ("tcp, pci=, iface=eth0, speed=-1,
+// addr=[10.0.0.1]"); `fallback` when it has no address.
+std::string bound_address(const std::string& device, const std::string& fallback) {
+  const std::size_t at = device.find("addr=");
+  return at == std::string::npos ? fallback : device.substr(at + 5);
 }
 
 bool mentions_timeout(std::string_view what) {
@@ -344,12 +360,13 @@ class GlooCommunicator final : public Communicator {
 }  // namespace
 
 Expected<std::unique_ptr<Communicator>> create_gloo_communicator(const ResolvedCommOptions& options) {
-  TZ_ASSIGN_OR_RETURN(TcpEndpoint endpoint, choose_endpoint(options.interface, options.ranks.master_addr));
-  TZ_ASSIGN_OR_RETURN(auto rendezvous, Rendezvous::join(options.ranks, options.rendezvous_dir, options.timeout));
+  TZ_ASSIGN_OR_RETURN(TcpEndpoint endpoint, choose_endpoint(options.interface, options.ranks, options.rendezvous));
+  TZ_ASSIGN_OR_RETURN(auto rendezvous, open_rendezvous(options));
   ScopedSigpipeBlock sigpipe;  // the device's event-loop thread inherits this: Note [SIGPIPE]
   const Clock::time_point start = Clock::now();
   try {
     auto device = gloo::transport::tcp::CreateDevice(endpoint.attr);
+    rendezvous->publish_host(bound_address(device->str(), endpoint.label));
     auto context = std::make_shared<gloo::rendezvous::Context>(options.ranks.rank, options.ranks.world_size);
     // Gloo waits up to 5x the context timeout for each pair to connect; a
     // fifth keeps the whole rendezvous near one CommOptions::timeout.
@@ -360,13 +377,15 @@ Expected<std::unique_ptr<Communicator>> create_gloo_communicator(const ResolvedC
     gloo::BarrierOptions barrier(context);
     barrier.setTimeout(options.timeout);
     close_on_failure(*context, [&] { gloo::barrier(barrier); });
-    TZ_LOG_DEBUG("comm", "gloo rank {} of {} connected over {} (run {})", options.ranks.rank,
-                 options.ranks.world_size, endpoint.label, rendezvous->run_id());
+    rendezvous->completed();
+    TZ_LOG_DEBUG("comm", "gloo rank {} of {} connected over {} ({})", options.ranks.rank,
+                 options.ranks.world_size, endpoint.label, rendezvous->describe());
     return std::unique_ptr<Communicator>(
         std::make_unique<GlooCommunicator>(std::move(context), endpoint.label, options.timeout));
   } catch (const std::exception& e) {
-    const std::string call = fmt::format("rendezvous in {} (run {}, rank {} of {})", options.rendezvous_dir,
-                                         rendezvous->run_id(), options.ranks.rank, options.ranks.world_size);
+    const std::string call = fmt::format("rendezvous through {} (rank {} of {} on {}, over {})",
+                                         rendezvous->describe(), options.ranks.rank, options.ranks.world_size,
+                                         host_name(), endpoint.label);
     return rendezvous->failure_status(e.what(), gloo_failure(call, e.what(), start, options.timeout));
   }
 }

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -14,15 +15,24 @@
 
 namespace tz::comm_detail {
 
-// CommOptions with the backend picked and the rendezvous directory resolved.
+// Where ranks meet (comm/communicator.h says how it is picked).
+enum class RendezvousKind : std::uint8_t { kStore, kMpi, kFile };
+
+// CommOptions with the backend and rendezvous picked, the rendezvous
+// directory resolved and the interface read from the environment.
 struct ResolvedCommOptions {
   CommBackend backend = CommBackend::kGloo;  // never kAuto here
   RankInfo ranks;
   std::chrono::milliseconds timeout{0};
-  std::string rendezvous_dir;  // absolute or as given; exists
+  RendezvousKind rendezvous = RendezvousKind::kFile;
+  std::string rendezvous_dir;  // kFile: absolute or as given; exists
+  std::shared_ptr<RendezvousStore> store;  // kStore
   std::string interface;
   Device* device = nullptr;
 };
+
+// Whether this build can meet through MPI (TIERZERO_WITH_MPI).
+bool mpi_built();
 
 // world_size 1: no network; collectives are copies (stream-ordered through
 // the device when it is a CUDA device, memcpy otherwise).

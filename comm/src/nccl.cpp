@@ -140,14 +140,14 @@ Status share_unique_id(int rank, Rendezvous& rendezvous, ncclUniqueId& id) {
     }
     std::vector<char> bytes = rendezvous.store().get(kUniqueIdKey);
     if (bytes.size() != sizeof(id)) {
-      return data_corruption("rendezvous in {}: ncclUniqueId has {} bytes, expected {}", rendezvous.dir(),
+      return data_corruption("rendezvous through {}: ncclUniqueId has {} bytes, expected {}", rendezvous.describe(),
                              bytes.size(), sizeof(id));
     }
     std::memcpy(&id, bytes.data(), sizeof(id));
     return ok_status();
   } catch (const std::exception& e) {
-    return rendezvous.failure_status(e.what(), io_error("rendezvous in {} (run {}): sharing the ncclUniqueId: {}",
-                                                        rendezvous.dir(), rendezvous.run_id(), e.what()));
+    return rendezvous.failure_status(e.what(), io_error("rendezvous through {}: sharing the ncclUniqueId: {}",
+                                                        rendezvous.describe(), e.what()));
   }
 }
 
@@ -163,12 +163,12 @@ Expected<UniqueNcclComm> init_comm(const RankInfo& ranks, int ordinal, Rendezvou
   UniqueNcclComm comm(raw);
   if (rc != ncclSuccess && rc != ncclInProgress) {
     return detail::nccl_error(rc, "ncclCommInitRankConfig", std::source_location::current())
-        .with_context(fmt::format("rendezvous in {} (run {}, rank {} of {})", rendezvous.dir(),
-                                  rendezvous.run_id(), ranks.rank, ranks.world_size));
+        .with_context(fmt::format("rendezvous through {} (rank {} of {})", rendezvous.describe(), ranks.rank,
+                                  ranks.world_size));
   }
   TZ_TRY_CTX(settle(comm.get(), rendezvous.deadline(), "ncclCommInitRankConfig", timeout),
-             "rendezvous in {} (run {}, rank {} of {}): waiting for every rank to join", rendezvous.dir(),
-             rendezvous.run_id(), ranks.rank, ranks.world_size);
+             "rendezvous through {} (rank {} of {}): waiting for every rank to join", rendezvous.describe(),
+             ranks.rank, ranks.world_size);
   return comm;
 }
 
@@ -402,9 +402,10 @@ Status NcclCommunicator::barrier() {
 
 Expected<std::unique_ptr<Communicator>> create_nccl_communicator(const ResolvedCommOptions& options) {
   TZ_ASSIGN_OR_RETURN(int ordinal, cuda_ordinal(*options.device));
-  TZ_ASSIGN_OR_RETURN(auto rendezvous, Rendezvous::join(options.ranks, options.rendezvous_dir, options.timeout));
+  TZ_ASSIGN_OR_RETURN(auto rendezvous, open_rendezvous(options));
   TZ_ASSIGN_OR_RETURN(UniqueNcclComm comm, init_comm(options.ranks, ordinal, *rendezvous, options.timeout));
-  rendezvous.reset();  // the init finished on every rank, so every rank has read the id
+  rendezvous->completed();  // the init finished on every rank, so every rank has read the id
+  rendezvous.reset();
   auto communicator = std::make_unique<NcclCommunicator>(std::move(comm), ordinal, options);
   TZ_TRY_CTX(communicator->start(), "starting the NCCL communicator on cuda:{}", ordinal);
   TZ_LOG_DEBUG("comm", "{}", communicator->describe());

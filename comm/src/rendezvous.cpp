@@ -66,6 +66,7 @@ class DeadlineFileStore final : public gloo::rendezvous::FileStore {
     }
   }
   const std::vector<std::string>& timed_out_keys() const { return timed_out_keys_; }
+  bool has(const std::string& full_key) { return check({full_key}); }
 
  private:
   Rendezvous::Clock::time_point deadline_;
@@ -158,7 +159,46 @@ Expected<std::string> await_run(const std::string& path, const RankInfo& ranks, 
       ranks.master_port);
 }
 
-// "tierzero/127.0.0.1:29500/<run>/3" or ".../rank_3" -> 3; -1 for other keys.
+// Note [Rendezvous runs], as a Rendezvous.
+class FileRendezvous final : public Rendezvous {
+ public:
+  static Expected<std::unique_ptr<Rendezvous>> join(const RankInfo& ranks, const std::string& dir,
+                                                    std::chrono::milliseconds timeout);
+  ~FileRendezvous() override;
+
+  gloo::rendezvous::Store& store() override { return *store_; }
+  std::string describe() const override { return fmt::format("file rendezvous in {} (run {})", dir_, run_id_); }
+  void publish_host(const std::string& address) override;
+
+ protected:
+  std::optional<std::string> peek(const std::string& key) override;
+  std::vector<std::string> timed_out_keys() const override {
+    return files_ ? files_->timed_out_keys() : std::vector<std::string>{};
+  }
+  std::string hint() const override {
+    return fmt::format("are they running with MASTER_ADDR={} MASTER_PORT={} and the same rendezvous directory "
+                       "(on several machines, one they share, or launch with mpirun or torchrun's store)?",
+                       ranks_.master_addr, ranks_.master_port);
+  }
+
+ private:
+  FileRendezvous(const RankInfo& ranks, std::string dir, std::chrono::milliseconds timeout)
+      : Rendezvous(ranks, timeout),
+        dir_(std::move(dir)),
+        run_path_(fmt::format("{}/{}-{}.run", dir_, file_name_safe(ranks_.master_addr), ranks_.master_port)) {}
+  Status open_store();
+  std::string prefix() const { return fmt::format("tierzero/{}:{}/{}", ranks_.master_addr, ranks_.master_port, run_id_); }
+
+  std::string dir_;
+  std::string run_path_;
+  std::string run_id_;
+  UniqueFd run_fd_;  // rank 0: the published run file, flock()ed while the rendezvous is open
+  std::unique_ptr<DeadlineFileStore> files_;
+  std::unique_ptr<gloo::rendezvous::PrefixStore> store_;
+};
+
+}  // namespace
+
 int rank_of_key(std::string_view key) {
   std::string_view last = key.substr(key.rfind('/') + 1);
   if (last.starts_with("rank_")) last.remove_prefix(5);
@@ -167,18 +207,40 @@ int rank_of_key(std::string_view key) {
   return ec == std::errc() && ptr == last.data() + last.size() ? rank : -1;
 }
 
-}  // namespace
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "?";
+  return name;
+}
 
-Rendezvous::Rendezvous(RankInfo ranks, std::string dir, std::chrono::milliseconds timeout)
-    : ranks_(std::move(ranks)),
-      dir_(std::move(dir)),
-      timeout_(timeout),
-      deadline_(Clock::now() + timeout),
-      run_path_(fmt::format("{}/{}-{}.run", dir_, file_name_safe(ranks_.master_addr), ranks_.master_port)) {}
+std::string host_key(int rank) { return fmt::format("tierzero_host_of_rank_{}", rank); }
 
-Expected<std::unique_ptr<Rendezvous>> Rendezvous::join(const RankInfo& ranks, const std::string& dir,
-                                                       std::chrono::milliseconds timeout) {
-  std::unique_ptr<Rendezvous> r(new Rendezvous(ranks, dir, timeout));
+std::string Rendezvous::hosts_line() {
+  std::vector<std::string> parts;
+  for (int r = 0; r < ranks_.world_size; ++r) {
+    std::optional<std::string> host = peek(host_key(r));
+    parts.push_back(host ? fmt::format("rank {} on {}", r, *host) : fmt::format("rank {} not heard from", r));
+  }
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
+Status Rendezvous::failure_status(std::string_view what, Status fallback) {
+  const std::vector<std::string> keys = timed_out_keys();
+  if (keys.empty()) {
+    return Status(fallback.code(), fmt::format("{} [via {}; {}]", fallback.message(), describe(), hosts_line()));
+  }
+  std::vector<int> missing;
+  for (const std::string& key : keys) missing.push_back(rank_of_key(key));
+  return timeout_error(
+      "rendezvous through {} timed out after {} ms: rank {} of {} on {} is still waiting for rank(s) {} to "
+      "arrive ({}); {} ({})",
+      describe(), timeout_.count(), ranks_.rank, ranks_.world_size, host_name(), fmt::join(missing, ", "),
+      hosts_line(), hint(), what);
+}
+
+Expected<std::unique_ptr<Rendezvous>> FileRendezvous::join(const RankInfo& ranks, const std::string& dir,
+                                                           std::chrono::milliseconds timeout) {
+  std::unique_ptr<FileRendezvous> r(new FileRendezvous(ranks, dir, timeout));
   if (ranks.rank == 0) {
     r->run_id_ = make_run_id();
     TZ_ASSIGN_OR_RETURN(r->run_fd_, publish_run(r->run_path_, r->run_id_));
@@ -187,21 +249,45 @@ Expected<std::unique_ptr<Rendezvous>> Rendezvous::join(const RankInfo& ranks, co
   }
   TZ_TRY(r->open_store());
   TZ_LOG_DEBUG("comm", "rank {} of {} joined run {} in {}", ranks.rank, ranks.world_size, r->run_id_, dir);
-  return r;
+  return std::unique_ptr<Rendezvous>(std::move(r));
 }
 
-Status Rendezvous::open_store() {
+Expected<std::unique_ptr<Rendezvous>> open_file_rendezvous(const RankInfo& ranks, const std::string& dir,
+                                                           std::chrono::milliseconds timeout) {
+  return FileRendezvous::join(ranks, dir, timeout);
+}
+
+void FileRendezvous::publish_host(const std::string& address) {
+  try {
+    const std::string text = fmt::format("{} ({})", host_name(), address);
+    store_->set(host_key(ranks_.rank), std::vector<char>(text.begin(), text.end()));
+  } catch (const std::exception& e) {
+    TZ_LOG_DEBUG("comm", "{}: could not publish this rank's host: {}", describe(), e.what());
+  }
+}
+
+std::optional<std::string> FileRendezvous::peek(const std::string& key) {
+  try {
+    const std::string full = prefix() + "/" + key;
+    if (!files_ || !files_->has(full)) return std::nullopt;
+    std::vector<char> value = files_->get(full);
+    return std::string(value.begin(), value.end());
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+Status FileRendezvous::open_store() {
   try {
     files_ = std::make_unique<DeadlineFileStore>(dir_, deadline_);
-    store_ = std::make_unique<gloo::rendezvous::PrefixStore>(
-        fmt::format("tierzero/{}:{}/{}", ranks_.master_addr, ranks_.master_port, run_id_), *files_);
+    store_ = std::make_unique<gloo::rendezvous::PrefixStore>(prefix(), *files_);
   } catch (const std::exception& e) {
     return io_error("rendezvous: opening the file store in {}: {}", dir_, e.what());
   }
   return ok_status();
 }
 
-Rendezvous::~Rendezvous() {
+FileRendezvous::~FileRendezvous() {
   if (files_) {
     for (const std::string& path : files_->getAllKeyFilePaths()) ::unlink(path.c_str());
   }
@@ -217,17 +303,33 @@ Rendezvous::~Rendezvous() {
   }
 }
 
-gloo::rendezvous::Store& Rendezvous::store() { return *store_; }
+#if !defined(TIERZERO_WITH_MPI)
+bool mpi_built() { return false; }
+#endif
 
-Status Rendezvous::failure_status(std::string_view what, Status fallback) const {
-  if (!files_ || files_->timed_out_keys().empty()) return fallback;
-  std::vector<int> missing;
-  for (const std::string& key : files_->timed_out_keys()) missing.push_back(rank_of_key(key));
-  return timeout_error(
-      "rendezvous in {} (run {}) timed out after {} ms: rank {} of {} is still waiting for rank(s) {} to "
-      "arrive; are they running with MASTER_ADDR={} MASTER_PORT={} and the same rendezvous directory? ({})",
-      dir_, run_id_, timeout_.count(), ranks_.rank, ranks_.world_size, fmt::join(missing, ", "),
-      ranks_.master_addr, ranks_.master_port, what);
+namespace {
+
+Expected<std::unique_ptr<Rendezvous>> open_kind(const ResolvedCommOptions& options) {
+  switch (options.rendezvous) {
+    case RendezvousKind::kStore: return open_store_rendezvous(options.ranks, options.store, options.timeout);
+    case RendezvousKind::kMpi:
+#if defined(TIERZERO_WITH_MPI)
+      return open_mpi_rendezvous(options.ranks, options.timeout);
+#else
+      return unavailable("the MPI rendezvous was asked for, but this tierzero was built without MPI");
+#endif
+    case RendezvousKind::kFile: return open_file_rendezvous(options.ranks, options.rendezvous_dir, options.timeout);
+  }
+  return invalid_argument("RendezvousKind {} is not a rendezvous", static_cast<int>(options.rendezvous));
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<Rendezvous>> open_rendezvous(const ResolvedCommOptions& options) {
+  TZ_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rendezvous, open_kind(options));
+  TZ_LOG_INFO("comm", "rank {} of {} on {} (launched by {}) meets the others through {}", options.ranks.rank,
+              options.ranks.world_size, host_name(), options.ranks.source, rendezvous->describe());
+  return rendezvous;
 }
 
 }  // namespace tz::comm_detail

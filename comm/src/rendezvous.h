@@ -1,19 +1,24 @@
-// Where ranks meet: a run in the rendezvous directory, and a key-value store
-// (Gloo's FileStore) scoped to that run. Gloo exchanges pair addresses
-// through it; NCCL its ncclUniqueId. See Note [Rendezvous runs] in the .cpp.
+// Where ranks meet: a key-value store through which they exchange, once,
+// what Gloo's pairs and NCCL's bootstrap need. Three kinds, one interface:
+//   FileRendezvous   a run in a rendezvous directory (Gloo's FileStore); Note [Rendezvous runs]
+//   StoreRendezvous  a RendezvousStore on the network (torch's TCPStore); Note [Store rendezvous]
+//   MpiRendezvous    MPI point-to-point messages under mpirun; Note [MPI rendezvous]
 //
-//   TZ_ASSIGN_OR_RETURN(auto rendezvous, Rendezvous::join(ranks, dir, timeout));
+//   TZ_ASSIGN_OR_RETURN(auto rendezvous, open_rendezvous(options));
+//   rendezvous->publish_host(address);                        // for errors naming hosts
 //   context->connectFullMesh(rendezvous->store(), device);   // may throw
 //   ... a barrier: every rank is done reading the store ...
-//   rendezvous.reset();   // removes this rank's files
+//   rendezvous.reset();   // removes this rank's keys
 //
-// Every wait in the store ends at join time + timeout, and throws
+// Every wait in the store ends at open time + timeout, and throws
 // gloo::IoException then; failure_status() turns that into a Timeout naming
-// the directory and the ranks that did not arrive.
+// where the ranks meet and the ranks that did not arrive (with their hosts
+// where they told them).
 #pragma once
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,52 +28,72 @@
 
 namespace gloo::rendezvous {
 class Store;
-class PrefixStore;
 }  // namespace gloo::rendezvous
 
 namespace tz::comm_detail {
 
-class DeadlineFileStore;
+struct ResolvedCommOptions;
 
 class Rendezvous {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // Rank 0 publishes a new run for (master_addr, master_port) in `dir`; the
-  // other ranks wait (until the timeout) for a run that a live rank 0 holds.
-  // AlreadyExists when another live job's rank 0 holds the same run file.
-  static Expected<std::unique_ptr<Rendezvous>> join(const RankInfo& ranks, const std::string& dir,
-                                                    std::chrono::milliseconds timeout);
-  // Removes the keys this rank wrote; rank 0 also withdraws the run file.
-  // Destroy only when every rank is past its last read of the store (after
-  // a barrier), or on failure.
-  ~Rendezvous();
-  Rendezvous(const Rendezvous&) = delete;
-  Rendezvous& operator=(const Rendezvous&) = delete;
+  virtual ~Rendezvous() = default;
 
-  gloo::rendezvous::Store& store();
-  const std::string& dir() const { return dir_; }
-  const std::string& run_id() const { return run_id_; }
+  // Gloo's view of the exchange. Keys written through it are this rank's to
+  // remove when the rendezvous closes.
+  virtual gloo::rendezvous::Store& store() = 0;
+  // "file rendezvous in /tmp/x (run 5f..)", "torch TCPStore at 10.0.0.1:29500 (communicator 3)", "MPI (Open MPI 4.1.4)"
+  virtual std::string describe() const = 0;
+  // Every rank has read everything (after the barrier that ends creation):
+  // the keys this rank wrote may go when the rendezvous closes. Until then
+  // they stay, so a rank that fails leaves its host for the others' errors.
+  virtual void completed() {}
   Clock::time_point deadline() const { return deadline_; }
 
+  // Tells the other ranks this rank's host and address (for their errors).
+  // Best effort: failing to write it only makes errors less specific.
+  virtual void publish_host(const std::string& address) = 0;
   // The Status for an exception `what` thrown while the store was in use:
-  // Timeout naming the directory and the missing ranks when a store wait hit
-  // the deadline, otherwise `fallback`.
-  Status failure_status(std::string_view what, Status fallback) const;
+  // Timeout naming where the ranks meet and the missing ranks when a store
+  // wait hit the deadline, otherwise `fallback` with the ranks' hosts added.
+  Status failure_status(std::string_view what, Status fallback);
 
- private:
-  Rendezvous(RankInfo ranks, std::string dir, std::chrono::milliseconds timeout);
-  Status open_store();
+ protected:
+  Rendezvous(const RankInfo& ranks, std::chrono::milliseconds timeout)
+      : ranks_(ranks), timeout_(timeout), deadline_(Clock::now() + timeout) {}
+
+  // The value some rank set at `key` (as Gloo names keys), without waiting.
+  virtual std::optional<std::string> peek(const std::string& key) = 0;
+  // The keys whose wait hit the deadline (empty when none did).
+  virtual std::vector<std::string> timed_out_keys() const = 0;
+  // What a rank that did not arrive should check, for the Timeout message.
+  virtual std::string hint() const = 0;
+  // "rank 0 on hostA (10.0.0.1); rank 1 not heard from": what publish_host() told.
+  std::string hosts_line();
 
   RankInfo ranks_;
-  std::string dir_;
   std::chrono::milliseconds timeout_;
   Clock::time_point deadline_;
-  std::string run_path_;
-  std::string run_id_;
-  UniqueFd run_fd_;  // rank 0: the published run file, flock()ed while the rendezvous is open
-  std::unique_ptr<DeadlineFileStore> files_;
-  std::unique_ptr<gloo::rendezvous::PrefixStore> store_;
 };
+
+// Opens the rendezvous the options name (store, MPI or directory; see
+// comm/communicator.h). Every rank of the group must pick the same kind.
+Expected<std::unique_ptr<Rendezvous>> open_rendezvous(const ResolvedCommOptions& options);
+
+Expected<std::unique_ptr<Rendezvous>> open_file_rendezvous(const RankInfo& ranks, const std::string& dir,
+                                                           std::chrono::milliseconds timeout);
+Expected<std::unique_ptr<Rendezvous>> open_store_rendezvous(const RankInfo& ranks,
+                                                            std::shared_ptr<RendezvousStore> store,
+                                                            std::chrono::milliseconds timeout);
+// Defined only in builds with MPI (TIERZERO_WITH_MPI).
+Expected<std::unique_ptr<Rendezvous>> open_mpi_rendezvous(const RankInfo& ranks, std::chrono::milliseconds timeout);
+
+// "tierzero/127.0.0.1:29500/<run>/3" or ".../rank_3" -> 3; -1 for other keys.
+int rank_of_key(std::string_view key);
+// This machine's name ("?" when it has none).
+std::string host_name();
+// The key publish_host() writes for `rank`.
+std::string host_key(int rank);
 
 }  // namespace tz::comm_detail

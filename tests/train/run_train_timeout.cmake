@@ -16,7 +16,7 @@ message("---- tierzero-train alone of 2 ranks (${took} s, rc ${rc})\n${out}${err
 if(rc EQUAL 0)
   message(FATAL_ERROR "rank 0 alone trained")
 endif()
-if(NOT err MATCHES "timed out after 2000 ms: rank 0 of 2 is still waiting for rank\\(s\\) 1 to arrive")
+if(NOT err MATCHES "timed out after 2000 ms: rank 0 of 2 on [^ ]+ is still waiting for rank\\(s\\) 1 to arrive")
   message(FATAL_ERROR "the error does not name the timeout given and the missing rank")
 endif()
 if(took GREATER 20)

@@ -70,12 +70,13 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
     GatheredParameters or safe_set_full_fp32_param.
     """
 
-    def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None):
+    def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None, *, store: Any = None,
+                 timeout: float = 300.0):
         self.module = model
         blocks, self._module_blocks = _collect_blocks(model)
         if not blocks:
             raise ValueError("tierzero.torch.initialize: the model has no parameters that require grad")
-        on_meta, kept = self._create_agreed(model, config, init_fn, blocks)
+        on_meta, kept = self._create_agreed(model, config, init_fn, blocks, store, timeout)
         layout = self.layout
         if on_meta:
             _MetaMaker(self._core, model, blocks, layout, init_fn, self._dtype).run()
@@ -95,7 +96,8 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
         if self._dtype != torch.float32:
             model.to(self._dtype)  # Note [Model dtype]: frozen parameters and floating buffers
 
-    def _create_agreed(self, model: torch.nn.Module, config: Any, init_fn: Any, blocks: list) -> tuple[bool, list]:
+    def _create_agreed(self, model: torch.nn.Module, config: Any, init_fn: Any, blocks: list, store: Any,
+                       timeout: float) -> tuple[bool, list]:
         """Creates the engine, with no values, once every rank has agreed on what it holds. Returns (whether
         the model is on the meta device, the frozen parameters and buffers to take rank 0's values of)."""
         # In the engine a parameter is named within its block (the module): "h.0.attn" + "weight", as its
@@ -117,7 +119,7 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
             refusal, held = e, "refused"
         # No values at creation: every rank learns first whether the others are on the meta device or
         # refuse, then each block is set (rank 0's values) from the model, or as _MetaMaker makes it.
-        super().__init__(config, specs, initial_values="later")
+        super().__init__(config, specs, initial_values="later", store=store, timeout=timeout)
         self._dtype = _DTYPES[self.param_dtype]
         try:
             if refusal is None and self._dtype == torch.float32:

@@ -54,7 +54,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: Any = None, mpu: Any = None, dist_init_required: Any = None,
                collate_fn: Optional[Callable] = None, config: Any = None, mesh_param: Any = None,
-               config_params: Any = None, *, init_fn: Any = None) -> tuple:
+               config_params: Any = None, *, init_fn: Any = None, store: Any = None,
+               timeout: float = 300.0) -> tuple:
     """(engine, optimizer, training_dataloader, lr_scheduler) for `model`, as deepspeed.initialize returns them.
 
     engine: a TorchEngine (engine(x), engine.backward(loss), engine.step(), checkpoints, DeepSpeed's engine
@@ -70,6 +71,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     meta device (with torch.device("meta")) is made one module at a time, straight into the engine, never whole
     in memory (Note [Models on the meta device]); init_fn(module) initialises each module's tensors, in place
     of its reset_parameters(). The model may also come first, tierzero's older form: initialize(model, config).
+    Ranks on several machines meet through `store` (a torch.distributed Store; by default torch's own: the
+    initialised process group's, or torchrun's at MASTER_ADDR:MASTER_PORT), within `timeout` seconds, which
+    also bounds each collective (tierzero.Engine; docs/engine.md, "Ranks on several machines").
     """
     if isinstance(args, torch.nn.Module):  # tierzero's older form: initialize(model, config)
         if model is not None and not isinstance(model, (str, os.PathLike, dict)):
@@ -98,7 +102,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     groups, config = _groups(model, model_parameters, config, raw)
     if isinstance(config, (str, os.PathLike)):
         config = os.fspath(config)
-    engine = TorchEngine(model, config, init_fn)
+    engine = TorchEngine(model, config, init_fn, store=store, timeout=timeout)
     engine.optimizer = EngineOptimizer(engine, groups)
     _mark_parameters(engine)
     engine.training_dataloader = (None if training_data is None

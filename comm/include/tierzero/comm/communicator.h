@@ -5,10 +5,19 @@
 // rendezvous: ranks find their rank and world size the way torchrun starts
 // them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 // MASTER_PORT) or as mpirun does (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK, or
-// PMI_RANK/PMI_SIZE), and exchange addresses through a rendezvous directory
-// (Gloo's FileStore; on one node a local directory, across nodes one on a
-// shared file system). With none of those variables set, a process is rank 0
-// of 1.
+// PMI_RANK/PMI_SIZE). They exchange addresses once, through one of three
+// rendezvous, picked in this order and named in the log (info, "comm"):
+//   - CommOptions::store, a key-value store on the network (torch's c10d
+//     store where Python ranks run under torchrun; tierzero/comm/store.h);
+//   - MPI, when the variables are mpirun's, no rendezvous directory is named,
+//     and this tierzero was built with MPI (Note [MPI rendezvous]);
+//   - a rendezvous directory (Gloo's FileStore; on one node a local
+//     directory, across nodes one on a shared file system).
+// With none of the launcher variables set, a process is rank 0 of 1.
+//
+// Network interface: CommOptions::interface, else GLOO_SOCKET_IFNAME (Gloo)
+// or NCCL_SOCKET_IFNAME (NCCL's own bootstrap reads it), else the address
+// that reaches MASTER_ADDR.
 //
 // Failure: every collective is bounded by CommOptions::timeout. A rank that
 // dies (or never arrives) makes the others fail with Timeout or IoError naming
@@ -34,6 +43,7 @@
 #include <string>
 #include <string_view>
 
+#include "tierzero/comm/store.h"
 #include "tierzero/offload.h"
 
 namespace tz {
@@ -52,6 +62,7 @@ struct RankInfo {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::string source = "default";  // "torchrun", "mpirun (Open MPI)", "PMI", "default"
+  bool master_addr_set = false;      // MASTER_ADDR was in the environment
 };
 
 // Reads the environment (see the header comment). Inconsistent values
@@ -66,7 +77,12 @@ struct CommOptions {
   // Where ranks meet; "" = $TIERZERO_RENDEZVOUS_DIR, else
   // /tmp/tierzero-rendezvous-<master_addr>-<master_port>. Created if missing.
   std::string rendezvous_dir;
-  // Network interface or address Gloo binds to; "" = the one that reaches master_addr.
+  // A store every rank reaches (tierzero/comm/store.h); when set, ranks meet
+  // through it and rendezvous_dir is unused.
+  std::shared_ptr<RendezvousStore> store;
+  // Network interface or address Gloo binds to; "" = $GLOO_SOCKET_IFNAME,
+  // else the one that reaches master_addr (or, under MPI without MASTER_ADDR,
+  // the address this host's name resolves to).
   std::string interface;
   Device* device = nullptr;                  // NCCL: the CUDA device (required); Gloo: unused
 };
