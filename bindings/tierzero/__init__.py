@@ -26,11 +26,12 @@ from typing import Any, Mapping, Sequence, Union
 
 def _preload_torch_nccl() -> None:
     # Note [One libnccl per process]
-    # A CUDA build of _core links libnccl.so.2 (the engine's NCCL backend), and
-    # so does torch, from its own nvidia-nccl wheel. The dynamic loader serves
+    # A CUDA build of _core loads libnccl.so.2 by its soname when it makes its
+    # first NCCL communicator (Note [CUDA libraries load on first use]), and
+    # torch links it, from its own nvidia-nccl wheel. The dynamic loader serves
     # every later request for that soname with the first one loaded: were ours
-    # (the CUDA toolkit's, often older) first, `import torch` after
-    # `import tierzero` fails on a missing NCCL symbol. Loading torch's NCCL
+    # (the CUDA toolkit's, often older) first, `import torch` after that
+    # fails on a missing NCCL symbol. Loading torch's NCCL
     # first, where it is installed, makes both use it (NCCL's C ABI is stable
     # across 2.x, and the newer library serves the older caller).
     import ctypes
