@@ -32,6 +32,34 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from . import _core
 
+
+def _prefer_torch_nccl() -> None:
+    # Note [One libnccl per process]
+    # A CUDA build of _core loads libnccl.so.2 by its soname when it makes its
+    # first NCCL communicator (Note [CUDA libraries load on first use]), and
+    # torch links it, from its own nvidia-nccl wheel. The dynamic loader serves
+    # every later request for that soname with the first one loaded: were ours
+    # (the CUDA toolkit's, often older) first, `import torch` after that
+    # fails on a missing NCCL symbol. Loading torch's NCCL first, where it is
+    # installed, makes both use it (NCCL's C ABI is stable across 2.x, and the
+    # newer library serves the older caller). Done when an engine is made on a
+    # machine with a GPU, never at import and never without a GPU, where no
+    # NCCL communicator can be made and the library would only cost memory.
+    import ctypes
+    import importlib.util
+
+    if _core.capabilities(False)["cuda"]["device_count"] == 0:
+        return
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        lib = os.path.join(base, "lib", "libnccl.so.2")
+        if os.path.exists(lib):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            return
+
 # Note [Engines left open at exit]
 # Scripts and notebooks keep the engine, the model whose hooks refer to it and
 # the last `loss` in module globals. At exit Python need not destroy those at
@@ -129,6 +157,7 @@ class Engine:
 
     def __init__(self, config: Any, blocks: Any, init: Optional[Sequence[Sequence[Any]]] = None, *,
                  initial_values: str = "rank0"):
+        _prefer_torch_nccl()  # Note [One libnccl per process]
         arrays = [] if init is None else [[_as_cpu_array(a) for a in block] for block in init]
         self._core = _core.Engine(blocks=_normalise_blocks(blocks), init=arrays, initial_values=initial_values,
                                   **_config_kwargs(config))

@@ -8,8 +8,8 @@
 // A program linked against a shared library has the dynamic linker map and
 // relocate it before main(), whether or not the run ever calls it. cuBLAS
 // (with cuBLASLt, 540 MB of file) and NCCL (218 MB) linked that way cost
-// tierzero-train 219 MiB of RSS for --help on a host with no GPU at all
-// (issue #23; bench/RESULTS.md has the figures before and after). So:
+// tierzero-train 219 MiB of RSS for --help on a host with no GPU at all, 7 MiB
+// without them (issue #23; bench/RESULTS.md has the figures). So:
 //   - the CUDA runtime is linked statically (CUDA::cudart_static), which maps
 //     nothing: it opens the driver (libcuda.so.1) itself on its first call;
 //   - cuBLAS and NCCL are not linked. Each module that calls one keeps a

@@ -3,7 +3,8 @@
 # --seq plans the GPT's blocks and prints the trainer's host memory on the CPU
 # backend (Note [Peak RSS estimate]); the parts add up to the predicted peak,
 # states and buffers are the plan's device and CPU tiers, the activations grow
-# with --batch and --seq, the corpus is the file's size; a shape the trainer
+# with --batch and --seq, evaluation's buffers go with --eval-batches 0, the
+# corpus is the file's size; a shape the trainer
 # would refuse, or a GPT mixed with --params, is exit 2 naming why.
 # Inputs: -DESTIMATE=<tierzero-estimate> -DCONFIG=<examples/train_cpu_nvme.json>
 #         -DCORPUS=<data/kjv.txt> -DWORK_DIR=<scratch directory>.
@@ -15,7 +16,8 @@ set(demo --layers 6 --hidden 384 --heads 6 --seq 128)
 
 function(host_memory name out_var)
   file(READ "${WORK_DIR}/${name}.json" json)
-  foreach(key state_bytes buffer_bytes activation_bytes corpus_bytes runtime_bytes predicted_peak_rss_bytes)
+  foreach(key state_bytes buffer_bytes activation_bytes evaluation_bytes corpus_bytes runtime_bytes
+              predicted_peak_rss_bytes)
     string(JSON v GET "${json}" host_memory ${key})
     set(${out_var}_${key} ${v} PARENT_SCOPE)
   endforeach()
@@ -27,7 +29,7 @@ endfunction()
 
 estimate(demo 0 "predicted peak RSS" ${demo})
 host_memory(demo d)
-math(EXPR sum "${d_state_bytes} + ${d_buffer_bytes} + ${d_activation_bytes} + ${d_corpus_bytes} + ${d_runtime_bytes}")
+math(EXPR sum "${d_state_bytes} + ${d_buffer_bytes} + ${d_activation_bytes} + ${d_evaluation_bytes} + ${d_corpus_bytes} + ${d_runtime_bytes}")
 if(NOT sum EQUAL d_predicted_peak_rss_bytes)
   message(FATAL_ERROR "the parts add to ${sum}, the prediction is ${d_predicted_peak_rss_bytes}")
 endif()
@@ -51,6 +53,18 @@ estimate(seq256 0 "4 x 256 tokens" --layers 6 --hidden 384 --heads 6 --seq 256)
 host_memory(seq256 s)
 if(NOT s_activation_bytes GREATER d_activation_bytes)
   message(FATAL_ERROR "--seq 256: activations ${s_activation_bytes}, not more than ${d_activation_bytes}")
+endif()
+
+# tierzero-train evaluates 4 batches by default; a run with --eval-every 0 holds no evaluation buffers.
+if(NOT d_evaluation_bytes GREATER 0)
+  message(FATAL_ERROR "the default run evaluates, but its evaluation buffers are ${d_evaluation_bytes} bytes")
+endif()
+estimate(no_eval 0 "evaluation +0.0 MiB  0 batches" ${demo} --eval-batches 0)
+host_memory(no_eval n)
+math(EXPR without "${d_predicted_peak_rss_bytes} - ${d_evaluation_bytes}")
+if(NOT n_evaluation_bytes EQUAL 0 OR NOT n_predicted_peak_rss_bytes EQUAL without)
+  message(FATAL_ERROR "--eval-batches 0: evaluation ${n_evaluation_bytes}, predicted ${n_predicted_peak_rss_bytes} "
+                      "(expected ${without})")
 endif()
 
 estimate(no_heads 2 "--hidden requires --heads" --layers 6 --hidden 384 --seq 128)

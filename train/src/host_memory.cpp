@@ -2,7 +2,7 @@
 
 // Note [Peak RSS estimate]
 // tierzero-train's resident memory at its peak on the CPU backend is the sum
-// of five parts that do not overlap:
+// of six parts that do not overlap:
 //   - the model states the plan puts in host memory: the CPU tier's, and on
 //     the Host backend the device tier's (device memory is host memory there);
 //   - the plan's buffers in those tiers: NVMe staging, the gather window, the
@@ -10,6 +10,9 @@
 //     engine keeps its pools within them, ZeroEngine.ThePoolsStayWithinThePlan);
 //   - the CPU GPT's activations and block copies, GptConfig::activation_bytes,
 //     which are exact for one micro-batch and held through its backward;
+//   - evaluation's buffers, GptConfig::evaluation_bytes, held beside those
+//     while eval_loss runs (a one-layer workspace, the batches' residual
+//     streams, a gathered master), when the run evaluates;
 //   - the corpus, read whole into memory;
 //   - a runtime baseline for everything else: the code and data of the
 //     program and the libraries the CPU path maps, thread stacks, the
@@ -23,7 +26,7 @@
 namespace tz::train {
 
 HostMemoryEstimate estimate_host_memory(const GptConfig& cfg, const Plan& plan, BackendKind backend,
-                                        std::uint64_t corpus_bytes) {
+                                        std::uint64_t corpus_bytes, int eval_batches) {
   HostMemoryEstimate m;
   const auto in_host = [backend](Tier t) { return t == Tier::kCpu || (t == Tier::kGpu && backend == BackendKind::kHost); };
   std::uint64_t tier_bytes = 0;
@@ -35,6 +38,7 @@ HostMemoryEstimate estimate_host_memory(const GptConfig& cfg, const Plan& plan, 
   }
   m.buffer_bytes = tier_bytes - m.state_bytes;
   m.activation_bytes = backend == BackendKind::kHost ? cfg.activation_bytes() : 0;
+  m.evaluation_bytes = backend == BackendKind::kHost ? cfg.evaluation_bytes(eval_batches) : 0;
   m.corpus_bytes = corpus_bytes;
   return m;
 }

@@ -11,7 +11,8 @@
 // --hidden (with --layers, --heads, --seq) plans tierzero-train's GPT instead
 // and adds the trainer's peak host memory on the CPU backend: the states and
 // buffers the plan puts there, the activations of one micro-batch (--batch,
-// default the config's), the corpus and the runtime baseline (Note [Peak RSS
+// default the config's), evaluation's buffers (--eval-batches, 0 for a run
+// that never evaluates), the corpus and the runtime baseline (Note [Peak RSS
 // estimate] in train/src/host_memory.cpp):
 //   tierzero-estimate --config examples/train_cpu_nvme.json --layers 6 --hidden 384 --heads 6 --seq 128
 // A drive rating (--tbw, or --dwpd with --drive-capacity) adds the days of
@@ -66,6 +67,7 @@ struct Options {
   // tierzero-train's GPT (--hidden): its blocks replace --params, and the
   // host memory estimate is printed. batch 0: the config's micro batch.
   int hidden = 0, heads = 0, seq = 0, batch = 0, vocab = tz::train::kByteVocab;
+  int eval_batches = 4;   // tierzero-train's --eval-batches; 0: a run that never evaluates
   std::string data_path;  // the corpus, held whole in memory; default tierzero-train's
   double nvme_read_gbps = 0, nvme_write_gbps = 0, pcie_gbps = 0, cpu_mem_gbps = 0;
   // Which of the above the user gave (the rest come from --config or defaults).
@@ -136,6 +138,10 @@ void add_gpt_options(CLI::App& app, Options& o, CLI::Option* layers, std::initia
       ->check(positive)
       ->needs(hidden);
   app.add_option("--vocab", o.vocab, "the GPT's vocabulary (default 256, bytes)")->check(positive)->needs(hidden);
+  app.add_option("--eval-batches", o.eval_batches, "the GPT run's validation batches per evaluation (default 4, "
+                                                   "tierzero-train's; 0 for a run with --eval-every 0)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->needs(hidden);
   app.add_option("--data", o.data_path, "the training text, held whole in memory (default tierzero-train's corpus)")
       ->check(CLI::ExistingFile)
       ->needs(hidden);
@@ -477,6 +483,7 @@ tz::Expected<std::string> corpus_path(const Options& o) {
 struct GptMemory {
   tz::train::GptConfig cfg;
   std::string corpus;
+  int eval_batches = 0;
   tz::train::HostMemoryEstimate host;
 };
 
@@ -485,7 +492,8 @@ tz::Expected<GptMemory> gpt_memory(const Options& o, const tz::train::GptConfig&
   std::error_code ec;
   const std::uintmax_t corpus_bytes = std::filesystem::file_size(corpus, ec);
   if (ec) return tz::io_error("--data {}: {}", corpus, ec.message());
-  return GptMemory{cfg, corpus, tz::train::estimate_host_memory(cfg, plan, tz::BackendKind::kHost, corpus_bytes)};
+  return GptMemory{cfg, corpus, o.eval_batches,
+                   tz::train::estimate_host_memory(cfg, plan, tz::BackendKind::kHost, corpus_bytes, o.eval_batches)};
 }
 
 void print_host_memory(const GptMemory& m) {
@@ -497,6 +505,8 @@ void print_host_memory(const GptMemory& m) {
   fmt::print("  staging and buffers  {}  NVMe staging, the gather window, gradients in flight\n", mib(h.buffer_bytes));
   fmt::print("  activations          {}  {} x {} tokens through {} layers x {} (GptConfig::activation_bytes)\n",
              mib(h.activation_bytes), m.cfg.batch, m.cfg.seq, m.cfg.layers, m.cfg.hidden);
+  fmt::print("  evaluation           {}  {} batches (--eval-batches; GptConfig::evaluation_bytes)\n",
+             mib(h.evaluation_bytes), m.eval_batches);
   fmt::print("  corpus               {}  {}\n", mib(h.corpus_bytes), m.corpus);
   fmt::print("  runtime baseline     {}  the program, its libraries and threads (measured)\n", mib(h.runtime_bytes));
   fmt::print("  predicted peak RSS   {}\n", mib(h.total_bytes()));
@@ -507,6 +517,7 @@ nlohmann::json host_memory_json(const GptMemory& m) {
   return {{"backend", "host"}, {"gpt", {{"layers", m.cfg.layers}, {"hidden", m.cfg.hidden}, {"heads", m.cfg.heads},
                                         {"seq", m.cfg.seq}, {"batch", m.cfg.batch}, {"vocab", m.cfg.vocab}}},
           {"state_bytes", h.state_bytes}, {"buffer_bytes", h.buffer_bytes}, {"activation_bytes", h.activation_bytes},
+          {"eval_batches", m.eval_batches}, {"evaluation_bytes", h.evaluation_bytes},
           {"corpus_bytes", h.corpus_bytes}, {"corpus", m.corpus}, {"runtime_bytes", h.runtime_bytes},
           {"predicted_peak_rss_bytes", h.total_bytes()}};
 }
