@@ -42,12 +42,17 @@ def _prefer_torch_nccl() -> None:
     # (the CUDA toolkit's, often older) first, `import torch` after that
     # fails on a missing NCCL symbol. Loading torch's NCCL first, where it is
     # installed, makes both use it (NCCL's C ABI is stable across 2.x, and the
-    # newer library serves the older caller). Done when an engine is made on a
-    # machine with a GPU, never at import and never without a GPU, where no
-    # NCCL communicator can be made and the library would only cost memory.
+    # newer library serves the older caller). Done only where an engine can
+    # make a NCCL communicator: several ranks (the variables comm/src/env.cpp
+    # reads; one rank's collectives are copies) on a machine with a GPU. Never
+    # at import, and never for one rank or without a GPU, where the library
+    # would only cost memory.
     import ctypes
     import importlib.util
 
+    sizes = (os.environ.get(v, "1") for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+    if all(size.strip() in ("", "1") for size in sizes):
+        return
     if _core.capabilities(False)["cuda"]["device_count"] == 0:
         return
     try:
