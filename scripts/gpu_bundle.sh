@@ -14,7 +14,7 @@ mkdir -p "$out/bin" "$out/lib"
 rm -f "$out"/bin/* "$out"/lib/*
 bins=(tests/tierzero_kernels_tests tests/tierzero_offload_tests tests/tierzero_comm_tests tests/tierzero_engine_tests tests/tierzero_train_tests
       tests/tierzero_common_tests train/tierzero-train bench/tierzero-overlap-bench bench/tierzero-tiers
-      bench/tierzero-nvme-bench common/tierzero-info offload/tierzero-estimate)
+      bench/tierzero-nvme-bench common/tierzero-info train/tierzero-estimate)
 for b in "${bins[@]}"; do
   [[ -x "$build/$b" ]] || { echo "gpu_bundle: $build/$b is missing (build it first)" >&2; exit 1; }
   strip -o "$out/bin/$(basename "$b")" "$build/$b"

@@ -22,35 +22,8 @@ import json
 import os
 from typing import Any, Mapping, Sequence, Union
 
-
-
-def _preload_torch_nccl() -> None:
-    # Note [One libnccl per process]
-    # A CUDA build of _core links libnccl.so.2 (the engine's NCCL backend), and
-    # so does torch, from its own nvidia-nccl wheel. The dynamic loader serves
-    # every later request for that soname with the first one loaded: were ours
-    # (the CUDA toolkit's, often older) first, `import torch` after
-    # `import tierzero` fails on a missing NCCL symbol. Loading torch's NCCL
-    # first, where it is installed, makes both use it (NCCL's C ABI is stable
-    # across 2.x, and the newer library serves the older caller).
-    import ctypes
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec("nvidia.nccl")
-    except (ImportError, ValueError):
-        return
-    for base in (spec.submodule_search_locations or []) if spec else []:
-        lib = os.path.join(base, "lib", "libnccl.so.2")
-        if os.path.exists(lib):
-            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-            return
-
-
-_preload_torch_nccl()
-
-from . import _core  # noqa: E402
-from .engine import Engine  # noqa: E402
+from . import _core
+from .engine import Engine
 
 __version__: str = _core.__version__
 __all__ = ["info", "describe", "estimate", "check_config", "Engine", "set_log_level", "optim", "nvme", "torch", "hf",

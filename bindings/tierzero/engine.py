@@ -32,6 +32,39 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from . import _core, _store
 
+
+def _prefer_torch_nccl() -> None:
+    # Note [One libnccl per process]
+    # A CUDA build of _core loads libnccl.so.2 by its soname when it makes its
+    # first NCCL communicator (Note [CUDA libraries load on first use]), and
+    # torch links it, from its own nvidia-nccl wheel. The dynamic loader serves
+    # every later request for that soname with the first one loaded: were ours
+    # (the CUDA toolkit's, often older) first, `import torch` after that
+    # fails on a missing NCCL symbol. Loading torch's NCCL first, where it is
+    # installed, makes both use it (NCCL's C ABI is stable across 2.x, and the
+    # newer library serves the older caller). Done only where an engine can
+    # make a NCCL communicator: several ranks (the variables comm/src/env.cpp
+    # reads; one rank's collectives are copies) on a machine with a GPU. Never
+    # at import, and never for one rank or without a GPU, where the library
+    # would only cost memory.
+    import ctypes
+    import importlib.util
+
+    sizes = (os.environ.get(v, "1") for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+    if all(size.strip() in ("", "1") for size in sizes):
+        return
+    if _core.capabilities(False)["cuda"]["device_count"] == 0:
+        return
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        lib = os.path.join(base, "lib", "libnccl.so.2")
+        if os.path.exists(lib):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            return
+
 # Note [Engines left open at exit]
 # Scripts and notebooks keep the engine, the model whose hooks refer to it and
 # the last `loss` in module globals. At exit Python need not destroy those at
@@ -132,6 +165,7 @@ class Engine:
 
     def __init__(self, config: Any, blocks: Any, init: Optional[Sequence[Sequence[Any]]] = None, *,
                  initial_values: str = "rank0", store: Any = None, timeout: float = 300.0):
+        _prefer_torch_nccl()  # Note [One libnccl per process]
         arrays = [] if init is None else [[_as_cpu_array(a) for a in block] for block in init]
         if store is None:
             store = _store.launcher_store(timeout)

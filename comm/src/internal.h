@@ -38,6 +38,10 @@ bool mpi_built();
 // the device when it is a CUDA device, memcpy otherwise).
 std::unique_ptr<Communicator> create_single_rank_communicator(const ResolvedCommOptions& options);
 Expected<std::unique_ptr<Communicator>> create_gloo_communicator(const ResolvedCommOptions& options);
+// Built with NCCL only (nccl.cpp, nccl_stubs.cpp). load_nccl() loads libnccl
+// and resolves the entry points the backend calls, once per process (Note
+// [CUDA libraries load on first use]); the error names the paths tried.
+Status load_nccl();
 // Defined only in builds with NCCL (TIERZERO_WITH_NCCL).
 Expected<std::unique_ptr<Communicator>> create_nccl_communicator(const ResolvedCommOptions& options);
 

@@ -401,6 +401,7 @@ Status NcclCommunicator::barrier() {
 }  // namespace
 
 Expected<std::unique_ptr<Communicator>> create_nccl_communicator(const ResolvedCommOptions& options) {
+  TZ_TRY(load_nccl());  // Note [CUDA libraries load on first use]
   TZ_ASSIGN_OR_RETURN(int ordinal, cuda_ordinal(*options.device));
   TZ_ASSIGN_OR_RETURN(auto rendezvous, open_rendezvous(options));
   TZ_ASSIGN_OR_RETURN(UniqueNcclComm comm, init_comm(options.ranks, ordinal, *rendezvous, options.timeout));

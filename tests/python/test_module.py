@@ -1,11 +1,13 @@
 """bindings/module.cpp: the module itself, the package's lazy submodules, import order."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 import tierzero
+from conftest import host_config
 from tierzero import _core
 
 
@@ -30,8 +32,26 @@ def test_submodules_are_loaded_on_first_use():
 
 @pytest.mark.parametrize("order", ["import tierzero, torch", "import torch, tierzero"])
 def test_tierzero_and_torch_import_in_either_order(order):
-    # Note [One libnccl per process]: a CUDA build links libnccl, and so does torch.
+    # Note [One libnccl per process]: a CUDA build loads libnccl, and torch links it.
     subprocess.run([sys.executable, "-c", order + "; torch.zeros(1)"], check=True, timeout=120)
+
+
+def test_a_cpu_engine_maps_no_cuda_library():
+    # Note [CUDA libraries load on first use]: cuBLAS and NCCL load when a CUDA
+    # GPT or an NCCL communicator is made, never for the CPU. In a child, as
+    # torch (imported by other tests) maps its own.
+    code = """
+import json, re, sys, tierzero
+engine = tierzero.Engine(json.loads(sys.argv[1]), [("b", [("w", (64, 64))])])
+maps = open("/proc/self/maps").read()
+assert "_core" in maps, "the extension is not in /proc/self/maps"
+print(sorted(set(re.findall(r"/(lib(?:cudart|cublas|cublasLt|nccl)[.]so[^/\\s]*)", maps))))
+engine.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(host_config())], timeout=120, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_unknown_attribute():

@@ -1,6 +1,7 @@
 // The GPT on in-memory weights (tierzero/train/gpt.h): the whole model's
 // backward against finite differences in double, float against double, and
 // the model description the engine gets.
+#include <algorithm>
 #include <cmath>
 
 #include "tierzero/train.h"
@@ -112,19 +113,22 @@ TEST(Gpt, DefaultWarmupGrowsWithDepthTimesWidthSquaredTimesLr) {
 // and gradients): every buffer counted, none twice.
 TEST(Gpt, ActivationBytesAreTheWorkspacesBuffers) {
   const GptConfig cfg{.layers = 3, .hidden = 48, .heads = 4, .seq = 24, .batch = 5};
-  tz::train::detail::Workspace<float> ws;
-  ws.resize(tz::train::detail::shape_of(cfg, cfg.batch, cfg.seq), cfg.layers);
-  std::uint64_t floats = 0;
-  for (const auto& a : ws.layers) {
-    for (const auto* v : {&a.x_in, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.probs, &a.att, &a.x_mid, &a.ln2,
-                          &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.gelu}) {
+  auto workspace_floats = [&](int layers) {
+    tz::train::detail::Workspace<float> ws;
+    ws.resize(tz::train::detail::shape_of(cfg, cfg.batch, cfg.seq), layers);
+    std::uint64_t floats = 0;
+    for (const auto& a : ws.layers) {
+      for (const auto* v : {&a.x_in, &a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.probs, &a.att, &a.x_mid, &a.ln2,
+                            &a.ln2_mean, &a.ln2_rstd, &a.fc, &a.gelu}) {
+        floats += v->size();
+      }
+    }
+    for (const auto* v : {&ws.x_final, &ws.lnf, &ws.lnf_mean, &ws.lnf_rstd, &ws.logits, &ws.dlogits, &ws.dx,
+                          &ws.dx_next, &ws.d_mid, &ws.d_tmp, &ws.d_att, &ws.d_qkv, &ws.d_ffn}) {
       floats += v->size();
     }
-  }
-  for (const auto* v : {&ws.x_final, &ws.lnf, &ws.lnf_mean, &ws.lnf_rstd, &ws.logits, &ws.dlogits, &ws.dx, &ws.dx_next,
-                        &ws.d_mid, &ws.d_tmp, &ws.d_att, &ws.d_qkv, &ws.d_ffn}) {
-    floats += v->size();
-  }
+    return floats;
+  };
   const std::vector<tz::BlockSpec> blocks = tz::train::model(cfg);
   auto numel = [](const tz::BlockSpec& b) {
     std::uint64_t n = 0;
@@ -135,8 +139,14 @@ TEST(Gpt, ActivationBytesAreTheWorkspacesBuffers) {
     }
     return n;
   };
-  floats += 2 * numel(blocks[0]) + 2 * numel(blocks[1]);
-  EXPECT_EQ(cfg.activation_bytes(), 4 * floats);
+  EXPECT_EQ(cfg.activation_bytes(), 4 * (workspace_floats(cfg.layers) + 2 * numel(blocks[0]) + 2 * numel(blocks[1])));
+
+  // Evaluation (GptTrainer::eval_loss) resizes a workspace for one layer and
+  // keeps each batch's residual stream and one gathered block's master.
+  const std::uint64_t streams = 3ULL * cfg.batch * cfg.seq * cfg.hidden;
+  EXPECT_EQ(cfg.evaluation_bytes(3),
+            4 * (workspace_floats(1) + streams + std::max(numel(blocks[0]), numel(blocks[1]))));
+  EXPECT_EQ(cfg.evaluation_bytes(0), 0U);
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numbers>
@@ -71,21 +72,48 @@ std::uint64_t GptConfig::param_count() const {
   return embed + static_cast<std::uint64_t>(layers) * (12 * h * h + 13 * h);
 }
 
-std::uint64_t GptConfig::activation_bytes() const {
-  const auto n = static_cast<std::uint64_t>(batch) * static_cast<std::uint64_t>(seq);
-  const auto h = static_cast<std::uint64_t>(hidden), v = static_cast<std::uint64_t>(vocab);
-  const std::uint64_t probs = static_cast<std::uint64_t>(batch) * heads * static_cast<std::uint64_t>(seq) * seq;
+namespace {
+
+// Floats a detail::Workspace<float> holds once resized for batch x seq tokens
+// and `layers` layers.
+std::uint64_t workspace_floats(const GptConfig& c, std::uint64_t layers) {
+  const auto n = static_cast<std::uint64_t>(c.batch) * static_cast<std::uint64_t>(c.seq);
+  const auto h = static_cast<std::uint64_t>(c.hidden), v = static_cast<std::uint64_t>(c.vocab);
+  const std::uint64_t probs = static_cast<std::uint64_t>(c.batch) * c.heads * static_cast<std::uint64_t>(c.seq) * c.seq;
   // Per layer (LayerActs): x_in, ln1, att, x_mid, ln2 (N x H), four (N) statistics,
   // qkv (N x 3H), probs, fc and gelu (N x 4H each).
   const std::uint64_t per_layer = 5 * n * h + 4 * n + 3 * n * h + probs + 8 * n * h;
   // Once: x_final, lnf, dx, dx_next, d_mid, d_tmp, d_att (N x H), two (N),
   // logits and dlogits (N x V), d_qkv (N x 3H), d_ffn (N x 4H).
   const std::uint64_t once = 7 * n * h + 2 * n + 2 * n * v + 3 * n * h + 4 * n * h;
+  return layers * per_layer + once;
+}
+
+std::uint64_t embed_numel(const GptConfig& c) {
+  const auto h = static_cast<std::uint64_t>(c.hidden);
+  return static_cast<std::uint64_t>(c.vocab) * h + static_cast<std::uint64_t>(c.seq) * h + 2 * h;
+}
+
+std::uint64_t layer_numel(const GptConfig& c) {
+  const auto h = static_cast<std::uint64_t>(c.hidden);
+  return 12 * h * h + 13 * h;
+}
+
+}  // namespace
+
+std::uint64_t GptConfig::activation_bytes() const {
   // The trainer's fp32 block copies: the embedding block (weights and, Note
   // [Tied embedding], gradients) and one transformer block (weights, gradients).
-  const std::uint64_t embed = v * h + static_cast<std::uint64_t>(seq) * h + 2 * h;
-  const std::uint64_t layer = 12 * h * h + 13 * h;
-  return 4 * (static_cast<std::uint64_t>(layers) * per_layer + once + 2 * embed + 2 * layer);
+  const std::uint64_t copies = 2 * embed_numel(*this) + 2 * layer_numel(*this);
+  return 4 * (workspace_floats(*this, static_cast<std::uint64_t>(layers)) + copies);
+}
+
+std::uint64_t GptConfig::evaluation_bytes(int batches) const {
+  if (batches <= 0) return 0;
+  const std::uint64_t streams = static_cast<std::uint64_t>(batches) * static_cast<std::uint64_t>(batch) *
+                                static_cast<std::uint64_t>(seq) * static_cast<std::uint64_t>(hidden);
+  const std::uint64_t master = std::max(embed_numel(*this), layer_numel(*this));
+  return 4 * (workspace_floats(*this, 1) + streams + master);
 }
 
 double GptConfig::flops_per_token() const {

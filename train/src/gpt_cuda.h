@@ -28,6 +28,11 @@
 
 namespace tz::train::cuda {
 
+// Loads libcublas and resolves the entry points this file's users call, once
+// per process (cublas_stubs.cpp, Note [CUDA libraries load on first use]);
+// Context::create calls it. The error names the paths tried.
+Status load_cublas();
+
 namespace detail_ {
 Status cublas_error(cublasStatus_t status, const char* call, std::source_location where);
 }  // namespace detail_

@@ -117,6 +117,7 @@ Status attention_backward(Context& ctx, const Shape& s, const LayerActs& a, Work
 // ---------------------------------------------------------------- Context
 
 Expected<std::unique_ptr<Context>> Context::create(const ContextOptions& options) {
+  TZ_TRY(load_cublas());  // Note [CUDA libraries load on first use]
   std::unique_ptr<Context> ctx(new Context());
   ctx->tf32_ = options.tf32;
   TZ_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->stream_, cudaStreamNonBlocking));

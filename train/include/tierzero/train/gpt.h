@@ -78,6 +78,10 @@ struct GptConfig {
   // and one transformer block's weights and gradients. tierzero-train refuses
   // a --batch or --seq whose activations do not fit in available memory.
   std::uint64_t activation_bytes() const;
+  // What the CPU trainer's eval_loss holds besides activation_bytes() for
+  // `batches` micro-batches of batch x seq tokens: a one-layer workspace,
+  // each batch's residual stream, and one block's fp32 master as gathered.
+  std::uint64_t evaluation_bytes(int batches) const;
 };
 
 // Parameter indices within the blocks.

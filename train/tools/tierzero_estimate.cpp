@@ -8,6 +8,13 @@
 //
 // --largest searches the largest model of the family --layers (or
 // --largest-block) describes that fits the budgets, and reports its plan.
+// --hidden (with --layers, --heads, --seq) plans tierzero-train's GPT instead
+// and adds the trainer's peak host memory on the CPU backend: the states and
+// buffers the plan puts there, the activations of one micro-batch (--batch,
+// default the config's), evaluation's buffers (--eval-batches, 0 for a run
+// that never evaluates), the corpus and the runtime baseline (Note [Peak RSS
+// estimate] in train/src/host_memory.cpp):
+//   tierzero-estimate --config examples/train_cpu_nvme.json --layers 6 --hidden 384 --heads 6 --seq 128
 // A drive rating (--tbw, or --dwpd with --drive-capacity) adds the days of
 // training until the node's NVMe writes reach it.
 //
@@ -20,6 +27,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <initializer_list>
 #include <iterator>
 #include <optional>
 #include <string>
@@ -27,6 +36,7 @@
 
 #include "tierzero/common.h"
 #include "tierzero/offload.h"
+#include "tierzero/train.h"
 
 namespace {
 
@@ -54,6 +64,11 @@ struct Options {
   std::string gpu = "auto", cpu = "auto", nvme = "auto";
   std::vector<std::string> nvme_paths;
   std::string json_path;
+  // tierzero-train's GPT (--hidden): its blocks replace --params, and the
+  // host memory estimate is printed. batch 0: the config's micro batch.
+  int hidden = 0, heads = 0, seq = 0, batch = 0, vocab = tz::train::kByteVocab;
+  int eval_batches = 4;   // tierzero-train's --eval-batches; 0: a run that never evaluates
+  std::string data_path;  // the corpus, held whole in memory; default tierzero-train's
   double nvme_read_gbps = 0, nvme_write_gbps = 0, pcie_gbps = 0, cpu_mem_gbps = 0;
   // Which of the above the user gave (the rest come from --config or defaults).
   bool has_stage = false, has_grad_accum = false, has_gpu = false, has_cpu = false, has_nvme = false;
@@ -108,19 +123,46 @@ void add_wear_options(CLI::App& app, Options& o) {
       ->check(positive);
 }
 
+// `layers` is the GPT's too; `other_models` (--params, --largest, --largest-block) exclude it.
+void add_gpt_options(CLI::App& app, Options& o, CLI::Option* layers, std::initializer_list<CLI::Option*> other_models) {
+  const auto positive = CLI::Range(1, 1 << 20);
+  auto* hidden = app.add_option("--hidden", o.hidden, "plan tierzero-train's GPT of this width (with --layers, --heads, "
+                                                      "--seq) and predict the trainer's peak host memory")
+                     ->check(positive);
+  for (CLI::Option* other : other_models) hidden->excludes(other);
+  hidden->needs(layers);
+  hidden->needs(app.add_option("--heads", o.heads, "the GPT's attention heads")->check(positive)->needs(hidden));
+  hidden->needs(app.add_option("--seq", o.seq, "the GPT's context length")->check(positive)->needs(hidden));
+  app.add_option("--batch", o.batch, "the GPT's sequences per micro-batch (default: the config's "
+                                     "train_micro_batch_size_per_gpu)")
+      ->check(positive)
+      ->needs(hidden);
+  app.add_option("--vocab", o.vocab, "the GPT's vocabulary (default 256, bytes)")->check(positive)->needs(hidden);
+  app.add_option("--eval-batches", o.eval_batches, "the GPT run's validation batches per evaluation (default 4, "
+                                                   "tierzero-train's; 0 for a run with --eval-every 0)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->needs(hidden);
+  app.add_option("--data", o.data_path, "the training text, held whole in memory (default tierzero-train's corpus)")
+      ->check(CLI::ExistingFile)
+      ->needs(hidden);
+}
+
 void add_options(CLI::App& app, Options& o) {
   auto* params = app.add_option("--params", o.params, "parameters in the model, e.g. 20e9, 1.3B, 350M")->check(count());
-  app.add_flag("--largest", o.largest,
-               "search the largest model of this family (--layers or --largest-block) that fits the budgets")
-      ->excludes(params);
+  auto* largest = app.add_flag("--largest", o.largest,
+                               "search the largest model of this family (--layers or --largest-block) that fits the "
+                               "budgets")
+                      ->excludes(params);
   app.add_option("--ranks", o.ranks, "data-parallel ranks (GPUs)")->check(CLI::Range(1, 1 << 20));
   app.add_option("--ranks-per-node", o.ranks_per_node, "ranks sharing one node's CPU memory and NVMe (default: all)")
       ->check(CLI::Range(1, 1 << 20));
   auto* layers = app.add_option("--layers", o.layers, "the model is this many equal blocks (default 32)")
                      ->check(CLI::Range(1, static_cast<int>(kMaxBlocks)));
-  app.add_option("--largest-block", o.largest_block, "blocks of this many params (and one remainder block)")
-      ->check(count())
-      ->excludes(layers);
+  auto* largest_block = app.add_option("--largest-block", o.largest_block, "blocks of this many params (and one "
+                                                                           "remainder block)")
+                            ->check(count())
+                            ->excludes(layers);
+  add_gpt_options(app, o, layers, {params, largest, largest_block});
   app.add_option("--stage", o.stage, "ZeRO stage 0..3 (default 3, or the config's)")->check(CLI::Range(0, 3));
   app.add_option("--grad-accum", o.grad_accum, "micro-batches per optimizer step (default 1, or the config's)")
       ->check(CLI::Range(1, 1 << 20));
@@ -410,6 +452,76 @@ nlohmann::json wear_json(const Options& o, const tz::Plan& plan, const tz::PlanI
   return j;
 }
 
+// --hidden: tierzero-train's GPT, its micro batch the config's unless --batch.
+tz::Expected<tz::train::GptConfig> gpt_of(const Options& o, const tz::Config& config) {
+  const int batch = o.batch > 0 ? o.batch : static_cast<int>(config.train_micro_batch_size_per_gpu);
+  tz::train::GptConfig cfg{.layers = o.layers, .hidden = o.hidden, .heads = o.heads, .seq = o.seq, .batch = batch,
+                           .vocab = o.vocab};
+  TZ_TRY_CTX(cfg.validate(), "--layers/--hidden/--heads/--seq/--batch/--vocab");
+  return cfg;
+}
+
+std::vector<std::uint64_t> gpt_blocks(const tz::train::GptConfig& cfg) {
+  std::vector<std::uint64_t> blocks;
+  for (const tz::BlockSpec& b : tz::train::model(cfg)) {
+    std::uint64_t numel = 0;
+    for (const tz::ParamSpec& p : b.params) numel += p.numel();
+    blocks.push_back(numel);
+  }
+  return blocks;
+}
+
+// The corpus tierzero-train would read: --data, or its default (the source
+// tree's data/, or share/tierzero/data beside an installed bin/).
+tz::Expected<std::string> corpus_path(const Options& o) {
+  if (!o.data_path.empty()) return o.data_path;
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return tz::train::default_corpus_path(ec ? std::string() : self.parent_path().string());
+}
+
+struct GptMemory {
+  tz::train::GptConfig cfg;
+  std::string corpus;
+  int eval_batches = 0;
+  tz::train::HostMemoryEstimate host;
+};
+
+tz::Expected<GptMemory> gpt_memory(const Options& o, const tz::train::GptConfig& cfg, const tz::Plan& plan) {
+  TZ_ASSIGN_OR_RETURN(std::string corpus, corpus_path(o));
+  std::error_code ec;
+  const std::uintmax_t corpus_bytes = std::filesystem::file_size(corpus, ec);
+  if (ec) return tz::io_error("--data {}: {}", corpus, ec.message());
+  return GptMemory{cfg, corpus, o.eval_batches,
+                   tz::train::estimate_host_memory(cfg, plan, tz::BackendKind::kHost, corpus_bytes, o.eval_batches)};
+}
+
+void print_host_memory(const GptMemory& m) {
+  const tz::train::HostMemoryEstimate& h = m.host;
+  const auto mib = [](std::uint64_t bytes) { return fmt::format("{:9.1f} MiB", static_cast<double>(bytes) / (1 << 20)); };
+  fmt::print("\nhost memory of one rank of tierzero-train on the CPU backend (Note [Peak RSS estimate]):\n");
+  fmt::print("  model states         {}  in the device and CPU tiers (the device is host memory there)\n",
+             mib(h.state_bytes));
+  fmt::print("  staging and buffers  {}  NVMe staging, the gather window, gradients in flight\n", mib(h.buffer_bytes));
+  fmt::print("  activations          {}  {} x {} tokens through {} layers x {} (GptConfig::activation_bytes)\n",
+             mib(h.activation_bytes), m.cfg.batch, m.cfg.seq, m.cfg.layers, m.cfg.hidden);
+  fmt::print("  evaluation           {}  {} batches (--eval-batches; GptConfig::evaluation_bytes)\n",
+             mib(h.evaluation_bytes), m.eval_batches);
+  fmt::print("  corpus               {}  {}\n", mib(h.corpus_bytes), m.corpus);
+  fmt::print("  runtime baseline     {}  the program, its libraries and threads (measured)\n", mib(h.runtime_bytes));
+  fmt::print("  predicted peak RSS   {}\n", mib(h.total_bytes()));
+}
+
+nlohmann::json host_memory_json(const GptMemory& m) {
+  const tz::train::HostMemoryEstimate& h = m.host;
+  return {{"backend", "host"}, {"gpt", {{"layers", m.cfg.layers}, {"hidden", m.cfg.hidden}, {"heads", m.cfg.heads},
+                                        {"seq", m.cfg.seq}, {"batch", m.cfg.batch}, {"vocab", m.cfg.vocab}}},
+          {"state_bytes", h.state_bytes}, {"buffer_bytes", h.buffer_bytes}, {"activation_bytes", h.activation_bytes},
+          {"eval_batches", m.eval_batches}, {"evaluation_bytes", h.evaluation_bytes},
+          {"corpus_bytes", h.corpus_bytes}, {"corpus", m.corpus}, {"runtime_bytes", h.runtime_bytes},
+          {"predicted_peak_rss_bytes", h.total_bytes()}};
+}
+
 int run(const Options& o) {
   tz::Expected<tz::Config> config = effective_config(o);
   if (!config.ok()) return fail(config.status(), kExitBadArgs);
@@ -424,6 +536,7 @@ int run(const Options& o) {
   tz::PlanInput in = tz::PlanInput::from_config(*config, {}, o.ranks, o.ranks_per_node, *budgets);
   apply_links(o, in.links);
   std::optional<tz::LargestModel> largest;
+  std::optional<tz::train::GptConfig> gpt;
   tz::Expected<tz::Plan> plan = tz::invalid_argument("not planned");
   if (o.largest) {
     tz::Expected<tz::LargestModel> found = search_largest(o, in);
@@ -434,6 +547,12 @@ int run(const Options& o) {
     } else {
       plan = found.status();
     }
+  } else if (o.hidden > 0) {
+    tz::Expected<tz::train::GptConfig> cfg = gpt_of(o, *config);
+    if (!cfg.ok()) return fail(cfg.status(), kExitBadArgs);
+    gpt = *cfg;
+    in.block_numel = gpt_blocks(*gpt);
+    plan = tz::plan_placement(in);
   } else {
     tz::Expected<std::vector<std::uint64_t>> blocks = make_blocks(o, count_of(o.params));
     if (!blocks.ok()) return fail(blocks.status(), kExitBadArgs);
@@ -447,9 +566,17 @@ int run(const Options& o) {
   if (largest) print_largest(o, *largest);
   fmt::print("{}", tz::format_plan(*plan, in));
   print_wear(o, *plan, in, endurance);
+  std::optional<GptMemory> memory;
+  if (gpt) {
+    tz::Expected<GptMemory> m = gpt_memory(o, *gpt, *plan);
+    if (!m.ok()) return fail(m.status(), kExitBadArgs);
+    memory = *std::move(m);
+    print_host_memory(*memory);
+  }
   if (!o.json_path.empty()) {
     nlohmann::json j = plan_json(*plan, in, *budgets);
     j["drive_wear"] = wear_json(o, *plan, in, endurance);
+    if (memory) j["host_memory"] = host_memory_json(*memory);
     if (largest) j["largest"] = {{"params", largest->params}, {"next_params", largest->next_params},
                                  {"family", model_family(o)}};
     tz::Status written = tz::write_file_durably(o.json_path, j.dump(2) + "\n");
@@ -474,8 +601,9 @@ int main(int argc, char** argv) {
   options.has_gpu = app.count("--gpu") > 0;
   options.has_cpu = app.count("--cpu") > 0;
   options.has_nvme = app.count("--nvme") > 0;
-  if (options.params.empty() && !options.largest) {
-    fmt::print(stderr, "--params is required (or --largest, to search the largest model that fits)\n");
+  if (options.params.empty() && !options.largest && options.hidden == 0) {
+    fmt::print(stderr, "--params is required (or --largest, to search the largest model that fits, or --hidden with "
+                       "--layers, --heads and --seq for tierzero-train's GPT)\n");
     return kExitBadArgs;
   }
   if (options.ranks_per_node > 0 && options.ranks % options.ranks_per_node != 0) {
