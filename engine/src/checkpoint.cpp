@@ -301,6 +301,7 @@ Status ZeroEngineImpl::put_rank_file(const detail::RankFile& file) {
 void ZeroEngineImpl::restore_progress(std::int64_t step, const detail::LossScaler::State& scaler,
                                       const std::optional<double>& saved_lr) {
   step_ = step;
+  comm_->note_step(step_ + 1);
   if (saved_lr) {
     if (*saved_lr != base_lr_) {
       TZ_LOG_INFO("engine", "learning rate {} from the checkpoint (set_learning_rate before it was saved), not {}",

@@ -644,6 +644,9 @@ TEST(Checkpoint, AnEditedOrMismatchedManifestIsRefused) {
   m["version"] = 1;
   std::ofstream(two + "/manifest.json", std::ios::trunc) << tz::detail::sealed_text(m);
   expect_corrupt(two, "format version 1; this tierzero reads version 2");
+  e.reset();
+  EXPECT_EQ(nvme.files(), std::vector<std::string>{}) << "the refused loads leave no swap file once the engine goes";
+  for (const std::string& f : ckpt.files()) EXPECT_EQ(f.find(".partial"), std::string::npos) << f;
 }
 
 TEST(Checkpoint, AnNvmeErrorMidStepFailsTheStepAndLeavesTheSavedStateIntact) {
