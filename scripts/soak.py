@@ -178,10 +178,10 @@ def unbroken_run(args, prefix, work):
 def pick_moment(rng, args, kill_no):
     """(signal, whether right after a save starts, a share of the time left, ms after the save starts)."""
     sig = ["SIGKILL", "SIGTERM", "SIGINT"][kill_no % 3] if kill_no < 3 else rng.choice(list(SIGNALS))
-    return sig, rng.random() < args.in_save, rng.uniform(0.05, 0.8), rng.uniform(0.0, 0.2)
+    return sig, rng.random() < args.in_save, rng.uniform(0.05, 0.95), rng.uniform(0.0, 0.2)
 
 
-def one_restart(args, prefix, work, n, plan, live_swaps, step_s, failures):
+def one_restart(args, prefix, work, n, plan, live_swaps, step_s, kills_left, failures):
     """Runs the job once; kills it as `plan` says (None: let it finish). A row for the table."""
     nvme, save = os.path.join(work, "nvme"), os.path.join(work, "ckpt")
     cmd = base_command(args, nvme, os.path.join(work, "out")) + [
@@ -199,10 +199,12 @@ def one_restart(args, prefix, work, n, plan, live_swaps, step_s, failures):
             failures.append(f"run {n}: its NVMe folder held {swaps} while it trained (one run holds {live_swaps})")
     if plan is not None and started:
         sig, in_save, share, after_partial = plan
-        # A timed kill lands within the time the run has left, so the job
-        # outlives every kill (the last ones come during start-up and loading).
-        delay = min(args.max_delay, share * step_s * max(1, args.steps - row["resumed_at"]))
-        if in_save and wait_for_partial(save, run, 120):
+        # The kills left share the training left, so the job outlives them all
+        # (the later ones land in start-up and loading as the end nears); a
+        # kill waits for a save only where one is due within its share.
+        slot_s = step_s * max(1, args.steps - row["resumed_at"]) / (kills_left + 1)
+        delay = min(args.max_delay, 2 * share * slot_s)
+        if in_save and slot_s > args.save_every * step_s and wait_for_partial(save, run, 2 * slot_s):
             time.sleep(after_partial)
             row["moment"] = f"in a save (+{after_partial * 1000:.0f} ms)"
         else:
@@ -272,7 +274,8 @@ def main():
     while True:
         n += 1
         plan = pick_moment(rng, args, kills) if kills < args.kills else None
-        row, finished = one_restart(args, prefix, work, n, plan, live_swaps, ref_seconds / args.steps, failures)
+        row, finished = one_restart(args, prefix, work, n, plan, live_swaps, ref_seconds / args.steps,
+                                    args.kills - kills, failures)
         rows.append(row)
         kills += row["signal"] is not None
         print_row(row)
@@ -281,6 +284,8 @@ def main():
         if n > 4 * args.kills + 10:
             failures.append("the job did not finish")
             break
+    if kills < args.kills:
+        failures.append(f"the job finished after {kills} kills, before the {args.kills} asked")
     diffs, files = compare_checkpoints(ref_save, os.path.join(work, "ckpt"), args.steps)
     failures += [f"final checkpoint differs from the unbroken run's: {d}" for d in diffs]
     save_left = [x for x in listing(os.path.join(work, "ckpt")) if x.endswith(".partial") or x == "latest.tmp"]

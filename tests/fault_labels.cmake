@@ -18,7 +18,7 @@ set(_tz_fault_patterns
   # offload: the "auto" NVMe budget names its path
   "^ResolveBudgets\\.AutoNvme"
   # engine: checkpoints, the save lock, reclaim, ranks that differ or die
-  "^Checkpoint\\.(AMalformed|AnEdited|CorruptTruncated|ACorrupt|KillDashNine|BadTags|AnotherOptimizers|AModelWithOther|AnNvmeError|AFileChanged|KeepLast)"
+  "^Checkpoint\\.(AMalformed|AnEdited|CorruptTruncated|ACorrupt|KillDashNine|BadTags|AnotherOptimizers|AModelWithOther|AnNvmeError|AFileChanged|KeepLast|ASaveOntoAFullDisk)"
   "^CheckpointLock\\." "^CheckpointFiles\\.(ACheckpointDirectoryIsFound|ARankFileThatDoesNotFit)" "^SwapReclaim\\."
   "^ZeroEngineRanks\\.(DifferentModels|RanksWithDifferentSettings|AWriteFailing|APutFailing|ARankKilled)"
   # train: the corpus, signals, --save-on-stop, the collective timeout

@@ -36,11 +36,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
-#include <vector>
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <vector>
 
 #include "tierzero/common/file_lock.h"
 
@@ -98,12 +99,17 @@ std::string describe_record(std::uint64_t seq, std::string_view call, std::int64
 }
 
 // Unlinks the phase files in `dir` that no live process holds (Note [What
-// the other ranks were doing]: dead runs').
+// the other ranks were doing]: dead runs'). A temporary one is unlocked for a
+// moment after it is made, so it counts as dead only once a minute old.
 void remove_dead_phase_files(const std::string& dir) {
   std::error_code ec;
+  const auto minute_ago = std::filesystem::file_time_type::clock::now() - std::chrono::minutes(1);
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (!name.ends_with(".phase") || name.find(".tmp-") != std::string::npos) continue;
+    const bool temporary = name.find(".phase.tmp-") != std::string::npos;
+    if (!name.ends_with(".phase") && !temporary) continue;
+    std::error_code time_ec;
+    if (temporary && !(entry.last_write_time(time_ec) < minute_ago && !time_ec)) continue;
     const int raw = ::open(entry.path().c_str(), O_RDWR | O_CLOEXEC);
     if (raw < 0) continue;
     UniqueFd fd(raw);

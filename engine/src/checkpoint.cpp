@@ -131,7 +131,8 @@ Status ZeroEngineImpl::prepare_save(const std::string& dir, const std::string& f
   fs::create_directories(dir, ec);
   fs::remove_all(partial, ec);  // a crashed earlier save of this name, or a replaced one left behind
   if (!ec) fs::create_directories(partial, ec);
-  if (ec) return io_error("checkpoint: preparing {}: {}", partial, ec.message());
+  // errno_status: a full disk is kNoSpace, as the writes' own failures are.
+  if (ec) return errno_status(ec.value(), fmt::format("checkpoint: preparing {}", partial));
   return replacing ? detail::probe_exchange(final_dir) : ok_status();
 }
 
