@@ -201,10 +201,13 @@ def one_restart(args, prefix, work, n, plan, live_swaps, step_s, kills_left, fai
         sig, in_save, share, after_partial = plan
         # The kills left share the training left, so the job outlives them all
         # (the later ones land in start-up and loading as the end nears); a
-        # kill waits for a save only where one is due within its share.
+        # kill waits for a save only where the next one is due within twice
+        # its share.
         slot_s = step_s * max(1, args.steps - row["resumed_at"]) / (kills_left + 1)
         delay = min(args.max_delay, 2 * share * slot_s)
-        if in_save and slot_s > args.save_every * step_s and wait_for_partial(save, run, 2 * slot_s):
+        next_save = (row["resumed_at"] // args.save_every + 1) * args.save_every
+        due_s = (next_save - row["resumed_at"]) * step_s
+        if in_save and due_s <= 2 * slot_s and wait_for_partial(save, run, due_s + 2 * slot_s + 60):
             time.sleep(after_partial)
             row["moment"] = f"in a save (+{after_partial * 1000:.0f} ms)"
         else:
