@@ -9,12 +9,12 @@
 
 namespace tz {
 
-Status RankAgreement::barrier() { return run([&] { return comm_.barrier(); }); }
+Status RankAgreement::barrier() { return run("a barrier", [&] { return comm_.barrier(); }); }
 
 // Every rank says whether it succeeded; all learn whether all did.
 Status RankAgreement::agree(const Status& mine, std::string_view what) {
   std::int64_t failed = mine.ok() ? 0 : 1;
-  TZ_TRY(run([&] {
+  TZ_TRY(run(what, [&] {
     return detail::all_reduce_host(comm_, device_, device_pool_, &failed, 1, DType::kInt64, ReduceOp::kSum);
   }));
   if (!mine.ok()) return mine;
@@ -24,10 +24,10 @@ Status RankAgreement::agree(const Status& mine, std::string_view what) {
 
 // The largest and the smallest of the ranks' hashes (as max of h and of -h):
 // equal when all ranks agree. Shifted to 62 bits so -h cannot overflow.
-Expected<bool> RankAgreement::same_everywhere(const std::string& value) {
+Expected<bool> RankAgreement::same_everywhere(const std::string& value, std::string_view what) {
   const auto h = static_cast<std::int64_t>(nvme::checksum(value.data(), value.size()) >> 2);
   std::int64_t extremes[2] = {h, -h};
-  TZ_TRY(run([&] {
+  TZ_TRY(run(what, [&] {
     return detail::all_reduce_host(comm_, device_, device_pool_, extremes, 2, DType::kInt64, ReduceOp::kMax);
   }));
   return extremes[0] == -extremes[1];
@@ -35,7 +35,7 @@ Expected<bool> RankAgreement::same_everywhere(const std::string& value) {
 
 Status RankAgreement::agree_on(const std::string& value, std::string_view what, std::string_view noun,
                                std::string_view advice) {
-  TZ_ASSIGN_OR_RETURN(const bool same, same_everywhere(value));
+  TZ_ASSIGN_OR_RETURN(const bool same, same_everywhere(value, what));
   if (!same) {
     return invalid_argument("{}: the ranks name different {} (this rank: '{}'); every rank must {}", what, noun, value,
                             advice);
@@ -65,15 +65,15 @@ std::string setting_line(const RankAgreement::Settings& settings, std::size_t i)
 Status RankAgreement::agree_on_settings(const Settings& settings, std::string_view what, std::string_view advice) {
   std::string text;
   for (std::size_t i = 0; i < settings.size(); ++i) text += setting_line(settings, i) + "\n";
-  TZ_ASSIGN_OR_RETURN(const bool same, same_everywhere(text));
+  TZ_ASSIGN_OR_RETURN(const bool same, same_everywhere(text, what));
   if (same) return ok_status();
   // Rank `root`'s string into every rank's `s`, its size first.
   auto share = [&](std::string& s, int root) -> Status {
     std::int64_t n = static_cast<std::int64_t>(s.size());
-    TZ_TRY(run([&] { return detail::broadcast_host(comm_, device_, device_pool_, &n, sizeof n, root); }));
+    TZ_TRY(run(what, [&] { return detail::broadcast_host(comm_, device_, device_pool_, &n, sizeof n, root); }));
     s.resize(static_cast<std::size_t>(n));
     if (n == 0) return ok_status();
-    return run([&] { return detail::broadcast_host(comm_, device_, device_pool_, s.data(), s.size(), root); });
+    return run(what, [&] { return detail::broadcast_host(comm_, device_, device_pool_, s.data(), s.size(), root); });
   };
   std::string theirs = text;
   TZ_TRY(share(theirs, 0));
@@ -90,7 +90,7 @@ Status RankAgreement::agree_on_settings(const Settings& settings, std::string_vi
   const bool differs = first < std::max(rank0.size(), settings.size());
   std::int64_t key = differs ? (static_cast<std::int64_t>(first) << kRankBits) | comm_.rank()
                              : std::numeric_limits<std::int64_t>::max();
-  TZ_TRY(run([&] {
+  TZ_TRY(run(what, [&] {
     return detail::all_reduce_host(comm_, device_, device_pool_, &key, 1, DType::kInt64, ReduceOp::kMin);
   }));
   if (key == std::numeric_limits<std::int64_t>::max()) return ok_status();  // the hashes collided, the lines agree
@@ -110,7 +110,7 @@ Status RankAgreement::broadcast(void* data, std::size_t bytes, int root) {
   if (root < 0 || root >= comm_.size()) {
     return invalid_argument("broadcast: root rank {} is not one of the {} rank(s)", root, comm_.size());
   }
-  return run([&] { return detail::broadcast_host(comm_, device_, device_pool_, data, bytes, root); });
+  return run("a broadcast", [&] { return detail::broadcast_host(comm_, device_, device_pool_, data, bytes, root); });
 }
 
 }  // namespace tz

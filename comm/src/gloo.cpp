@@ -67,6 +67,7 @@
 
 #include "gloo_ring.h"
 #include "internal.h"
+#include "phase_board.h"
 #include "reduce.h"
 #include "rendezvous.h"
 
@@ -219,9 +220,19 @@ bool mentions_timeout(std::string_view what) {
   return lower.find("timeout") != std::string::npos || lower.find("timed out") != std::string::npos;
 }
 
+// What the ranks were doing, for a timeout's message: Note [What the other
+// ranks were doing].
+std::string phases(const PhaseBoard* board, std::string_view board_error) {
+  if (board == nullptr) {
+    return board_error.empty() ? "" : fmt::format("; what the other ranks were doing is unknown ({})", board_error);
+  }
+  return fmt::format("; this rank was in its collective {}; {}", board->describe_mine(), board->describe_others());
+}
+
 // Gloo reports both a dead peer and a silent one as IoException; the text
 // tells them apart.
-Status gloo_failure(std::string_view call, std::string_view what, Clock::time_point start, milliseconds timeout) {
+Status gloo_failure(std::string_view call, std::string_view what, Clock::time_point start, milliseconds timeout,
+                    std::string_view phases = "") {
   const auto elapsed = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
   if (mentions_timeout(what)) {
     // The ranks agreed on their settings at creation (Note [Ranks agree on
@@ -229,8 +240,8 @@ Status gloo_failure(std::string_view call, std::string_view what, Clock::time_po
     // far slower, not in another collective by configuration.
     return timeout_error("gloo {} timed out after {} ms (timeout {} ms; tierzero-train --collective-timeout, "
                          "CommOptions::timeout): a peer rank stopped answering (stuck, killed, or slower by more "
-                         "than the timeout): {}",
-                         call, elapsed, timeout.count(), what);
+                         "than the timeout): {}{}",
+                         call, elapsed, timeout.count(), what, phases);
   }
   return io_error("gloo {} failed after {} ms: {}", call, elapsed, what);
 }
@@ -249,8 +260,14 @@ void with_element_type(std::size_t element_bytes, F&& fn) {
 
 class GlooCommunicator final : public Communicator {
  public:
-  GlooCommunicator(std::shared_ptr<gloo::Context> context, std::string label, milliseconds timeout)
-      : context_(std::move(context)), label_(std::move(label)), timeout_(timeout), ring_(context_, timeout) {}
+  GlooCommunicator(std::shared_ptr<gloo::Context> context, std::string label, milliseconds timeout,
+                   std::unique_ptr<PhaseBoard> board, std::string board_error)
+      : context_(std::move(context)),
+        label_(std::move(label)),
+        timeout_(timeout),
+        ring_(context_, timeout),
+        board_(std::move(board)),
+        board_error_(std::move(board_error)) {}
 
   int rank() const override { return context_->rank; }
   int size() const override { return context_->size; }
@@ -310,6 +327,13 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
+  void note_step(std::int64_t step) override {
+    if (board_) board_->set_step(step);
+  }
+  void note_activity(std::string_view activity) override {
+    if (board_) board_->set_activity(activity);
+  }
+
   Status barrier() override {
     return run(fmt::format("barrier (rank {} of {})", rank(), size()), [&] {
       gloo::BarrierOptions opts(context_);
@@ -329,13 +353,15 @@ class GlooCommunicator final : public Communicator {
     }
     ScopedSigpipeBlock sigpipe;
     const Clock::time_point start = Clock::now();
+    if (board_) board_->enter(call);
     try {
       body();
+      if (board_) board_->leave();
       return ok_status();
     } catch (const std::bad_alloc&) {
       failed_ = out_of_memory("gloo {}: out of host memory for its buffers", call);
     } catch (const std::exception& e) {  // gloo::IoException, gloo::EnforceNotMet, ...
-      failed_ = gloo_failure(call, e.what(), start, timeout_);
+      failed_ = gloo_failure(call, e.what(), start, timeout_, mentions_timeout(e.what()) ? phases(board_.get(), board_error_) : "");
     }
     close_connections();
     return failed_;
@@ -354,6 +380,8 @@ class GlooCommunicator final : public Communicator {
   std::string label_;
   milliseconds timeout_;
   RingReduceScatter ring_;
+  std::unique_ptr<PhaseBoard> board_;  // null when it could not be opened (board_error_ says why)
+  std::string board_error_;
   Status failed_;  // the first failure; see Note [Failing fast]
 };
 
@@ -362,6 +390,23 @@ class GlooCommunicator final : public Communicator {
 Expected<std::unique_ptr<Communicator>> create_gloo_communicator(const ResolvedCommOptions& options) {
   TZ_ASSIGN_OR_RETURN(TcpEndpoint endpoint, choose_endpoint(options.interface, options.ranks, options.rendezvous));
   TZ_ASSIGN_OR_RETURN(auto rendezvous, open_rendezvous(options));
+  // Posting what this rank does only serves messages: a board that cannot
+  // be opened (a read-only or lockless directory) is named in them instead.
+  // Ranks that meet through a store or MPI share no directory to post in.
+  std::string board_error;
+  Expected<std::unique_ptr<PhaseBoard>> board = std::unique_ptr<PhaseBoard>();
+  if (const auto shared = rendezvous->shared_dir_and_run()) {
+    board = PhaseBoard::open(shared->first, fmt::format("{}-{}.{}", file_name_safe(options.ranks.master_addr),
+                                                        options.ranks.master_port, shared->second),
+                             options.ranks.rank, options.ranks.world_size);
+    if (!board.ok()) {
+      board_error = board.status().message();
+      TZ_LOG_WARN("comm", "rank {}: posting this rank's collectives for the others' timeout messages: {}",
+                  options.ranks.rank, board_error);
+    }
+  } else {
+    board_error = fmt::format("the ranks met through {}, with no shared directory to post in", rendezvous->describe());
+  }
   ScopedSigpipeBlock sigpipe;  // the device's event-loop thread inherits this: Note [SIGPIPE]
   const Clock::time_point start = Clock::now();
   try {
@@ -381,7 +426,8 @@ Expected<std::unique_ptr<Communicator>> create_gloo_communicator(const ResolvedC
     TZ_LOG_DEBUG("comm", "gloo rank {} of {} connected over {} ({})", options.ranks.rank,
                  options.ranks.world_size, endpoint.label, rendezvous->describe());
     return std::unique_ptr<Communicator>(
-        std::make_unique<GlooCommunicator>(std::move(context), endpoint.label, options.timeout));
+        std::make_unique<GlooCommunicator>(std::move(context), endpoint.label, options.timeout,
+                                           board.ok() ? std::move(*board) : nullptr, std::move(board_error)));
   } catch (const std::exception& e) {
     const std::string call = fmt::format("rendezvous through {} (rank {} of {} on {}, over {})",
                                          rendezvous->describe(), options.ranks.rank, options.ranks.world_size,

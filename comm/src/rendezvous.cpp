@@ -168,6 +168,9 @@ class FileRendezvous final : public Rendezvous {
 
   gloo::rendezvous::Store& store() override { return *store_; }
   std::string describe() const override { return fmt::format("file rendezvous in {} (run {})", dir_, run_id_); }
+  std::optional<std::pair<std::string, std::string>> shared_dir_and_run() const override {
+    return std::pair{dir_, run_id_};
+  }
   void publish_host(const std::string& address) override;
 
  protected:

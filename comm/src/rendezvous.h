@@ -19,6 +19,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,6 +46,9 @@ class Rendezvous {
   virtual gloo::rendezvous::Store& store() = 0;
   // "file rendezvous in /tmp/x (run 5f..)", "torch TCPStore at 10.0.0.1:29500 (communicator 3)", "MPI (Open MPI 4.1.4)"
   virtual std::string describe() const = 0;
+  // The directory the ranks meet in and this run's id there, for the phase
+  // board (comm/src/phase_board.h); none where they meet through a store or MPI.
+  virtual std::optional<std::pair<std::string, std::string>> shared_dir_and_run() const { return std::nullopt; }
   // Every rank has read everything (after the barrier that ends creation):
   // the keys this rank wrote may go when the rendezvous closes. Until then
   // they stay, so a rank that fails leaves its host for the others' errors.

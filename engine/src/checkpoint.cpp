@@ -135,7 +135,8 @@ Status ZeroEngineImpl::prepare_save(const std::string& dir, const std::string& f
   fs::create_directories(dir, ec);
   fs::remove_all(partial, ec);  // a crashed earlier save of this name, or a replaced one left behind
   if (!ec) fs::create_directories(partial, ec);
-  if (ec) return io_error("checkpoint: preparing {}: {}", partial, ec.message());
+  // errno_status: a full disk is kNoSpace, as the writes' own failures are.
+  if (ec) return errno_status(ec.value(), fmt::format("checkpoint: preparing {}", partial));
   return replacing ? detail::probe_exchange(final_dir) : ok_status();
 }
 
@@ -304,6 +305,7 @@ Status ZeroEngineImpl::put_rank_file(const detail::RankFile& file) {
 void ZeroEngineImpl::restore_progress(std::int64_t step, const detail::LossScaler::State& scaler,
                                       const std::optional<double>& saved_lr) {
   step_ = step;
+  comm_->note_step(step_ + 1);
   if (saved_lr) {
     if (*saved_lr != base_lr_) {
       TZ_LOG_INFO("engine", "learning rate {} from the checkpoint (set_learning_rate before it was saved), not {}",

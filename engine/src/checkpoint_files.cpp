@@ -311,7 +311,7 @@ Status probe_exchange(const std::string& final_dir) {
   std::error_code ec;
   fs::create_directories(a, ec);
   if (!ec) fs::create_directories(b, ec);
-  if (ec) return io_error("checkpoint: preparing {}: {}", a, ec.message());
+  if (ec) return errno_status(ec.value(), fmt::format("checkpoint: preparing {}", a));
   const Status exchanged = exchange(a, b);
   fs::remove_all(a, ec);
   fs::remove_all(b, ec);

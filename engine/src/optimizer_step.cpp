@@ -84,6 +84,7 @@ Expected<StepReport> ZeroEngineImpl::step() {
     options_.config.optimizer.lr = learning_rate();  // the schedule at the steps taken so far
     report.lr = options_.config.optimizer.lr;
     ++step_;
+    comm_->note_step(step_ + 1);  // what the other ranks' timeouts name: Note [What the other ranks were doing]
     const auto start = std::chrono::steady_clock::now();
     TZ_TRY_CTX(optimizer_->run(hyper(), step_, report.clip_coef / scale_used), "optimizer step {}", step_);
     TZ_TRY_CTX(gather_persistent(), "re-gathering the persistent blocks after step {}", step_);

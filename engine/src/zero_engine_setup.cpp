@@ -48,6 +48,7 @@ Status ZeroEngineImpl::make_device_and_comm() {
     TZ_ASSIGN_OR_RETURN(own_comm_, create_communicator({.device = device_}));
     comm_ = own_comm_.get();
   }
+  comm_->note_step(step_ + 1);
   if (comm_->backend() == CommBackend::kGloo && device_->kind() == BackendKind::kCuda && comm_->size() > 1) {
     return invalid_argument("the Gloo communicator works on host memory, but the device is {}: use NCCL",
                             device_->name());

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -193,6 +194,51 @@ TEST_P(StalledRank, OtherRanksTimeOut) {
     return check_closed(comm);
   });
   EXPECT_ALL_RANKS_PASS(outcomes);
+}
+
+// The timeout names what this rank was in and what the silent one last did
+// (Note [What the other ranks were doing]): after 1000 timed all-reduces,
+// rank 1 takes part in collective #1001 of step 7 for a checkpoint, then goes
+// quiet; rank 0's #1002 of step 8 times out.
+TEST(StalledRank, TheTimeoutSaysWhatTheSilentRankLastDid) {
+  test::TempDir dir;
+  const int port = test::next_port();
+  constexpr auto kShort = std::chrono::milliseconds(1500);
+  auto outcomes = test::run_ranks(2, [&](int rank) -> std::string {
+    auto created = create_communicator(test::test_options(rank, 2, dir.path(), port, kShort));
+    if (!created.ok()) return created.status().to_string();
+    Communicator& comm = **created;
+    // What a collective costs here, posting included (PhaseBoard.PostingCosts... times the posting alone).
+    std::int64_t one = 1;
+    constexpr int kTimed = 1000;
+    const Clock::time_point start = Clock::now();
+    for (int i = 0; i < kTimed; ++i) {
+      if (Status st = comm.all_reduce(&one, 1, DType::kInt64, ReduceOp::kMax); !st.ok()) return st.to_string();
+    }
+    if (rank == 0) std::fprintf(stderr, "  all_reduce of 1 int64 over loopback: %.1f us\n", elapsed_ms(start) * 1e3 / kTimed);
+    comm.note_step(7);
+    comm.note_activity("checkpoint /ckpt");
+    if (Status st = comm.all_reduce(&one, 1, DType::kInt64, ReduceOp::kSum); !st.ok()) return st.to_string();
+    comm.note_activity("");
+    if (rank == 1) {
+      std::this_thread::sleep_for(kShort * 2);  // alive, busy elsewhere
+      return "";
+    }
+    comm.note_step(8);
+    Status st = comm.all_reduce(&one, 1, DType::kInt64, ReduceOp::kSum);
+    if (st.code() != ErrorCode::kTimeout) return "not a Timeout: " + st.to_string();
+    std::fprintf(stderr, "  rank 0: %s\n", st.message().c_str());
+    for (const char* part : {"this rank was in its collective #1002 (step 8)",
+                             "rank 1 has not entered #1002: it left #1001 (all_reduce of 1 int64 (rank 1 of 2), "
+                             "step 7, for checkpoint /ckpt)"}) {
+      if (st.message().find(part) == std::string::npos) return fmt::format("lacks \"{}\": {}", part, st.message());
+    }
+    return "";
+  });
+  EXPECT_ALL_RANKS_PASS(outcomes);
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) left.push_back(e.path().filename().string());
+  EXPECT_TRUE(left.empty()) << "left in the rendezvous directory: " << fmt::format("{}", fmt::join(left, ", "));
 }
 
 std::string stalled_case_name(const ::testing::TestParamInfo<Collective>& info) {

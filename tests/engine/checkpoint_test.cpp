@@ -2,6 +2,7 @@
 // leaves the last checkpoint loadable; corrupt or mismatched checkpoints are
 // refused before anything is replaced; the fp32 export is a valid safetensors
 // file.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -570,6 +571,50 @@ TEST(Checkpoint, AModelWithOtherParametersInBlocksOfTheSameSizeIsRefused) {
 // keep_last: the newest N complete checkpoints stay (by step); older ones go,
 // never the one `latest` names nor the one just saved, and nothing that is not
 // a tierzero checkpoint.
+// A save onto a full disk (issue #23: "a full disk never corrupted latest"):
+// it fails naming ENOSPC, removes its own .partial, and leaves `latest` and the
+// checkpoint it names loadable; with room again the next save succeeds.
+TEST(Checkpoint, ASaveOntoAFullDiskFailsAndLeavesLatestAndNoPartial) {
+  TempDir nvme, dir;
+  LoopMount disk(dir, 16);
+  if (!disk.mounted()) GTEST_SKIP() << disk.why_not();
+  const std::string ckpt = disk.path() + "/ckpt";
+  auto e = make(nvme.path(), kCpu);
+  ASSERT_TRUE(e);
+  ASSERT_TRUE(train(*e, 0, 1).ok());
+  ASSERT_TRUE(e->save_checkpoint(ckpt).ok());
+  const std::vector<std::vector<float>> saved = masters(*e);
+  ASSERT_TRUE(train(*e, 1, 2).ok());
+  // Fill the disk: chunks ever smaller until not even 4 KiB more fits.
+  const std::string filler = disk.path() + "/filler";
+  {
+    const int fd = ::open(filler.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644);
+    ASSERT_GE(fd, 0);
+    off_t end = 0;
+    for (off_t chunk = off_t{1} << 20; chunk >= 4096;) {
+      if (::posix_fallocate(fd, end, chunk) == 0) {
+        end += chunk;
+      } else {
+        chunk /= 2;
+      }
+    }
+    ::close(fd);
+  }
+  const tz::Status full = e->save_checkpoint(ckpt);
+  ASSERT_FALSE(full.ok()) << "a save onto a full disk succeeded";
+  EXPECT_EQ(full.code(), tz::ErrorCode::kNoSpace) << full.to_string();
+  EXPECT_NE(full.message().find(ckpt), std::string::npos) << full.message();
+  EXPECT_EQ(read_latest(ckpt), "step-1");
+  EXPECT_EQ(entries(ckpt), (std::set<std::string>{"latest", "step-1"})) << "no .partial, no latest.tmp";
+  auto loaded = make(nvme.path(), kCpu);
+  ASSERT_TRUE(loaded);
+  ASSERT_TRUE(loaded->load_checkpoint(ckpt).ok());
+  EXPECT_EQ(masters(*loaded), saved);
+  std::filesystem::remove(filler);
+  ASSERT_TRUE(e->save_checkpoint(ckpt).ok()) << "with room again";
+  EXPECT_EQ(read_latest(ckpt), "step-2");
+}
+
 TEST(Checkpoint, KeepLastRemovesTheOldestCompleteCheckpoints) {
   TempDir nvme, ckpt;
   auto e = make(nvme.path(), kCpu);
@@ -644,6 +689,9 @@ TEST(Checkpoint, AnEditedOrMismatchedManifestIsRefused) {
   m["version"] = 1;
   std::ofstream(two + "/manifest.json", std::ios::trunc) << tz::detail::sealed_text(m);
   expect_corrupt(two, "format version 1; this tierzero reads versions 2 to 3");
+  e.reset();
+  EXPECT_EQ(nvme.files(), std::vector<std::string>{}) << "the refused loads leave no swap file once the engine goes";
+  for (const std::string& f : ckpt.files()) EXPECT_EQ(f.find(".partial"), std::string::npos) << f;
 }
 
 // Version 3 records each state's stored dtype (always fp32) and the run's

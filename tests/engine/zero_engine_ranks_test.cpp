@@ -262,6 +262,7 @@ TEST(ZeroEngineRanks, RanksWithDifferentSettingsAreRefusedAtCreationNamingTheSet
     });
     for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << "refused, not timed out";
+    EXPECT_EQ(dir.files(), std::vector<std::string>{}) << "no swap, rendezvous or phase file is left";
   }
 }
 

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "tierzero/nvme.h"
 
@@ -40,6 +42,16 @@ class TempDir {
   TempDir& operator=(const TempDir&) = delete;
   const std::string& path() const { return path_; }
   std::string file(const std::string& name) const { return path_ + "/" + name; }
+  // Every file below the directory, relative to it, sorted: what a run left
+  // behind (the fault suite asserts there is nothing unexpected).
+  std::vector<std::string> files() const {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(path_)) {
+      if (!e.is_directory()) names.push_back(std::filesystem::relative(e.path(), path_).string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
 
  private:
   std::string path_;

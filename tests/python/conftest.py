@@ -21,6 +21,12 @@ import tierzero
 tierzero.set_log_level(os.environ.get("TIERZERO_LOG", "warn"))
 
 
+def pytest_configure(config):
+    # The fault suite's Python part (issue #23, docs/faults.md): pytest -m fault.
+    config.addinivalue_line("markers", "fault: causes a fault and checks the error or the recovery, and that nothing "
+                                       "is left behind (the fault suite, docs/faults.md)")
+
+
 def _o_direct(path: str) -> bool:
     try:
         return bool(tierzero._core.probe_path(path)["o_direct"])

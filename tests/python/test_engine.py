@@ -1,6 +1,7 @@
 """bindings/engine_bindings.cpp and tierzero.Engine: the ZeRO engine, zero-copy gathered blocks, their lifetime."""
 
 import gc
+import json
 import threading
 import weakref
 
@@ -299,6 +300,23 @@ def test_learning_rate_set_by_hand_or_by_the_configs_scheduler(nvme_dir):
         tierzero.Engine(cfg, BLOCKS)
 
 
+@pytest.mark.fault
+def test_a_number_beyond_a_double_or_a_key_given_twice_names_the_file_and_key(nvme_dir, tmp_path):
+    # Issue #23: a bare RuntimeError naming neither the file nor the key.
+    config = json.dumps(host_config(nvme_dir))
+    overflow = tmp_path / "overflow.json"
+    overflow.write_text(config.replace('"lr": 0.01', '"lr": 1e400'))
+    with pytest.raises(ValueError, match=r"overflow\.json: optimizer\.params\.lr: number overflow"):
+        tierzero.Engine(str(overflow), BLOCKS)
+    twice = tmp_path / "twice.json"
+    twice.write_text(config.replace('"gradient_accumulation_steps": 1', '"gradient_accumulation_steps": 1, '
+                                    '"gradient_accumulation_steps": 2'))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps is given twice"):
+        tierzero.Engine(str(twice), BLOCKS)
+    assert swap_files(nvme_dir) == []
+
+
+@pytest.mark.fault
 def test_bad_config_and_init_are_refused_with_the_engine_message(nvme_dir):
     with pytest.raises(ValueError, match="zero_optimisation"):
         tierzero.Engine({"zero_optimisation": {}}, BLOCKS)
@@ -358,6 +376,7 @@ def test_checkpoint_tags_and_client_state_bytes(nvme_dir, tmp_path):
         eng.load_checkpoint(tmp_path, "a")
 
 
+@pytest.mark.fault
 def test_keep_last_keeps_the_newest_checkpoints(nvme_dir, tmp_path):
     eng, _ = make(nvme_dir)
     for _ in range(3):
@@ -396,6 +415,7 @@ def test_fetch_releases_the_gil(nvme_dir):
     assert ticks[0] > 0
 
 
+@pytest.mark.fault
 def test_another_optimizers_checkpoint_is_refused_or_loads_its_weights_alone(nvme_dir, tmp_path):
     lion = tierzero.Engine(host_config(nvme_dir, optimizer="Lion"), BLOCKS)
     lion.reduce_grads(0, [torch.ones(8, 16), torch.ones(8)])
@@ -413,6 +433,7 @@ def test_another_optimizers_checkpoint_is_refused_or_loads_its_weights_alone(nvm
 
 # ---------------------------------------------------------------- close() (Note [Closing an engine])
 
+@pytest.mark.fault
 def test_close_removes_the_swap_file_while_references_to_the_engine_live(nvme_dir):
     eng, _ = make(nvme_dir)
     holders = [eng, {"engine": eng}]  # references close() must not wait for
@@ -427,6 +448,7 @@ def test_close_removes_the_swap_file_while_references_to_the_engine_live(nvme_di
     assert holders[1]["engine"].closed
 
 
+@pytest.mark.fault
 def test_a_with_block_closes_the_engine(nvme_dir):
     with tierzero.Engine(host_config(nvme_dir), BLOCKS) as eng:
         eng.reduce_grads(0, [torch.ones(8, 16), torch.ones(8)])
@@ -439,6 +461,7 @@ def test_a_with_block_closes_the_engine(nvme_dir):
     assert other.closed and swap_files(nvme_dir) == []
 
 
+@pytest.mark.fault
 def test_close_with_a_view_alive_removes_the_swap_file_and_keeps_the_views_memory(nvme_dir):
     eng, init = make(nvme_dir)
     g = eng.fetch(0)
@@ -453,6 +476,7 @@ def test_close_with_a_view_alive_removes_the_swap_file_and_keeps_the_views_memor
     gc.collect()  # the last view goes, and the engine with it
 
 
+@pytest.mark.fault
 def test_an_engine_left_in_a_module_global_is_closed_at_exit(nvme_dir):
     code = ("import sys, json, tierzero\n"
             "engine = tierzero.Engine(json.loads(sys.argv[1]), [('l', [('w', (64, 64))])])\n"

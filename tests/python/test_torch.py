@@ -908,6 +908,7 @@ def test_a_forward_that_raises_leaves_nothing_gathered(nvme_dir):
 
 # ---------------------------------------------------------------- close() (Note [Closing an engine])
 
+@pytest.mark.fault
 def test_close_frees_the_engine_though_the_models_hooks_refer_to_it(nvme_dir):
     model = mlp()
     engine, optimizer, _, _ = tzt.initialize(model, host_config(nvme_dir))
@@ -928,6 +929,7 @@ def test_close_frees_the_engine_though_the_models_hooks_refer_to_it(nvme_dir):
     assert other.closed and swap_files(nvme_dir) == []
 
 
+@pytest.mark.fault
 def test_a_module_global_torch_engine_and_model_leave_no_swap_file_at_exit(nvme_dir):
     code = ("import sys, json, torch, tierzero.torch as tzt\n"
             "model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))\n"

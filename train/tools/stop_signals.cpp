@@ -25,6 +25,13 @@
 //   restores the default action and re-raises. Nothing else is safe there: a
 //   checkpoint's .partial folder (only there when the abort comes inside a
 //   save) is removed by the next save of that name.
+// - As the first process of a PID namespace (a container's entry point, or
+//   `unshare --pid --fork`), the kernel drops every signal whose action is
+//   the default, a re-raised one included: the abort would unlink the swap
+//   files and then carry on training without them, and a stopped run would
+//   fall out of main instead of ending by its signal. There the handler ends
+//   the process with _exit(128 + N) (what a shell reports for death by
+//   signal N), and exit_as_signalled returns that status.
 #include "stop_signals.h"
 
 #include <signal.h>
@@ -70,6 +77,7 @@ extern "C" void on_stop_signal(int sig) {
   }
   say("\ntierzero-train: a second signal: aborting now; removing the swap files\n");
   nvme::remove_swap_files_now();
+  if (::getpid() == 1) ::_exit(128 + sig);  // a re-raised signal would be dropped (the Note)
   restore_default(sig);
   ::raise(sig);  // delivered when the handler returns: the process ends
   errno = saved_errno;
@@ -106,7 +114,7 @@ int StopSignals::exit_as_signalled(int rc) {
   sigaddset(&set, sig);
   ::pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
   ::raise(sig);
-  return 128 + sig;  // not reached
+  return 128 + sig;  // reached only as a PID namespace's first process (the Note)
 }
 
 }  // namespace tz::tool

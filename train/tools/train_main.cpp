@@ -75,10 +75,12 @@ struct Flags {
   bool tf32 = true;      // CUDA only
   std::optional<int> layers, hidden, heads, seq, batch;
   std::optional<std::int64_t> steps;
+  std::optional<std::int64_t> until_step;  // --until-step: the step count to reach, resumed or not
   std::string json_path, csv_path, plot_path, trace_path, save_dir, resume_dir, io_log_path;
   int eval_every = 50, eval_batches = 4, save_every = 0, log_every = 10, threads = 0;
   double collective_timeout_s = 300;  // per collective and for the rendezvous
   bool resume_if_present = false;     // --resume DIR with nothing there yet starts fresh
+  bool save_on_stop = false;          // a signal saves the last completed step under --save
   int keep_last = 0;                  // checkpoints kept under --save (0: all)
   std::optional<std::int64_t> warmup_steps;  // unset: tz::train::default_warmup_steps (Note [Default warm-up])
   std::uint64_t data_seed = 1234, init_seed = 1234;
@@ -169,7 +171,11 @@ tz::Expected<tz::train::GptConfig> gpt_config(const Flags& f, const tz::Config& 
   return cfg;
 }
 
-std::int64_t preset_steps(const Flags& f) {
+// The steps this run takes after `first` (the resumed step, or 0):
+// --until-step's remainder (a restart loop's fixed command line), else
+// --steps, else the preset's.
+std::int64_t preset_steps(const Flags& f, std::int64_t first) {
+  if (f.until_step) return std::max<std::int64_t>(0, *f.until_step - first);
   for (const Preset& p : kPresets) {
     if (f.preset == p.name) return f.steps.value_or(p.steps);
   }
@@ -337,7 +343,7 @@ tz::Status Run::setup() {
     TZ_TRY_CTX(loaded.status(), "--resume {}", f_.resume_dir);
     info_.first_step = loaded->step;
   }
-  info_.steps = preset_steps(f_);
+  info_.steps = preset_steps(f_, info_.first_step);
   info_.params = engine_->layout().param_numel;
   info_.state_bytes = 16 * info_.params;
   info_.gpu_budget_bytes = config_.tiers.gpu.is_auto ? 0 : config_.tiers.gpu.bytes;
@@ -503,7 +509,13 @@ tz::Status Run::train() {
     if (leader() && (f_.log_every <= 1 || done % f_.log_every == 0 || step == first || done == last || stop)) {
       tz::tool::print_progress(steps_.back(), last, info_.flops_per_token);
     }
-    if (stop) break;  // the evaluations and saves still due are skipped
+    if (stop) {  // the evaluations and saves still due are skipped, except --save-on-stop's
+      if (f_.save_on_stop) {
+        if (leader()) std::printf("saving step %lld before stopping (--save-on-stop)\n", static_cast<long long>(done));
+        TZ_TRY_CTX(save(done), "--save-on-stop");
+      }
+      break;
+    }
     if (f_.eval_every > 0 && (done % f_.eval_every == 0 || done == last)) TZ_TRY(evaluate(done));
     if (!f_.save_dir.empty() && ((f_.save_every > 0 && done % f_.save_every == 0) || done == last)) TZ_TRY(save(done));
   }
@@ -560,7 +572,11 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--seq", f.seq, "context length in bytes")->check(CLI::Range(1, 65536));
   app.add_option("--batch", f.batch, "sequences per micro-batch per rank (default: the config's "
                                      "train_micro_batch_size_per_gpu)")->check(CLI::Range(1, 65536));
-  app.add_option("--steps", f.steps, "optimizer steps (default: the preset's)")->check(CLI::Range(1, 100000000));
+  CLI::Option* steps = app.add_option("--steps", f.steps, "optimizer steps this run takes (default: the preset's)")
+                           ->check(CLI::Range(1, 100000000));
+  app.add_option("--until-step", f.until_step, "train until the step count reaches N, counting the steps of the "
+                 "checkpoint --resume loads (a restart loop's command line stays the same; a run resumed at N "
+                 "takes no step)")->check(CLI::Range(std::int64_t{1}, std::int64_t{100000000}))->excludes(steps);
   app.add_option("--nvme-path", f.nvme_path, "directory for the swap files, replacing the config's NVMe paths");
   app.add_option("--data", f.data_path, "training text (default: the shipped data/kjv.txt)");
   app.add_option("--out", f.out_dir, "directory for the outputs below")->capture_default_str();
@@ -570,11 +586,14 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--trace", f.trace_path, "Chrome trace of one step (default: OUT/trace.json)");
   app.add_option("--io-log", f.io_log_path, "write the NVMe requests of the same step as a fio version 2 I/O log, "
                  "for tierzero-nvme-bench --replay (and fio --read_iolog)");
-  app.add_option("--save", f.save_dir, "checkpoint directory, written at the end (and every --save-every steps)");
+  CLI::Option* save = app.add_option("--save", f.save_dir, "checkpoint directory, written at the end (and every "
+                                     "--save-every steps)");
   app.add_option("--save-every", f.save_every, "also save every N steps (0: only at the end)");
   app.add_option("--resume", f.resume_dir, "continue from this checkpoint directory's latest checkpoint");
   app.add_flag("--resume-if-present", f.resume_if_present, "with --resume: start fresh when the directory holds no "
                "checkpoint yet (a restart loop's first run); a broken one is still an error");
+  app.add_flag("--save-on-stop", f.save_on_stop, "with --save: when SIGINT or SIGTERM stops the run, save the last "
+               "completed step's checkpoint before exiting (as Slurm preemption expects)")->needs(save);
   app.add_option("--keep-last", f.keep_last, "keep the newest N checkpoints under --save (0: all)")
       ->capture_default_str()->check(CLI::Range(0, 1000000));
   app.add_option("--eval-every", f.eval_every, "validation loss every N steps (0: never)")->capture_default_str();

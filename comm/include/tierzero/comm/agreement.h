@@ -68,9 +68,17 @@ class RankAgreement {
 
  private:
   // Whether every rank passed the same `value` (one all-reduce of its hash).
-  Expected<bool> same_everywhere(const std::string& value);
-  Status run(const std::function<Status()>& collective) const {
-    return serialise_ ? serialise_(collective) : collective();
+  Expected<bool> same_everywhere(const std::string& value, std::string_view what);
+  // Runs `collective` with `what` posted as this rank's activity (Note [What
+  // the other ranks were doing]).
+  Status run(std::string_view what, const std::function<Status()>& collective) const {
+    const std::function<Status()> labelled = [&] {
+      comm_.note_activity(what);
+      Status s = collective();
+      comm_.note_activity("");
+      return s;
+    };
+    return serialise_ ? serialise_(labelled) : labelled();
   }
 
   Communicator& comm_;

@@ -110,6 +110,14 @@ class Communicator {
   // buf (bytes) on every rank = root's buf.
   virtual Status broadcast(void* buf, std::size_t bytes, int root, Stream* stream = nullptr) = 0;
   virtual Status barrier() = 0;
+
+  // What this rank is doing, posted where the other ranks read it when one of
+  // their collectives times out, so the message can say (Gloo: Note [What the
+  // other ranks were doing]; the other backends ignore it). `step`: the
+  // optimizer step under way, 1-based. `activity`: what the next collectives
+  // are for ("" for nothing in particular). Any thread; a few stores.
+  virtual void note_step(std::int64_t /*step*/) {}
+  virtual void note_activity(std::string_view /*activity*/) {}
 };
 
 // Joins the group described by options.ranks; waits up to options.timeout for
