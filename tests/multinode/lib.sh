@@ -70,15 +70,33 @@ hosts_up() {
   on_host a true || skip "cannot start a process with its own mount namespace in $NS_A (unshare --mount refused)"
 }
 
+# keep_visible PATH...: paths the hosts must still see (the programs, the
+# tests' result folders, this tree) although they lie under /tmp, as a clone
+# CI checks out there does. The tree this file is in is always kept.
+# Exported: netns_rsh.sh (mpirun's remote shell) keeps the same ones.
+export TZ_KEEP
+TZ_KEEP="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+keep_visible() {
+  local p
+  for p in "$@"; do TZ_KEEP="$TZ_KEEP $(cd "$p" && pwd)"; done
+}
+
 # on_host a|b CMD...: CMD in that host's network namespace, with a fresh
-# tmpfs on /tmp and its own host name (hosta, hostb).
+# tmpfs on /tmp and its own host name (hosta, hostb). The kept paths under
+# /tmp are bound back over the tmpfs from the /tmp underneath (reached
+# through the working directory, taken before the tmpfs hides it; mount must
+# not canonicalize the relative source, or it names the new, empty /tmp).
 on_host() {
   local ns name
   ns=$(ns_of "$1") || return 1
   case "$ns" in "$NS_A") name=hosta ;; *) name=hostb ;; esac
   shift
-  ip netns exec "$ns" unshare --mount --uts --propagation private \
-    sh -c 'mount -t tmpfs tmpfs /tmp && hostname "$0" && exec "$@"' "$name" "$@"
+  ip netns exec "$ns" env TZ_KEEP="$TZ_KEEP" unshare --mount --uts --propagation private \
+    sh -c 'here=$1; shift; cd /tmp && mount -t tmpfs tmpfs /tmp || exit 1
+      for p in $TZ_KEEP; do
+        case "$p" in /tmp/?*) mkdir -p "$p" && mount --no-canonicalize --bind "./${p#/tmp/}" "$p" || exit 1 ;; esac
+      done
+      cd "$here" && hostname "$0" && exec "$@"' "$name" "$PWD" "$@"
 }
 
 # firewall_drop a|b PORT: the host silently drops what a firewall rule

@@ -12,5 +12,11 @@ case "$host" in
   "$TZ_ADDR_B" | hostb) ns=$TZ_NS_B name=hostb ;;
   *) echo "netns_rsh.sh: unknown host $host" >&2; exit 255 ;;
 esac
+# As lib.sh's on_host: a fresh /tmp, with the paths in TZ_KEEP (exported by
+# lib.sh) under /tmp bound back from the /tmp underneath.
 exec ip netns exec "$ns" unshare --mount --uts --propagation private \
-  sh -c 'mount -t tmpfs tmpfs /tmp && hostname "$0" && exec sh -c "$1"' "$name" "$*"
+  sh -c 'cd /tmp && mount -t tmpfs tmpfs /tmp || exit 1
+    for p in $TZ_KEEP; do
+      case "$p" in /tmp/?*) mkdir -p "$p" && mount --no-canonicalize --bind "./${p#/tmp/}" "$p" || exit 1 ;; esac
+    done
+    cd / && hostname "$0" && exec sh -c "$1"' "$name" "$*"

@@ -16,6 +16,7 @@ set -euo pipefail
 PY=$1 WORK=$2 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib.sh"
 fresh_work "$WORK"
+keep_visible "$WORK"
 WORKER="$HERE/torch_worker.py"
 PORT=$((30000 + $$ % 20000))
 export GLOO_SOCKET_IFNAME=tz0 TIERZERO_LOG=info

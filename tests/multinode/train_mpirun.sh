@@ -16,6 +16,7 @@ set -euo pipefail
 TRAIN=$1 WORK=$2 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib.sh"
 fresh_work "$WORK"
+keep_visible "$WORK" "$(dirname "$TRAIN")"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ARGS=(--backend host --preset tiny --steps 4 --eval-every 0 --log-every 1 --threads 1)
 PORT=$((20000 + $$ % 20000))
