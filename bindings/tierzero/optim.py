@@ -176,10 +176,19 @@ class _CpuOptimizer(torch.optim.Optimizer):
             state["master_remainder"] = self._zero_remainder(p)
 
     @staticmethod
+    def _remainder_bytes(n: int) -> int:
+        """A remainder master's bytes for n elements: n int16 remainders, then ceil(n / 8) tie-bit bytes."""
+        return 2 * n + (n + 7) // 8
+
+    @staticmethod
     def _zero_remainder(p: torch.Tensor) -> torch.Tensor:
         """The remainder of a master equal to the bf16 parameter: all zero (Note [Compact states in tierzero.optim])."""
-        n = p.numel()
-        return torch.zeros(2 * n + (n + 7) // 8, dtype=torch.uint8)
+        return torch.zeros(_CpuOptimizer._remainder_bytes(p.numel()), dtype=torch.uint8)
+
+    def _saved_params(self, state_dict: dict) -> list:
+        """(saved index, parameter) pairs, matched in order as torch's load_state_dict matches them."""
+        saved_ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+        return list(zip(saved_ids, (p for group in self.param_groups for p in group["params"])))
 
     def _state_arrays(self, state: dict, group: dict) -> dict:
         raise NotImplementedError
@@ -283,26 +292,21 @@ class _CpuOptimizer(torch.optim.Optimizer):
 
     def _check_remainders(self, state_dict: dict) -> None:
         """Each saved remainder fits its parameter, before anything is loaded."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        saved_ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
-        for index, p in zip(saved_ids, params):
+        for index, p in self._saved_params(state_dict):
             r = state_dict.get("state", {}).get(index, {}).get("master_remainder")
-            n = p.numel()
-            if r is not None and (not isinstance(r, torch.Tensor) or r.dtype != torch.uint8
-                                  or r.numel() != 2 * n + (n + 7) // 8):
+            n, want = p.numel(), self._remainder_bytes(p.numel())
+            if r is not None and (not isinstance(r, torch.Tensor) or r.dtype != torch.uint8 or r.numel() != want):
                 what = f"a {r.dtype} tensor of {r.numel()} elements" if isinstance(r, torch.Tensor) else type(r)
                 raise ValueError(f"{type(self).__name__}.load_state_dict: state[{index}]['master_remainder'] is "
-                                 f"{what}; a parameter of {n} elements needs uint8 x {2 * n + (n + 7) // 8}")
+                                 f"{what}; a parameter of {n} elements needs uint8 x {want}")
 
     def _restore_state_dtypes(self, state_dict: dict) -> None:
         """Undoes torch's cast of every state to the parameter's dtype (Note [Compact states in tierzero.optim]):
         each state is taken again from the saved one, moments converted to this optimizer's dtype, a remainder
         as saved (none: zero, the master being the bf16 parameter)."""
-        saved_ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
         saved = state_dict.get("state", {})
         moment_keys = set(self._state_keys)
-        for index, p in zip(saved_ids, params):
+        for index, p in self._saved_params(state_dict):
             state = self.state.get(p)
             original = saved.get(index)
             if not state or original is None:

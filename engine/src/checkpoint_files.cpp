@@ -318,17 +318,23 @@ Status probe_exchange(const std::string& final_dir) {
   return exchanged;
 }
 
+// A manifest's format version, if this tierzero reads it (file names it for the error).
+static Status check_format_version(const std::string& dir, const std::string& file, const nlohmann::json& m) {
+  const int version = m.at("version").get<int>();
+  if (version < kOldestReadableCheckpointVersion || version > kCheckpointFormatVersion) {
+    return data_corruption("checkpoint {}: {} has format version {}; this tierzero reads versions {} to {}", dir, file,
+                           version, kOldestReadableCheckpointVersion, kCheckpointFormatVersion);
+  }
+  return ok_status();
+}
+
 // The checkpoint's own manifest, and the client state it lists (verified).
 static Status read_manifest_json(const std::string& dir, Manifest& out) {
   TZ_ASSIGN_OR_RETURN(nlohmann::json m, read_sealed_json(dir + "/manifest.json"));
   if (m.at("format").get<std::string>() != "tierzero-checkpoint") {
     return data_corruption("checkpoint {}: manifest.json is not a tierzero checkpoint's", dir);
   }
-  if (const int version = m.at("version").get<int>();
-      version < kOldestReadableCheckpointVersion || version > kCheckpointFormatVersion) {
-    return data_corruption("checkpoint {}: manifest.json has format version {}; this tierzero reads versions {} to {}",
-                           dir, version, kOldestReadableCheckpointVersion, kCheckpointFormatVersion);
-  }
+  TZ_TRY(check_format_version(dir, "manifest.json", m));
   out.world_size = m.at("world_size").get<int>();
   out.step = m.at("step").get<std::int64_t>();
   if (!m.contains("client_state")) return ok_status();
@@ -431,11 +437,7 @@ Status check_rank_header(const std::string& dir, const nlohmann::json& m, const 
   if (m.at("format").get<std::string>() != "tierzero-checkpoint-rank") {
     return data_corruption("checkpoint {}: rank-{}.json is not a tierzero checkpoint's", dir, expect.rank);
   }
-  if (const int version = m.at("version").get<int>();
-      version < kOldestReadableCheckpointVersion || version > kCheckpointFormatVersion) {
-    return data_corruption("checkpoint {}: rank-{}.json has format version {}; this tierzero reads versions {} to {}",
-                           dir, expect.rank, version, kOldestReadableCheckpointVersion, kCheckpointFormatVersion);
-  }
+  TZ_TRY(check_format_version(dir, fmt::format("rank-{}.json", expect.rank), m));
   if (m.at("version").get<int>() >= 3) {
     const nlohmann::json& states = m.at("states");  // the run's formats: required, and what they say is known
     const auto master = states.at("master").get<std::string>(), moments = states.at("moments").get<std::string>();

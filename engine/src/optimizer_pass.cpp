@@ -56,7 +56,6 @@ class CpuOptimizerPass final : public OptimizerPass {
   OptimizerPassDeps deps_;
   std::vector<std::vector<std::size_t>> groups_;
   std::vector<std::size_t> group_of_;           // per block
-  std::vector<std::uint64_t> offset_in_group_;  // per block: elements before it in its sub-group
   std::uint64_t max_group_numel_ = 0;
   std::vector<StagingSet> staging_;             // min(kStagingSets, sub-groups), made at the first step
 };
@@ -72,7 +71,6 @@ CpuOptimizerPass::CpuOptimizerPass(const OptimizerPassDeps& deps) : deps_(deps) 
     }
     groups_.back().push_back(b);
     group_of_.push_back(groups_.size() - 1);
-    offset_in_group_.push_back(in_group);
     in_group += n;
     max_group_numel_ = std::max(max_group_numel_, in_group);
   }
@@ -124,7 +122,7 @@ void* CpuOptimizerPass::state_ptr(const TieredStore* store, std::size_t block, S
 // memory, else in the staging set on their way out.
 void* CpuOptimizerPass::param16_out(std::size_t block, StagingSet& set) const {
   if (void* in_place = deps_.param16->host_memory(block)) return in_place;
-  return static_cast<char*>(set.param16.data()) + offset_in_group_[block] * dtype_bytes(deps_.param_type);
+  return static_cast<char*>(set.param16.data()) + offset_in_group(*deps_.param16, block);
 }
 
 // Starts the reads of a sub-group's states into its staging set. A

@@ -131,10 +131,7 @@ Status ZeroEngineImpl::get_moment(int which, std::size_t block, float* shard) {
   const std::uint64_t n = layout_.blocks[block].shard_numel;
   std::vector<std::uint16_t> bf16(n);
   TZ_TRY(get(store, block, bf16.data()));
-  for (std::uint64_t i = 0; i < n; ++i) {
-    const std::uint32_t bits = static_cast<std::uint32_t>(bf16[i]) << 16;
-    std::memcpy(shard + i, &bits, 4);
-  }
+  for (std::uint64_t i = 0; i < n; ++i) shard[i] = kernels::bf16_to_fp32(bf16[i]);  // exact
   return ok_status();
 }
 
