@@ -55,7 +55,8 @@ class PyCpuOptimizer {
   void step(const ca::Hyper& hyper, std::int64_t step, double grad_scale, const WritableArg& param,
             const InArray& grad, const std::optional<WritableArg>& exp_avg,
             const std::optional<WritableArg>& exp_avg_sq, const std::optional<WritableArg>& max_exp_avg_sq,
-            const std::optional<WritableArg>& param16, const std::optional<WritableArg>& remainder) {
+            const std::optional<WritableArg>& param16, const std::optional<WritableArg>& remainder,
+            std::uint64_t rounding_key, std::uint64_t rounding_index) {
     // Note [Remainder masters]: with `remainder`, param is the bf16 parameter and the master's bf16 part.
     const bool rem = remainder.has_value();
     const ArrayInfo p = check(param, rem ? kBf16 : kFp32, "CpuOptimizer.step()", "param");
@@ -103,6 +104,8 @@ class PyCpuOptimizer {
       s.param16 = state(param16, kHalf, "param16", p.numel, &h_dtype);
       s.param16_dtype = h_dtype;
     }
+    s.rounding_key = rounding_key;
+    s.rounding_index = rounding_index;
     tz::Status status;
     {
       nb::gil_scoped_release release;
@@ -176,11 +179,14 @@ void bind_cpu_adam(nb::module_& m) {
       .def("step", &PyCpuOptimizer::step, nb::arg("hyper"), nb::arg("step"), nb::arg("grad_scale"),
            nb::arg("param"), nb::arg("grad"), nb::arg("exp_avg") = nb::none(), nb::arg("exp_avg_sq") = nb::none(),
            nb::arg("max_exp_avg_sq") = nb::none(), nb::arg("param16") = nb::none(), nb::arg("remainder") = nb::none(),
+           nb::arg("rounding_key") = 0, nb::arg("rounding_index") = 0,
            "One step in place. param: float32, C-contiguous, cpu, n elements (updated); grad: float32 | bfloat16 | "
            "float16, n elements; exp_avg, exp_avg_sq: float32 | bfloat16 (same dtype), n elements; max_exp_avg_sq: "
            "float32 (amsgrad); param16: bfloat16 | float16, receives the new param rounded (the fused copy-out); "
            "remainder: uint8, 2n + ceil(n / 8) bytes, makes param the bfloat16 parameter of a remainder master "
-           "(the fp32 master rebuilt from both, bit for bit; tierzero/cpu_adam.h). "
+           "(the fp32 master rebuilt from both, bit for bit; tierzero/cpu_adam.h). rounding_key, rounding_index: "
+           "with bfloat16 moments, exp_avg_sq is stored by stochastic rounding whose bits hash (rounding_key, step, "
+           "rounding_index + i): give each tensor its own key (tierzero/cpu_adam.h). "
            "Which states an algorithm needs: tierzero/cpu_adam.h. Arrays of any shape with n contiguous elements.")
       .def("accumulate_grad", &PyCpuOptimizer::accumulate_grad, nb::arg("acc"), nb::arg("grad"),
            nb::arg("overwrite") = false, nb::arg("scale") = 1.0,

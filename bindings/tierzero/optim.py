@@ -40,8 +40,12 @@ to the round-to-nearest-even of the master, and state["master_remainder"]
 what the bf16 value lacks. A new state starts at zero remainder: the master
 is the bf16 parameter exactly, as torch's optimizers over bf16 parameters
 have it, so such a state_dict loads as that. moments="bf16" keeps exp_avg and
-exp_avg_sq (Adagrad's sum) in bfloat16, rounded to nearest even by the step
-(4 B a parameter instead of 8); "fp32" is torch's. load_state_dict keeps
+exp_avg_sq (Adagrad's sum) in bfloat16 (4 B a parameter instead of 8):
+exp_avg rounded to nearest even, exp_avg_sq by stochastic rounding keyed by
+the parameter's place in param_groups, as state_dict numbers it (Note
+[Stochastic rounding of bf16 second moments] in tierzero/cpu_adam.h: rounded
+to nearest, a second moment with betas[1] = 0.999 stops decaying); "fp32" is
+torch's. load_state_dict keeps
 these dtypes (torch would cast every state to the parameter's dtype: a
 remainder to bf16) and converts moments of the other width.
 
@@ -203,14 +207,16 @@ class _CpuOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        key = 0  # the parameter's index in state_dict's numbering: its stochastic-rounding key
         for g, group in enumerate(self.param_groups):
             self._check_group(group, g)
             hyper = self._hyper(group)
             for i, p in enumerate(group["params"]):
+                key += 1
                 if p.grad is None:
                     continue
                 try:
-                    self._step_param(p, group, hyper)
+                    self._step_param(p, group, hyper, key - 1)
                 except (TypeError, ValueError, RuntimeError, BufferError):
                     try:
                         self._check(p, g, i)
@@ -219,7 +225,7 @@ class _CpuOptimizer(torch.optim.Optimizer):
                     raise
         return loss
 
-    def _step_param(self, p: torch.Tensor, group: dict, hyper: Any) -> None:
+    def _step_param(self, p: torch.Tensor, group: dict, hyper: Any, key: int) -> None:
         """One parameter's step (Note [Per-parameter cost])."""
         grad = p.grad
         if grad.shape != p.shape:
@@ -243,7 +249,8 @@ class _CpuOptimizer(torch.optim.Optimizer):
             states = {k: to_dlpack(v) for k, v in self._state_arrays(state, group).items()}
             remainder = to_dlpack(state["master_remainder"]) if self._remainder else None
             self._kernel.step(hyper, n, 1.0, to_dlpack(p.detach()), to_dlpack(grad),
-                              param16=None if param16 is None else to_dlpack(param16), remainder=remainder, **states)
+                              param16=None if param16 is None else to_dlpack(param16), remainder=remainder,
+                              rounding_key=key, **states)
         except BaseException:
             if fresh:
                 state.clear()  # a refused parameter keeps no state

@@ -39,6 +39,15 @@ inline std::uint16_t float_to_bf16(float x) {
   return static_cast<std::uint16_t>((u + 0x7fffU + ((u >> 16) & 1U)) >> 16);
 }
 
+// bf16 by stochastic rounding: the 16 random bits are added below the bf16's
+// last bit and the sum truncated, so x rounds away from zero with probability
+// (its distance past the lower bf16) / (one bf16 step): unbiased. NaN as
+// float_to_bf16; an inf stays inf (its low half is zero).
+inline std::uint16_t float_to_bf16_stochastic(float x, std::uint32_t random16) {
+  if (x != x) return float_to_bf16(x);
+  return static_cast<std::uint16_t>((float_bits(x) + random16) >> 16);
+}
+
 // Half -> float: shift exponent and mantissa into place and rebias; infinity
 // and NaN get the full fp32 exponent, subnormal halves are renormalised by one
 // exact fp32 subtraction (both operands and the result are normal floats).

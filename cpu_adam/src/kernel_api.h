@@ -41,7 +41,24 @@ struct StepConsts {
   float eps = 0;
   float neg_step = 0;        // -lr / bc1 (Adam), -clr (Adagrad), -lr (Lion)
   float inv_sqrt_bc2 = 1;    // 1 / sqrt(1 - beta2^t) (Adam)
+  // Note [Stochastic rounding of bf16 second moments]: element i's random
+  // bits are sr_hash(sr_base + i, sr_key) (uint32 arithmetic, wrapping).
+  std::uint32_t sr_key = 0;
+  std::uint32_t sr_base = 0;
 };
+
+// The stochastic-rounding hash: a multiply to spread consecutive indices,
+// then murmur3's 32-bit finalizer (a bijection that mixes every input bit
+// into every output bit). Its high 16 bits are the rounding's random bits.
+constexpr std::uint32_t sr_mix32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bU;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35U;
+  x ^= x >> 16;
+  return x;
+}
+constexpr std::uint32_t sr_hash(std::uint32_t index, std::uint32_t key) { return sr_mix32((index * 0x9e3779b1U) ^ key); }
 
 // Base pointers of one call's spans (element i is base + i). Spans the kind
 // does not use may be null.

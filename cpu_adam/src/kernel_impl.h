@@ -59,8 +59,9 @@ struct VConsts {
       : scale(O::splat(c.scale)), l2(O::splat(c.l2)), decay(O::splat(c.decay)), beta1(O::splat(c.beta1)),
         one_minus_beta1(O::splat(c.one_minus_beta1)), beta2(O::splat(c.beta2)),
         one_minus_beta2(O::splat(c.one_minus_beta2)), eps(O::splat(c.eps)), neg_step(O::splat(c.neg_step)),
-        inv_sqrt_bc2(O::splat(c.inv_sqrt_bc2)) {}
+        inv_sqrt_bc2(O::splat(c.inv_sqrt_bc2)), sr_key(c.sr_key), sr_base(c.sr_base) {}
   V scale, l2, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step, inv_sqrt_bc2;
+  std::uint32_t sr_key, sr_base;
 };
 
 template <class O, DType D>
@@ -82,6 +83,19 @@ TZ_ADAM_INLINE void store_as(void* base, std::size_t i, const typename O::V& x) 
     O::store_bf16(static_cast<std::uint16_t*>(base) + i, x);
   } else {
     O::store_fp16(static_cast<std::uint16_t*>(base) + i, x);
+  }
+}
+
+// The second moment (Adagrad: the sum of squares) at element i, whose index
+// in the call is `at`: bf16 by stochastic rounding (Note [Stochastic rounding
+// of bf16 second moments]), fp32 as it is.
+template <class O, DType M>
+TZ_ADAM_INLINE void store_second_moment(const VConsts<O>& k, void* base, std::size_t i, std::size_t at,
+                                        const typename O::V& x) {
+  if constexpr (M == DType::kBf16) {
+    O::store_bf16_sr(static_cast<std::uint16_t*>(base) + i, x, k.sr_base + static_cast<std::uint32_t>(at), k.sr_key);
+  } else {
+    store_as<O, M>(base, i, x);
   }
 }
 
@@ -115,11 +129,12 @@ TZ_ADAM_INLINE void store_tie_bits(std::uint8_t* ties, std::size_t i, std::uint3
 
 // One vector of the step at element i (tierzero/cpu_adam.h has the formulas):
 // updates the master and the state in place and returns the new parameters
-// for the copy-out. With the remainder layout, *ties holds the vector's tie
+// for the copy-out. `at` is the element's index in the call (i itself, except
+// where a part-vector runs from stack buffers), for the stochastic rounding. With the remainder layout, *ties holds the vector's tie
 // bits (bit k for lane k) on entry and its new ones on return: the caller
 // reads and writes them (Note [Remainder masters]).
 template <class O, Kind K, DType G, DType M, ParamLayout L>
-TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s, std::size_t i,
+TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s, std::size_t i, std::size_t at,
                                          std::uint32_t* ties = nullptr) {
   using V = typename O::V;
   V p;
@@ -141,7 +156,7 @@ TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s,
     g = O::fma(k.l2, p, g);
     sum = O::fma(g, g, sum);
     p = O::fma(k.neg_step, g / (O::sqrt(sum) + k.eps), p);
-    store_as<O, M>(s.exp_avg_sq, i, sum);
+    store_second_moment<O, M>(k, s.exp_avg_sq, i, at, sum);
   } else {
     V m = load_as<O, M>(s.exp_avg, i);
     V v = load_as<O, M>(s.exp_avg_sq, i);
@@ -162,7 +177,7 @@ TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s,
     const V denom = O::fma(O::sqrt(d), k.inv_sqrt_bc2, k.eps);
     p = O::fma(k.neg_step, m / denom, p);
     store_as<O, M>(s.exp_avg, i, m);
-    store_as<O, M>(s.exp_avg_sq, i, v);
+    store_second_moment<O, M>(k, s.exp_avg_sq, i, at, v);
   }
   if constexpr (kRemainder<L>) {
     *ties = O::store_master(static_cast<std::uint16_t*>(s.param16) + i, s.remainder + i, p);
@@ -172,21 +187,22 @@ TZ_ADAM_INLINE typename O::V step_vector(const VConsts<O>& k, const StepPtrs& s,
   return p;
 }
 
-// One step of step_plain at i: a vector with a plain store of its copy-out,
-// or, with the remainder layout, kTieGroup elements and their tie bits.
+// One step of step_plain at i (index `at` in the call): a vector with a plain
+// store of its copy-out, or, with the remainder layout, kTieGroup elements and
+// their tie bits.
 template <class O, Kind K, DType G, DType M, ParamLayout L>
-TZ_ADAM_INLINE void step_block(const VConsts<O>& k, const StepPtrs& s, std::size_t i) {
+TZ_ADAM_INLINE void step_block(const VConsts<O>& k, const StepPtrs& s, std::size_t i, std::size_t at) {
   if constexpr (kRemainder<L>) {
     const std::uint32_t in = load_tie_bits<O>(s.tie_bits, i);
     std::uint32_t out = 0;
     for (std::size_t v = 0; v < kTieGroup<O>; v += O::kLanes) {
       std::uint32_t ties = in >> v;
-      step_vector<O, K, G, M, L>(k, s, i + v, &ties);
+      step_vector<O, K, G, M, L>(k, s, i + v, at + v, &ties);
       out |= ties << v;
     }
     store_tie_bits<O>(s.tie_bits, i, out);
   } else {
-    const typename O::V p = step_vector<O, K, G, M, L>(k, s, i);
+    const typename O::V p = step_vector<O, K, G, M, L>(k, s, i, at);
     if constexpr (kCopiesOut<L>) store_as<O, kCopyDtype<L>>(s.param16, i, p);
   }
 }
@@ -238,7 +254,7 @@ void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::siz
   if constexpr (kUsesExpAvg<K>) copy_elems(m, s.exp_avg, i, count, kM);
   if constexpr (kUsesExpAvgSq<K>) copy_elems(v, s.exp_avg_sq, i, count, kM);
   if constexpr (kAmsgrad<K>) copy_elems(vmax, s.max_exp_avg_sq, i, count, 4);
-  step_block<O, K, G, M, L>(k, t, 0);
+  step_block<O, K, G, M, L>(k, t, 0, i);
   if constexpr (kRemainder<L>) {
     copy_back(s.remainder, i, rem, count, 2);
     copy_bits(s.tie_bits, i, ties, 0, count);
@@ -255,7 +271,7 @@ void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::siz
 template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE void step_plain(const VConsts<O>& k, const StepPtrs& s, std::size_t begin, std::size_t end) {
   std::size_t i = begin;
-  for (; i + kBlock<O, L> <= end; i += kBlock<O, L>) step_block<O, K, G, M, L>(k, s, i);
+  for (; i + kBlock<O, L> <= end; i += kBlock<O, L>) step_block<O, K, G, M, L>(k, s, i, i);
   if (i < end) step_partial<O, K, G, M, L>(k, s, i, end - i);
 }
 
@@ -279,7 +295,7 @@ void step_range(const StepConsts& consts, const StepPtrs& ptrs, std::size_t begi
     for (; i + O::kLineElems <= end; i += O::kLineElems) {
       typename O::V line[O::kLineVectors];
       for (std::size_t v = 0; v < O::kLineVectors; ++v) {
-        line[v] = step_vector<O, K, G, M, L>(k, s, i + v * O::kLanes);
+        line[v] = step_vector<O, K, G, M, L>(k, s, i + v * O::kLanes, i + v * O::kLanes);
       }
       O::template stream_line<kCopyDtype<L>>(p16 + i, line);
     }

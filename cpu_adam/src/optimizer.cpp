@@ -105,7 +105,16 @@ Status CpuOptimizerImpl::step(const Hyper& hyper, const StepArgs& args, const Sp
   TZ_TRY_CTX(made, "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
   if (spans.n == 0) return ok_status();
   TZ_TRY_CTX(detail::validate_spans(hyper, spans), "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
-  const detail::StepConsts consts = *made;
+  detail::StepConsts consts = *made;
+  // Note [Stochastic rounding of bf16 second moments]: the key folds in the
+  // tensor, the step and the index's high half; the low half is the base.
+  const auto lo = [](std::uint64_t x) { return static_cast<std::uint32_t>(x); };
+  consts.sr_key = detail::sr_mix32(lo(spans.rounding_key) ^
+                                   detail::sr_mix32(lo(spans.rounding_key >> 32) ^
+                                                    detail::sr_mix32(lo(static_cast<std::uint64_t>(args.step)) ^
+                                                                     detail::sr_mix32(lo(spans.rounding_index >> 32) +
+                                                                                      0x632be5abU))));
+  consts.sr_base = lo(spans.rounding_index);
 
   const detail::Kind kind = detail::kind_of(hyper);
   const bool adagrad = hyper.algorithm == Algorithm::kAdagrad, lion = hyper.algorithm == Algorithm::kLion;

@@ -49,6 +49,10 @@ struct ScalarOps {
   TZ_ADAM_INLINE static V load_fp16(const std::uint16_t* p) { return fp16_to_float(*p); }
   TZ_ADAM_INLINE static void store_bf16(std::uint16_t* p, V x) { *p = float_to_bf16(x); }
   TZ_ADAM_INLINE static void store_fp16(std::uint16_t* p, V x) { *p = float_to_fp16(x); }
+  // Note [Stochastic rounding of bf16 second moments]; `index` is the element's.
+  TZ_ADAM_INLINE static void store_bf16_sr(std::uint16_t* p, V x, std::uint32_t index, std::uint32_t key) {
+    *p = float_to_bf16_stochastic(x, sr_hash(index, key) >> 16);
+  }
   TZ_ADAM_INLINE static V fma(V a, V b, V c) { return a * b + c; }
   TZ_ADAM_INLINE static V sqrt(V a) { return __builtin_sqrtf(a); }
   // NaN in b wins, as in the vector variants (maxps returns its second operand).
@@ -72,6 +76,9 @@ struct ScalarOps {
 #if !defined(TZ_ADAM_SCALAR_ONLY)
 
 // Lane k of a tie-bit vector tests bit k (Note [Remainder masters]).
+// Lane k's offset from a vector's first element.
+alignas(64) inline constexpr std::uint32_t kLaneIndex[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
 alignas(64) inline constexpr std::uint32_t kLaneBits[16] = {1U << 0,  1U << 1,  1U << 2,  1U << 3, 1U << 4,  1U << 5,
                                                             1U << 6,  1U << 7,  1U << 8,  1U << 9, 1U << 10, 1U << 11,
                                                             1U << 12, 1U << 13, 1U << 14, 1U << 15};
@@ -102,6 +109,10 @@ struct Cvt<xsimd::avx512bw> {
   TZ_ADAM_INLINE static __m512i load_u16(const std::uint16_t* p) { return _mm512_cvtepu16_epi32(load16(p)); }
   TZ_ADAM_INLINE static __m512i load_i16(const std::int16_t* p) {
     return _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  // vpmovdw: the low halves of lanes below 0x10000.
+  TZ_ADAM_INLINE static void store_u16(std::uint16_t* p, __m512i x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
   }
   // vpmovdw keeps the low halves.
   TZ_ADAM_INLINE static void store_halves(std::uint16_t* hi, std::int16_t* lo, __m512i x) {
@@ -289,6 +300,21 @@ struct XsimdOps {
   TZ_ADAM_INLINE static void store_fp16(std::uint16_t* p, const V& x) { C::store_fp16(p, x); }
   template <DType D>
   TZ_ADAM_INLINE static void stream_line(std::uint16_t* p, const V* x) { C::template stream_line<D>(p, x); }
+  // Note [Stochastic rounding of bf16 second moments], lane-wise: lane k is
+  // element index + k, its random bits sr_hash's (kernel_api.h) in 32-bit
+  // lanes; NaN lanes take bf16_lanes' quiet NaN (selected as floats: the
+  // integer select does not build unoptimised, see load_master).
+  TZ_ADAM_INLINE static void store_bf16_sr(std::uint16_t* p, const V& x, std::uint32_t index, std::uint32_t key) {
+    U h = ((U(index) + U::load_aligned(kLaneIndex)) * U(0x9e3779b1U)) ^ U(key);
+    h = h ^ (h >> 16);
+    h = h * U(0x85ebca6bU);
+    h = h ^ (h >> 13);
+    h = h * U(0xc2b2ae35U);
+    h = h ^ (h >> 16);
+    const V sr = xsimd::bitwise_cast<V>((xsimd::bitwise_cast<U>(x) + (h >> 16)) >> 16);
+    const V rne = xsimd::bitwise_cast<V>(U(C::bf16_lanes(x)));
+    C::store_u16(p, xsimd::bitwise_cast<U>(xsimd::select(xsimd::isnan(x), rne, sr)));
+  }
   TZ_ADAM_INLINE static V fma(const V& a, const V& b, const V& c) { return xsimd::fma(a, b, c); }
   TZ_ADAM_INLINE static V sqrt(const V& a) { return xsimd::sqrt(a); }
   // maxps: NaN in the second operand wins (the new v in amsgrad).

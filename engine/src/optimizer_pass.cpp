@@ -175,7 +175,11 @@ Status CpuOptimizerPass::step_group(std::size_t group, StagingSet& set, const cp
                                 .param16_dtype = param16 != nullptr ? deps_.param_type : DType::kBf16,
                                 .master_format = deps_.master_format,
                                 .remainder = remainder() ? reinterpret_cast<std::int16_t*>(master) : nullptr,
-                                .tie_bits = remainder() ? master + remainder_tie_bits_offset(n) : nullptr};
+                                .tie_bits = remainder() ? master + remainder_tie_bits_offset(n) : nullptr,
+                                // Note [Stochastic rounding of bf16 second moments]: keyed by the block and
+                                // the element's place in it, so the bits do not depend on the ranks or tiers.
+                                .rounding_key = b,
+                                .rounding_index = static_cast<std::uint64_t>(deps_.rank) * n};
     TZ_TRY_CTX(deps_.cpu_opt->step(h, {.step = step, .grad_scale = grad_scale}, spans), "stepping {}",
                deps_.layout->blocks[b].name);
   }

@@ -42,6 +42,7 @@ struct OptimizerPassDeps {
   MasterFormat master_format = MasterFormat::kFp32;  // remainder: the CPU variant only (creation refuses the GPU one)
   DType moment_dtype = DType::kFp32;                 // fp32 | bf16 (tierzero.states.moments); bf16: CPU variant only
   std::uint64_t sub_group_size = 1;      // zero_optimization.sub_group_size: elements stepped together (CPU)
+  int rank = 0;                          // this rank's shard of each block starts at rank * shard_numel
   Timeline* timeline = nullptr;
 };
 

@@ -256,7 +256,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
        .exp_avg_sq = exp_avg_sq_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_, .param_type = param_type_,
        .master_format = c.states.master, .moment_dtype = moment_type(),
        .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
-       .timeline = &timeline_},
+       .rank = comm_->rank(), .timeline = &timeline_},
       gpu_optimizer_);
   TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
   TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());

@@ -15,8 +15,9 @@
 //
 // Arithmetic is fp32 (as torch's CPU kernels for fp32 params); bias
 // corrections are computed once per step in double. Gradients may be fp32,
-// bf16 or fp16; moments fp32 or bf16 (bf16 moments are stored
-// round-to-nearest-even). The 16-bit copy-out is bf16 (round to nearest
+// bf16 or fp16; moments fp32 or bf16 (bf16: exp_avg rounded to nearest even,
+// exp_avg_sq by stochastic rounding, Note [Stochastic rounding of bf16 second
+// moments] below). The 16-bit copy-out is bf16 (round to nearest
 // even; NaN stays NaN: (bits >> 16) | 0x40) or fp16 (round to nearest even,
 // overflow to inf, NaN as F16C converts it); every variant writes the same
 // bits. Where the CPU allows (AVX2, AVX-512) the copy-out is written with
@@ -150,8 +151,36 @@ struct Spans {
   MasterFormat master_format = MasterFormat::kFp32;
   std::int16_t* remainder = nullptr;   // (n,) int16, remainder format only
   std::uint8_t* tie_bits = nullptr;    // (ceil(n / 8),) bytes, remainder format only
+  // bf16 moments only (Note [Stochastic rounding of bf16 second moments]):
+  // which tensor or block the spans belong to, and element 0's index in it.
+  std::uint64_t rounding_key = 0;
+  std::uint64_t rounding_index = 0;
 };
 
+// Note [Stochastic rounding of bf16 second moments]
+// Stored round-to-nearest, a bf16 second moment stops moving: bf16 keeps 8
+// significant bits, so v = b2 v + (1-b2) g^2 rounds back to the old v unless
+// it moved by more than half a bf16 step (2^-9 of v). With torch's default
+// b2 = 0.999 that takes g^2 > 4.9 v to go up, and v never comes down: even
+// with g = 0, 0.999 v rounds back to v. As gradients shrink in training, v stays
+// at its peak and Adam's steps shrink with it. Measured (numpy simulation of
+// the kernel's arithmetic, gradients shrinking 20x over 6000 steps, b2 =
+// 0.999; bench/results/bf16_moment_rounding/): round-to-nearest ends with v
+// 29x its float64 value and the update 81% off; stochastic rounding ends
+// with v within 0.4% and the update 4.4% off (fp32 moments: 0%). At b2 =
+// 0.95 (the README's main job) neither stalls: 0.47% (round-to-nearest) and
+// 0.54% (stochastic v) off, a price worth the b2 = 0.999 case. Adagrad's
+// running sum of squares stalls the same way once it is 256 squares deep.
+// So exp_avg_sq is stored by stochastic rounding: its fp32 bits plus 16
+// random bits, truncated (unbiased: the expected stored value is the fp32
+// one). exp_avg moves by (1-b1) = 10% of its gap a step, far above half a
+// step, and stays round-to-nearest-even (stochastic there measured no better).
+// The random bits are a hash of (Spans::rounding_key, StepArgs::step,
+// Spans::rounding_index + i), so an element rounds the same way at the same
+// step whatever the tiles, threads, ISA, shard boundaries or tier, and a
+// resumed run repeats the bits of the run it resumes. Indices are taken
+// modulo 2^32 (elements 2^32 apart in one key share random bits).
+//
 // Conversions between the master formats, for checkpoints and exports; the
 // bits are the step's (bf16 = round to nearest even, NaN as the copy-out).
 // fp32 -> (bf16, remainder, tie bits), and back, bit for bit except NaN
