@@ -50,7 +50,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def make_model(args) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
-                                  n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
     model = transformers.GPT2LMHeadModel(cfg)
     model.config.use_cache = False
     return model
@@ -89,7 +90,7 @@ def run_torch(args, train, val) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     seconds = time.perf_counter() - start
     model.eval()
     return {"losses": losses, "val_loss": evaluate(lambda x: model(input_ids=x, labels=x), val), "seconds": seconds}
