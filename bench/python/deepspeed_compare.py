@@ -98,9 +98,10 @@ def parse_bytes(text: str) -> int:
     t = str(text).strip().upper().replace(" ", "")
     num = t.rstrip("KMGIB")
     unit = t[len(num):]
-    if not num or unit not in UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 4096, 128K, 1M or 1GiB")
-    value = float(num) * UNITS[unit]
+    try:
+        value = float(num) * UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 4096, 128K, 1M or 1GiB") from None
     if value <= 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a positive whole number of bytes")
     return int(value)
@@ -219,10 +220,15 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def write_json(path: str, payload: dict) -> None:
     """Writes payload as JSON to a temporary name, then renames it (no half-written file on error)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1, sort_keys=True, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1, sort_keys=True, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def machine_info() -> dict:
@@ -256,17 +262,24 @@ def gpt2_shapes(total: int, hidden: int, vocab: int = 50257, positions: int = 10
     return sizes + [h, h]  # the final layer norm
 
 
-def alternate(fns: dict, warmup: int, repeats: int, timer: Callable[[], float] = time.perf_counter) -> dict:
-    """Runs each fn warmup + repeats times, the order rotated every repetition; returns name -> timed samples."""
+def alternate(fns: dict, warmup: int, repeats: int, timer: Callable[[], float] = time.perf_counter,
+              after: Optional[dict] = None) -> dict:
+    """Runs each fn warmup + repeats times, the order rotated every repetition; returns name -> timed samples.
+
+    after[name], if given, runs untimed right after each call of fns[name] (a check of what it did)."""
     names = list(fns)
+    after = after or {}
     samples: dict = {n: [] for n in names}
     for rep in range(warmup + repeats):
         k = rep % len(names)
         for name in names[k:] + names[:k]:
             start = timer()
             fns[name]()
+            elapsed = timer() - start
             if rep >= warmup:
-                samples[name].append(timer() - start)
+                samples[name].append(elapsed)
+            if name in after:
+                after[name]()
     return samples
 
 
@@ -512,6 +525,13 @@ def _aio_config(aio, tzn, torch, path: str, size: int, bs: int, qd: int, args) -
         want = tzn.checksum(buf.numpy())
         eng = tzn.IoEngine(block_size=bs, queue_depth=qd, rings=args.aio_threads)
         f = eng.open(path, create=True, size_bytes=size)
+        # tierzero's own pinned pools are registered with the ring (fixed-buffer I/O); DeepSpeed's page-locked buffer
+        # is registered here the same way, where the kernel allows it (a buffer of at most 1 GiB).
+        try:
+            eng.register_buffer(buf)
+            registered = True
+        except (OSError, ValueError, RuntimeError, MemoryError):
+            registered = False
         try:
             def ds_write():
                 if handle.sync_pwrite(buf, path) < 0:
@@ -520,24 +540,35 @@ def _aio_config(aio, tzn, torch, path: str, size: int, bs: int, qd: int, args) -
             def ds_read():
                 if handle.sync_pread(buf, path) < 0:
                     raise OSError(f"DeepSpeed aio read of {path} failed")
-                _same(tzn.checksum(buf.numpy()), want, "DeepSpeed read")
 
             def tz_write():
                 eng.write(f, 0, buf).wait()
 
             def tz_read():
                 eng.read(f, 0, buf).wait()
-                _same(tzn.checksum(buf.numpy()), want, "tierzero read")
+
+            def spoil():  # a read that read nothing must not find the right bytes already there
+                buf[::4096] ^= 0xFF
+
+            def check(who):  # untimed, after each read
+                _same(tzn.checksum(buf.numpy()), want, f"{who} read")
+                spoil()
 
             out: dict = {"block_size": bs, "queue_depth": qd, "threads": args.aio_threads,
-                         "tierzero_backend": eng.backend}
-            for op, fns in (("write", {"deepspeed": ds_write, "tierzero": tz_write}),
-                            ("read", {"deepspeed": ds_read, "tierzero": tz_read})):
-                samples = alternate(fns, args.warmup, args.repeats)
+                         "tierzero_backend": eng.backend, "tierzero_fixed_buffer": registered}
+            phases = (("write", {"deepspeed": ds_write, "tierzero": tz_write}, None),
+                      ("read", {"deepspeed": ds_read, "tierzero": tz_read},
+                       {"deepspeed": lambda: check("DeepSpeed"), "tierzero": lambda: check("tierzero")}))
+            for op, fns, after in phases:
+                if op == "read":
+                    spoil()
+                samples = alternate(fns, args.warmup, args.repeats, after=after)
                 out[op] = {who: {"samples_s": s, "median_gb_s": size / statistics.median(s) / 1e9}
                            for who, s in samples.items()}
             return out
         finally:
+            if registered:
+                eng.unregister_buffer(buf)
             eng.close(f)
     finally:
         handle.free_cpu_locked_tensor(buf)

@@ -106,6 +106,12 @@ def test_alternate_rotates_the_order_and_keeps_only_timed_samples(dc):
                            timer=lambda: float(next(ticks)))
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert len(samples["a"]) == 3 and len(samples["b"]) == 3 and all(s == 1.0 for s in samples["a"])
+    checked = []
+    ticks = iter(range(1000))
+    samples = dc.alternate({"a": lambda: None}, warmup=0, repeats=2, timer=lambda: float(next(ticks)),
+                           after={"a": lambda: checked.append(next(ticks))})
+    assert samples["a"] == [1.0, 1.0], "the check after a call is not timed"
+    assert checked == [2, 5]
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
