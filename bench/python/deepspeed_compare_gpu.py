@@ -64,6 +64,7 @@ MODELS = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280)
           "2.7b": (32, 2560), "6.7b": (32, 4096), "13b": (40, 5120), "20b": (44, 6144), "30b": (48, 7168)}
 LARGEST_ORDER = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "2.7b", "6.7b", "13b", "20b", "30b"]
 VOCAB = 50257
+_HF_DS_CONFIG = None
 
 
 def model_shape(name: str) -> tuple:
@@ -240,13 +241,20 @@ def _build(framework: str, name: str, cfg: dict, seq: int):
     layers, hidden, heads = model_shape(name)
     hf = transformers.GPT2Config(vocab_size=VOCAB, n_positions=max(seq, 1024), n_embd=hidden, n_layer=layers,
                                  n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    # Resolved before zero.Init: transformers imports the model's module lazily, and that import (torch._dynamo's
+    # polyfills) fails inside zero.Init, which has replaced torch's tensor constructors (DeepSpeed 0.19.8, torch 2.15).
+    model_class = transformers.GPT2LMHeadModel
     torch.manual_seed(0)
     if framework == "deepspeed":
-        import deepspeed
-        with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
-            return transformers.GPT2LMHeadModel(hf)
+        # As Hugging Face builds a model for DeepSpeed ZeRO-3: with HfDeepSpeedConfig alive, _from_config runs
+        # under zero.Init and then initialises each module's weights gathered (initialize_weights_zero3). A bare
+        # zero.Init around the constructor leaves GPT-2's Conv1D weights uninitialised (first loss ~90, not ~10.8).
+        from transformers.integrations import HfDeepSpeedConfig
+        global _HF_DS_CONFIG
+        _HF_DS_CONFIG = HfDeepSpeedConfig(cfg)  # transformers holds it weakly: keep it alive
+        return model_class._from_config(hf, dtype=torch.bfloat16)
     with torch.device("meta"):
-        model = transformers.GPT2LMHeadModel(hf)
+        model = model_class(hf)
     return model.to(torch.bfloat16)
 
 
