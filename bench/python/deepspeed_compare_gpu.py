@@ -5,8 +5,9 @@ For each offload (--offloads cpu,nvme) and each framework a child process
 (so peaks are its own, and a failure is a row, not the end of the run):
 
   - builds transformers.GPT2LMHeadModel from a config (random init, nothing
-    downloaded): DeepSpeed under deepspeed.zero.Init (partitioned as it is
-    made), tierzero under torch.device("meta") with init_fn=model._init_weights
+    downloaded): for DeepSpeed as Hugging Face does under ZeRO-3
+    (HfDeepSpeedConfig, then _from_config: zero.Init, partitioned as it is
+    made, weights initialised gathered), tierzero under torch.device("meta") with init_fn=model._init_weights
     (made one module at a time into the engine); bf16 either way;
   - initialize()s it with config(): ZeRO-3, bf16, AdamW (lr 1e-4, wd 0.01),
     gradient clipping 1.0, optimizer states offloaded to "cpu" (ZeRO-Offload)
