@@ -60,7 +60,8 @@ beside tierzero (scripts/fetch_wheels.sh has the exact steps):
     apt-get install -y libaio-dev                                           # for the aio mode
 
 The ops are built on first use (just in time, with ninja and the host C++
-compiler, -march=native; ~2 min on 2 cores) into ~/.cache/torch_extensions.
+compiler, -march=native; cpu_adam took 10 min, async_io 30 min on the 2-core machine
+under heavy load, bench/RESULTS.md) into ~/.cache/torch_extensions.
 
     python3 bench/python/deepspeed_compare.py --mode adam,aio --json ds.json
 """
