@@ -176,12 +176,13 @@ void ZeroEngineImpl::reset_io_counters() {
   (void)take_io_busy_seconds();
 }
 
-std::pair<double, double> ZeroEngineImpl::take_io_busy_seconds() {
-  if (!io_) return {0, 0};
+std::tuple<double, double, double> ZeroEngineImpl::take_io_busy_seconds() {
+  if (!io_) return {0, 0, 0};
   const nvme::EngineStats io = io_->stats();
   const std::uint64_t read = io.read_busy_ns - std::exchange(read_busy_seen_ns_, io.read_busy_ns);
   const std::uint64_t write = io.write_busy_ns - std::exchange(write_busy_seen_ns_, io.write_busy_ns);
-  return {static_cast<double>(read) / 1e9, static_cast<double>(write) / 1e9};
+  const std::uint64_t either = io.io_busy_ns - std::exchange(io_busy_seen_ns_, io.io_busy_ns);
+  return {static_cast<double>(read) / 1e9, static_cast<double>(write) / 1e9, static_cast<double>(either) / 1e9};
 }
 
 // Note [Ranks agree on their settings]
@@ -268,6 +269,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       .host_pool = host_pool_.get(), .grad = grad_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_,
       .grad_type = grad_type_, .stage = stage_, .gradient_accumulation_steps = gas_, .on_device = gpu_optimizer_,
       .timeline = &timeline_});
+  TZ_TRY(make_step_ahead());  // Note [Stepping under backward]
   ranks_ = std::make_unique<RankAgreement>(*comm_, *device_, *device_pool_, [this](const std::function<Status()>& f) {
     return comm_thread_->run(f);
   });
