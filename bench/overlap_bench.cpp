@@ -54,6 +54,7 @@ struct Flags {
   bool synthetic = false;  // no MLP arithmetic: compute is the simulated time alone
   std::string backend = "host";
   std::string ahead = "both";  // off | on | both (alternating)
+  double max_norm = 1.0;       // gradient_clipping (the synthetic gradients' norm is ~0.0115 x sqrt(params))
 };
 
 // The engine's protocol without the MLP's arithmetic: fetch, "compute",
@@ -124,7 +125,7 @@ tz::Expected<tz::Config> make_config(const Flags& f, const std::string& nvme_pat
   const std::int64_t block = static_cast<std::int64_t>(f.hidden) * (f.hidden + 1);
   const std::int64_t prefetch = f.prefetch_elems > 0 ? f.prefetch_elems : 3 * block + 1;
   return tz::parse_config(fmt::format(R"({{
-    "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "bf16": {{"enabled": true}},
+    "gradient_accumulation_steps": 1, "gradient_clipping": {}, "bf16": {{"enabled": true}},
     "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
     "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
                            "offload_optimizer": {{"device": "cpu", "pin_memory": true}},
@@ -132,7 +133,7 @@ tz::Expected<tz::Config> make_config(const Flags& f, const std::string& nvme_pat
     "tierzero": {{"backend": "{}", "tiers": {{"gpu_bytes": "4GiB", "cpu_bytes": "8GiB", "nvme_bytes": "64GiB",
                   "nvme_paths": ["{}"]}}}}
   }})",
-                                      prefetch, 4 * block, f.backend, nvme_path),
+                                      f.max_norm, prefetch, 4 * block, f.backend, nvme_path),
                           "overlap bench config");
 }
 
@@ -334,7 +335,7 @@ nlohmann::json arm_json(const Arm& arm, const Summary& sum) {
 tz::Status write_json(const Flags& f, const std::vector<Arm>& arms, const std::vector<Summary>& sums) {
   nlohmann::json out = {{"benchmark", "tierzero-overlap-bench"}, {"layers", f.layers}, {"hidden", f.hidden},
                         {"compute_ms", f.compute_ms}, {"placement", f.placement}, {"synthetic", f.synthetic},
-                        {"backend", f.backend}, {"ahead", f.ahead}};
+                        {"backend", f.backend}, {"ahead", f.ahead}, {"max_norm", f.max_norm}};
   nlohmann::json runs = nlohmann::json::object();
   for (std::size_t i = 0; i < arms.size(); ++i) runs[arms[i].ahead] = arm_json(arms[i], sums[i]);
   // The headline figures are the switch-on arm's (the last one).
@@ -400,6 +401,8 @@ int main(int argc, char** argv) {
   app.add_flag("--synthetic", f.synthetic, "skip the MLP arithmetic: compute is the simulated time alone");
   app.add_option("--json", f.json_path, "write results as JSON")->check(CLI::Validator(tzbench::writable_file, "FILE"));
   app.add_option("--trace", f.trace_path, "write the last step's Chrome trace here");
+  app.add_option("--max-norm", f.max_norm, "gradient_clipping; a step that clips is redone after backward")
+      ->capture_default_str();
   app.add_option("--ahead", f.ahead, "tierzero.step_under_backward: off, on, or both (two engines, alternating)")
       ->capture_default_str()
       ->check(CLI::IsMember({"off", "on", "both"}));

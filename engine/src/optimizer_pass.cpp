@@ -281,10 +281,11 @@ std::uint64_t pool_bytes(std::uint64_t bytes) {
   return (std::max<std::uint64_t>(bytes, 1) + page - 1) / page * page;
 }
 
+// States with a shadow (NVMe) keep their old values on their own extent: no copy.
 std::uint64_t CpuOptimizerPass::ahead_bytes(std::size_t block) const {
   std::uint64_t bytes = pool_bytes(deps_.param16->shard_bytes(block));
   for (const TieredStore* store : stepped_states()) {
-    if (store != nullptr) bytes += pool_bytes(store->shard_bytes(block));
+    if (store != nullptr && shadow_of(store) == nullptr) bytes += pool_bytes(store->shard_bytes(block));
   }
   return bytes;
 }
@@ -377,7 +378,7 @@ Status CpuOptimizerPass::step_ahead(std::size_t block, std::size_t next, const c
   const TieredStore& param16_store = *deps_.param16;
   TZ_TRY(make_ahead_sets());
   for (TieredStore* store : stepped_states()) {
-    if (store == nullptr || slot.old.count(store) != 0) continue;
+    if (store == nullptr || shadow_of(store) != nullptr || slot.old.count(store) != 0) continue;
     TZ_ASSIGN_OR_RETURN(slot.old[store], deps_.host_pool->allocate(store->shard_bytes(block), store->colour()));
   }
   if (!slot.param16.valid()) {
@@ -397,7 +398,8 @@ Status CpuOptimizerPass::step_ahead(std::size_t block, std::size_t next, const c
   TZ_TRY(read);
   TZ_TRY(waited);
   for (TieredStore* store : stepped_states()) {
-    if (store != nullptr) std::memcpy(slot.old.at(store).data(), ahead_ptr(store, block, *set), store->shard_bytes(block));
+    if (store == nullptr || shadow_of(store) != nullptr) continue;
+    std::memcpy(slot.old.at(store).data(), ahead_ptr(store, block, *set), store->shard_bytes(block));
   }
   slot.changed = true;  // from here on the tier may hold new states
   set->stepped = true;  // the set is this block's until its writes drain
@@ -423,7 +425,9 @@ Status CpuOptimizerPass::step_ahead(std::size_t block, std::size_t next, const c
                          std::chrono::steady_clock::now());
   if (fp32) std::memcpy(slot.param16.data(), master, param16_store.shard_bytes(block));  // run() writes the master
   for (TieredStore* store : stepped_states()) {
-    if (store != nullptr && !store->resident()) set->writes.push_back(store->write(block, ahead_ptr(store, block, *set)));
+    if (store == nullptr || store->resident()) continue;
+    TieredStore* to = shadow_of(store) != nullptr ? shadow_of(store) : store;  // the old values stay on store's extent
+    set->writes.push_back(to->write(block, ahead_ptr(store, block, *set)));
   }
   return ok_status();  // the writes drain behind later blocks
 }
@@ -446,6 +450,9 @@ Status CpuOptimizerPass::commit_ahead(std::size_t block, AheadSlot& slot) {
   Status waited = wait_all(writes);
   TZ_TRY(s);
   TZ_TRY(waited);
+  for (TieredStore* store : stepped_states()) {
+    if (store != nullptr && shadow_of(store) != nullptr) TZ_TRY(store->swap_shard(block, *shadow_of(store)));
+  }
   slot.changed = false;
   return ok_status();
 }
@@ -454,7 +461,7 @@ Status CpuOptimizerPass::undo_ahead(std::size_t block, AheadSlot& slot) {
   if (!slot.changed) return ok_status();
   std::vector<nvme::IoFuture> writes;
   for (TieredStore* store : stepped_states()) {
-    if (store == nullptr) continue;
+    if (store == nullptr || shadow_of(store) != nullptr) continue;  // its own extent still holds the old values
     if (store->resident()) {
       std::memcpy(store->memory(block), slot.old.at(store).data(), store->shard_bytes(block));
     } else {

@@ -82,6 +82,11 @@ class OptimizerPass {
   // while run() runs.
   virtual bool can_step_ahead() const { return false; }
   void set_ahead_stream(Stream* stream) { ahead_stream_ = stream; }
+  // A second copy of an NVMe state store (same shards, its own extents):
+  // steps under backward write the new states there, and the commit trades
+  // the two blocks' extents (Note [Stepping under backward]).
+  void set_shadow(const TieredStore* store, TieredStore* shadow) { shadows_[store] = shadow; }
+  void clear_shadows() { shadows_.clear(); }
   // `next`: the block likely to step next (kNoBlock: none), whose states
   // may be read meanwhile (Note [Pipelined steps under backward]). The new
   // states' writes drain behind later blocks: ahead_flush() waits for every
@@ -98,7 +103,12 @@ class OptimizerPass {
   virtual std::uint64_t ahead_staging_bytes() const { return 0; }
 
  protected:
+  TieredStore* shadow_of(const TieredStore* store) const {
+    auto it = shadows_.find(store);
+    return it == shadows_.end() ? nullptr : it->second;
+  }
   Stream* ahead_stream_ = nullptr;
+  std::map<const TieredStore*, TieredStore*> shadows_;
 };
 
 }  // namespace tz::detail

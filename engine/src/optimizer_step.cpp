@@ -61,6 +61,11 @@ Status ZeroEngineImpl::make_step_ahead() {
     ahead_off_ = "the optimizer runs on the GPU (every state there), which steps after backward";
     return ok_status();
   }
+  if (!ahead_off_.empty()) return ok_status();  // make_stores found no NVMe room for the second copies
+  for (auto [store, shadow] : {std::pair{master_.get(), master_shadow_.get()}, std::pair{exp_avg_.get(), exp_avg_shadow_.get()},
+                               std::pair{exp_avg_sq_.get(), exp_avg_sq_shadow_.get()}}) {
+    if (shadow != nullptr) optimizer_->set_shadow(store, shadow);
+  }
   // The CPU tier's headroom in the plan, this rank's share of it, pays for
   // the staging and a slot per block, the blocks backward reaches first.
   const TierUsage& cpu = plan_.usage_of(Tier::kCpu);
@@ -75,6 +80,11 @@ Status ZeroEngineImpl::make_step_ahead() {
     ++ahead_blocks_;
   }
   if (ahead_blocks_ == 0) {
+    optimizer_->clear_shadows();
+    master_shadow_.reset();
+    exp_avg_shadow_.reset();
+    exp_avg_sq_shadow_.reset();
+    ahead_shadow_bytes_ = 0;
     ahead_off_ = fmt::format("stepping under backward needs {} B of CPU memory for its first block ({} B of it "
                              "staging), and this rank's share of the CPU tier's headroom is {} B (needs {} of {} B "
                              "budget)", staging + (layout_.blocks.empty() ? 0 : optimizer_->ahead_bytes(layout_.blocks.size() - 1)),
@@ -88,10 +98,17 @@ Status ZeroEngineImpl::make_step_ahead() {
   // The plan counts it (ZeroEngine.ThePoolsStayWithinThePlan measures it).
   TierUsage& usage = plan_.usage[static_cast<std::size_t>(Tier::kCpu)];
   usage.breakdown.push_back({fmt::format("steps under backward: {} blocks' old master + moments and new params, and "
-                                         "one block's NVMe states (Note [Stepping under backward])", ahead_blocks_),
+                                         "three blocks' NVMe states as staging (Note [Stepping under backward])", ahead_blocks_),
                              need});
   usage.per_rank_bytes += need;
   usage.need_bytes += need * static_cast<std::uint64_t>(std::max(usage.ranks_sharing, 1));
+  if (ahead_shadow_bytes_ > 0) {
+    TierUsage& nvme = plan_.usage[static_cast<std::size_t>(Tier::kNvme)];
+    nvme.breakdown.push_back({"steps under backward: a second copy of the master and moments (Note [Stepping under "
+                              "backward])", ahead_shadow_bytes_});
+    nvme.per_rank_bytes += ahead_shadow_bytes_;
+    nvme.need_bytes += ahead_shadow_bytes_ * static_cast<std::uint64_t>(std::max(nvme.ranks_sharing, 1));
+  }
   TZ_ASSIGN_OR_RETURN(ahead_stream_, device_->create_stream());
   optimizer_->set_ahead_stream(ahead_stream_.get());
   ahead_ = std::make_unique<detail::StepAhead>(

@@ -16,12 +16,16 @@
 // step_ + 1. cpu_adam is element-wise, so stepping a block alone gives the
 // bits run() gives it in its sub-group (OptimizerPass::step_ahead).
 //
-// What it keeps to be undone, per stepped block, in CPU memory: the master
-// and moments as they were (copied before the step), and the new parameters,
-// which stay out of their tier until the commit, so fetches and prefetches
-// during the rest of backward (a block used twice, an evaluation) read the
-// old ones. The new master and moments go to their tier at once (in place in
-// CPU memory, written to their own NVMe extents), so that traffic is hidden.
+// What it keeps to be undone, per stepped block: the master and moments as
+// they were, and the new parameters, which stay out of their tier (in CPU
+// memory) until the commit, so fetches and prefetches during the rest of
+// backward (a block used twice, an evaluation) read the old ones. States in
+// CPU memory are stepped in place after a copy of the old ones is taken;
+// states on NVMe are read, stepped in staging and written to a second copy
+// of their store (the shadow: same shards, other extents), and the commit
+// trades the two extents (TieredStore::swap_shard), so the old ones stay
+// where they were and an undo moves nothing. Either way the new states'
+// traffic runs under backward.
 //
 // At step(), once the global norm is known (every rank's blocks count, after
 // the all-reduce), the stepped blocks are committed (new parameters to their
@@ -45,14 +49,19 @@
 // half-taken step, and a run stopped mid-speculation leaves its checkpoints
 // as they were (the tiers themselves are the process's own).
 //
-// Cost: CPU memory of master + moments + parameter shard per block that may
-// step ahead (16 B/param with fp32 states and bf16 parameters), plus one
-// block's NVMe-resident states and gradient as staging; no extra NVMe space
-// or traffic, except the redo's (one more read and write of the states of the
-// blocks redone). The planner's CPU headroom decides how many blocks may
-// (those whose gradients complete first in backward, the last blocks); where
-// none fit, or tierzero.step_under_backward is false, or the optimizer runs on
-// the GPU, the step runs after backward as before and the report says why.
+// Cost, per rank: CPU memory for the new parameter shard of each block that
+// may step ahead (2 B/param in bf16), for the old master and moments of the
+// states that live in CPU memory (12 B/param with fp32 states), and three
+// blocks' NVMe-resident states and gradient as staging (Note [Pipelined steps
+// under backward]); NVMe space for a second copy of the NVMe master and
+// moments (12 B/param); no extra NVMe traffic except the redo's (the states
+// of the blocks redone are read and written once more). The engine adds
+// both to its plan's CPU and NVMe breakdowns. The CPU tier's headroom in the
+// plan decides how many blocks may (those whose gradients complete first in
+// backward, the last blocks); where no block fits, or the NVMe headroom does
+// not hold the second copy, or tierzero.step_under_backward is false, or the
+// optimizer runs on the GPU, the step runs after backward as before and the
+// step report's ahead_off says why.
 #pragma once
 
 #include <atomic>

@@ -84,6 +84,9 @@ ZeroEngineImpl::~ZeroEngineImpl() {
   master_.reset();
   exp_avg_.reset();
   exp_avg_sq_.reset();
+  master_shadow_.reset();
+  exp_avg_shadow_.reset();
+  exp_avg_sq_shadow_.reset();
   optimizer_.reset();  // its staging goes back to the pools before they go
 }
 

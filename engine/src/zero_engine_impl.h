@@ -184,6 +184,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::shared_ptr<nvme::IoEngine> io_;
   std::unique_ptr<nvme::SwapStore> swap_;
   std::unique_ptr<TieredStore> param16_, grad_, master_, exp_avg_, exp_avg_sq_;
+  // Note [Stepping under backward]: second copies of the NVMe master and moments (else nullptr).
+  std::unique_ptr<TieredStore> master_shadow_, exp_avg_shadow_, exp_avg_sq_shadow_;
+  std::uint64_t ahead_shadow_bytes_ = 0;
   std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
   detail::BlockTable blocks_;                  // each block's state (Note [Block states])
   std::map<void*, PoolBlock> live_;            // gathered buffers handed out

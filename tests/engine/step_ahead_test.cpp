@@ -122,7 +122,9 @@ Tally tally(const AheadRun& run) {
     t.redone += r.ahead_redone;
     t.ahead_seconds += r.ahead_seconds;
     // A clipped step keeps nothing it stepped under backward.
-    if (r.clip_coef < 1.0) EXPECT_EQ(r.ahead_blocks, 0U) << "step " << r.step;
+    if (r.clip_coef < 1.0) {
+      EXPECT_EQ(r.ahead_blocks, 0U) << "step " << r.step;
+    }
   }
   return t;
 }
