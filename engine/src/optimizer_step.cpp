@@ -120,6 +120,7 @@ Status ZeroEngineImpl::make_step_ahead() {
 
 void ZeroEngineImpl::open_step_ahead() {
   if (!ahead_ || ahead_->is_open()) return;
+  if (last_step_clipped_) return;  // clipping (an overflow) tends to repeat: step after backward this time
   cpu_adam::Hyper h = hyper();
   h.lr = learning_rate();  // what step() sets before it steps
   ahead_->open({.hyper = h, .step = step_ + 1, .grad_scale = 1.0 / scaler_.scale(),
@@ -193,6 +194,8 @@ Expected<StepReport> ZeroEngineImpl::step() {
     TZ_TRY_CTX(ahead_->finish(false, done, began, ahead), "undoing the steps under backward of a skipped step");
   }
   cancel_on_failure.ahead = nullptr;
+  if (ahead_ && last_step_clipped_) report.ahead_off = "the last step clipped or overflowed: this one stepped after backward";
+  last_step_clipped_ = report.overflow || (report.stepped && report.clip_coef < 1.0);
   report.ahead_blocks = ahead.committed;
   report.ahead_redone = ahead.redone;
   report.ahead_seconds = ahead.busy_seconds;

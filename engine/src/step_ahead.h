@@ -39,7 +39,10 @@
 // accumulation waits for the optimizer thread and marks it redone) step in
 // run() after backward, which skips the committed ones.
 //
-// The speculation stops early, undoing what it did while backward goes on,
+// A window after a step that clipped or overflowed does not speculate at
+// all (clipping tends to last, early in training every step; the norm of
+// every step says when it stops), so a run that clips throughout pays
+// nothing for this. The speculation also stops early, undoing what it did while backward goes on,
 // once it is certain not to commit: a non-finite gradient (an overflow), or
 // this rank's sum of squares so far already clipping (it is a lower bound of
 // the global one; a 0.1% margin keeps rounding from deciding). Everything

@@ -231,6 +231,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::unique_ptr<Stream> ahead_stream_;
   std::string ahead_off_;
   std::size_t ahead_blocks_ = 0;
+  bool last_step_clipped_ = false;  // or overflowed: the next window does not speculate (Note [Stepping under backward])
   // Declared last: destroyed first, so no task outlives what it uses.
   std::unique_ptr<detail::TaskThread> grad_thread_;
   std::unique_ptr<detail::TaskThread> comm_thread_;
