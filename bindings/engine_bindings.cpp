@@ -154,6 +154,11 @@ nb::dict report_dict(const tz::StepReport& r) {
   d["lr"] = r.lr;
   d["loss_scale"] = r.loss_scale;
   d["optimizer_seconds"] = r.optimizer_seconds;
+  d["ahead_blocks"] = r.ahead_blocks;  // Note [Stepping under backward]
+  d["ahead_redone"] = r.ahead_redone;
+  d["ahead_seconds"] = r.ahead_seconds;
+  d["ahead_hidden_seconds"] = r.ahead_hidden_seconds;
+  d["ahead_off"] = r.ahead_off;
   d["nvme_read_bytes"] = r.nvme_read_bytes;
   d["nvme_write_bytes"] = r.nvme_write_bytes;
   d["nvme_read_busy_seconds"] = r.nvme_read_busy_seconds;

@@ -948,6 +948,7 @@ const Block& tierzero_block() {
       block_key("tiers", tiers_block),
       block_key("aio", tierzero_aio_block),
       block_key("states", states_block),
+      bool_key("step_under_backward", TZ_FIELD(step_under_backward), AutoOk::kNo),
   }};
   return block;
 }

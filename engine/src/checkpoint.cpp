@@ -143,6 +143,7 @@ Status ZeroEngineImpl::prepare_save(const std::string& dir, const std::string& f
 Expected<std::string> ZeroEngineImpl::save_checkpoint(const std::string& dir, const CheckpointSave& options) {
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());
+  TZ_TRY(cancel_step_ahead());  // Note [Stepping under backward]: the states as the last step left them
   if (micro_ != 0) {
     return failed_precondition("save_checkpoint: in the middle of gradient accumulation ({} of {} micro-batches); "
                                "save after a step",
@@ -236,6 +237,7 @@ Expected<std::optional<std::string>> read_checkpoint_client_state(const std::str
 Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& path, const CheckpointLoad& options) {
   TZ_TRY(comm_thread_->wait_idle());
   TZ_TRY(grad_thread_->wait_idle());
+  TZ_TRY(cancel_step_ahead());
   TZ_ASSIGN_OR_RETURN(const std::string dir, detail::checkpoint_dir(path, options.tag));
   detail::RankFile file;
   detail::Manifest manifest;
@@ -359,7 +361,8 @@ Expected<std::vector<std::vector<std::string>>> export_names(const ModelLayout& 
 
 Status ZeroEngineImpl::export_safetensors(const std::string& path, const std::vector<std::vector<std::string>>& names) {
   // Every rank takes part in the gathers below, or none does.
-  TZ_TRY(blocks_.check_all_set("export_safetensors"));  // the same on every rank
+  TZ_TRY(blocks_.check_all_set("export_safetensors"));
+  TZ_TRY(cancel_step_ahead());  // the same on every rank
   Expected<std::vector<std::vector<std::string>>> tensor_names = export_names(layout_, names);
   const Status checked = tensor_names.ok() ? check_path(path, "export_safetensors") : tensor_names.status();
   TZ_TRY(agree(checked, "exporting " + path));

@@ -97,9 +97,11 @@ Status GradientPath::reduce_on_comm_thread(std::size_t block, bool first, std::s
 void GradientPath::accumulate_later(std::size_t block, bool first, std::shared_ptr<void> keep, const void* shard,
                                     std::shared_ptr<void> pending) {
   std::function<Status()> task = [this, block, first, keep, shard, pending]() -> Status {
+    if (deps_.observer != nullptr) deps_.observer->before_accumulate(block);
     const auto begin = std::chrono::steady_clock::now();
     Status s = deps_.on_device ? accumulate_on_device(block, shard, first) : accumulate(block, shard, first);
     deps_.timeline->record(Track::kGrad, deps_.layout->blocks[block].name, begin, std::chrono::steady_clock::now());
+    if (deps_.observer != nullptr) deps_.observer->after_accumulate(block, s.ok());
     return s;
   };
   if (cheap(block)) {

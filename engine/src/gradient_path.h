@@ -33,6 +33,16 @@
 
 namespace tz::detail {
 
+// Told of each accumulation on the thread that runs it (Note [Stepping under
+// backward], step_ahead.h): before it touches the block's accumulator, and
+// after it has finished with it (ok: it succeeded).
+class AccumulationObserver {
+ public:
+  virtual ~AccumulationObserver() = default;
+  virtual void before_accumulate(std::size_t block) = 0;
+  virtual void after_accumulate(std::size_t block, bool ok) = 0;
+};
+
 struct GradientPathDeps {
   Device* device = nullptr;
   Communicator* comm = nullptr;
@@ -50,6 +60,7 @@ struct GradientPathDeps {
   int gradient_accumulation_steps = 1;
   bool on_device = false;             // the GPU optimizer's path: accumulate on the GPU
   Timeline* timeline = nullptr;
+  AccumulationObserver* observer = nullptr;  // may be nullptr; may be set later (set_observer)
 };
 
 class GradientPath {
@@ -74,6 +85,9 @@ class GradientPath {
     sum_squares_[block] = 0;
     non_finite_[block] = false;
   }
+
+  // Before any reduce().
+  void set_observer(AccumulationObserver* observer) { deps_.observer = observer; }
 
   // reduce() calls since the last take (the step report's blocks reduced).
   std::uint64_t take_reduced() { return reduced_.exchange(0); }

@@ -1,8 +1,12 @@
 #include "optimizer_pass.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <utility>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -31,8 +35,17 @@ Status wait_all(std::vector<nvme::IoFuture>& futures) {
 class CpuOptimizerPass final : public OptimizerPass {
  public:
   explicit CpuOptimizerPass(const OptimizerPassDeps& deps);
-  Status run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale) override;
+  Status run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale, const std::vector<bool>& skip) override;
   std::size_t sub_groups() const override { return groups_.size(); }
+  bool can_step_ahead() const override { return true; }
+  Status step_ahead(std::size_t block, std::size_t next, const cpu_adam::Hyper& h, std::int64_t step,
+                    double grad_scale, AheadSlot& slot) override;
+  Status ahead_flush() override;
+  std::vector<std::size_t> take_failed_ahead() override;
+  Status commit_ahead(std::size_t block, AheadSlot& slot) override;
+  Status undo_ahead(std::size_t block, AheadSlot& slot) override;
+  std::uint64_t ahead_bytes(std::size_t block) const override;
+  std::uint64_t ahead_staging_bytes() const override;
 
  private:
   // A pinned staging set for one sub-group: for each state that lives on
@@ -49,11 +62,37 @@ class CpuOptimizerPass final : public OptimizerPass {
   void* state_ptr(const TieredStore* store, std::size_t block, StagingSet& set) const;
   Status read_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& reads);
   Status write_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes);
+  // Block b's spans over its staged states (the master in its format, the
+  // moments, the fp32 gradient, the 16-bit copy-out): the one place a state
+  // format's arrays meet cpu_adam, for run() and the steps under backward alike.
+  cpu_adam::Spans spans_of(std::size_t b, void* master, void* grad, void* exp_avg, void* exp_avg_sq,
+                           void* param16) const;
   Status step_group(std::size_t group, StagingSet& set, const cpu_adam::Hyper& h, std::int64_t step,
                     double grad_scale);
   void* param16_out(std::size_t block, StagingSet& set) const;
+  bool skipped(std::size_t block) const { return block < skip_.size() && skip_[block]; }
+  // The states the step reads and writes (master, moments), and the
+  // gradient, which it only reads.
+  std::vector<TieredStore*> stepped_states() const { return {deps_.master, deps_.exp_avg, deps_.exp_avg_sq}; }
+  // Note [Pipelined steps under backward]: a staging set of one block's
+  // NVMe states, the reads into it and the writes out of it in flight.
+  struct AheadSet {
+    std::map<const TieredStore*, PoolBlock> area;
+    std::vector<nvme::IoFuture> reads, writes;
+    std::size_t block = kNoBlock;
+    bool stepped = false;
+  };
+  static constexpr std::size_t kAheadSets = 3;
+  Status make_ahead_sets();
+  Status drain_set(AheadSet& set);
+  Expected<AheadSet*> claim_set(std::size_t block, std::size_t keep, bool must);
+  // Where `store`'s shard of `block` is while a step under backward takes it.
+  void* ahead_ptr(TieredStore* store, std::size_t block, AheadSet& set);
 
   OptimizerPassDeps deps_;
+  std::vector<bool> skip_;                      // run()'s blocks left out, while it runs
+  std::vector<AheadSet> ahead_sets_;             // made at the first step under backward
+  std::vector<std::size_t> failed_ahead_;       // blocks whose writes under backward failed
   std::vector<std::vector<std::size_t>> groups_;
   std::vector<std::size_t> group_of_;           // per block
   std::uint64_t max_group_numel_ = 0;
@@ -132,67 +171,90 @@ void* CpuOptimizerPass::param16_out(std::size_t block, StagingSet& set) const {
 Status CpuOptimizerPass::read_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& reads) {
   for (const TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq, deps_.grad}) {
     if (store == nullptr || store->resident()) continue;
-    for (std::size_t b : groups_[group]) reads.push_back(store->read(b, state_ptr(store, b, set)));
+    for (std::size_t b : groups_[group]) {
+      if (!skipped(b)) reads.push_back(store->read(b, state_ptr(store, b, set)));
+    }
   }
   if (!remainder()) return ok_status();
-  for (std::size_t b : groups_[group]) TZ_TRY(deps_.param16->read_into(b, param16_out(b, set), *deps_.stream, reads));
+  for (std::size_t b : groups_[group]) {
+    if (!skipped(b)) TZ_TRY(deps_.param16->read_into(b, param16_out(b, set), *deps_.stream, reads));
+  }
   return deps_.param16->settle(*deps_.stream);
 }
 
 Status CpuOptimizerPass::write_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes) {
   for (const TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq}) {
     if (store == nullptr || store->resident()) continue;
-    for (std::size_t b : groups_[group]) writes.push_back(store->write(b, state_ptr(store, b, set)));
+    for (std::size_t b : groups_[group]) {
+      if (!skipped(b)) writes.push_back(store->write(b, state_ptr(store, b, set)));
+    }
   }
   // The new parameters to their tier: the 16-bit copy-out (already in place
   // when they live in CPU memory), or with fp32 parameters the master weights.
   const TieredStore& param16 = *deps_.param16;
   const bool fp32 = deps_.param_type == DType::kFp32;
   for (std::size_t b : groups_[group]) {
+    if (skipped(b)) continue;
     const void* out = fp32 ? state_ptr(deps_.master, b, set) : param16_out(b, set);
     TZ_TRY(param16.write_back(b, out, *deps_.stream, writes));
   }
   return param16.settle(*deps_.stream);
 }
 
+cpu_adam::Spans CpuOptimizerPass::spans_of(std::size_t b, void* master_ptr, void* grad, void* exp_avg,
+                                           void* exp_avg_sq, void* param16) const {
+  const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
+  auto* master = static_cast<std::uint8_t*>(master_ptr);
+  return cpu_adam::Spans{.n = n,
+                         .param = remainder() ? nullptr : reinterpret_cast<float*>(master),
+                         .grad = grad,
+                         .grad_dtype = DType::kFp32,
+                         .exp_avg = exp_avg,
+                         .exp_avg_sq = exp_avg_sq,
+                         .moment_dtype = deps_.moment_dtype,
+                         .param16 = param16,
+                         .param16_dtype = param16 != nullptr ? deps_.param_type : DType::kBf16,
+                         .master_format = deps_.master_format,
+                         .remainder = remainder() ? reinterpret_cast<std::int16_t*>(master) : nullptr,
+                         .tie_bits = remainder() ? master + remainder_tie_bits_offset(n) : nullptr,
+                         // Note [Stochastic rounding of bf16 second moments]: keyed by the block and the
+                         // element's place in it, so the bits depend on neither the ranks nor the tiers.
+                         .rounding_key = b,
+                         .rounding_index = static_cast<std::uint64_t>(deps_.rank) * n};
+}
+
 Status CpuOptimizerPass::step_group(std::size_t group, StagingSet& set, const cpu_adam::Hyper& h, std::int64_t step,
                                     double grad_scale) {
   for (std::size_t b : groups_[group]) {
+    if (skipped(b)) continue;
     // With fp32 parameters there is no copy-out: they are written from the
     // master weights. A remainder master is the 16-bit parameter (read, then
     // rewritten) and the remainders and tie bits of Note [Stored remainder shards].
-    const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
     void* param16 = deps_.param_type == DType::kFp32 ? nullptr : param16_out(b, set);
-    auto* master = static_cast<std::uint8_t*>(state_ptr(deps_.master, b, set));
-    const cpu_adam::Spans spans{.n = n,
-                                .param = remainder() ? nullptr : reinterpret_cast<float*>(master),
-                                .grad = state_ptr(deps_.grad, b, set),
-                                .grad_dtype = DType::kFp32,
-                                .exp_avg = state_ptr(deps_.exp_avg, b, set),
-                                .exp_avg_sq = state_ptr(deps_.exp_avg_sq, b, set),
-                                .moment_dtype = deps_.moment_dtype,
-                                .param16 = param16,
-                                .param16_dtype = param16 != nullptr ? deps_.param_type : DType::kBf16,
-                                .master_format = deps_.master_format,
-                                .remainder = remainder() ? reinterpret_cast<std::int16_t*>(master) : nullptr,
-                                .tie_bits = remainder() ? master + remainder_tie_bits_offset(n) : nullptr,
-                                // Note [Stochastic rounding of bf16 second moments]: keyed by the block and
-                                // the element's place in it, so the bits do not depend on the ranks or tiers.
-                                .rounding_key = b,
-                                .rounding_index = static_cast<std::uint64_t>(deps_.rank) * n};
+    const cpu_adam::Spans spans = spans_of(b, state_ptr(deps_.master, b, set), state_ptr(deps_.grad, b, set),
+                                           state_ptr(deps_.exp_avg, b, set), state_ptr(deps_.exp_avg_sq, b, set),
+                                           param16);
     TZ_TRY_CTX(deps_.cpu_opt->step(h, {.step = step, .grad_scale = grad_scale}, spans), "stepping {}",
                deps_.layout->blocks[b].name);
   }
   return ok_status();
 }
 
-Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale) {
+Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale,
+                             const std::vector<bool>& skip) {
   if (staging_.empty()) TZ_TRY(make_staging());
+  skip_ = skip;
+  struct Unskip {
+    std::vector<bool>& skip;
+    ~Unskip() { skip.clear(); }
+  } unskip{skip_};
   const std::size_t groups = groups_.size(), sets = staging_.size();
   std::vector<std::vector<nvme::IoFuture>> reads(sets), writes(sets);
   Status failed = read_group(0, staging_[0], reads[0]);
   for (std::size_t g = 0; g < groups && failed.ok(); ++g) {
     failed = wait_all(reads[g % sets]);
+    const bool whole_group_skipped =
+        std::all_of(groups_[g].begin(), groups_[g].end(), [&](std::size_t b) { return skipped(b); });
     if (!failed.ok()) break;
     if (g + 1 < groups) {
       const std::size_t next = (g + 1) % sets;
@@ -201,6 +263,7 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
       failed = read_group(g + 1, staging_[next], reads[next]);
       if (!failed.ok()) break;
     }
+    if (whole_group_skipped) continue;
     const auto begin = std::chrono::steady_clock::now();
     failed = step_group(g, staging_[g % sets], h, step, grad_scale);
     deps_.timeline->record(Track::kOptimizer, fmt::format("sub-group {}", g), begin, std::chrono::steady_clock::now());
@@ -218,18 +281,220 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
   return failed;
 }
 
+// ------------------------------------------------ steps under backward
+// Note [Stepping under backward] (step_ahead.h). A block's step here is
+// run()'s, element for element: the same cpu_adam call on the same n
+// elements with the same hyperparameters, step and gradient scale, so the
+// new states are the same bits (cpu_adam's arithmetic is per element; its
+// tiles split a call, never an element). What differs is where they go: the
+// old master and moments are copied into the slot first, and the new
+// parameters are kept in the slot, out of the reach of fetches, until the
+// commit.
+
+// As the host pool reserves them: whole pages.
+std::uint64_t pool_bytes(std::uint64_t bytes) {
+  static const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  return (std::max<std::uint64_t>(bytes, 1) + page - 1) / page * page;
+}
+
+// States with a shadow (NVMe) keep their old values on their own extent: no copy.
+std::uint64_t CpuOptimizerPass::ahead_bytes(std::size_t block) const {
+  std::uint64_t bytes = pool_bytes(deps_.param16->shard_bytes(block));
+  for (const TieredStore* store : stepped_states()) {
+    if (store != nullptr && shadow_of(store) == nullptr) bytes += pool_bytes(store->shard_bytes(block));
+  }
+  return bytes;
+}
+
+std::uint64_t CpuOptimizerPass::ahead_staging_bytes() const {
+  std::uint64_t bytes = 0;
+  for (const TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq, deps_.grad}) {
+    if (store == nullptr || store->resident()) continue;
+    std::uint64_t largest = 0;
+    for (std::size_t b = 0; b < deps_.layout->blocks.size(); ++b) largest = std::max<std::uint64_t>(largest, store->shard_bytes(b));
+    bytes += pool_bytes(largest);
+  }
+  return kAheadSets * bytes;
+}
+
+// Note [Pipelined steps under backward]
+// With states on NVMe a block's step under backward is a read, a step and a
+// write. kAheadSets staging sets rotate as run()'s do: while block b steps,
+// the master and moments of the block backward reaches next (b - 1, the
+// hint) are read into another set (they do not change during backward: only
+// the gradient must wait for its accumulation), and b's writes drain from its
+// set while later blocks step; a set's writes are waited for before it is
+// read into again. A write that fails is found then, or by ahead_flush(),
+// which names the block (take_failed_ahead) so it is undone and redone.
+// Every undo and commit flushes first, so no write of a step under backward
+// can land after the undo's.
+Status CpuOptimizerPass::drain_set(AheadSet& set) {
+  Status reads = wait_all(set.reads);
+  Status writes = wait_all(set.writes);
+  if (!writes.ok() && set.block != kNoBlock) failed_ahead_.push_back(set.block);
+  set.block = kNoBlock;
+  set.stepped = false;
+  return writes.ok() ? reads : writes;
+}
+
+Status CpuOptimizerPass::make_ahead_sets() {
+  if (!ahead_sets_.empty()) return ok_status();
+  ahead_sets_.resize(kAheadSets);
+  for (AheadSet& set : ahead_sets_) {
+    for (TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq, deps_.grad}) {
+      if (store == nullptr || store->resident()) continue;
+      std::uint64_t largest = 0;
+      for (std::size_t b = 0; b < deps_.layout->blocks.size(); ++b) largest = std::max<std::uint64_t>(largest, store->shard_bytes(b));
+      TZ_ASSIGN_OR_RETURN(set.area[store], deps_.host_pool->allocate(largest, store->colour()));
+    }
+  }
+  return ok_status();
+}
+
+// A set for `block`: the one its reads went to, or else one whose block has
+// stepped (its writes waited for), or else any but `keep`'s; the master and
+// moments reads are issued. nullptr: none free (a hint is then dropped).
+Expected<CpuOptimizerPass::AheadSet*> CpuOptimizerPass::claim_set(std::size_t block, std::size_t keep, bool must) {
+  for (AheadSet& set : ahead_sets_) {
+    if (set.block == block) return &set;
+  }
+  AheadSet* pick = nullptr;
+  for (AheadSet& set : ahead_sets_) {
+    if (set.block == kNoBlock || set.stepped) {
+      pick = &set;
+      break;
+    }
+  }
+  if (pick == nullptr && must) {
+    for (AheadSet& set : ahead_sets_) {
+      if (set.block != keep) {
+        pick = &set;
+        break;
+      }
+    }
+  }
+  if (pick == nullptr) return static_cast<AheadSet*>(nullptr);
+  Status drained = drain_set(*pick);  // a failed write is in failed_ahead_; the set is free either way
+  (void)drained;
+  pick->block = block;
+  for (TieredStore* store : stepped_states()) {
+    if (store != nullptr && !store->resident()) pick->reads.push_back(store->read(block, pick->area.at(store).data()));
+  }
+  return pick;
+}
+
+void* CpuOptimizerPass::ahead_ptr(TieredStore* store, std::size_t block, AheadSet& set) {
+  if (store == nullptr) return nullptr;
+  if (store->resident()) return store->memory(block);
+  return set.area.at(store).data();
+}
+
+Status CpuOptimizerPass::step_ahead(std::size_t block, std::size_t next, const cpu_adam::Hyper& h, std::int64_t step,
+                                    double grad_scale, AheadSlot& slot) {
+  const TieredStore& param16_store = *deps_.param16;
+  TZ_TRY(make_ahead_sets());
+  for (TieredStore* store : stepped_states()) {
+    if (store == nullptr || shadow_of(store) != nullptr || slot.old.count(store) != 0) continue;
+    TZ_ASSIGN_OR_RETURN(slot.old[store], deps_.host_pool->allocate(store->shard_bytes(block), store->colour()));
+  }
+  if (!slot.param16.valid()) {
+    TZ_ASSIGN_OR_RETURN(slot.param16, deps_.host_pool->allocate(param16_store.shard_bytes(block), Colour::kParam16));
+  }
+  TZ_ASSIGN_OR_RETURN(AheadSet* set, claim_set(block, kNoBlock, /*must=*/true));
+  if (set == nullptr) return internal_error("no staging set for {} under backward", deps_.layout->blocks[block].name);
+  if (next != kNoBlock) TZ_TRY(claim_set(next, block, /*must=*/false).status());  // Note [Pipelined steps under backward]
+  Stream& stream = *ahead_stream_;
+  if (deps_.grad != nullptr && !deps_.grad->resident()) {
+    set->reads.push_back(deps_.grad->read(block, ahead_ptr(deps_.grad, block, *set)));
+  }
+  Status read = remainder() ? param16_store.read_into(block, slot.param16.data(), stream, set->reads) : ok_status();
+  if (read.ok() && remainder()) read = param16_store.settle(stream);
+  Status waited = wait_all(set->reads);
+  if (!read.ok() || !waited.ok()) set->block = kNoBlock;  // what it holds is in doubt
+  TZ_TRY(read);
+  TZ_TRY(waited);
+  for (TieredStore* store : stepped_states()) {
+    if (store == nullptr || shadow_of(store) != nullptr) continue;
+    std::memcpy(slot.old.at(store).data(), ahead_ptr(store, block, *set), store->shard_bytes(block));
+  }
+  slot.changed = true;  // from here on the tier may hold new states
+  set->stepped = true;  // the set is this block's until its writes drain
+  const bool fp32 = deps_.param_type == DType::kFp32;
+  void* master = ahead_ptr(deps_.master, block, *set);
+  const cpu_adam::Spans spans =
+      spans_of(block, master, ahead_ptr(deps_.grad, block, *set), ahead_ptr(deps_.exp_avg, block, *set),
+               ahead_ptr(deps_.exp_avg_sq, block, *set), fp32 ? nullptr : slot.param16.data());
+  const auto begin = std::chrono::steady_clock::now();
+  TZ_TRY_CTX(deps_.cpu_opt->step(h, {.step = step, .grad_scale = grad_scale}, spans), "stepping {} under backward",
+             deps_.layout->blocks[block].name);
+  deps_.timeline->record(Track::kOptimizer, "ahead " + deps_.layout->blocks[block].name, begin,
+                         std::chrono::steady_clock::now());
+  if (fp32) std::memcpy(slot.param16.data(), master, param16_store.shard_bytes(block));  // run() writes the master
+  for (TieredStore* store : stepped_states()) {
+    if (store == nullptr || store->resident()) continue;
+    TieredStore* to = shadow_of(store) != nullptr ? shadow_of(store) : store;  // the old values stay on store's extent
+    set->writes.push_back(to->write(block, ahead_ptr(store, block, *set)));
+  }
+  return ok_status();  // the writes drain behind later blocks
+}
+
+Status CpuOptimizerPass::ahead_flush() {
+  Status first;
+  for (AheadSet& set : ahead_sets_) {
+    Status s = drain_set(set);
+    if (first.ok() && !s.ok()) first = std::move(s);
+  }
+  return first;
+}
+
+std::vector<std::size_t> CpuOptimizerPass::take_failed_ahead() { return std::exchange(failed_ahead_, {}); }
+
+Status CpuOptimizerPass::commit_ahead(std::size_t block, AheadSlot& slot) {
+  std::vector<nvme::IoFuture> writes;
+  Status s = deps_.param16->write_back(block, slot.param16.data(), *deps_.stream, writes);
+  if (s.ok()) s = deps_.param16->settle(*deps_.stream);
+  Status waited = wait_all(writes);
+  TZ_TRY(s);
+  TZ_TRY(waited);
+  for (TieredStore* store : stepped_states()) {
+    if (store != nullptr && shadow_of(store) != nullptr) TZ_TRY(store->swap_shard(block, *shadow_of(store)));
+  }
+  slot.changed = false;
+  return ok_status();
+}
+
+Status CpuOptimizerPass::undo_ahead(std::size_t block, AheadSlot& slot) {
+  if (!slot.changed) return ok_status();
+  std::vector<nvme::IoFuture> writes;
+  for (TieredStore* store : stepped_states()) {
+    if (store == nullptr || shadow_of(store) != nullptr) continue;  // its own extent still holds the old values
+    if (store->resident()) {
+      std::memcpy(store->memory(block), slot.old.at(store).data(), store->shard_bytes(block));
+    } else {
+      writes.push_back(store->write(block, slot.old.at(store).data()));
+    }
+  }
+  TZ_TRY_CTX(wait_all(writes), "restoring the states of {} stepped under backward", deps_.layout->blocks[block].name);
+  slot.changed = false;
+  return ok_status();
+}
+
 // Note [GPU optimizer] (gradient_path.cpp): Adam on the device-resident shards.
 class GpuOptimizerPass final : public OptimizerPass {
  public:
   explicit GpuOptimizerPass(const OptimizerPassDeps& deps) : deps_(deps) {}
-  Status run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale) override;
+  Status run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale, const std::vector<bool>& skip) override;
   std::size_t sub_groups() const override { return 1; }
 
  private:
   OptimizerPassDeps deps_;
 };
 
-Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double grad_scale) {
+Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double grad_scale,
+                             const std::vector<bool>& skip) {
+  if (std::find(skip.begin(), skip.end(), true) != skip.end()) {
+    return internal_error("the GPU optimizer pass steps every block (nothing steps under backward on it)");
+  }
   const kernels::AdamHyper h{.lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps,
                              .weight_decay = c.weight_decay, .adamw = c.algorithm == cpu_adam::Algorithm::kAdamW,
                              .step = step, .grad_scale = grad_scale};
@@ -272,6 +537,16 @@ Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double
 }
 
 }  // namespace
+
+Status OptimizerPass::step_ahead(std::size_t, std::size_t, const cpu_adam::Hyper&, std::int64_t, double, AheadSlot&) {
+  return internal_error("this optimizer pass does not step under backward");
+}
+Status OptimizerPass::commit_ahead(std::size_t, AheadSlot&) {
+  return internal_error("this optimizer pass does not step under backward");
+}
+Status OptimizerPass::undo_ahead(std::size_t, AheadSlot&) {
+  return internal_error("this optimizer pass does not step under backward");
+}
 
 std::unique_ptr<OptimizerPass> OptimizerPass::make(const OptimizerPassDeps& deps, bool on_gpu) {
   if (on_gpu) return std::make_unique<GpuOptimizerPass>(deps);

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -46,6 +47,18 @@ struct OptimizerPassDeps {
   Timeline* timeline = nullptr;
 };
 
+// What a block stepped under backward keeps until the step commits or
+// undoes it (Note [Stepping under backward], step_ahead.h): its master and
+// moments as they were before the step, and its new parameters (16-bit, or
+// fp32 with fp32 parameters), which reach their tier only at the commit.
+inline constexpr std::size_t kNoBlock = static_cast<std::size_t>(-1);
+
+struct AheadSlot {
+  std::map<const TieredStore*, PoolBlock> old;
+  PoolBlock param16;
+  bool changed = false;  // the states on their tier may differ from `old` (an undo must restore them)
+};
+
 class OptimizerPass {
  public:
   // The GPU variant where on_gpu (every state class on the GPU, CUDA), else the CPU one.
@@ -55,9 +68,48 @@ class OptimizerPass {
   // One step of every block: `step` is the optimizer step being taken (from
   // 1), grad_scale multiplies the accumulated gradient (clipping over the
   // loss scale). Returns when every new state and parameter is in its tier.
-  virtual Status run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale) = 0;
+  Status run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale) { return run(h, step, grad_scale, {}); }
+  // The same, leaving out the blocks where skip[b] (empty: none): those a
+  // step under backward already took.
+  virtual Status run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale, const std::vector<bool>& skip) = 0;
   // How many sub-groups the CPU variant steps in (1 for the GPU one).
   virtual std::size_t sub_groups() const = 0;
+
+  // Note [Stepping under backward] (step_ahead.h); the CPU variant only.
+  // step_ahead: `block`'s step as run() takes it, its old master and moments
+  // kept in `slot` and its new parameters held there; commit_ahead: those
+  // parameters to their tier; undo_ahead: the old states back on their tier
+  // (both after ahead_flush()). One block at a time, from one thread; never
+  // while run() runs.
+  virtual bool can_step_ahead() const { return false; }
+  void set_ahead_stream(Stream* stream) { ahead_stream_ = stream; }
+  // A second copy of an NVMe state store (same shards, its own extents):
+  // steps under backward write the new states there, and the commit trades
+  // the two blocks' extents (Note [Stepping under backward]).
+  void set_shadow(const TieredStore* store, TieredStore* shadow) { shadows_[store] = shadow; }
+  void clear_shadows() { shadows_.clear(); }
+  // `next`: the block likely to step next (kNoBlock: none), whose states
+  // may be read meanwhile (Note [Pipelined steps under backward]). The new
+  // states' writes drain behind later blocks: ahead_flush() waits for every
+  // one, and take_failed_ahead() names the blocks whose writes failed.
+  virtual Status step_ahead(std::size_t block, std::size_t next, const cpu_adam::Hyper& h, std::int64_t step,
+                            double grad_scale, AheadSlot& slot);
+  virtual Status ahead_flush() { return ok_status(); }
+  virtual std::vector<std::size_t> take_failed_ahead() { return {}; }
+  virtual Status commit_ahead(std::size_t block, AheadSlot& slot);
+  virtual Status undo_ahead(std::size_t block, AheadSlot& slot);
+  // CPU memory a step under backward holds for `block` until the commit, and
+  // the staging it shares between blocks (the largest block's NVMe states).
+  virtual std::uint64_t ahead_bytes(std::size_t /*block*/) const { return 0; }
+  virtual std::uint64_t ahead_staging_bytes() const { return 0; }
+
+ protected:
+  TieredStore* shadow_of(const TieredStore* store) const {
+    auto it = shadows_.find(store);
+    return it == shadows_.end() ? nullptr : it->second;
+  }
+  Stream* ahead_stream_ = nullptr;
+  std::map<const TieredStore*, TieredStore*> shadows_;
 };
 
 }  // namespace tz::detail

@@ -51,8 +51,99 @@ Expected<bool> ZeroEngineImpl::global_norm(double& norm) {
   return overflow;
 }
 
+// Note [Stepping under backward] (step_ahead.h)
+Status ZeroEngineImpl::make_step_ahead() {
+  if (!options_.config.step_under_backward) {
+    ahead_off_ = "tierzero.step_under_backward is false";
+    return ok_status();
+  }
+  if (!optimizer_->can_step_ahead()) {
+    ahead_off_ = "the optimizer runs on the GPU (every state there), which steps after backward";
+    return ok_status();
+  }
+  if (!ahead_off_.empty()) return ok_status();  // make_stores found no NVMe room for the second copies
+  for (auto [store, shadow] : {std::pair{master_.get(), master_shadow_.get()}, std::pair{exp_avg_.get(), exp_avg_shadow_.get()},
+                               std::pair{exp_avg_sq_.get(), exp_avg_sq_shadow_.get()}}) {
+    if (shadow != nullptr) optimizer_->set_shadow(store, shadow);
+  }
+  // The CPU tier's headroom in the plan, this rank's share of it, pays for
+  // the staging and a slot per block, the blocks backward reaches first.
+  const TierUsage& cpu = plan_.usage_of(Tier::kCpu);
+  const std::int64_t share = cpu.headroom_bytes() / std::max(cpu.ranks_sharing, 1);
+  const std::uint64_t staging = optimizer_->ahead_staging_bytes();
+  std::vector<bool> may(layout_.blocks.size(), false);
+  std::uint64_t need = staging;
+  for (std::size_t b = layout_.blocks.size(); b-- > 0;) {
+    if (static_cast<std::int64_t>(need + optimizer_->ahead_bytes(b)) > share) break;
+    need += optimizer_->ahead_bytes(b);
+    may[b] = true;
+    ++ahead_blocks_;
+  }
+  if (ahead_blocks_ == 0) {
+    optimizer_->clear_shadows();
+    master_shadow_.reset();
+    exp_avg_shadow_.reset();
+    exp_avg_sq_shadow_.reset();
+    ahead_shadow_bytes_ = 0;
+    ahead_off_ = fmt::format("stepping under backward needs {} B of CPU memory for its first block ({} B of it "
+                             "staging), and this rank's share of the CPU tier's headroom is {} B (needs {} of {} B "
+                             "budget)", staging + (layout_.blocks.empty() ? 0 : optimizer_->ahead_bytes(layout_.blocks.size() - 1)),
+                             staging, share, cpu.need_bytes, cpu.budget_bytes);
+    return ok_status();
+  }
+  if (ahead_blocks_ < layout_.blocks.size()) {
+    ahead_off_ = fmt::format("{} of {} blocks step under backward: the CPU tier's headroom ({} B for this rank) holds "
+                             "no more slots", ahead_blocks_, layout_.blocks.size(), share);
+  }
+  // The plan counts it (ZeroEngine.ThePoolsStayWithinThePlan measures it).
+  TierUsage& usage = plan_.usage[static_cast<std::size_t>(Tier::kCpu)];
+  usage.breakdown.push_back({fmt::format("steps under backward: {} blocks' old master + moments and new params, and "
+                                         "three blocks' NVMe states as staging (Note [Stepping under backward])", ahead_blocks_),
+                             need});
+  usage.per_rank_bytes += need;
+  usage.need_bytes += need * static_cast<std::uint64_t>(std::max(usage.ranks_sharing, 1));
+  if (ahead_shadow_bytes_ > 0) {
+    TierUsage& nvme = plan_.usage[static_cast<std::size_t>(Tier::kNvme)];
+    nvme.breakdown.push_back({"steps under backward: a second copy of the master and moments (Note [Stepping under "
+                              "backward])", ahead_shadow_bytes_});
+    nvme.per_rank_bytes += ahead_shadow_bytes_;
+    nvme.need_bytes += ahead_shadow_bytes_ * static_cast<std::uint64_t>(std::max(nvme.ranks_sharing, 1));
+  }
+  TZ_ASSIGN_OR_RETURN(ahead_stream_, device_->create_stream());
+  optimizer_->set_ahead_stream(ahead_stream_.get());
+  ahead_ = std::make_unique<detail::StepAhead>(
+      detail::StepAheadDeps{.pass = optimizer_.get(), .grads = grads_.get(), .layout = &layout_, .timeline = &timeline_},
+      std::move(may));
+  grads_->set_observer(ahead_.get());
+  return ok_status();
+}
+
+void ZeroEngineImpl::open_step_ahead() {
+  if (!ahead_ || ahead_->is_open()) return;
+  if (last_step_clipped_) return;  // clipping (an overflow) tends to repeat: step after backward this time
+  cpu_adam::Hyper h = hyper();
+  h.lr = learning_rate();  // what step() sets before it steps
+  ahead_->open({.hyper = h, .step = step_ + 1, .grad_scale = 1.0 / scaler_.scale(),
+                .max_norm = options_.config.gradient_clipping, .loss_scale = scaler_.scale()});
+}
+
+Status ZeroEngineImpl::cancel_step_ahead() {
+  if (!ahead_) return ok_status();
+  TZ_TRY(grads_->wait());
+  return ahead_->cancel();
+}
+
 Expected<StepReport> ZeroEngineImpl::step() {
   StepReport report;
+  const auto began = std::chrono::steady_clock::now();
+  // A step that fails before it settles the window undoes what ran ahead.
+  struct CancelAhead {
+    detail::StepAhead* ahead;
+    ~CancelAhead() {
+      if (ahead != nullptr) (void)ahead->cancel();
+    }
+  } cancel_on_failure{ahead_.get()};
+  report.ahead_off = ahead_off_;
   TZ_TRY(release_failure());  // Note [Stream-ordered release]
   TZ_TRY(blocks_.check_all_set("step"));
   // Every gradient of this micro-batch has reached its accumulator.
@@ -78,6 +169,8 @@ Expected<StepReport> ZeroEngineImpl::step() {
   if (report.overflow && !options_.config.precision.fp16) {
     TZ_LOG_ONCE_WARN("engine", "non-finite gradients without fp16 loss scaling: the step is skipped");
   }
+  std::vector<bool> done;  // blocks whose step ran under backward and is kept
+  detail::AheadOutcome ahead;
   if (run) {
     const double max_norm = options_.config.gradient_clipping;
     report.clip_coef = max_norm > 0 ? std::min(1.0, max_norm / (report.grad_norm + 1e-6)) : 1.0;
@@ -86,11 +179,27 @@ Expected<StepReport> ZeroEngineImpl::step() {
     ++step_;
     comm_->note_step(step_ + 1);  // what the other ranks' timeouts name: Note [What the other ranks were doing]
     const auto start = std::chrono::steady_clock::now();
-    TZ_TRY_CTX(optimizer_->run(hyper(), step_, report.clip_coef / scale_used), "optimizer step {}", step_);
+    const double grad_scale = report.clip_coef / scale_used;
+    if (ahead_) {
+      cancel_on_failure.ahead = nullptr;
+      TZ_TRY_CTX(ahead_->finish(detail::same_args(ahead_->args(), hyper(), step_, grad_scale), done, began, ahead),
+                 "optimizer step {}", step_);
+    }
+    TZ_TRY_CTX(optimizer_->run(hyper(), step_, grad_scale, done), "optimizer step {}", step_);
     TZ_TRY_CTX(gather_persistent(), "re-gathering the persistent blocks after step {}", step_);
     report.optimizer_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     report.stepped = true;
+  } else if (ahead_) {
+    cancel_on_failure.ahead = nullptr;
+    TZ_TRY_CTX(ahead_->finish(false, done, began, ahead), "undoing the steps under backward of a skipped step");
   }
+  cancel_on_failure.ahead = nullptr;
+  if (ahead_ && last_step_clipped_) report.ahead_off = "the last step clipped or overflowed: this one stepped after backward";
+  last_step_clipped_ = report.overflow || (report.stepped && report.clip_coef < 1.0);
+  report.ahead_blocks = ahead.committed;
+  report.ahead_redone = ahead.redone;
+  report.ahead_seconds = ahead.busy_seconds;
+  report.ahead_hidden_seconds = ahead.hidden_seconds;
   TZ_TRY(prefetcher_->end_micro_batch());
   report.step = step_;
   const detail::StageWaits waits = prefetcher_->take_waits();
@@ -115,7 +224,8 @@ Expected<StepReport> ZeroEngineImpl::step() {
   report.cpu_budget_bytes = cpu.budget_bytes;
   device_pool_->reset_peak();
   host_pool_->reset_peak();
-  std::tie(report.nvme_read_busy_seconds, report.nvme_write_busy_seconds) = take_io_busy_seconds();
+  std::tie(report.nvme_read_busy_seconds, report.nvme_write_busy_seconds, report.nvme_busy_seconds) =
+      take_io_busy_seconds();
   if (swap_) {
     const nvme::SwapStats nvme = swap_->stats();
     report.peak_nvme_bytes = nvme.peak_used_bytes;

@@ -73,6 +73,9 @@ ZeroEngineImpl::~ZeroEngineImpl() {
   prefetcher_.reset();
   if (comm_thread_) (void)comm_thread_->wait_idle();
   if (grad_thread_) (void)grad_thread_->wait_idle();
+  // Steps under backward use the stores and the pass: done before they go.
+  if (grads_) grads_->set_observer(nullptr);
+  ahead_.reset();
   live_.clear();
   persistent_.clear();
   // Stores free their extents and pool blocks before the swap store and pools go.
@@ -81,6 +84,9 @@ ZeroEngineImpl::~ZeroEngineImpl() {
   master_.reset();
   exp_avg_.reset();
   exp_avg_sq_.reset();
+  master_shadow_.reset();
+  exp_avg_shadow_.reset();
+  exp_avg_sq_shadow_.reset();
   optimizer_.reset();  // its staging goes back to the pools before they go
 }
 
@@ -255,12 +261,14 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   TZ_TRY(grads_->error());
   const std::size_t block = grads.block();
   TZ_ASSIGN_OR_RETURN(const bool first, blocks_.reduce(block, "reduce_grads"));  // Note [Block states]
+  if (micro_ + 1 == gas_) open_step_ahead();  // the window's last micro-batch
   return grads_->reduce(block, std::move(grads.buffer_), first);  // gradient_path.h
 }
 
 Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {
   if (block >= layout_.blocks.size()) return invalid_argument("gather_master: block {} does not exist", block);
   TZ_TRY(blocks_.check_set(block, "gather_master"));
+  TZ_TRY(cancel_step_ahead());  // the master as it was before this window's step
   const BlockLayout& b = layout_.blocks[block];
   std::vector<float> whole(b.whole_numel);
   float* mine = whole.data() + static_cast<std::uint64_t>(comm_->rank()) * b.shard_numel;
@@ -297,6 +305,7 @@ Status ZeroEngineImpl::set_master(std::size_t block, float* whole, std::size_t c
     TZ_TRY(release_failure());
     TZ_TRY(comm_thread_->wait_idle());
     TZ_TRY(grad_thread_->wait_idle());
+    TZ_TRY(cancel_step_ahead());
     if (!exists) return invalid_argument("set_master: block {} does not exist", block);
     const BlockLayout& b = layout_.blocks[block];
     if (count != b.whole_numel) {
@@ -363,6 +372,9 @@ std::string ZeroEngineImpl::describe() const {
     }
     out += fmt::format("; {}{} on {}", state_class_name(cls), format, tier_name(plan_.tier[s]));
   }
+  // Note [Stepping under backward]
+  if (ahead_ && ahead_off_.empty()) out += "; the optimizer steps under backward";
+  if (!ahead_off_.empty()) out += fmt::format("; the optimizer under backward: {}", ahead_off_);
   if (io_) out += fmt::format("; NVMe: {}", io_->describe());
   return out;
 }

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "optimizer_pass.h"
 #include "loss_scaler.h"
 #include "prefetch.h"
+#include "step_ahead.h"
 #include "trace.h"
 #include "workers.h"
 #include "tierzero/common/handles.h"
@@ -152,6 +154,12 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // --- the step (optimizer_step.cpp)
   Status zero_stale_grads();
   Expected<bool> global_norm(double& norm);  // returns overflow
+  // Note [Stepping under backward] (step_ahead.h): set up (or why not), the
+  // window opened on the last micro-batch, and undone before anything else
+  // reads or writes the states.
+  Status make_step_ahead();
+  void open_step_ahead();
+  Status cancel_step_ahead();
   cpu_adam::Hyper hyper() const;
 
   ZeroOptions options_;
@@ -176,6 +184,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::shared_ptr<nvme::IoEngine> io_;
   std::unique_ptr<nvme::SwapStore> swap_;
   std::unique_ptr<TieredStore> param16_, grad_, master_, exp_avg_, exp_avg_sq_;
+  // Note [Stepping under backward]: second copies of the NVMe master and moments (else nullptr).
+  std::unique_ptr<TieredStore> master_shadow_, exp_avg_shadow_, exp_avg_sq_shadow_;
+  std::uint64_t ahead_shadow_bytes_ = 0;
   std::vector<PoolBlock> persistent_;          // whole 16-bit params of persistent blocks (others invalid)
   detail::BlockTable blocks_;                  // each block's state (Note [Block states])
   std::map<void*, PoolBlock> live_;            // gathered buffers handed out
@@ -205,15 +216,22 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   NvmeTraffic nvme_traffic_;                   // every store's NVMe bytes since the last step report
   std::uint64_t pool_allocations_seen_ = 0;    // pools' backend allocations at the last report
   std::uint64_t host_waits_seen_ = 0;          // the device's host waits at the last stepping report
-  std::uint64_t read_busy_seen_ns_ = 0, write_busy_seen_ns_ = 0;  // io_'s busy clocks at the last report
+  std::uint64_t read_busy_seen_ns_ = 0, write_busy_seen_ns_ = 0, io_busy_seen_ns_ = 0;  // io_'s busy clocks at the last report
   void reset_io_counters();  // after set-up and a checkpoint load: the next report counts from here
-  // Seconds with an NVMe read, and a write, in flight since the last call (Note [Busy time]).
-  std::pair<double, double> take_io_busy_seconds();
+  // Seconds with an NVMe read, a write, and either, in flight since the last call (Note [Busy time]).
+  std::tuple<double, double, double> take_io_busy_seconds();
   std::unique_ptr<Stream> d2h_stream_;         // the grad thread's copies
   std::unique_ptr<Stream> comm_stream_;        // the comm thread's collectives (NCCL)
   detail::Timeline timeline_;
   // Before the threads: destroyed after them, so no queued task outlives it.
   std::unique_ptr<detail::GradientPath> grads_;
+  // Note [Stepping under backward]: nullptr when the step runs after
+  // backward, and ahead_off_ says why; ahead_blocks_ blocks may step ahead.
+  std::unique_ptr<detail::StepAhead> ahead_;
+  std::unique_ptr<Stream> ahead_stream_;
+  std::string ahead_off_;
+  std::size_t ahead_blocks_ = 0;
+  bool last_step_clipped_ = false;  // or overflowed: the next window does not speculate (Note [Stepping under backward])
   // Declared last: destroyed first, so no task outlives what it uses.
   std::unique_ptr<detail::TaskThread> grad_thread_;
   std::unique_ptr<detail::TaskThread> comm_thread_;

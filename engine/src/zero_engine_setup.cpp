@@ -136,8 +136,28 @@ Status ZeroEngineImpl::make_stores() {
     eo.fault_injector = options_.nvme_fault_injector;
     TZ_ASSIGN_OR_RETURN(std::unique_ptr<nvme::IoEngine> io, nvme::IoEngine::create(eo));
     io_ = std::move(io);
+    // Note [Stepping under backward]: a second copy of the NVMe master and
+    // moments, where the NVMe tier's headroom holds it.
+    if (c.step_under_backward && !gpu_optimizer_) {
+      std::uint64_t shadow = 0;
+      for (StateClass cls : {StateClass::kMaster, StateClass::kMoments}) {
+        if (plan_.tier_of(cls) == Tier::kNvme) {
+          shadow += state_bytes(cls, layout_.shard_numel, dtype_bytes(param_type_), c.states);
+        }
+      }
+      const TierUsage& usage = plan_.usage_of(Tier::kNvme);
+      const std::int64_t room = usage.headroom_bytes() / std::max(usage.ranks_sharing, 1);
+      if (shadow > 0 && static_cast<std::int64_t>(shadow) <= room) {
+        ahead_shadow_bytes_ = shadow;
+        nvme_bytes += shadow;
+      } else if (shadow > 0) {
+        ahead_off_ = fmt::format("stepping under backward writes the new NVMe master and moments ({} B) beside the "
+                                 "old ones, and this rank's share of the NVMe tier's headroom is {} B",
+                                 shadow, room);
+      }
+    }
     // Room for every shard plus per-extent padding (4 KiB each at most).
-    const std::uint64_t capacity = nvme_bytes + 4096 * 5 * layout_.blocks.size() + (std::uint64_t{1} << 20);
+    const std::uint64_t capacity = nvme_bytes + 4096 * 8 * layout_.blocks.size() + (std::uint64_t{1} << 20);
     TZ_ASSIGN_OR_RETURN(swap_, nvme::SwapStore::create({.paths = paths, .capacity_bytes = capacity,
                                                         .allow_buffered = c.aio.allow_buffered_io}, io_));
   }
@@ -167,6 +187,17 @@ Status ZeroEngineImpl::make_stores() {
   if (!lion) {
     TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make(StateClass::kMoments, dtype_bytes(moment_type()), Colour::kExpAvgSq));
   }
+  if (ahead_shadow_bytes_ > 0) {  // Note [Stepping under backward]: same arguments, other extents
+    for (auto [store, shadow] : {std::pair{master_.get(), &master_shadow_}, std::pair{exp_avg_.get(), &exp_avg_shadow_},
+                                 std::pair{exp_avg_sq_.get(), &exp_avg_sq_shadow_}}) {
+      if (store == nullptr || store->tier() != Tier::kNvme) continue;
+      TieredStoreArgs args = store_args(store->state(), store->elem_bytes(), store->colour());
+      if (store == master_.get() && c.states.master == MasterFormat::kRemainder) {
+        args.bytes_of = [](std::uint64_t n) { return stored_master_bytes(MasterFormat::kRemainder, n); };
+      }
+      TZ_ASSIGN_OR_RETURN(*shadow, TieredStore::create(args, shards));
+    }
+  }
   return ok_status();
 }
 
@@ -176,12 +207,13 @@ void ZeroEngineImpl::reset_io_counters() {
   (void)take_io_busy_seconds();
 }
 
-std::pair<double, double> ZeroEngineImpl::take_io_busy_seconds() {
-  if (!io_) return {0, 0};
+std::tuple<double, double, double> ZeroEngineImpl::take_io_busy_seconds() {
+  if (!io_) return {0, 0, 0};
   const nvme::EngineStats io = io_->stats();
   const std::uint64_t read = io.read_busy_ns - std::exchange(read_busy_seen_ns_, io.read_busy_ns);
   const std::uint64_t write = io.write_busy_ns - std::exchange(write_busy_seen_ns_, io.write_busy_ns);
-  return {static_cast<double>(read) / 1e9, static_cast<double>(write) / 1e9};
+  const std::uint64_t either = io.io_busy_ns - std::exchange(io_busy_seen_ns_, io.io_busy_ns);
+  return {static_cast<double>(read) / 1e9, static_cast<double>(write) / 1e9, static_cast<double>(either) / 1e9};
 }
 
 // Note [Ranks agree on their settings]
@@ -268,6 +300,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       .host_pool = host_pool_.get(), .grad = grad_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_,
       .grad_type = grad_type_, .stage = stage_, .gradient_accumulation_steps = gas_, .on_device = gpu_optimizer_,
       .timeline = &timeline_});
+  TZ_TRY(make_step_ahead());  // Note [Stepping under backward]
   ranks_ = std::make_unique<RankAgreement>(*comm_, *device_, *device_pool_, [this](const std::function<Status()>& f) {
     return comm_thread_->run(f);
   });

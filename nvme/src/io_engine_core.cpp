@@ -127,7 +127,8 @@ EngineStats IoEngineCore::stats() const {
           .errors = errors_.load(),
           .fixed_buffer_pieces = fixed_buffer_pieces_.load(),
           .read_busy_ns = busy_[0].ns(),
-          .write_busy_ns = busy_[1].ns()};
+          .write_busy_ns = busy_[1].ns(),
+          .io_busy_ns = busy_[2].ns()};
 }
 
 }  // namespace tz::nvme::detail

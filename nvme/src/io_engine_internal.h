@@ -122,8 +122,14 @@ class IoEngineCore {
   void fail(RequestState& request, Status status);
   void count_request() { requests_.fetch_add(1, std::memory_order_relaxed); }
   // Note [Busy time]: a request of `op` enters (submit) or leaves (its last piece finished).
-  void busy_begin(IoOp op) { busy_[op == IoOp::kRead ? 0 : 1].begin(); }
-  void busy_end(IoOp op) { busy_[op == IoOp::kRead ? 0 : 1].end(); }
+  void busy_begin(IoOp op) {
+    busy_[op == IoOp::kRead ? 0 : 1].begin();
+    busy_[2].begin();
+  }
+  void busy_end(IoOp op) {
+    busy_[op == IoOp::kRead ? 0 : 1].end();
+    busy_[2].end();
+  }
   void count_fixed_buffer() { fixed_buffer_pieces_.fetch_add(1, std::memory_order_relaxed); }
   EngineStats stats() const;
 
@@ -158,7 +164,7 @@ class IoEngineCore {
     std::chrono::steady_clock::time_point since_;
     std::chrono::steady_clock::duration busy_{0};
   };
-  BusyClock busy_[2];  // read, write
+  BusyClock busy_[3];  // read, write, either
   const EngineOptions options_;
   std::atomic<std::uint64_t> requests_{0}, pieces_{0}, bytes_read_{0}, bytes_written_{0};
   std::atomic<std::uint64_t> short_transfers_{0}, retries_{0}, errors_{0}, fixed_buffer_pieces_{0};

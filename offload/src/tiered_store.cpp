@@ -1,5 +1,6 @@
 #include "tierzero/offload/tiered_store.h"
 
+#include <utility>
 #include <cstring>
 
 #include "tierzero/common/log.h"
@@ -137,6 +138,20 @@ Status TieredStore::read_into(std::size_t block, void* host, Stream& stream,
     case Tier::kNvme:
       pending.push_back(read(block, host));
       return ok_status();
+  }
+  return ok_status();
+}
+
+Status TieredStore::swap_shard(std::size_t block, TieredStore& other) {
+  if (other.args_.tier != args_.tier || block >= shard_bytes_.size() || block >= other.shard_bytes_.size() ||
+      other.shard_bytes_[block] != shard_bytes_[block]) {
+    return invalid_argument("swap_shard: block {} of a {} store on {} cannot trade with one on {}", block,
+                            state_class_name(args_.state), tier_name(args_.tier), tier_name(other.args_.tier));
+  }
+  if (args_.tier == Tier::kNvme) {
+    std::swap(extents_[block], other.extents_[block]);
+  } else {
+    std::swap(memory_[block], other.memory_[block]);
   }
   return ok_status();
 }

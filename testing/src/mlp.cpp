@@ -183,7 +183,7 @@ class HostStaging {
 }  // namespace
 
 Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, const Batch& batch,
-                                   const ComputeHook& hook, bool inject_inf) {
+                                   const ComputeHook& hook, bool inject_inf, int inf_block) {
   const int h = cfg.hidden, layers = cfg.layers;
   const DType pt = engine.param_type(), gt = engine.grad_type();
   const ModelLayout& layout = engine.layout();
@@ -216,7 +216,7 @@ Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, con
     void* gb = gbase + layout.blocks[l].params[1].offset * dtype_bytes(gt);
     for (std::size_t i = 0; i < dw.size(); ++i) store_as(gw, i, dw[i], gt);
     for (int i = 0; i < h; ++i) store_as(gb, i, db[i], gt);
-    if (inject_inf && l == layers - 1) store_as(gw, 0, std::numeric_limits<float>::infinity(), gt);
+    if (inject_inf && l == (inf_block < 0 ? layers - 1 : inf_block)) store_as(gw, 0, std::numeric_limits<float>::infinity(), gt);
     TZ_TRY(staging.upload(g));
     TZ_TRY(engine.reduce_grads(std::move(g)));
     dy = std::move(dx);

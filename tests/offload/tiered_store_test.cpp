@@ -73,6 +73,36 @@ TEST(TieredStore, EveryTierGivesBackWhatWasPut) {
   });
 }
 
+// Note [Stepping under backward]: swap_shard trades one block's shard with a
+// second store's, on every tier, and nothing else; stores that do not match
+// are refused.
+TEST(TieredStore, SwapShardTradesOneBlocksShardWithASecondCopy) {
+  on_every_tier([](Tiers& t, TieredStore& s, Tier tier) {
+    auto copy = TieredStore::create(t.args(tier), kShards);
+    ASSERT_TRUE(copy.ok()) << copy.status().to_string();
+    for (std::size_t b = 0; b < 3; ++b) {
+      ASSERT_TRUE(s.put(b, random_bytes(s.shard_bytes(b), 10 + b).data(), *t.stream).ok());
+      ASSERT_TRUE((*copy)->put(b, random_bytes(s.shard_bytes(b), 20 + b).data(), *t.stream).ok());
+    }
+    ASSERT_TRUE(s.swap_shard(1, **copy).ok());
+    for (std::size_t b = 0; b < 3; ++b) {
+      std::vector<std::uint8_t> mine(s.shard_bytes(b)), theirs(s.shard_bytes(b));
+      ASSERT_TRUE(s.get(b, mine.data(), *t.stream).ok());
+      ASSERT_TRUE((*copy)->get(b, theirs.data(), *t.stream).ok());
+      EXPECT_EQ(mine, random_bytes(s.shard_bytes(b), (b == 1 ? 20 : 10) + b)) << "block " << b;
+      EXPECT_EQ(theirs, random_bytes(s.shard_bytes(b), (b == 1 ? 10 : 20) + b)) << "block " << b;
+    }
+    auto other_shards = TieredStore::create(t.args(tier), std::vector<ShardSpec>{{"layer0", 1024}, {"layer1", 2048}});
+    ASSERT_TRUE(other_shards.ok());
+    const Status refused = s.swap_shard(1, **other_shards);
+    EXPECT_EQ(refused.code(), ErrorCode::kInvalidArgument) << refused.to_string();
+    const Tier elsewhere = tier == Tier::kNvme ? Tier::kCpu : Tier::kNvme;
+    auto other_tier = TieredStore::create(t.args(elsewhere), kShards);
+    ASSERT_TRUE(other_tier.ok());
+    EXPECT_EQ(s.swap_shard(0, **other_tier).code(), ErrorCode::kInvalidArgument);
+  });
+}
+
 // The asynchronous NVMe path the optimizer pass and the prefetcher use is
 // counted too, and reads what put() wrote.
 TEST(TieredStore, NvmeReadsAndWritesAreCounted) {

@@ -164,7 +164,15 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
   const double optim = mean_of(st, [](const StepRecord& r) { return r.report.optimizer_seconds; });
   std::printf("stage waits per step: compute waited %.3f s on NVMe, %.3f s on host-to-device, %.3f s on all-gather "
               "(%.1f%% of the step)\n", w_nvme, w_h2d, w_gather, 100 * (w_nvme + w_h2d + w_gather) / step_s);
-  std::printf("optimizer: %.3f s per step (%.1f%% of the step)\n", optim, 100 * optim / step_s);
+  std::printf("optimizer: %.3f s per step after backward (%.1f%% of the step)\n", optim, 100 * optim / step_s);
+  // Note [Stepping under backward]
+  const double ahead = mean_of(st, [](const StepRecord& r) { return r.report.ahead_seconds; });
+  const double hidden = mean_of(st, [](const StepRecord& r) { return r.report.ahead_hidden_seconds; });
+  const double kept = mean_of(st, [](const StepRecord& r) { return double(r.report.ahead_blocks); });
+  const double redone = mean_of(st, [](const StepRecord& r) { return double(r.report.ahead_redone); });
+  if (!steps.back().report.ahead_off.empty()) std::printf("optimizer under backward: %s\n", steps.back().report.ahead_off.c_str());
+  std::printf("optimizer under backward: %.3f s per step, %.3f s of it hidden (before step()); blocks kept %.1f, "
+              "redone %.1f per step\n", ahead, hidden, kept, redone);
   std::uint64_t pg = 0, pc = 0, pn = 0;
   for (const StepRecord& r : steps) {
     pg = std::max(pg, r.report.peak_gpu_bytes), pc = std::max(pc, r.report.peak_cpu_bytes);
@@ -192,7 +200,9 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                   {"nvme_read_busy_seconds", r.nvme_read_busy_seconds},
                   {"nvme_write_busy_seconds", r.nvme_write_busy_seconds}, {"peak_gpu_bytes", r.report.peak_gpu_bytes},
                   {"peak_cpu_bytes", r.report.peak_cpu_bytes}, {"peak_nvme_bytes", r.report.peak_nvme_bytes},
-                  {"host_waits", r.report.host_waits}, {"blocks_reduced", r.report.blocks_reduced}});
+                  {"host_waits", r.report.host_waits}, {"blocks_reduced", r.report.blocks_reduced},
+                  {"ahead_blocks", r.report.ahead_blocks}, {"ahead_redone", r.report.ahead_redone},
+                  {"ahead_seconds", r.report.ahead_seconds}, {"ahead_hidden_seconds", r.report.ahead_hidden_seconds}});
   }
   const NvmeRates rates = nvme_rates(steady(steps));
   const NvmeWrites writes = nvme_writes(info, steady(steps));

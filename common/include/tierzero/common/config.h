@@ -223,6 +223,10 @@ struct Config {
   // tierzero.states: the optimizer states' formats (tierzero/common/state_format.h).
   // Non-default formats need what check_state_formats() says.
   StateFormats states;
+  // tierzero.step_under_backward: the CPU optimizer steps each block under
+  // backward as its gradient completes, kept only when it is exactly the step
+  // after backward (Note [Stepping under backward], engine/src/step_ahead.h).
+  bool step_under_backward = true;
   // Dotted paths of keys accepted but unused, in file order.
   std::vector<std::string> ignored_keys;
   // Note [Auto values]: dotted paths of the keys given as "auto" that nothing

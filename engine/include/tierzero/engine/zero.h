@@ -231,6 +231,7 @@ struct StepReport {
   // flight (Note [Busy time]): the bytes over them are the rates the drives
   // gave while the engine asked.
   double nvme_read_busy_seconds = 0, nvme_write_busy_seconds = 0;
+  double nvme_busy_seconds = 0;  // with a read or a write in flight: the drives' busy time
   std::uint64_t h2d_bytes = 0;         // 16-bit shards copied up from the host for gathering (0: params on the GPU)
   std::uint64_t gather_bytes = 0;      // received by all-gathers
   // Seconds fetch() waited on each stage since the last report (the stage
@@ -249,6 +250,16 @@ struct StepReport {
   // (Device::host_waits), and the reduce_grads calls those steps made. Their
   // ratio is the host synchronisations per reduced block the gradient path costs.
   std::uint64_t host_waits = 0, blocks_reduced = 0;
+  // Note [Stepping under backward] (engine/src/step_ahead.h): the blocks
+  // whose optimizer step ran under backward and was kept, those stepped
+  // under backward then put back and stepped after it (clipping, an
+  // overflow, a changed learning rate), the seconds of optimizer work under
+  // backward and how many of them ended before step() was called (hidden).
+  // ahead_off: why the step runs after backward (empty when every block may
+  // step under backward).
+  std::uint64_t ahead_blocks = 0, ahead_redone = 0;
+  double ahead_seconds = 0, ahead_hidden_seconds = 0;
+  std::string ahead_off;
 };
 
 // save_checkpoint's choices beyond the directory (DeepSpeed's save_checkpoint

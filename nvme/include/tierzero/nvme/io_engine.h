@@ -190,6 +190,7 @@ struct EngineStats {
   // was asked to read (Note [Busy time] in nvme/src/io_engine_internal.h).
   std::uint64_t read_busy_ns = 0;
   std::uint64_t write_busy_ns = 0;
+  std::uint64_t io_busy_ns = 0;  // with a request of either direction in flight: the drives' busy time
 };
 
 // One request segment as submitted, for replaying a workload's I/O pattern

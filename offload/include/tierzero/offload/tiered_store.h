@@ -119,6 +119,12 @@ class TieredStore {
   // Waits for the copies write_back or read_into queued on `stream`; nothing to do off the gpu tier.
   Status settle(Stream& stream) const;
 
+  // Exchanges `block`'s shard (its NVMe extent, or its memory) with
+  // `other`'s, a store of the same tier and shard sizes: new values written
+  // to a second copy become the store's at once (Note [Stepping under
+  // backward] in engine/src/step_ahead.h). Nothing moves.
+  Status swap_shard(std::size_t block, TieredStore& other);
+
  private:
   explicit TieredStore(const TieredStoreArgs& args) : args_(args) {}
   TieredStoreArgs args_;

@@ -56,9 +56,10 @@ using ComputeHook = std::function<void(std::size_t block, bool backward)>;
 // One micro-batch through the engine: forward, loss, backward with
 // reduce_grads. The loss is multiplied by engine.loss_scale() before backward
 // (fp16); the returned loss is unscaled. `inject_inf`: puts an inf into the
-// first gradient of the last block (to test overflow handling).
+// first gradient of the last block, or of block inf_block when that is >= 0
+// (to test overflow handling).
 Expected<double> train_micro_batch(ZeroEngine& engine, const MlpConfig& cfg, const Batch& batch,
-                                   const ComputeHook& hook = {}, bool inject_inf = false);
+                                   const ComputeHook& hook = {}, bool inject_inf = false, int inf_block = -1);
 
 // The same training with every state in memory: fp32 master weights, 16-bit
 // parameters rounded from them, gradients averaged over ranks and

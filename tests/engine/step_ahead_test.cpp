@@ -1,0 +1,369 @@
+// Note [Stepping under backward] (engine/src/step_ahead.h): the CPU
+// optimizer steps blocks under backward, and the weights after every step are
+// the bits of stepping after backward (tierzero.step_under_backward false),
+// on every placement, in bf16, fp16 and fp32, with clipping that clips on
+// some steps and not on others, an fp16 overflow, a learning rate changed
+// after backward, 1 and 2 ranks, an NVMe fault under backward, and a run
+// stopped under backward (its checkpoints resume bit for bit).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <set>
+
+#include "../nvme/nvme_test_util.h"
+#include "tierzero/testing/engine.h"
+
+namespace tzt {
+namespace {
+
+using tz::Tier;
+
+constexpr tz::mlp::MlpConfig kMlp{.layers = 4, .hidden = 64, .batch = 6, .seed = 31};
+constexpr int kSteps = 22;
+
+const Placement kPlacements[] = {
+    {Tier::kGpu, Tier::kGpu, Tier::kGpu, Tier::kGpu},      // the Host backend's "device" memory: the CPU pass
+    {Tier::kGpu, Tier::kCpu, Tier::kCpu, Tier::kCpu},      // ZeRO-Offload
+    {Tier::kCpu, Tier::kCpu, Tier::kCpu, Tier::kCpu},
+    {Tier::kNvme, Tier::kCpu, Tier::kNvme, Tier::kNvme},   // ZeRO-Infinity
+    {Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kNvme},  // the gradients on NVMe too
+};
+const Placement kInfinity = kPlacements[3];
+
+struct AheadRun {
+  RunBits bits;
+  std::vector<tz::StepReport> reports;  // the boundary micro-batches'
+};
+
+struct Options {
+  int steps = kSteps;
+  int gas = 1;
+  std::set<int> overflow_steps;   // fp16: an inf in block inf_block's gradient on these steps
+  int inf_block = -1;
+  std::set<int> new_lr_steps;     // set_learning_rate after backward on these steps
+  std::function<void(int step)> before_last_micro;  // e.g. arms a fault
+};
+
+// Trains like train_for_bits, keeping the reports; masters after each step.
+tz::Expected<AheadRun> train(tz::ZeroEngine& e, const Options& o) {
+  AheadRun run;
+  for (int step = 0; step < o.steps; ++step) {
+    for (int micro = 0; micro < o.gas; ++micro) {
+      const bool last = micro + 1 == o.gas;
+      if (last && o.before_last_micro) o.before_last_micro(step);
+      const bool inf = last && o.overflow_steps.count(step) != 0;
+      TZ_TRY(tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, e.rank(), micro, step), {}, inf,
+                                        o.inf_block)
+                 .status());
+      if (last && o.new_lr_steps.count(step) != 0) TZ_TRY(e.set_learning_rate(1e-3 * (1 + 0.1 * step)));
+      TZ_ASSIGN_OR_RETURN(tz::StepReport report, e.step());
+      if (report.stepped) run.bits.grad_norms.push_back(report.grad_norm);
+      if (last) run.reports.push_back(report);
+    }
+    std::vector<std::uint32_t>& bits = run.bits.masters.emplace_back();
+    for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) {
+      TZ_ASSIGN_OR_RETURN(std::vector<float> master, e.gather_master(b));
+      const std::size_t at = bits.size();
+      bits.resize(at + master.size());
+      std::memcpy(bits.data() + at, master.data(), master.size() * 4);
+    }
+  }
+  const std::size_t pbytes = tz::dtype_bytes(e.param_type());
+  for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) {
+    TZ_ASSIGN_OR_RETURN(tz::GatheredBlock gathered, e.fetch(b, tz::FetchFor::kEvaluation));
+    const auto* data = static_cast<const std::uint8_t*>(gathered.data());
+    run.bits.params.emplace_back(data, data + e.layout().blocks[b].whole_numel * pbytes);
+  }
+  return run;
+}
+
+tz::Expected<std::unique_ptr<tz::ZeroEngine>> make(tz::Config config, const Placement& placement, bool ahead,
+                                                   tz::Communicator* comm = nullptr,
+                                                   tz::nvme::FaultInjector faults = {}) {
+  config.step_under_backward = ahead;
+  tz::ZeroOptions options{.config = config, .comm = comm, .placement = placement};
+  options.nvme_fault_injector = std::move(faults);
+  return tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+}
+
+tz::Expected<AheadRun> train_new(const tz::Config& config, const Placement& placement, bool ahead, const Options& o,
+                            tz::Communicator* comm = nullptr) {
+  TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> e, make(config, placement, ahead, comm));
+  return train(*e, o);
+}
+
+// A max norm that clips some steps and not others: the median norm of a run
+// without clipping.
+double median_norm(tz::Config config, tz::Communicator* comm = nullptr) {
+  config.gradient_clipping = 0;
+  auto run = train_new(config, kPlacements[1], false, {.steps = kSteps}, comm);
+  EXPECT_TRUE(run.ok()) << run.status().to_string();
+  if (!run.ok()) return 1.0;
+  std::vector<double> norms = run->bits.grad_norms;
+  std::nth_element(norms.begin(), norms.begin() + norms.size() / 2, norms.end());
+  return norms[norms.size() / 2];
+}
+
+struct Tally {
+  int clipped = 0, unclipped = 0;
+  std::uint64_t kept = 0, redone = 0;
+  double ahead_seconds = 0;
+};
+
+Tally tally(const AheadRun& run) {
+  Tally t;
+  for (const tz::StepReport& r : run.reports) {
+    if (r.stepped) (r.clip_coef < 1.0 ? t.clipped : t.unclipped) += 1;
+    t.kept += r.ahead_blocks;
+    t.redone += r.ahead_redone;
+    t.ahead_seconds += r.ahead_seconds;
+    // A clipped step keeps nothing it stepped under backward.
+    if (r.clip_coef < 1.0) {
+      EXPECT_EQ(r.ahead_blocks, 0U) << "step " << r.step;
+    }
+  }
+  return t;
+}
+
+TEST(StepAhead, EveryPlacementAndPrecisionIsBitIdenticalToSteppingAfterBackward) {
+  struct Case {
+    std::string precision;
+    int gas;
+    bool remainder;
+    bool bf16_moments = false;  // stochastically rounded second moments: the same bits under backward
+  };
+  const Case cases[] = {{"bf16", 1, false}, {"fp16", 1, false}, {"fp32", 1, false}, {"bf16", 2, false},
+                        {"bf16", 1, true},  {"bf16", 1, true, true}};
+  for (const Case& c : cases) {
+    TempDir nvme;
+    tz::Config config = test_config(nvme.path(), 3, c.gas, c.precision);
+    if (c.remainder) config.states.master = tz::MasterFormat::kRemainder;
+    if (c.bf16_moments) config.states.moments = tz::MomentFormat::kBf16;
+    config.gradient_clipping = median_norm(config);
+    for (const Placement& placement : kPlacements) {
+      const std::string what = fmt::format("{}{}{}, gas {}, {}, max norm {:.4g}", c.precision,
+                                           c.remainder ? " (remainder master)" : "",
+                                           c.bf16_moments ? " (bf16 moments)" : "", c.gas, placement_name(placement),
+                                           config.gradient_clipping);
+      SCOPED_TRACE(what);
+      const Options o{.gas = c.gas};
+      auto before = train_new(config, placement, false, o);
+      ASSERT_TRUE(before.ok()) << before.status().to_string();
+      auto ahead = train_new(config, placement, true, o);
+      ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
+      EXPECT_EQ(first_difference(before->bits, ahead->bits), "");
+      const Tally off = tally(*before), on = tally(*ahead);
+      std::printf("[ ahead ] %-75s clipped %2d / %2d steps; blocks kept %3llu, redone %3llu\n", what.c_str(),
+                  on.clipped, on.clipped + on.unclipped, static_cast<unsigned long long>(on.kept),
+                  static_cast<unsigned long long>(on.redone));
+      // Both kinds of step happened, and the speculation both held and was undone.
+      EXPECT_GT(on.clipped, 0);
+      EXPECT_GT(on.unclipped, 0);
+      EXPECT_GT(on.kept, 0U);
+      EXPECT_GT(on.redone, 0U);
+      EXPECT_GT(on.ahead_seconds, 0.0);
+      EXPECT_EQ(off.kept + off.redone, 0U);
+      EXPECT_EQ(before->reports.front().ahead_off, "tierzero.step_under_backward is false");
+      EXPECT_EQ(ahead->reports.front().ahead_off, "");
+    }
+  }
+}
+
+// The overflow lands in block 0, the last backward reaches: the blocks after
+// it were stepped under backward by then, and are put back.
+TEST(StepAhead, AnFp16OverflowUndoesTheStepsTakenUnderBackward) {
+  for (const Placement& placement : {kPlacements[1], kInfinity}) {
+    SCOPED_TRACE(placement_name(placement));
+    TempDir nvme;
+    tz::Config config = test_config(nvme.path(), 3, 1, "fp16");
+    config.gradient_clipping = 0;  // nothing else stops the speculation
+    const Options o{.overflow_steps = {4, 11}, .inf_block = 0};
+    auto before = train_new(config, placement, false, o);
+    ASSERT_TRUE(before.ok()) << before.status().to_string();
+    auto ahead = train_new(config, placement, true, o);
+    ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
+    EXPECT_EQ(first_difference(before->bits, ahead->bits), "");
+    for (int step : {4, 11}) {
+      const tz::StepReport& r = ahead->reports[step];
+      EXPECT_TRUE(r.overflow) << "step " << step;
+      EXPECT_FALSE(r.stepped) << "step " << step;
+      EXPECT_EQ(r.ahead_blocks, 0U) << "step " << step;
+      EXPECT_EQ(r.ahead_redone, static_cast<std::uint64_t>(kMlp.layers - 1)) << "step " << step;
+    }
+    EXPECT_GT(tally(*ahead).kept, 0U);
+  }
+}
+
+// set_learning_rate between backward and step: the steps taken under
+// backward used the old rate, so every one is redone.
+TEST(StepAhead, ALearningRateSetAfterBackwardRedoesTheSteps) {
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  config.gradient_clipping = 0;
+  const Options o{.steps = 8, .new_lr_steps = {2, 5}};
+  auto before = train_new(config, kInfinity, false, o);
+  ASSERT_TRUE(before.ok()) << before.status().to_string();
+  auto ahead = train_new(config, kInfinity, true, o);
+  ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
+  EXPECT_EQ(first_difference(before->bits, ahead->bits), "");
+  for (int step = 0; step < 8; ++step) {
+    const tz::StepReport& r = ahead->reports[step];
+    const bool changed = step == 2 || step == 5;
+    EXPECT_EQ(r.ahead_blocks, changed ? 0U : static_cast<std::uint64_t>(kMlp.layers)) << "step " << step;
+    EXPECT_EQ(r.ahead_redone, changed ? static_cast<std::uint64_t>(kMlp.layers) : 0U) << "step " << step;
+  }
+}
+
+// An NVMe write that fails under backward (once): the block is put back,
+// the step after backward takes it, and the run goes on to the same bits.
+TEST(StepAhead, AnNvmeWriteFailingUnderBackwardIsRedoneAfterIt) {
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  config.gradient_clipping = 0;
+  auto before = train_new(config, kInfinity, false, {.steps = 6});
+  ASSERT_TRUE(before.ok()) << before.status().to_string();
+  std::atomic<int> armed{0}, failed{0};
+  auto faults = [&](const tz::nvme::PieceInfo& p) {
+    if (p.op != tz::nvme::IoOp::kWrite || armed.load() == 0) return tz::nvme::Fault{};
+    armed = 0;  // the first write once armed: a state of the first block stepped under backward
+    ++failed;
+    return tz::nvme::Fault{.error = EIO};
+  };
+  auto e = make(config, kInfinity, true, nullptr, faults);
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  auto ahead = train(**e, {.steps = 6, .before_last_micro = [&](int step) { armed = step == 3 ? 1 : 0; }});
+  ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
+  EXPECT_EQ(failed.load(), 1);
+  EXPECT_EQ(first_difference(before->bits, ahead->bits), "");
+  EXPECT_EQ(ahead->reports[3].ahead_blocks, 0U);
+  EXPECT_GE(ahead->reports[3].ahead_redone, 1U);
+  EXPECT_EQ(ahead->reports[4].ahead_blocks, static_cast<std::uint64_t>(kMlp.layers));
+}
+
+// A checkpoint saved between backward and step holds the states before the
+// step (the speculation is undone first), and a run stopped under backward
+// leaves its checkpoints loadable: both resume to the unbroken run's bits.
+TEST(StepAhead, ARunStoppedUnderBackwardResumesFromItsCheckpointsBitForBit) {
+  TempDir nvme, ckpt;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  config.gradient_clipping = 0;
+  auto unbroken = train_new(config, kInfinity, false, {.steps = 6});
+  ASSERT_TRUE(unbroken.ok()) << unbroken.status().to_string();
+  {
+    auto e = make(config, kInfinity, true);
+    ASSERT_TRUE(e.ok()) << e.status().to_string();
+    auto first = train(**e, {.steps = 3});
+    ASSERT_TRUE(first.ok()) << first.status().to_string();
+    ASSERT_TRUE((*e)->save_checkpoint(ckpt.path(), {.tag = "after-3"}).ok());
+    // Step 4's backward: every block steps under backward; the save puts them back.
+    ASSERT_TRUE(tz::mlp::train_micro_batch(**e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, 3)).ok());
+    auto saved = (*e)->save_checkpoint(ckpt.path(), {.tag = "mid-backward"});
+    ASSERT_TRUE(saved.ok()) << saved.status().to_string();
+    auto r = (*e)->step();
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->ahead_blocks, 0U);
+    EXPECT_EQ(r->ahead_redone, static_cast<std::uint64_t>(kMlp.layers));
+    // Step 5's backward, then the run stops (the engine goes, no step).
+    ASSERT_TRUE(tz::mlp::train_micro_batch(**e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, 4)).ok());
+  }
+  for (const std::string tag : {"after-3", "mid-backward"}) {
+    SCOPED_TRACE(tag);
+    auto e = make(config, kInfinity, true);
+    ASSERT_TRUE(e.ok()) << e.status().to_string();
+    auto loaded = (*e)->load_checkpoint(ckpt.path(), {.tag = tag});
+    ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+    ASSERT_EQ((*e)->optimizer_steps(), 3);
+    // Steps 3..5 (data of steps 3, 4, 5), as the unbroken run took them.
+    for (int step = 3; step < 6; ++step) {
+      ASSERT_TRUE(tz::mlp::train_micro_batch(**e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step)).ok());
+      auto r = (*e)->step();
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      EXPECT_EQ(r->ahead_blocks, static_cast<std::uint64_t>(kMlp.layers));
+      std::vector<std::uint32_t> bits;
+      for (std::size_t b = 0; b < (*e)->layout().blocks.size(); ++b) {
+        auto master = (*e)->gather_master(b);
+        ASSERT_TRUE(master.ok());
+        const std::size_t at = bits.size();
+        bits.resize(at + master->size());
+        std::memcpy(bits.data() + at, master->data(), master->size() * 4);
+      }
+      EXPECT_TRUE(bits == unbroken->bits.masters[step]) << "after step " << step + 1;
+    }
+  }
+}
+
+// Where the CPU tier's headroom holds no slot, the step runs after backward
+// and the report says why, with the numbers.
+TEST(StepAhead, WhereItDoesNotFitTheBudgetTheStepRunsAfterBackwardAndSaysWhy) {
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  // The config's own placement (the plan's numbers are its): params and optimizer on NVMe.
+  config.placement = tz::PlacementMode::kDeepSpeed;
+  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
+  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
+  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme.path();
+  auto create = [&](bool ahead) {
+    config.step_under_backward = ahead;
+    return tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  };
+  auto probe = create(true);
+  ASSERT_TRUE(probe.ok()) << probe.status().to_string();
+  const tz::TierUsage& planned = (*probe)->plan().usage_of(Tier::kCpu);
+  const auto item = std::find_if(planned.breakdown.begin(), planned.breakdown.end(), [](const tz::NeedItem& i) {
+    return i.what.find("steps under backward") != std::string::npos;
+  });
+  ASSERT_NE(item, planned.breakdown.end()) << "the plan counts the steps under backward";
+  const std::uint64_t without = planned.need_bytes - item->bytes;
+  probe->reset();
+  ASSERT_GT(item->bytes, 256U * 1024) << "the test needs a first block dearer than the slack below";
+  config.tiers.cpu = tz::ByteBudget::of(without + 128 * 1024);  // room for the engine, not for a block ahead
+  auto e = create(true);
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  auto run = train(**e, {.steps = 2});
+  ASSERT_TRUE(run.ok()) << run.status().to_string();
+  const std::string& why = run->reports[0].ahead_off;
+  EXPECT_NE(why.find("headroom"), std::string::npos) << why;
+  EXPECT_EQ(run->reports[0].ahead_blocks + run->reports[1].ahead_blocks, 0U);
+}
+
+// 2 ranks (processes): each steps its shards under backward; the global norm
+// decides for both. A run with the switch off first, then on, in each rank.
+TEST(StepAhead, TwoRanksAreBitIdenticalToSteppingAfterBackward) {
+  TempDir dir;
+  const std::vector<int> codes = run_ranks(2, dir.path() + "/rendezvous", [&](const tz::RankInfo& info) {
+    const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
+    std::filesystem::create_directories(nvme);
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    int code = 0;
+    for (const std::string precision : {"bf16", "fp16"}) {
+      tz::Config config = test_config(nvme, 3, 2, precision);
+      config.gradient_clipping = median_norm(config, comm->get());
+      for (const Placement& placement : {kPlacements[1], kInfinity}) {
+        auto before = train_new(config, placement, false, {.gas = 2}, comm->get());
+        auto ahead = train_new(config, placement, true, {.gas = 2}, comm->get());
+        if (!before.ok() || !ahead.ok()) {
+          std::fprintf(stderr, "rank %d: %s %s\n", info.rank, before.status().to_string().c_str(),
+                       ahead.status().to_string().c_str());
+          return 1;
+        }
+        const std::string diff = first_difference(before->bits, ahead->bits);
+        const Tally t = tally(*ahead);
+        std::printf("[ ahead ] rank %d, 2 ranks, %s, %-55s clipped %d/%d, kept %llu, redone %llu %s\n", info.rank,
+                    precision.c_str(), placement_name(placement).c_str(), t.clipped, t.clipped + t.unclipped,
+                    static_cast<unsigned long long>(t.kept), static_cast<unsigned long long>(t.redone), diff.c_str());
+        if (!diff.empty()) code = 2;
+        if (t.clipped == 0 || t.unclipped == 0 || t.kept == 0) code = 3;
+      }
+    }
+    return code;
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+}
+
+}  // namespace
+}  // namespace tzt
