@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import tempfile
 import time
 
@@ -45,6 +44,17 @@ FORMATS = {
     "remainder+int8": {"master": "remainder", "moments": "int8"},
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def make_model(args) -> torch.nn.Module:
@@ -164,7 +174,7 @@ def main() -> None:
     ref = rows.get("fp32") or rows.get("torch")
     ref_name = "fp32" if "fp32" in rows else "torch"
     print(f"\nGPT-2-shaped model: {params / 1e6:.2f}M parameters ({args.layers} x {args.hidden}, seq {args.seq}, "
-          f"batch {args.batch}), {args.steps} steps, AdamW betas (0.9, 0.999); host {platform.processor() or '?'}")
+          f"batch {args.batch}), {args.steps} steps, AdamW betas (0.9, 0.999); host {cpu_name()}, {os.cpu_count()} CPUs")
     print(f"{'way':<18}{'train loss (last 20)':>22}{'val loss':>10}{'vs ' + ref_name:>10}{'vs torch':>10}"
           f"{'NVMe B/param/step':>19}")
     for way, r in rows.items():
@@ -177,7 +187,8 @@ def main() -> None:
               f"{vt:>10}{nv:>19}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"params": params, "args": vars(args), "reference": ref_name, "rows": rows}, f, indent=1)
+            json.dump({"params": params, "args": vars(args), "host": cpu_name(), "reference": ref_name, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
