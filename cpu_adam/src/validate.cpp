@@ -131,8 +131,9 @@ Status validate_hyper(const Hyper& h, const StepArgs& args) {
 
 Status validate_spans(const Hyper& h, const Spans& s) {
   TZ_TRY(check_grad_dtype("spans.grad_dtype", s.grad_dtype));
-  if (s.moment_dtype != DType::kFp32 && s.moment_dtype != DType::kBf16) {
-    return invalid_argument("spans.moment_dtype = {} is not allowed (fp32 or bf16)", dtype_name(s.moment_dtype));
+  if (s.moment_dtype != DType::kFp32 && s.moment_dtype != DType::kBf16 && s.moment_dtype != DType::kUint8) {
+    return invalid_argument("spans.moment_dtype = {} is not allowed (fp32, bf16, or uint8: int8 block codes)",
+                            dtype_name(s.moment_dtype));
   }
   if (s.param16 != nullptr && s.param16_dtype != DType::kBf16 && s.param16_dtype != DType::kFp16) {
     return invalid_argument("spans.param16_dtype = {} is not allowed (bf16 or fp16)", dtype_name(s.param16_dtype));
@@ -146,8 +147,16 @@ Status validate_spans(const Hyper& h, const Spans& s) {
   const std::size_t m = dtype_bytes(s.moment_dtype);
   if (!remainder) TZ_TRY(check_span("spans.param", s.param, 4, s.n, &ranges));
   TZ_TRY(check_span("spans.grad", s.grad, dtype_bytes(s.grad_dtype), s.n, &ranges));
-  if (h.algorithm != Algorithm::kAdagrad) TZ_TRY(check_span("spans.exp_avg", s.exp_avg, m, s.n, &ranges));
-  if (h.algorithm != Algorithm::kLion) TZ_TRY(check_span("spans.exp_avg_sq", s.exp_avg_sq, m, s.n, &ranges));
+  const bool int8 = s.moment_dtype == DType::kUint8;
+  const std::size_t blocks = (s.n + kInt8Block - 1) / kInt8Block;
+  if (h.algorithm != Algorithm::kAdagrad) {
+    TZ_TRY(check_span("spans.exp_avg", s.exp_avg, m, s.n, &ranges));
+    if (int8) TZ_TRY(check_span("spans.exp_avg_scale", s.exp_avg_scale, 4, blocks, &ranges));
+  }
+  if (h.algorithm != Algorithm::kLion) {
+    TZ_TRY(check_span("spans.exp_avg_sq", s.exp_avg_sq, m, s.n, &ranges));
+    if (int8) TZ_TRY(check_span("spans.exp_avg_sq_scale", s.exp_avg_sq_scale, 4, blocks, &ranges));
+  }
   if (h.amsgrad) TZ_TRY(check_span("spans.max_exp_avg_sq", s.max_exp_avg_sq, 4, s.n, &ranges));
   if (s.param16 != nullptr) TZ_TRY(check_span("spans.param16", s.param16, 2, s.n, &ranges));
   if (remainder) {
@@ -188,6 +197,15 @@ Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype,
   std::vector<SpanRange> ranges;
   TZ_TRY(check_span("acc", acc, 4, n, &ranges));
   TZ_TRY(check_span("grad", grad, dtype_bytes(grad_dtype), n, &ranges));
+  return check_disjoint(ranges);
+}
+
+Status validate_int8_arrays(const float* x, const std::uint8_t* codes, const float* scales, std::size_t n) {
+  if (n == 0) return ok_status();
+  std::vector<SpanRange> ranges;
+  TZ_TRY(check_span("x", x, 4, n, &ranges));
+  TZ_TRY(check_span("codes", codes, 1, n, &ranges));
+  TZ_TRY(check_span("scales", scales, 4, (n + kInt8Block - 1) / kInt8Block, &ranges));
   return check_disjoint(ranges);
 }
 

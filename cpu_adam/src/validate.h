@@ -34,6 +34,10 @@ Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype,
 Status validate_master_arrays(const float* master, const void* bf16, const void* remainder, const void* tie_bits,
                               std::size_t n);
 
+// For n > 0: the arrays of encode/decode_int8_moment non-null, aligned and
+// disjoint (scales: ceil(n / 256)).
+Status validate_int8_arrays(const float* x, const std::uint8_t* codes, const float* scales, std::size_t n);
+
 // Which element loop runs (Adam without weight decay runs AdamW's: identical).
 Kind kind_of(const Hyper& hyper);
 

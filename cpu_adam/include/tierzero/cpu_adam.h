@@ -161,7 +161,7 @@ struct Spans {
   DType grad_dtype = DType::kFp32;     // fp32 | bf16 | fp16
   void* exp_avg = nullptr;             // (n,) moment_dtype
   void* exp_avg_sq = nullptr;          // (n,) moment_dtype
-  DType moment_dtype = DType::kFp32;   // fp32 | bf16
+  DType moment_dtype = DType::kFp32;   // fp32 | bf16 | uint8 (the int8 format's codes, with the scales below)
   float* max_exp_avg_sq = nullptr;     // (n,) fp32, amsgrad only
   void* param16 = nullptr;             // (n,) fp32 format: optional copy of the new param in param16_dtype;
                                        //      remainder format: the bf16 parameters, read and rewritten
@@ -169,10 +169,29 @@ struct Spans {
   MasterFormat master_format = MasterFormat::kFp32;
   std::int16_t* remainder = nullptr;   // (n,) int16, remainder format only
   std::uint8_t* tie_bits = nullptr;    // (ceil(n / 8),) bytes, remainder format only
+  float* exp_avg_scale = nullptr;      // (ceil(n / 256),) fp32, int8 moments only: exp_avg's block scales
+  float* exp_avg_sq_scale = nullptr;   // (ceil(n / 256),) fp32, int8 moments only: exp_avg_sq's block scales
   std::span<const WeightDecaySegment> weight_decay_segments;  // empty: Hyper::weight_decay for all n elements;
                                                               // else sorted, disjoint, begin < end <= n; elements
                                                               // outside every segment use Hyper::weight_decay
 };
+
+// Int8 moments (moment_dtype = uint8, tz::MomentFormat::kInt8): each moment
+// is n code bytes plus one fp32 scale per block of 256 elements
+// (tz::kInt8MomentBlockNumel; the last block may be partial), kept in
+// separate arrays. The spans' element 0 starts a block (a sub-span of a shard
+// must start at a multiple of 256 elements). Per block the step decodes the
+// moments to fp32, steps exactly as with fp32 moments, and encodes them again
+// (Note [Int8 moments] in cpu_adam/src/int8_codes.h: the codes, the
+// rounding, NaN and zero blocks): one pass over memory. Every variant
+// writes the same codes and scales for the same fp32 moments. amsgrad's
+// max_exp_avg_sq stays fp32.
+enum class Int8Moment : std::uint8_t { kExpAvg, kExpAvgSq };
+// fp32 <-> int8 codes and block scales (checkpoints, state dicts), the step's
+// own encoding: codes (n,), scales (ceil(n / 256),). n == 0 is a no-op.
+// Errors: InvalidArgument naming a null, misaligned or overlapping array.
+Status encode_int8_moment(Int8Moment which, const float* x, std::size_t n, std::uint8_t* codes, float* scales);
+Status decode_int8_moment(Int8Moment which, const std::uint8_t* codes, const float* scales, std::size_t n, float* x);
 
 // Conversions between the master formats, for checkpoints and exports; the
 // bits are the step's (bf16 = round to nearest even, NaN as the copy-out).
