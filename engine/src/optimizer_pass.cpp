@@ -164,18 +164,27 @@ Status CpuOptimizerPass::step_group(std::size_t group, StagingSet& set, const cp
     const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
     void* param16 = deps_.param_type == DType::kFp32 ? nullptr : param16_out(b, set);
     auto* master = static_cast<std::uint8_t*>(state_ptr(deps_.master, b, set));
+    // Int8 moments: codes, then block scales (Note [Stored int8 moment shards]).
+    const bool int8 = deps_.moment_dtype == DType::kUint8;
+    auto* m = static_cast<std::uint8_t*>(state_ptr(deps_.exp_avg, b, set));
+    auto* v = static_cast<std::uint8_t*>(state_ptr(deps_.exp_avg_sq, b, set));
+    const auto scales = [&](std::uint8_t* shard) {
+      return int8 && shard != nullptr ? reinterpret_cast<float*>(shard + int8_moment_scales_offset(n)) : nullptr;
+    };
     const cpu_adam::Spans spans{.n = n,
                                 .param = remainder() ? nullptr : reinterpret_cast<float*>(master),
                                 .grad = state_ptr(deps_.grad, b, set),
                                 .grad_dtype = DType::kFp32,
-                                .exp_avg = state_ptr(deps_.exp_avg, b, set),
-                                .exp_avg_sq = state_ptr(deps_.exp_avg_sq, b, set),
+                                .exp_avg = m,
+                                .exp_avg_sq = v,
                                 .moment_dtype = deps_.moment_dtype,
                                 .param16 = param16,
                                 .param16_dtype = param16 != nullptr ? deps_.param_type : DType::kBf16,
                                 .master_format = deps_.master_format,
                                 .remainder = remainder() ? reinterpret_cast<std::int16_t*>(master) : nullptr,
-                                .tie_bits = remainder() ? master + remainder_tie_bits_offset(n) : nullptr};
+                                .tie_bits = remainder() ? master + remainder_tie_bits_offset(n) : nullptr,
+                                .exp_avg_scale = scales(m),
+                                .exp_avg_sq_scale = scales(v)};
     TZ_TRY_CTX(deps_.cpu_opt->step(h, {.step = step, .grad_scale = grad_scale}, spans), "stepping {}",
                deps_.layout->blocks[b].name);
   }
