@@ -255,14 +255,17 @@ TEST(CpuAdamInt8, TheStepIsDecodeThenTheFp32StepThenEncode) {
 //  - the master: the fp32 step's own rounding, a few units u = 2^-24 of each
 //    term: |p' - p'64| <= 4u (|p| + |p'|) + 16u |update| (the update's
 //    divide, square root and fused operations, and the hyperparameters'
-//    rounding to fp32, about 6u together, doubled);
+//    rounding to fp32, about 6u together, doubled), plus 8u |update| times
+//    (b1 |m| + (1 - b1) |g|) / |m'| where m's update cancels;
 //  - each stored moment x' (decoded) against the float64 x'64: the code's
 //    rounding, at most half the gap between the two levels around
 //    y = x'/scale, times the scale (a full gap for a positive exp_avg_sq below
 //    the smallest level, which rounds up), on sqrt(x) for exp_avg_sq; the
 //    gap is taken as the widest of the three intervals around y, since the
 //    fp32 value being coded may lie across a level from the float64 one; plus
-//    8u |x'| for the fp32 arithmetic before the encoding.
+//    8u (|x'| + the magnitudes of the terms of its update, b1 |m| and
+//    (1 - b1) |g|: the fp32 rounding is relative to them when they cancel)
+//    for the fp32 arithmetic before the encoding.
 // With the levels of Note [Int8 moments] the half-gap is at most 0.7% of the
 // scale in the top decade of exp_avg, 0.35% for sqrt(exp_avg_sq).
 double level_gap(const Int8Code& c, double y) {
@@ -294,11 +297,13 @@ TEST(CpuAdamInt8, EachStepIsWithinItsBoundOfAFloat64Step) {
         for (std::size_t i = 0; i < n; ++i) {
           // The float64 step from the decoded state (the formulas of tierzero/cpu_adam.h).
           double p = p0[i], g = 0.5 * st.grad[i], m = m0[i], v = v0[i], update = 0;
+          double m_terms = 0;  // |the terms of m's update|: its fp32 rounding is relative to them (cancellation)
           const double td = static_cast<double>(t);
           if (c.algorithm == Algorithm::kLion) {
             p *= 1 - h.lr * h.weight_decay;
             const double d = h.beta1 * m + (1 - h.beta1) * g;
             update = -h.lr * (d > 0 ? 1 : (d < 0 ? -1 : 0));
+            m_terms = std::fabs(h.beta2 * m) + std::fabs((1 - h.beta2) * g);
             m = h.beta2 * m + (1 - h.beta2) * g;
           } else if (c.algorithm == Algorithm::kAdagrad) {
             g += h.weight_decay * p;
@@ -307,6 +312,7 @@ TEST(CpuAdamInt8, EachStepIsWithinItsBoundOfAFloat64Step) {
           } else {
             if (c.algorithm == Algorithm::kAdam) g += h.weight_decay * p;
             else p *= 1 - h.lr * h.weight_decay;
+            m_terms = std::fabs(h.beta1 * m) + std::fabs((1 - h.beta1) * g);
             m = h.beta1 * m + (1 - h.beta1) * g;
             v = h.beta2 * v + (1 - h.beta2) * g * g;
             const double d = c.amsgrad ? std::max<double>(vmax0[i], v) : v;
@@ -314,6 +320,10 @@ TEST(CpuAdamInt8, EachStepIsWithinItsBoundOfAFloat64Step) {
           }
           const double p64 = p + update;
           double bound_p = 4 * kU * (std::fabs(p0[i]) + std::fabs(p64)) + 16 * kU * std::fabs(update) + 1e-30;
+          if (m_terms > 0 && m != 0 && c.algorithm != Algorithm::kLion) {
+            // m's fp32 rounding is relative to its terms (cancellation), and the update is proportional to m.
+            bound_p += 8 * kU * std::fabs(update) * m_terms / std::fabs(m);
+          }
           if (c.algorithm == Algorithm::kLion) {
             // A sign within the fp32 rounding of b1 m + (1 - b1) g may flip: 2 lr.
             const double d = h.beta1 * m0[i] + (1 - h.beta1) * 0.5 * st.grad[i];
@@ -329,7 +339,7 @@ TEST(CpuAdamInt8, EachStepIsWithinItsBoundOfAFloat64Step) {
           if (c.algorithm != Algorithm::kAdagrad) {
             const Int8Code& cm = code_of(Int8Moment::kExpAvg);
             const double s = st.m_scale[blk];
-            const double bound = s * level_gap(cm, std::fabs(m) / s) / 2 + 8 * kU * std::fabs(m) + 1e-30;
+            const double bound = s * level_gap(cm, std::fabs(m) / s) / 2 + 8 * kU * (std::fabs(m) + m_terms) + 1e-30;
             ASSERT_LE(std::fabs(m1[i] - m), bound) << algorithm_name(c.algorithm) << " exp_avg, step " << t << " element " << i;
             worst_m = std::max(worst_m, std::fabs(m1[i] - m) / bound);
           }
