@@ -57,7 +57,7 @@ namespace {
 
 // Bytes the bench maps per parameter: p, g (fp32), g (bf16), m, v, p16, and
 // the remainder master's bf16 parameters, remainders and tie bits.
-constexpr double kBytesPerParamMapped = 4 + 4 + 2 + 4 + 4 + 2 + 2 + 2 + 0.125;
+constexpr double kBytesPerParamMapped = 4 + 4 + 2 + 4 + 4 + 2 + 2 + 2 + 0.125 + 2 + 8.0 / 256;
 
 std::uint64_t mapped_bytes(std::size_t n) { return static_cast<std::uint64_t>(std::ceil(kBytesPerParamMapped * n)); }
 
@@ -70,6 +70,9 @@ std::vector<KernelSpec> all_kernels() {
       {"adamw", Kind::kStep, A::kAdamW, false, D::kFp32, Pattern::kAdam},
       {"adamw+bf16", Kind::kStep, A::kAdamW, true, D::kFp32, Pattern::kAdamCopy},
       {"adamw+rem", Kind::kStep, A::kAdamW, false, D::kFp32, Pattern::kAdamRemainder, ca::MasterFormat::kRemainder},
+      {"adamw+int8", Kind::kStep, A::kAdamW, false, D::kFp32, Pattern::kAdamInt8, ca::MasterFormat::kFp32, true},
+      {"adamw+rem+int8", Kind::kStep, A::kAdamW, false, D::kFp32, Pattern::kAdamRemainderInt8,
+       ca::MasterFormat::kRemainder, true},
       {"adam", Kind::kStep, A::kAdam, false, D::kFp32, Pattern::kAdam},
       {"adam+bf16", Kind::kStep, A::kAdam, true, D::kFp32, Pattern::kAdamCopy},
       {"adagrad", Kind::kStep, A::kAdagrad, false, D::kFp32, Pattern::kAdagrad},
@@ -247,6 +250,7 @@ struct Arrays {
   std::string layout = "separate";
   ArrayPtr p, g, g16, m, v, p16;
   ArrayPtr pb, rem, ties;  // the remainder master; separate layout only
+  ArrayPtr m8, v8, ms, vs;  // int8 moments (codes, block scales); separate layout only
   std::vector<Buffer> owned;
   std::unique_ptr<tz::Device> device;  // engine layouts: blocks of a host pool
   std::unique_ptr<tz::MemoryPool> pool;
@@ -256,7 +260,8 @@ struct Arrays {
     return {.p = p.as<std::uint32_t>(), .g = g.as<const std::uint32_t>(), .g16 = g16.as<const std::uint16_t>(),
             .m = m.as<std::uint32_t>(), .v = v.as<std::uint32_t>(), .p16 = p16.as<std::uint16_t>(),
             .acc = m.as<std::uint32_t>(), .pb = pb.as<std::uint16_t>(), .rem = rem.as<std::uint16_t>(),
-            .ties = ties.as<std::uint8_t>()};
+            .ties = ties.as<std::uint8_t>(), .m8 = m8.as<std::uint8_t>(), .v8 = v8.as<std::uint8_t>(),
+            .ms = ms.as<std::uint32_t>(), .vs = vs.as<std::uint32_t>()};
   }
 };
 
@@ -287,6 +292,8 @@ std::size_t distinct_bytes(Pattern pattern) {
     case Pattern::kAdam: return 16;
     case Pattern::kAdamCopy: return 18;
     case Pattern::kAdamRemainder: return 17;  // g m v, bf16 + remainder, tie bits as the library counts them (1)
+    case Pattern::kAdamInt8: return 10;            // p g, two code bytes
+    case Pattern::kAdamRemainderInt8: return 11;   // g, bf16 + remainder + tie byte, two code bytes
     case Pattern::kAdagrad:
     case Pattern::kLion: return 12;
     case Pattern::kAdagradCopy:
@@ -330,6 +337,14 @@ tz::Status map_layout(Arrays& a, bool hugepages) {
     for (std::size_t i = 0; i < 3; ++i) {
       TZ_ASSIGN_OR_RETURN(Buffer b, Buffer::map(remainder_bytes[i], hugepages));
       remainder_arrays[i]->ptr = b.as<void>();
+      a.owned.push_back(std::move(b));
+    }
+    ArrayPtr* int8_arrays[] = {&a.m8, &a.v8, &a.ms, &a.vs};
+    const std::size_t blocks = (n + 255) / 256;
+    const std::size_t int8_bytes[] = {n, n, 4 * blocks, 4 * blocks};
+    for (std::size_t i = 0; i < 4; ++i) {
+      TZ_ASSIGN_OR_RETURN(Buffer b, Buffer::map(int8_bytes[i], hugepages));
+      int8_arrays[i]->ptr = b.as<void>();
       a.owned.push_back(std::move(b));
     }
     return tz::ok_status();
@@ -390,10 +405,16 @@ tz::Expected<Arrays> make_arrays(std::size_t n, const std::string& layout, bool 
               (void)ca::encode_remainder_masters(p + begin, end - begin, a.pb.as<std::uint16_t>() + begin,
                                                  a.rem.as<std::int16_t>() + begin, a.ties.as<std::uint8_t>() + begin / 8);
             }
+            // The int8 moments hold the same moments, encoded (tiles start at multiples of 64: blocks of 256
+            // may straddle two tiles, so they are encoded after the fill).
           }
         },
         tbb::simple_partitioner());
   });
+  if (a.m8.ptr != nullptr) {
+    TZ_TRY(ca::encode_int8_moment(ca::Int8Moment::kExpAvg, m, n, a.m8.as<std::uint8_t>(), a.ms.as<float>()));
+    TZ_TRY(ca::encode_int8_moment(ca::Int8Moment::kExpAvgSq, v, n, a.v8.as<std::uint8_t>(), a.vs.as<float>()));
+  }
   return a;
 }
 
@@ -482,6 +503,13 @@ tz::Expected<double> time_kernel(Config& c, const KernelSpec& k, const Arrays& a
       spans.master_format = ca::MasterFormat::kRemainder;
       spans.remainder = a.rem.as<std::int16_t>();
       spans.tie_bits = a.ties.as<std::uint8_t>();
+    }
+    if (k.int8) {
+      spans.exp_avg = a.m8.as<void>();
+      spans.exp_avg_sq = a.v8.as<void>();
+      spans.moment_dtype = tz::DType::kUint8;
+      spans.exp_avg_scale = a.ms.as<float>();
+      spans.exp_avg_sq_scale = a.vs.as<float>();
     }
     TZ_TRY_CTX(c.opt->step(hyper_for(k.algorithm), {.step = ++step, .grad_scale = kGradScale}, spans), "{}", k.name);
   } else {
@@ -641,7 +669,7 @@ tz::Expected<Plan> parse_plan(const Flags& flags) {
   TZ_ASSIGN_OR_RETURN(plan.kernels, parse_kernels(flags.kernels));
   TZ_ASSIGN_OR_RETURN(plan.layouts, parse_layouts(flags.layouts));
   for (const KernelSpec& k : plan.kernels) {
-    if (k.kind == Kind::kStep && k.master == ca::MasterFormat::kFp32 &&
+    if (k.kind == Kind::kStep && k.master == ca::MasterFormat::kFp32 && !k.int8 &&
         (k.algorithm == ca::Algorithm::kAdamW || k.algorithm == ca::Algorithm::kAdam)) {
       plan.layout_kernels.push_back(k);
     }
@@ -822,7 +850,8 @@ int main(int argc, char** argv) {
                  "SIMD variant(s) for the kernels: best, all, or a comma list of scalar, sse4.2, avx2, avx512")
       ->capture_default_str();
   app.add_option("--kernels", flags.kernels,
-                 "kernels to run: all, or a comma list of adamw, adamw+bf16, adamw+rem, adam, adam+bf16, adagrad, "
+                 "kernels to run: all, or a comma list of adamw, adamw+bf16, adamw+rem, adamw+int8, adamw+rem+int8, "
+                 "adam, adam+bf16, adagrad, "
                  "adagrad+bf16, lion, lion+bf16, grad-fp32, grad-bf16")
       ->capture_default_str();
   app.add_option("--tile-elems", flags.tile_elems,

@@ -51,6 +51,7 @@ struct KernelSpec {
   tz::DType grad_dtype;
   Pattern pattern;
   ca::MasterFormat master = ca::MasterFormat::kFp32;  // kStep; kRemainder: the bf16 parameters are the output
+  bool int8 = false;                                  // kStep: int8 moments (codes + block scales)
 };
 
 // One kernel of one configuration on one size: its times and its limit loop's.

@@ -48,7 +48,9 @@
 namespace tzbench {
 
 enum class Pattern : std::uint8_t {
-  kAdam, kAdamCopy, kAdamRemainder, kAdagrad, kAdagradCopy, kLion, kLionCopy, kAccFp32, kAccBf16
+  kAdam, kAdamCopy, kAdamRemainder, kAdagrad, kAdagradCopy, kLion, kLionCopy, kAccFp32, kAccBf16,
+  kAdamInt8,           // fp32 master, int8 moments (codes + a scale per 256 elements each)
+  kAdamRemainderInt8,  // remainder master, int8 moments: the most compact formats
 };
 
 // The arrays, as raw words. For Adagrad `v` is the running sum of squares; for
@@ -64,6 +66,10 @@ struct StreamArrays {
   std::uint16_t* pb = nullptr;         // remainder master: bf16 parameters
   std::uint16_t* rem = nullptr;        // ... int16 remainders
   std::uint8_t* ties = nullptr;        // ... tie bits, one per element
+  std::uint8_t* m8 = nullptr;          // int8 moments: exp_avg codes
+  std::uint8_t* v8 = nullptr;          // ... exp_avg_sq codes
+  std::uint32_t* ms = nullptr;         // ... exp_avg block scales, one per 256 elements
+  std::uint32_t* vs = nullptr;         // ... exp_avg_sq block scales
 };
 
 constexpr double pattern_bytes_per_param(Pattern pattern) {
@@ -71,6 +77,8 @@ constexpr double pattern_bytes_per_param(Pattern pattern) {
     case Pattern::kAdam: return 28;
     case Pattern::kAdamCopy: return 30;
     case Pattern::kAdamRemainder: return 28.25;
+    case Pattern::kAdamInt8: return 4 + 2 * (4 + 1 + 1 + 8.0 / 256);           // g; p, codes, scales read + written
+    case Pattern::kAdamRemainderInt8: return 4 + 2 * (2 + 2 + 0.125 + 1 + 1 + 8.0 / 256);
     case Pattern::kAdagrad: return 20;
     case Pattern::kAdagradCopy: return 22;
     case Pattern::kLion: return 20;
@@ -128,6 +136,38 @@ TZB_INLINE void adam_remainder_body(std::uint16_t* TZB_RESTRICT pb, std::uint16_
   for (std::size_t b = begin / 8; b < (end + 7) / 8; ++b) ties[b] ^= static_cast<std::uint8_t>(mask);
 }
 
+// Int8 moments: one byte of each moment per element, one 4-byte scale per
+// 256 elements of each; with an fp32 master (pb == nullptr) or a remainder one.
+TZB_INLINE void adam_int8_body(const StreamArrays& a, std::size_t begin, std::size_t end, std::uint32_t mask) {
+  std::uint32_t* TZB_RESTRICT p = a.p;
+  std::uint16_t* TZB_RESTRICT pb = a.pb;
+  std::uint16_t* TZB_RESTRICT rem = a.rem;
+  const std::uint32_t* TZB_RESTRICT g = a.g;
+  std::uint8_t* TZB_RESTRICT m8 = a.m8;
+  std::uint8_t* TZB_RESTRICT v8 = a.v8;
+  if (pb == nullptr) {
+    for (std::size_t i = begin; i < end; ++i) {
+      const std::uint32_t x = g[i] & mask;
+      p[i] ^= x;
+      m8[i] ^= static_cast<std::uint8_t>(x);
+      v8[i] ^= static_cast<std::uint8_t>(x);
+    }
+  } else {
+    for (std::size_t i = begin; i < end; ++i) {
+      const std::uint32_t x = g[i] & mask;
+      pb[i] ^= static_cast<std::uint16_t>(x);
+      rem[i] ^= static_cast<std::uint16_t>(x);
+      m8[i] ^= static_cast<std::uint8_t>(x);
+      v8[i] ^= static_cast<std::uint8_t>(x);
+    }
+    for (std::size_t b = begin / 8; b < (end + 7) / 8; ++b) a.ties[b] ^= static_cast<std::uint8_t>(mask);
+  }
+  for (std::size_t b = (begin + 255) / 256; b < (end + 255) / 256; ++b) {  // the blocks starting in the range
+    a.ms[b] ^= mask;
+    a.vs[b] ^= mask;
+  }
+}
+
 // Adagrad (p, g, s) and Lion (p, g, m) have the same shape: one state array.
 TZB_INLINE void one_state_body(std::uint32_t* TZB_RESTRICT p, const std::uint32_t* TZB_RESTRICT g,
                                std::uint32_t* TZB_RESTRICT s, std::size_t begin, std::size_t end,
@@ -173,6 +213,13 @@ TZB_INLINE void dispatch_body(Pattern pattern, const StreamArrays& a, std::size_
     case Pattern::kLionCopy: one_state_copy_body(a.p, a.g, a.m, a.p16, begin, end, mask); break;
     case Pattern::kAccFp32: acc_fp32_body(a.acc, a.g, begin, end, mask); break;
     case Pattern::kAccBf16: acc_bf16_body(a.acc, a.g16, begin, end, mask); break;
+    case Pattern::kAdamInt8: {
+      StreamArrays fp32 = a;
+      fp32.pb = nullptr;
+      adam_int8_body(fp32, begin, end, mask);
+      break;
+    }
+    case Pattern::kAdamRemainderInt8: adam_int8_body(a, begin, end, mask); break;
   }
 }
 

@@ -3,12 +3,15 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "arrays.h"
 #include "errors.h"
@@ -21,7 +24,7 @@ namespace ca = tz::cpu_adam;
 
 const ArraySpec kFp32{{DType::kFp32}};
 const ArraySpec kGrad{{DType::kFp32, DType::kBf16, DType::kFp16}};
-const ArraySpec kMoment{{DType::kFp32, DType::kBf16}};
+const ArraySpec kMoment{{DType::kFp32, DType::kBf16, DType::kUint8}};  // uint8: int8 codes
 const ArraySpec kHalf{{DType::kBf16, DType::kFp16}};
 const ArraySpec kBf16{{DType::kBf16}};
 const ArraySpec kBytes{{DType::kUint8}};
@@ -56,6 +59,8 @@ class PyCpuOptimizer {
             const InArray& grad, const std::optional<WritableArg>& exp_avg,
             const std::optional<WritableArg>& exp_avg_sq, const std::optional<WritableArg>& max_exp_avg_sq,
             const std::optional<WritableArg>& param16, const std::optional<WritableArg>& remainder,
+            const std::vector<std::tuple<std::size_t, std::size_t, double>>& weight_decay_segments,
+            const std::optional<WritableArg>& exp_avg_scale, const std::optional<WritableArg>& exp_avg_sq_scale,
             std::uint64_t rounding_key, std::uint64_t rounding_index) {
     // Note [Remainder masters]: with `remainder`, param is the bf16 parameter and the master's bf16 part.
     const bool rem = remainder.has_value();
@@ -99,6 +104,10 @@ class PyCpuOptimizer {
       throw nb::python_error();
     }
     s.moment_dtype = s.exp_avg ? m_dtype : v_dtype;
+    // Int8 moments: uint8 codes and fp32 block scales (ceil(n / 256) each; tierzero/cpu_adam.h).
+    const std::size_t blocks = (p.numel + tz::kInt8MomentBlockNumel - 1) / tz::kInt8MomentBlockNumel;
+    s.exp_avg_scale = static_cast<float*>(state(exp_avg_scale, kFp32, "exp_avg_scale", blocks));
+    s.exp_avg_sq_scale = static_cast<float*>(state(exp_avg_sq_scale, kFp32, "exp_avg_sq_scale", blocks));
     s.max_exp_avg_sq = static_cast<float*>(state(max_exp_avg_sq, kFp32, "max_exp_avg_sq", p.numel));
     if (!rem) {
       s.param16 = state(param16, kHalf, "param16", p.numel, &h_dtype);
@@ -106,6 +115,10 @@ class PyCpuOptimizer {
     }
     s.rounding_key = rounding_key;
     s.rounding_index = rounding_index;
+    std::vector<ca::WeightDecaySegment> segments;
+    segments.reserve(weight_decay_segments.size());
+    for (const auto& [begin, end, wd] : weight_decay_segments) segments.push_back({begin, end, wd});
+    s.weight_decay_segments = segments;
     tz::Status status;
     {
       nb::gil_scoped_release release;
@@ -179,12 +192,17 @@ void bind_cpu_adam(nb::module_& m) {
       .def("step", &PyCpuOptimizer::step, nb::arg("hyper"), nb::arg("step"), nb::arg("grad_scale"),
            nb::arg("param"), nb::arg("grad"), nb::arg("exp_avg") = nb::none(), nb::arg("exp_avg_sq") = nb::none(),
            nb::arg("max_exp_avg_sq") = nb::none(), nb::arg("param16") = nb::none(), nb::arg("remainder") = nb::none(),
+           nb::arg("weight_decay_segments") = std::vector<std::tuple<std::size_t, std::size_t, double>>{},
+           nb::arg("exp_avg_scale") = nb::none(), nb::arg("exp_avg_sq_scale") = nb::none(),
            nb::arg("rounding_key") = 0, nb::arg("rounding_index") = 0,
            "One step in place. param: float32, C-contiguous, cpu, n elements (updated); grad: float32 | bfloat16 | "
            "float16, n elements; exp_avg, exp_avg_sq: float32 | bfloat16 (same dtype), n elements; max_exp_avg_sq: "
            "float32 (amsgrad); param16: bfloat16 | float16, receives the new param rounded (the fused copy-out); "
            "remainder: uint8, 2n + ceil(n / 8) bytes, makes param the bfloat16 parameter of a remainder master "
-           "(the fp32 master rebuilt from both, bit for bit; tierzero/cpu_adam.h). rounding_key, rounding_index: "
+           "(the fp32 master rebuilt from both, bit for bit; tierzero/cpu_adam.h); weight_decay_segments: "
+           "[(begin, end, weight_decay), ...], sorted and disjoint element runs that step with their own weight "
+           "decay (the others with hyper.weight_decay); uint8 exp_avg / exp_avg_sq are int8 block codes, with "
+           "exp_avg_scale / exp_avg_sq_scale: float32, ceil(n / 256) block scales. rounding_key, rounding_index: "
            "with bfloat16 moments, exp_avg_sq is stored by stochastic rounding whose bits hash (rounding_key, step, "
            "rounding_index + i): give each tensor its own key (tierzero/cpu_adam.h). "
            "Which states an algorithm needs: tierzero/cpu_adam.h. Arrays of any shape with n contiguous elements.")
@@ -194,6 +212,33 @@ void bind_cpu_adam(nb::module_& m) {
            "acc: float32 cpu; grad: float32 | bfloat16 | float16 cpu; same element count.")
       .def_prop_ro("simd", &PyCpuOptimizer::simd, "The SIMD variant in use.")
       .def_prop_ro("threads", &PyCpuOptimizer::threads);
+  // Note [Int8 moments]: fp32 <-> codes + block scales, as the step encodes them.
+  m.def(
+      "int8_moment",
+      [](const std::string& which, const WritableArg& x, const WritableArg& codes, const WritableArg& scales,
+         bool encode) {
+        if (which != "exp_avg" && which != "exp_avg_sq") {
+          PyErr_SetString(PyExc_ValueError, fmt::format("int8_moment(): which = '{}': expected 'exp_avg' or "
+                                                        "'exp_avg_sq'", which).c_str());
+          throw nb::python_error();
+        }
+        const ArrayInfo xi = check(x, kFp32, "int8_moment()", "x");
+        const std::size_t n = xi.numel;
+        auto* c = static_cast<std::uint8_t*>(state(codes, kBytes, "codes", n));
+        const std::size_t blocks = (n + tz::kInt8MomentBlockNumel - 1) / tz::kInt8MomentBlockNumel;
+        auto* sc = static_cast<float*>(state(scales, kFp32, "scales", blocks));
+        const ca::Int8Moment w = which == "exp_avg" ? ca::Int8Moment::kExpAvg : ca::Int8Moment::kExpAvgSq;
+        tz::Status status;
+        {
+          nb::gil_scoped_release release;
+          status = encode ? ca::encode_int8_moment(w, static_cast<const float*>(xi.data), n, c, sc)
+                          : ca::decode_int8_moment(w, c, sc, n, static_cast<float*>(xi.data));
+        }
+        tzpy::check(status);
+      },
+      nb::arg("which"), nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("encode"),
+      "Int8 moments (tierzero/cpu_adam.h): encode=True codes float32 x (n) into uint8 codes (n) and float32 "
+      "scales (ceil(n / 256)); encode=False decodes them into x. which: 'exp_avg' (signed code) or 'exp_avg_sq'.");
   m.def(
       "simd_variants",
       [] {

@@ -48,6 +48,13 @@ to nearest, a second moment with betas[1] = 0.999 stops decaying); "fp32" is
 torch's. load_state_dict keeps
 these dtypes (torch would cast every state to the parameter's dtype: a
 remainder to bf16) and converts moments of the other width.
+moments="int8" keeps each moment (exp_avg, exp_avg_sq, Adagrad's sum) as
+uint8 codes shaped as the parameter plus state["<key>_scale"], float32, one
+scale per 256 elements (2.03 B a parameter for two moments; Note [Int8
+moments] in cpu_adam/src/int8_codes.h). state_dict holds the codes and
+scales as they are; load_state_dict keeps them, encodes float moments (a
+torch or fp32/bf16 state dict) as the step would, and decodes saved int8
+moments into an fp32 or bf16 optimizer.
 
 param16_dtype=torch.bfloat16 (or float16) adds the fused 16-bit copy-out:
 the same pass writes each new parameter rounded to 16 bits into a separate
@@ -120,14 +127,14 @@ class _CpuOptimizer(torch.optim.Optimizer):
             raise TypeError(f"param16_dtype = {param16_dtype}: expected None, torch.bfloat16 or torch.float16")
         if master not in ("fp32", "remainder"):
             raise ValueError(f"master = {master!r}: expected 'fp32' or 'remainder'")
-        if moments not in ("fp32", "bf16"):
-            raise ValueError(f"moments = {moments!r}: expected 'fp32' or 'bf16'"
-                             + (" ('int8' is not implemented yet)" if moments == "int8" else ""))
+        if moments not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"moments = {moments!r}: expected 'fp32', 'bf16' or 'int8'")
         if master == "remainder" and param16_dtype is not None:
             raise ValueError("param16_dtype with master='remainder': the bfloat16 parameters are the 16-bit copy, "
                              "updated in place; there is no other")
         self._remainder = master == "remainder"
-        self._moment_dtype = torch.bfloat16 if moments == "bf16" else torch.float32
+        self._int8 = moments == "int8"
+        self._moment_dtype = {"bf16": torch.bfloat16, "int8": torch.uint8}.get(moments, torch.float32)
         super().__init__(params, defaults)
         self._kernel = _core.CpuOptimizer(threads=threads)
         self._param16_dtype = param16_dtype
@@ -176,8 +183,33 @@ class _CpuOptimizer(torch.optim.Optimizer):
         state["step"] = torch.tensor(0.0)
         for key in self._state_keys:
             state[key] = _coloured_like(p, _COLOURS[key], torch.zeros, self._moment_dtype)
+            if self._int8:  # zero codes and scales: zero moments
+                state[key + "_scale"] = torch.zeros(self._int8_blocks(p.numel()), dtype=torch.float32)
         if self._remainder:
             state["master_remainder"] = self._zero_remainder(p)
+
+    # The kernel's argument for each moment state key (Adagrad's sum is its exp_avg_sq).
+    _kernel_args: ClassVar[dict] = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "sum": "exp_avg_sq"}
+
+    @staticmethod
+    def _int8_blocks(n: int) -> int:
+        return (n + 255) // 256
+
+    def _encode_int8(self, key: str, value: torch.Tensor, shape: torch.Size) -> tuple:
+        """A float moment as (uint8 codes shaped `shape`, float32 block scales), as the step encodes."""
+        x = value.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).clone()
+        codes = torch.empty(x.numel(), dtype=torch.uint8)
+        scales = torch.empty(self._int8_blocks(x.numel()), dtype=torch.float32)
+        _core.int8_moment(self._kernel_args[key], x, codes, scales, True)
+        return codes.view(shape), scales
+
+    def _decode_int8(self, key: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Int8 codes and scales as a float32 moment shaped as the codes."""
+        c = codes.detach().to("cpu").contiguous()
+        x = torch.empty(c.shape, dtype=torch.float32)
+        _core.int8_moment(self._kernel_args[key], x, c.view(-1), scales.detach().to("cpu", torch.float32).contiguous(),
+                          False)
+        return x
 
     @staticmethod
     def _remainder_bytes(n: int) -> int:
@@ -246,7 +278,11 @@ class _CpuOptimizer(torch.optim.Optimizer):
                 param16 = self._param16[p] = _coloured_like(p, _COLOURS["param16"], torch.empty, self._param16_dtype)
         try:
             # p.detach(): the same storage (torch refuses to export a tensor that requires grad).
-            states = {k: to_dlpack(v) for k, v in self._state_arrays(state, group).items()}
+            arrays = self._state_arrays(state, group)
+            states = {k: to_dlpack(v) for k, v in arrays.items()}
+            if self._int8:
+                for key in self._state_keys:
+                    states[self._kernel_args[key] + "_scale"] = to_dlpack(state[key + "_scale"])
             remainder = to_dlpack(state["master_remainder"]) if self._remainder else None
             self._kernel.step(hyper, n, 1.0, to_dlpack(p.detach()), to_dlpack(grad),
                               param16=None if param16 is None else to_dlpack(param16), remainder=remainder,
@@ -267,7 +303,7 @@ class _CpuOptimizer(torch.optim.Optimizer):
             if missing:
                 raise ValueError(f"{name}.load_state_dict: param_groups[{g}] has no {missing}: the state_dict is "
                                  "another optimizer's")
-        allowed = {"step", *self._state_keys, *self._optional_state_keys}
+        allowed = {"step", *self._state_keys, *self._optional_state_keys, *(k + "_scale" for k in self._state_keys)}
         if self._remainder:
             allowed.add("master_remainder")
         for index, state in state_dict.get("state", {}).items():
@@ -319,11 +355,25 @@ class _CpuOptimizer(torch.optim.Optimizer):
             if not state or original is None:
                 continue
             for key, value in original.items():
-                if key == "step" or not isinstance(value, torch.Tensor):
+                if key == "step" or not isinstance(value, torch.Tensor) or key.endswith("_scale"):
                     continue
+                if key in moment_keys:
+                    saved_int8 = key + "_scale" in original and value.dtype == torch.uint8
+                    if saved_int8 and self._int8:  # as saved
+                        state[key] = value.detach().to("cpu").contiguous().clone()
+                        state[key + "_scale"] = original[key + "_scale"].detach().to("cpu", torch.float32).clone()
+                        continue
+                    if saved_int8:
+                        value = self._decode_int8(key, value, original[key + "_scale"])
+                    if self._int8:
+                        state[key], state[key + "_scale"] = self._encode_int8(key, value, p.shape)
+                        continue
                 dtype = self._moment_dtype if key in moment_keys else torch.uint8 if key == "master_remainder" \
                     else torch.float32
                 state[key] = value.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+            for key in list(state):
+                if key.endswith("_scale") and not self._int8:
+                    del state[key]
             if self._remainder and "master_remainder" not in original:
                 state["master_remainder"] = self._zero_remainder(p)
 
@@ -352,7 +402,8 @@ class Adam(_CpuOptimizer):
         out = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
         if group["amsgrad"]:
             if "max_exp_avg_sq" not in state:  # amsgrad switched on after the first step
-                state["max_exp_avg_sq"] = state["exp_avg_sq"].to(torch.float32, copy=True)
+                state["max_exp_avg_sq"] = (self._decode_int8("exp_avg_sq", state["exp_avg_sq"], state["exp_avg_sq_scale"])
+                                           if self._int8 else state["exp_avg_sq"].to(torch.float32, copy=True))
             out["max_exp_avg_sq"] = state["max_exp_avg_sq"]
         return out
 
@@ -399,6 +450,8 @@ class Adagrad(_CpuOptimizer):
         state["step"] = torch.tensor(0.0)
         state["sum"] = _coloured_like(p, _COLOURS["sum"], torch.empty)
         state["sum"].fill_(float(group["initial_accumulator_value"]))
+        if self._int8:
+            state["sum"], state["sum_scale"] = self._encode_int8("sum", state["sum"], p.shape)
 
     def _state_arrays(self, state: dict, group: dict) -> dict:
         return {"exp_avg_sq": state["sum"]}

@@ -49,6 +49,12 @@ std::uint64_t moments_bytes(MomentFormat format, std::uint64_t numel) {
   return 0;
 }
 
+std::uint64_t stored_moment_bytes(MomentFormat format, std::uint64_t numel) {
+  const std::uint64_t bytes = moments_bytes(format, numel) / 2;
+  if (format != MomentFormat::kInt8) return bytes;
+  return ceil_div(bytes, kStoredShardAlign) * kStoredShardAlign;
+}
+
 double master_bytes_per_elem(MasterFormat format) {
   return format == MasterFormat::kFp32 ? 4.0 : 2.0 + 1.0 / static_cast<double>(kTieBitsPerByte);
 }

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "int8_codes.h"
 #include "tierzero/cpu_adam.h"
 
 namespace tz::cpu_adam::detail {
@@ -86,16 +87,25 @@ struct alignas(64) TileStat {
   bool non_finite = false;
 };
 
-// Updates elements [begin, end) of the spans. With kBf16Remainder, begin is
-// a multiple of 8 (a tile start): tie-bit bytes belong to one call.
+// Updates elements [begin, end) of the spans; begin may be any element. With
+// kBf16Remainder, calls whose ranges share a tie-bit byte must not run at
+// once (they are one tile's, in order: Note [Weight-decay segments]).
 using StepFn = void (*)(const StepConsts& consts, const StepPtrs& ptrs, std::size_t begin, std::size_t end);
 // Accumulates elements [begin, end) and reports their statistics.
 using AccFn = TileStat (*)(const AccPtrs& ptrs, std::size_t begin, std::size_t end);
+
+// Note [Int8 moments]: one block (count <= kInt8Block elements) of a moment
+// decoded to fp32, or encoded from fp32 (returning the block's scale).
+using Int8DecodeFn = void (*)(const Int8Code& code, const std::uint8_t* codes, float scale, float* out,
+                              std::size_t count);
+using Int8EncodeFn = float (*)(const Int8Code& code, const float* in, std::uint8_t* codes, std::size_t count);
 
 struct KernelTable {
   Simd simd = Simd::kScalar;
   StepFn step[kKinds][kGradDtypes][kMomentDtypes][kParamLayouts] = {};
   AccFn accumulate[kGradDtypes][2] = {};  // [grad dtype][overwrite]
+  Int8DecodeFn int8_decode = nullptr;
+  Int8EncodeFn int8_encode = nullptr;
 };
 
 // One per compiled variant; call only those the CPU supports.

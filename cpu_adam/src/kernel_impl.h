@@ -268,9 +268,19 @@ void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::siz
 }
 
 // Elements [begin, end) with plain stores.
+// With the remainder layout, elements before the first tie-bit byte boundary
+// (a run of weight-decay segments may start anywhere) go through the partial
+// path, which moves tie bits one by one.
 template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE void step_plain(const VConsts<O>& k, const StepPtrs& s, std::size_t begin, std::size_t end) {
   std::size_t i = begin;
+  if constexpr (kRemainder<L>) {
+    if (i % 8 != 0) {
+      const std::size_t head = end - i < 8 - i % 8 ? end - i : 8 - i % 8;
+      step_partial<O, K, G, M, L>(k, s, i, head);
+      i += head;
+    }
+  }
   for (; i + kBlock<O, L> <= end; i += kBlock<O, L>) step_block<O, K, G, M, L>(k, s, i, i);
   if (i < end) step_partial<O, K, G, M, L>(k, s, i, end - i);
 }
@@ -374,6 +384,164 @@ TileStat acc_range(const AccPtrs& ptrs, std::size_t begin, std::size_t end) {
   return stat;
 }
 
+// Note [Int8 moments]: one element's code; every variant's tail and the
+// narrow variants' whole loop. Exact or correctly rounded operations only.
+template <class O>
+TZ_ADAM_INLINE std::uint32_t int8_code_of(const Int8Code& c, float x, float divisor) {
+  const float ax = __builtin_fabsf(x);
+  if (!(ax <= __FLT_MAX__)) return c.nan_code;  // inf, NaN
+  const float y = (c.on_sqrt ? __builtin_sqrtf(ax) : ax) / divisor;
+  std::uint32_t key;
+  std::memcpy(&key, &y, 4);
+  key >>= 16;
+  const std::uint32_t idx = key < kBucketKey0 ? 0 : (key - kBucketKey0 < kBucketCount ? key - kBucketKey0 : kBucketCount - 1);
+  std::uint32_t k = c.bucket[idx];
+  k += c.mid[k] < y ? 1U : 0U;
+  k += c.mid[k] < y ? 1U : 0U;
+  if (!c.is_signed) return k == 0 && y > 0.0f ? 1U : k;
+  return x < 0.0f && k != 0 ? (0x80U | k) : k;
+}
+
+template <class O>
+TZ_ADAM_INLINE float int8_decode_one(const Int8Code& c, std::uint8_t code, float scale) {
+  const float t = c.decode[code] * scale;
+  return c.on_sqrt ? t * t : t;
+}
+
+template <class O>
+void int8_decode(const Int8Code& c, const std::uint8_t* codes, float scale, float* out, std::size_t count) {
+  std::size_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (O::kLanes == 16) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; i + 16 <= count; i += 16) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+      __m512 t = _mm512_mul_ps(_mm512_i32gather_ps(idx, c.decode, 4), s);
+      if (c.on_sqrt) t = _mm512_mul_ps(t, t);
+      _mm512_storeu_ps(out + i, t);
+    }
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (O::kLanes == 8) {
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; i + 8 <= count; i += 8) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+      __m256 t = _mm256_mul_ps(_mm256_i32gather_ps(c.decode, idx, 4), s);
+      if (c.on_sqrt) t = _mm256_mul_ps(t, t);
+      _mm256_storeu_ps(out + i, t);
+    }
+  }
+#endif
+  for (; i < count; ++i) out[i] = int8_decode_one<O>(c, codes[i], scale);
+}
+
+template <class O>
+float int8_encode(const Int8Code& c, const float* in, std::uint8_t* codes, std::size_t count) {
+  // The scale: the largest finite |x| (of sqrt(x) with on_sqrt: the same
+  // element, sqrt being monotone), exactly; max is order-independent.
+  float amax = 0.0f;
+  std::size_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (O::kLanes == 16) {
+    __m512 m = _mm512_setzero_ps();
+    for (; i + 16 <= count; i += 16) {
+      const __m512 ax = _mm512_abs_ps(_mm512_loadu_ps(in + i));
+      const __mmask16 finite = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(__FLT_MAX__), _CMP_LE_OQ);
+      m = _mm512_mask_max_ps(m, finite, m, ax);
+    }
+    amax = _mm512_reduce_max_ps(m);
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (O::kLanes == 8) {
+    __m256 m = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; i + 8 <= count; i += 8) {
+      const __m256 ax = _mm256_and_ps(_mm256_loadu_ps(in + i), abs_mask);
+      const __m256 finite = _mm256_cmp_ps(ax, _mm256_set1_ps(__FLT_MAX__), _CMP_LE_OQ);
+      m = _mm256_max_ps(m, _mm256_and_ps(ax, finite));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (float l : lanes) amax = l > amax ? l : amax;
+  }
+#endif
+  for (; i < count; ++i) {
+    const float ax = __builtin_fabsf(in[i]);
+    if (ax <= __FLT_MAX__ && ax > amax) amax = ax;
+  }
+  const float scale = c.on_sqrt ? __builtin_sqrtf(amax) : amax;
+  const float divisor = scale > 0.0f ? scale : 1.0f;
+  i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (O::kLanes == 16) {
+    const __m512 div = _mm512_set1_ps(divisor), zero = _mm512_setzero_ps();
+    const __m512i key0 = _mm512_set1_epi32(static_cast<int>(kBucketKey0)), one = _mm512_set1_epi32(1);
+    const __m512i last = _mm512_set1_epi32(static_cast<int>(kBucketCount - 1));
+    for (; i + 16 <= count; i += 16) {
+      const __m512 x = _mm512_loadu_ps(in + i);
+      const __m512 ax = _mm512_abs_ps(x);
+      const __mmask16 finite = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(__FLT_MAX__), _CMP_LE_OQ);
+      const __m512 y = _mm512_div_ps(c.on_sqrt ? _mm512_sqrt_ps(ax) : ax, div);
+      __m512i idx = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 16), key0);
+      idx = _mm512_min_epi32(_mm512_max_epi32(idx, _mm512_setzero_si512()), last);
+      __m512i k = _mm512_and_si512(_mm512_i32gather_epi32(idx, c.bucket, 1), _mm512_set1_epi32(0xff));
+      for (int r = 0; r < 2; ++r) {
+        const __mmask16 lt = _mm512_cmp_ps_mask(_mm512_i32gather_ps(k, c.mid, 4), y, _CMP_LT_OQ);
+        k = _mm512_mask_add_epi32(k, lt, k, one);
+      }
+      if (c.is_signed) {
+        const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ) & _mm512_cmpneq_epi32_mask(k, _mm512_setzero_si512());
+        k = _mm512_mask_or_epi32(k, neg, k, _mm512_set1_epi32(0x80));
+      } else {
+        const __mmask16 up = _mm512_cmp_ps_mask(y, zero, _CMP_GT_OQ) & _mm512_cmpeq_epi32_mask(k, _mm512_setzero_si512());
+        k = _mm512_mask_mov_epi32(k, up, one);
+      }
+      k = _mm512_mask_mov_epi32(_mm512_set1_epi32(static_cast<int>(c.nan_code)), finite, k);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(k));
+    }
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (O::kLanes == 8) {
+    const __m256 div = _mm256_set1_ps(divisor), zero = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i key0 = _mm256_set1_epi32(static_cast<int>(kBucketKey0));
+    const __m256i last = _mm256_set1_epi32(static_cast<int>(kBucketCount - 1));
+    const __m256i izero = _mm256_setzero_si256();
+    for (; i + 8 <= count; i += 8) {
+      const __m256 x = _mm256_loadu_ps(in + i);
+      const __m256 ax = _mm256_and_ps(x, abs_mask);
+      const __m256 finite = _mm256_cmp_ps(ax, _mm256_set1_ps(__FLT_MAX__), _CMP_LE_OQ);
+      const __m256 y = _mm256_div_ps(c.on_sqrt ? _mm256_sqrt_ps(ax) : ax, div);
+      __m256i idx = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(y), 16), key0);
+      idx = _mm256_min_epi32(_mm256_max_epi32(idx, izero), last);
+      __m256i k = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(c.bucket), idx, 1),
+                                   _mm256_set1_epi32(0xff));
+      for (int r = 0; r < 2; ++r) {
+        const __m256 lt = _mm256_cmp_ps(_mm256_i32gather_ps(c.mid, k, 4), y, _CMP_LT_OQ);
+        k = _mm256_sub_epi32(k, _mm256_castps_si256(lt));  // true lanes are -1
+      }
+      if (c.is_signed) {
+        const __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(k, izero),
+                                                _mm256_castps_si256(_mm256_cmp_ps(x, zero, _CMP_LT_OQ)));
+        k = _mm256_or_si256(k, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
+      } else {
+        const __m256i up = _mm256_and_si256(_mm256_cmpeq_epi32(k, izero),
+                                            _mm256_castps_si256(_mm256_cmp_ps(y, zero, _CMP_GT_OQ)));
+        k = _mm256_sub_epi32(k, up);
+      }
+      k = _mm256_blendv_epi8(_mm256_set1_epi32(static_cast<int>(c.nan_code)), k, _mm256_castps_si256(finite));
+      const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
+    }
+  }
+#endif
+  for (; i < count; ++i) codes[i] = static_cast<std::uint8_t>(int8_code_of<O>(c, in[i], divisor));
+  return scale;
+}
+
 template <class O, std::size_t... I>
 constexpr void fill_steps(KernelTable& t, std::index_sequence<I...>) {
   constexpr std::size_t kPerKind = kGradDtypes * kMomentDtypes * kParamLayouts;
@@ -395,6 +563,8 @@ constexpr KernelTable make_table(Simd simd) {
   t.accumulate[1][1] = &acc_range<O, DType::kBf16, true>;
   t.accumulate[2][0] = &acc_range<O, DType::kFp16, false>;
   t.accumulate[2][1] = &acc_range<O, DType::kFp16, true>;
+  t.int8_decode = &int8_decode<O>;
+  t.int8_encode = &int8_encode<O>;
   return t;
 }
 

@@ -37,6 +37,26 @@ std::size_t l2_cache_bytes() {
 }
 
 
+// One run of elements with its loop and constants (Note [Weight-decay segments]).
+struct Run {
+  std::size_t begin, end;
+  detail::StepFn fn;
+  detail::StepConsts consts;
+};
+
+// The pointers of `p` moved on by `at` elements (null stays null). With a
+// remainder master `at` is a multiple of 8: tie-bit bytes stay whole.
+detail::StepPtrs offset_ptrs(const detail::StepPtrs& p, std::size_t at, std::size_t grad_bytes) {
+  detail::StepPtrs q = p;
+  if (q.param) q.param += at;
+  if (q.grad) q.grad = static_cast<const unsigned char*>(q.grad) + at * grad_bytes;
+  if (q.max_exp_avg_sq) q.max_exp_avg_sq += at;
+  if (q.param16) q.param16 = static_cast<std::uint16_t*>(q.param16) + at;
+  if (q.remainder) q.remainder += at;
+  if (q.tie_bits) q.tie_bits += at / 8;
+  return q;
+}
+
 class CpuOptimizerImpl final : public CpuOptimizer {
  public:
   CpuOptimizerImpl(const KernelTable& table, int threads, std::size_t tile_elems,
@@ -61,6 +81,10 @@ class CpuOptimizerImpl final : public CpuOptimizer {
     const std::size_t t = l2_bytes_ / 2 / bytes_per_elem / kTileQuantum * kTileQuantum;
     return std::clamp(t, kMinTileElems, kMaxTileElems);
   }
+
+  // Note [Int8 moments]: the step over block-decoded moments. Caller holds mu_.
+  Status step_int8(const Spans& spans, const detail::StepPtrs& ptrs, const std::vector<Run>& runs, bool uses_m,
+                   bool uses_v, std::size_t bytes_per_elem);
 
   // Runs body(begin, end) over [0, n) in tiles. Caller holds mu_.
   template <class Body>
@@ -99,29 +123,64 @@ Status CpuOptimizerImpl::run_tiles(std::size_t n, std::size_t tile, const Body& 
   return ok_status();
 }
 
+// Note [Weight-decay segments]
+// Spans::weight_decay_segments give runs of elements their own weight decay
+// (torch parameter groups). The spans' [0, n) is cut into runs: each segment,
+// and the gaps between them with Hyper::weight_decay. A run gets the element
+// loop and constants a whole step() with its weight decay would get (Adam's
+// kind changes with it: kAdamL2, or kAdamW's loop for 0), so its elements get
+// the same arithmetic, bit for bit. Tiles are cut over [0, n) as without
+// segments (tile starts at multiples of kTileQuantum, so a tie-bit byte of a
+// remainder master never has two threads), and each tile calls the kernel once
+// per run piece it covers, in order, on its own thread. A run may start at
+// any element: the kernels take any begin (a remainder run's part of a
+// tie-bit byte goes through the partial path, Note [Tails and unaligned spans]).
 Status CpuOptimizerImpl::step(const Hyper& hyper, const StepArgs& args, const Spans& spans) {
   TZ_TRY_CTX(detail::validate_hyper(hyper, args), "cpu_adam {} step", algorithm_name(hyper.algorithm));
   Expected<detail::StepConsts> made = detail::make_consts(hyper, args);
   TZ_TRY_CTX(made, "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
+  TZ_TRY_CTX(detail::validate_segments(spans), "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
+  // Each run's loop and constants, before anything is written.
+  const bool remainder = spans.master_format == MasterFormat::kRemainder;
+  const detail::ParamLayout layout = spans.n == 0 ? detail::ParamLayout::kFp32 : detail::param_layout_of(spans);
+  // Int8 moments step through the fp32-moment loops on decoded blocks.
+  const bool int8 = spans.moment_dtype == DType::kUint8;
+  const std::size_t moment_index = int8 ? 0 : static_cast<std::size_t>(spans.moment_dtype);
+  const auto fn_for = [&](const Hyper& h) {
+    return table_.step[static_cast<std::size_t>(detail::kind_of(h))][static_cast<std::size_t>(spans.grad_dtype)]
+                      [moment_index][static_cast<std::size_t>(layout)];
+  };
+  std::vector<Run> runs;
+  runs.reserve(2 * spans.weight_decay_segments.size() + 1);
+  std::size_t covered = 0;
+  for (std::size_t k = 0; k < spans.weight_decay_segments.size(); ++k) {
+    const WeightDecaySegment& seg = spans.weight_decay_segments[k];
+    if (covered < seg.begin) runs.push_back({covered, seg.begin, fn_for(hyper), *made});
+    Hyper h = hyper;
+    h.weight_decay = seg.weight_decay;
+    Expected<detail::StepConsts> c = detail::make_consts(h, args);
+    TZ_TRY_CTX(c, "cpu_adam {} step {}: weight_decay_segments[{}] = [{}, {}) with weight_decay = {}",
+               algorithm_name(hyper.algorithm), args.step, k, seg.begin, seg.end, seg.weight_decay);
+    runs.push_back({seg.begin, seg.end, fn_for(h), *c});
+    covered = seg.end;
+  }
   if (spans.n == 0) return ok_status();
+  if (covered < spans.n) runs.push_back({covered, spans.n, fn_for(hyper), *made});
   TZ_TRY_CTX(detail::validate_spans(hyper, spans), "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
-  detail::StepConsts consts = *made;
   // Note [Stochastic rounding of bf16 second moments]: the key folds in the
   // tensor, the step and the index's high half; the low half is the base.
   const auto lo = [](std::uint64_t x) { return static_cast<std::uint32_t>(x); };
-  consts.sr_key = detail::sr_mix32(lo(spans.rounding_key) ^
-                                   detail::sr_mix32(lo(spans.rounding_key >> 32) ^
-                                                    detail::sr_mix32(lo(static_cast<std::uint64_t>(args.step)) ^
-                                                                     detail::sr_mix32(lo(spans.rounding_index >> 32) +
-                                                                                      0x632be5abU))));
-  consts.sr_base = lo(spans.rounding_index);
+  const std::uint32_t sr_key =
+      detail::sr_mix32(lo(spans.rounding_key) ^
+                       detail::sr_mix32(lo(spans.rounding_key >> 32) ^
+                                        detail::sr_mix32(lo(static_cast<std::uint64_t>(args.step)) ^
+                                                         detail::sr_mix32(lo(spans.rounding_index >> 32) + 0x632be5abU))));
+  for (Run& r : runs) {
+    r.consts.sr_key = sr_key;
+    r.consts.sr_base = lo(spans.rounding_index);
+  }
 
-  const detail::Kind kind = detail::kind_of(hyper);
   const bool adagrad = hyper.algorithm == Algorithm::kAdagrad, lion = hyper.algorithm == Algorithm::kLion;
-  const bool remainder = spans.master_format == MasterFormat::kRemainder;
-  const detail::ParamLayout layout = detail::param_layout_of(spans);
-  const detail::StepFn fn = table_.step[static_cast<std::size_t>(kind)][static_cast<std::size_t>(spans.grad_dtype)]
-                                       [static_cast<std::size_t>(spans.moment_dtype)][static_cast<std::size_t>(layout)];
   const detail::StepPtrs ptrs{remainder ? nullptr : spans.param,
                               spans.grad,
                               adagrad ? nullptr : spans.exp_avg,
@@ -130,14 +189,65 @@ Status CpuOptimizerImpl::step(const Hyper& hyper, const StepArgs& args, const Sp
                               spans.param16,
                               remainder ? spans.remainder : nullptr,
                               remainder ? spans.tie_bits : nullptr};
-  const std::size_t moment = dtype_bytes(spans.moment_dtype);
+  const std::size_t moment = dtype_bytes(spans.moment_dtype);  // int8: 1 (+ 4/256 of scale, not counted)
   // The master's arrays: fp32, or bf16 + remainder + tie bits (1/8 B, counted as 1).
   const std::size_t master = remainder ? 2 + 2 + 1 : 4 + (spans.param16 != nullptr ? 2 : 0);
   const std::size_t bytes = master + dtype_bytes(spans.grad_dtype) + (adagrad ? 0 : moment) + (lion ? 0 : moment) +
                             (hyper.amsgrad ? 4 : 0);
   std::lock_guard<std::mutex> lock(mu_);
-  return run_tiles(spans.n, tile_for(bytes),
-                   [&](std::size_t begin, std::size_t end) { fn(consts, ptrs, begin, end); });
+  if (int8) return step_int8(spans, ptrs, runs, !adagrad, !lion, bytes);
+  if (runs.size() == 1) {
+    const Run& r = runs.front();
+    return run_tiles(spans.n, tile_for(bytes),
+                     [&](std::size_t begin, std::size_t end) { r.fn(r.consts, ptrs, begin, end); });
+  }
+  return run_tiles(spans.n, tile_for(bytes), [&](std::size_t begin, std::size_t end) {
+    // The first run that ends after begin; runs cover [0, n) in order.
+    auto it = std::upper_bound(runs.begin(), runs.end(), begin,
+                               [](std::size_t b, const Run& r) { return b < r.end; });
+    for (; it != runs.end() && it->begin < end; ++it) {
+      it->fn(it->consts, ptrs, std::max(begin, it->begin), std::min(end, it->end));
+    }
+  });
+}
+
+// Note [Int8 block steps]
+// Tiles are whole blocks of kInt8Block elements (a tile size rounded up to a
+// multiple of 256), so each block's codes and scale belong to one thread. Per
+// block the moments are decoded into two fp32 buffers on the stack (2 KiB, in
+// L1), the fp32-moment loop of each run the block covers steps them in place
+// with the master and gradient where they are, and the buffers are encoded
+// back: memory is read and written once, as in the fp32-moment step, and the
+// arithmetic of each element is that step's (weight-decay runs inside a block
+// included: the block is never split, the runs are).
+Status CpuOptimizerImpl::step_int8(const Spans& spans, const detail::StepPtrs& ptrs, const std::vector<Run>& runs,
+                                   bool uses_m, bool uses_v, std::size_t bytes_per_elem) {
+  constexpr std::size_t kB = detail::kInt8Block;
+  const std::size_t tile = (tile_for(bytes_per_elem) + kB - 1) / kB * kB;
+  const std::size_t grad_bytes = dtype_bytes(spans.grad_dtype);
+  const detail::Int8Code& cm = detail::int8_code_exp_avg();
+  const detail::Int8Code& cv = detail::int8_code_exp_avg_sq();
+  auto* m_codes = static_cast<std::uint8_t*>(spans.exp_avg);
+  auto* v_codes = static_cast<std::uint8_t*>(spans.exp_avg_sq);
+  return run_tiles(spans.n, tile, [&](std::size_t begin, std::size_t end) {
+    alignas(64) float m[kB];
+    alignas(64) float v[kB];
+    auto it = std::upper_bound(runs.begin(), runs.end(), begin, [](std::size_t b, const Run& r) { return b < r.end; });
+    for (std::size_t b = begin; b < end; b += kB) {
+      const std::size_t count = std::min(kB, end - b), block = b / kB;
+      if (uses_m) table_.int8_decode(cm, m_codes + b, spans.exp_avg_scale[block], m, count);
+      if (uses_v) table_.int8_decode(cv, v_codes + b, spans.exp_avg_sq_scale[block], v, count);
+      detail::StepPtrs p = offset_ptrs(ptrs, b, grad_bytes);
+      p.exp_avg = uses_m ? m : nullptr;
+      p.exp_avg_sq = uses_v ? v : nullptr;
+      while (it != runs.end() && it->end <= b) ++it;
+      for (auto r = it; r != runs.end() && r->begin < b + count; ++r) {
+        r->fn(r->consts, p, std::max(b, r->begin) - b, std::min(b + count, r->end) - b);
+      }
+      if (uses_m) spans.exp_avg_scale[block] = table_.int8_encode(cm, m, m_codes + b, count);
+      if (uses_v) spans.exp_avg_sq_scale[block] = table_.int8_encode(cv, v, v_codes + b, count);
+    }
+  });
 }
 
 Expected<GradStats> CpuOptimizerImpl::accumulate_grad(float* acc, const void* grad, DType grad_dtype, std::size_t n,
@@ -159,7 +269,31 @@ Expected<GradStats> CpuOptimizerImpl::accumulate_grad(float* acc, const void* gr
   return stats;
 }
 
+const detail::Int8Code& int8_code(Int8Moment which) {
+  return which == Int8Moment::kExpAvg ? detail::int8_code_exp_avg() : detail::int8_code_exp_avg_sq();
+}
+
 }  // namespace
+
+Status encode_int8_moment(Int8Moment which, const float* x, std::size_t n, std::uint8_t* codes, float* scales) {
+  TZ_TRY_CTX(detail::validate_int8_arrays(x, codes, scales, n), "cpu_adam encode_int8_moment");
+  const detail::KernelTable& table = detail::kernel_table(best_supported());
+  constexpr std::size_t kB = detail::kInt8Block;
+  for (std::size_t b = 0; b < n; b += kB) {
+    scales[b / kB] = table.int8_encode(int8_code(which), x + b, codes + b, std::min(kB, n - b));
+  }
+  return ok_status();
+}
+
+Status decode_int8_moment(Int8Moment which, const std::uint8_t* codes, const float* scales, std::size_t n, float* x) {
+  TZ_TRY_CTX(detail::validate_int8_arrays(x, codes, scales, n), "cpu_adam decode_int8_moment");
+  const detail::KernelTable& table = detail::kernel_table(best_supported());
+  constexpr std::size_t kB = detail::kInt8Block;
+  for (std::size_t b = 0; b < n; b += kB) {
+    table.int8_decode(int8_code(which), codes + b, scales[b / kB], x + b, std::min(kB, n - b));
+  }
+  return ok_status();
+}
 
 Expected<std::unique_ptr<CpuOptimizer>> CpuOptimizer::create(const Options& options) {
   if (options.threads < 0) return invalid_argument("Options::threads = {} must be >= 0 (0: automatic)", options.threads);

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -130,8 +131,9 @@ Status validate_hyper(const Hyper& h, const StepArgs& args) {
 
 Status validate_spans(const Hyper& h, const Spans& s) {
   TZ_TRY(check_grad_dtype("spans.grad_dtype", s.grad_dtype));
-  if (s.moment_dtype != DType::kFp32 && s.moment_dtype != DType::kBf16) {
-    return invalid_argument("spans.moment_dtype = {} is not allowed (fp32 or bf16)", dtype_name(s.moment_dtype));
+  if (s.moment_dtype != DType::kFp32 && s.moment_dtype != DType::kBf16 && s.moment_dtype != DType::kUint8) {
+    return invalid_argument("spans.moment_dtype = {} is not allowed (fp32, bf16, or uint8: int8 block codes)",
+                            dtype_name(s.moment_dtype));
   }
   if (s.param16 != nullptr && s.param16_dtype != DType::kBf16 && s.param16_dtype != DType::kFp16) {
     return invalid_argument("spans.param16_dtype = {} is not allowed (bf16 or fp16)", dtype_name(s.param16_dtype));
@@ -145,8 +147,16 @@ Status validate_spans(const Hyper& h, const Spans& s) {
   const std::size_t m = dtype_bytes(s.moment_dtype);
   if (!remainder) TZ_TRY(check_span("spans.param", s.param, 4, s.n, &ranges));
   TZ_TRY(check_span("spans.grad", s.grad, dtype_bytes(s.grad_dtype), s.n, &ranges));
-  if (h.algorithm != Algorithm::kAdagrad) TZ_TRY(check_span("spans.exp_avg", s.exp_avg, m, s.n, &ranges));
-  if (h.algorithm != Algorithm::kLion) TZ_TRY(check_span("spans.exp_avg_sq", s.exp_avg_sq, m, s.n, &ranges));
+  const bool int8 = s.moment_dtype == DType::kUint8;
+  const std::size_t blocks = (s.n + kInt8Block - 1) / kInt8Block;
+  if (h.algorithm != Algorithm::kAdagrad) {
+    TZ_TRY(check_span("spans.exp_avg", s.exp_avg, m, s.n, &ranges));
+    if (int8) TZ_TRY(check_span("spans.exp_avg_scale", s.exp_avg_scale, 4, blocks, &ranges));
+  }
+  if (h.algorithm != Algorithm::kLion) {
+    TZ_TRY(check_span("spans.exp_avg_sq", s.exp_avg_sq, m, s.n, &ranges));
+    if (int8) TZ_TRY(check_span("spans.exp_avg_sq_scale", s.exp_avg_sq_scale, 4, blocks, &ranges));
+  }
   if (h.amsgrad) TZ_TRY(check_span("spans.max_exp_avg_sq", s.max_exp_avg_sq, 4, s.n, &ranges));
   if (s.param16 != nullptr) TZ_TRY(check_span("spans.param16", s.param16, 2, s.n, &ranges));
   if (remainder) {
@@ -154,6 +164,28 @@ Status validate_spans(const Hyper& h, const Spans& s) {
     TZ_TRY(check_span("spans.tie_bits", s.tie_bits, 1, (s.n + 7) / 8, &ranges));
   }
   return check_disjoint(ranges);
+}
+
+Status validate_segments(const Spans& s) {
+  const std::span<const WeightDecaySegment> segs = s.weight_decay_segments;
+  for (std::size_t k = 0; k < segs.size(); ++k) {
+    const WeightDecaySegment& g = segs[k];
+    if (!(std::isfinite(g.weight_decay) && g.weight_decay >= 0)) {
+      return invalid_argument("weight_decay_segments[{}] = [{}, {}) has weight_decay = {}: must be finite and >= 0", k,
+                              g.begin, g.end, g.weight_decay);
+    }
+    if (!(g.begin < g.end && g.end <= s.n)) {
+      return invalid_argument("weight_decay_segments[{}] = [{}, {}) (weight_decay = {}) is out of range: must have "
+                              "begin < end <= n = {}", k, g.begin, g.end, g.weight_decay, s.n);
+    }
+    if (k > 0 && g.begin < segs[k - 1].end) {
+      const WeightDecaySegment& p = segs[k - 1];
+      return invalid_argument("weight_decay_segments[{}] = [{}, {}) (weight_decay = {}) overlaps or precedes "
+                              "weight_decay_segments[{}] = [{}, {}) (weight_decay = {}): segments must be sorted and "
+                              "disjoint", k, g.begin, g.end, g.weight_decay, k - 1, p.begin, p.end, p.weight_decay);
+    }
+  }
+  return ok_status();
 }
 
 Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype, std::size_t n, double scale) {
@@ -165,6 +197,15 @@ Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype,
   std::vector<SpanRange> ranges;
   TZ_TRY(check_span("acc", acc, 4, n, &ranges));
   TZ_TRY(check_span("grad", grad, dtype_bytes(grad_dtype), n, &ranges));
+  return check_disjoint(ranges);
+}
+
+Status validate_int8_arrays(const float* x, const std::uint8_t* codes, const float* scales, std::size_t n) {
+  if (n == 0) return ok_status();
+  std::vector<SpanRange> ranges;
+  TZ_TRY(check_span("x", x, 4, n, &ranges));
+  TZ_TRY(check_span("codes", codes, 1, n, &ranges));
+  TZ_TRY(check_span("scales", scales, 4, (n + kInt8Block - 1) / kInt8Block, &ranges));
   return check_disjoint(ranges);
 }
 

@@ -205,6 +205,12 @@ cpu_adam::Spans CpuOptimizerPass::spans_of(std::size_t b, void* master_ptr, void
                                            void* exp_avg_sq, void* param16) const {
   const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
   auto* master = static_cast<std::uint8_t*>(master_ptr);
+  // Int8 moments: codes, then block scales (Note [Stored int8 moment shards]).
+  const auto scales = [&](void* shard) {
+    return deps_.moment_dtype == DType::kUint8 && shard != nullptr
+               ? reinterpret_cast<float*>(static_cast<std::uint8_t*>(shard) + int8_moment_scales_offset(n))
+               : nullptr;
+  };
   return cpu_adam::Spans{.n = n,
                          .param = remainder() ? nullptr : reinterpret_cast<float*>(master),
                          .grad = grad,
@@ -217,6 +223,8 @@ cpu_adam::Spans CpuOptimizerPass::spans_of(std::size_t b, void* master_ptr, void
                          .master_format = deps_.master_format,
                          .remainder = remainder() ? reinterpret_cast<std::int16_t*>(master) : nullptr,
                          .tie_bits = remainder() ? master + remainder_tie_bits_offset(n) : nullptr,
+                         .exp_avg_scale = scales(exp_avg),
+                         .exp_avg_sq_scale = scales(exp_avg_sq),
                          // Note [Stochastic rounding of bf16 second moments]: keyed by the block and the
                          // element's place in it, so the bits depend on neither the ranks nor the tiers.
                          .rounding_key = b,

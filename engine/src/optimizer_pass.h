@@ -41,7 +41,8 @@ struct OptimizerPassDeps {
   const ModelLayout* layout = nullptr;
   DType param_type = DType::kBf16;
   MasterFormat master_format = MasterFormat::kFp32;  // remainder: the CPU variant only (creation refuses the GPU one)
-  DType moment_dtype = DType::kFp32;                 // fp32 | bf16 (tierzero.states.moments); bf16: CPU variant only
+  DType moment_dtype = DType::kFp32;                 // fp32 | bf16 | uint8 (int8 codes + scales; tierzero.states.moments):
+                                                     // compact ones on the CPU variant only
   std::uint64_t sub_group_size = 1;      // zero_optimization.sub_group_size: elements stepped together (CPU)
   int rank = 0;                          // this rank's shard of each block starts at rank * shard_numel
   Timeline* timeline = nullptr;

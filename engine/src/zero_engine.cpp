@@ -125,9 +125,25 @@ Status ZeroEngineImpl::put_weights(std::size_t block, const float* shard) {
 // stores it). Checkpoints hold them widened to fp32, exactly: a bf16 run
 // resumes bit for bit, and an fp32 checkpoint loads into a bf16 run rounded
 // to nearest even, as the step itself rounds.
+//
+// Note [Int8 moments in the engine]
+// With "int8" each moment's shard holds its codes and block scales (Note
+// [Stored int8 moment shards]), stepped by cpu_adam block by block (Note
+// [Int8 moments] in cpu_adam/src/int8_codes.h). Checkpoints hold them decoded
+// to fp32 ("dtype": "fp32" as every format): an int8 run resumes bit for bit
+// (decoded values encode to the same codes and scales), and an fp32 or bf16
+// checkpoint loads into an int8 run encoded as the step would encode it.
 Status ZeroEngineImpl::put_moment(int which, std::size_t block, const float* shard) {
   TieredStore& store = which == 0 ? *exp_avg_ : *exp_avg_sq_;
   if (moment_type() == DType::kFp32) return put(store, block, shard);
+  if (moment_type() == DType::kUint8) {
+    const std::uint64_t n = layout_.blocks[block].shard_numel;
+    std::vector<std::uint8_t> stored(store.shard_bytes(block), 0);  // the padding stays zero
+    TZ_TRY(cpu_adam::encode_int8_moment(which == 0 ? cpu_adam::Int8Moment::kExpAvg : cpu_adam::Int8Moment::kExpAvgSq,
+                                        shard, n, stored.data(),
+                                        reinterpret_cast<float*>(stored.data() + int8_moment_scales_offset(n))));
+    return put(store, block, stored.data());
+  }
   return put(store, block, to_param_type(shard, layout_.blocks[block].shard_numel, DType::kBf16).data());
 }
 
@@ -135,6 +151,14 @@ Status ZeroEngineImpl::get_moment(int which, std::size_t block, float* shard) {
   const TieredStore& store = which == 0 ? *exp_avg_ : *exp_avg_sq_;
   if (moment_type() == DType::kFp32) return get(store, block, shard);
   const std::uint64_t n = layout_.blocks[block].shard_numel;
+  if (moment_type() == DType::kUint8) {
+    std::vector<std::uint8_t> stored(store.shard_bytes(block));
+    TZ_TRY(get(store, block, stored.data()));
+    return cpu_adam::decode_int8_moment(which == 0 ? cpu_adam::Int8Moment::kExpAvg : cpu_adam::Int8Moment::kExpAvgSq,
+                                        stored.data(),
+                                        reinterpret_cast<const float*>(stored.data() + int8_moment_scales_offset(n)), n,
+                                        shard);
+  }
   std::vector<std::uint16_t> bf16(n);
   TZ_TRY(get(store, block, bf16.data()));
   for (std::uint64_t i = 0; i < n; ++i) shard[i] = kernels::bf16_to_fp32(bf16[i]);  // exact

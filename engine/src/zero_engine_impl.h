@@ -123,9 +123,14 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // format, into and out of its store (Note [Moments in bf16]).
   Status put_moment(int which, std::size_t block, const float* shard);
   Status get_moment(int which, std::size_t block, float* shard);
-  // The dtype the moments are stored and stepped in: fp32 or bf16.
+  // The dtype the moments are stored and stepped in: fp32, bf16, or uint8
+  // for int8 codes (with their block scales, Note [Stored int8 moment shards]).
   DType moment_type() const {
-    return options_.config.states.moments == MomentFormat::kBf16 ? DType::kBf16 : DType::kFp32;
+    switch (options_.config.states.moments) {
+      case MomentFormat::kBf16: return DType::kBf16;
+      case MomentFormat::kInt8: return DType::kUint8;
+      default: return DType::kFp32;
+    }
   }
   // Gathers every persistent block's 16-bit parameters; with unset_too, also
   // those of blocks still marked unset (a load that has just written them).

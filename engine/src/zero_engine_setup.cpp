@@ -13,22 +13,6 @@
 namespace tz {
 namespace {
 
-// Note [State formats] (tierzero/common/state_format.h): the planner sizes
-// every format, but the optimizer pass, the tiered stores and the checkpoints
-// do not store 8-bit moments yet. Training them as fp32 would be a silent
-// difference from the config, so it is refused before anything is made.
-Status refuse_unimplemented_formats(const StateFormats& states) {
-  std::vector<std::string> asked;
-  if (states.moments == MomentFormat::kInt8) {
-    asked.push_back(fmt::format("tierzero.states.moments = {}", moment_format_name(states.moments)));
-  }
-  if (asked.empty()) return ok_status();
-  const bool one = asked.size() == 1;
-  return unavailable("{} {} not implemented by the engine yet; tierzero-estimate plans {} (to train now, leave {} at "
-                     "\"fp32\")",
-                     fmt::join(asked, " and "), one ? "is" : "are", one ? "it" : "them", one ? "it" : "both");
-}
-
 }  // namespace
 
 Status ZeroEngineImpl::make_device_and_comm() {
@@ -181,11 +165,19 @@ Status ZeroEngineImpl::make_stores() {
   } else {
     TZ_ASSIGN_OR_RETURN(master_, make(StateClass::kMaster, 4, Colour::kMaster));
   }
+  // Note [Stored int8 moment shards]: codes and block scales in one shard.
+  auto make_moment = [&](Colour colour) {
+    TieredStoreArgs args = store_args(StateClass::kMoments, dtype_bytes(moment_type()), colour);
+    if (c.states.moments == MomentFormat::kInt8) {
+      args.bytes_of = [](std::uint64_t n) { return stored_moment_bytes(MomentFormat::kInt8, n); };
+    }
+    return TieredStore::create(args, shards);
+  };
   if (!adagrad) {
-    TZ_ASSIGN_OR_RETURN(exp_avg_, make(StateClass::kMoments, dtype_bytes(moment_type()), Colour::kExpAvg));
+    TZ_ASSIGN_OR_RETURN(exp_avg_, make_moment(Colour::kExpAvg));
   }
   if (!lion) {
-    TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make(StateClass::kMoments, dtype_bytes(moment_type()), Colour::kExpAvgSq));
+    TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make_moment(Colour::kExpAvgSq));
   }
   if (ahead_shadow_bytes_ > 0) {  // Note [Stepping under backward]: same arguments, other extents
     for (auto [store, shadow] : {std::pair{master_.get(), &master_shadow_}, std::pair{exp_avg_.get(), &exp_avg_shadow_},
@@ -263,7 +255,6 @@ RankAgreement::Settings ZeroEngineImpl::settings_that_must_match() const {
 
 Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
   const Config& c = options_.config;
-  TZ_TRY(refuse_unimplemented_formats(c.states));
   stage_ = c.zero.stage;
   // Neither fp16 nor bf16: fp32 training, as in DeepSpeed.
   param_type_ = c.precision.fp16 ? DType::kFp16 : c.precision.bf16 ? DType::kBf16 : DType::kFp32;

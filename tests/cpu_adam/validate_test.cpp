@@ -53,7 +53,7 @@ std::vector<BadStep> bad_steps() {
        [](Hyper&, StepArgs&, Spans& s) { s.param = reinterpret_cast<float*>(reinterpret_cast<char*>(s.param) + 1); },
        "is not aligned to its 4-byte elements"},
       {"fp16 moments", [](Hyper&, StepArgs&, Spans& s) { s.moment_dtype = DType::kFp16; },
-       "spans.moment_dtype = fp16 is not allowed (fp32 or bf16)"},
+       "spans.moment_dtype = fp16 is not allowed (fp32, bf16, or uint8: int8 block codes)"},
       {"fp32 copy-out", [](Hyper&, StepArgs&, Spans& s) { s.param16_dtype = DType::kFp32; },
        "spans.param16_dtype = fp32 is not allowed (bf16 or fp16)"},
       {"unknown grad dtype", [](Hyper&, StepArgs&, Spans& s) { s.grad_dtype = static_cast<DType>(9); },

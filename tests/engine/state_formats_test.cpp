@@ -8,6 +8,11 @@
 //   the same formats in CPU memory, a checkpoint resumes bit for bit, and the
 //   moments move half the bytes. (Their rounding error against a float64
 //   reference is cpu_adam's: tests/cpu_adam/step_test.cpp.)
+// - moments "int8" (Note [Int8 moments in the engine]): likewise on every
+//   placement and on 2 ranks; an int8 checkpoint resumes bit for bit, an fp32
+//   one loads into an int8 run and an int8 one into an fp32 run; the stored
+//   shards are moments_bytes() plus O_DIRECT padding. (Their error against a
+//   float64 reference is cpu_adam's: tests/cpu_adam/int8_test.cpp.)
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -234,6 +239,85 @@ TEST(Bf16Moments, TheStepReportCountsHalfTheMomentBytes) {
   for (const tz::BlockLayout& b : fp32->blocks) numel += b.shard_numel;
   EXPECT_EQ(fp32->read - bf16->read, 4 * numel);
   EXPECT_EQ(fp32->written - bf16->written, 4 * numel);
+}
+
+TEST(Int8Moments, EveryPlacementStepsAsTheSameFormatsInCpuMemoryBitForBit) {
+  using tz::MomentFormat;
+  const Placement in_memory = kPlacements[2];
+  TempDir base_dir;
+  const auto bf16 = run(base_dir.path(), {MasterFormat::kFp32, MomentFormat::kBf16}, in_memory);
+  ASSERT_TRUE(bf16.ok()) << bf16.status().to_string();
+  for (MasterFormat master : {MasterFormat::kFp32, MasterFormat::kRemainder}) {
+    const auto base = run(base_dir.path(), {master, MomentFormat::kInt8}, in_memory);
+    ASSERT_TRUE(base.ok()) << base.status().to_string();
+    // The control: int8 moments are really in effect.
+    EXPECT_NE(first_difference(*bf16, *base), "");
+    for (const Placement& placement : kPlacements) {
+      SCOPED_TRACE(fmt::format("master {}, {}", tz::master_format_name(master), placement_name(placement)));
+      TempDir nvme;
+      const auto got = run(nvme.path(), {master, MomentFormat::kInt8}, placement);
+      ASSERT_TRUE(got.ok()) << got.status().to_string();
+      EXPECT_EQ(first_difference(*base, *got), "");
+    }
+  }
+}
+
+TEST(Int8Moments, TwoRanksStepAsTheSameFormatsInCpuMemoryBitForBit) {
+  const tz::StateFormats int8{MasterFormat::kRemainder, tz::MomentFormat::kInt8};
+  TempDir dir;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
+    const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
+    std::filesystem::create_directories(nvme);
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    const auto in_memory = run(nvme, int8, kPlacements[2], comm->get());
+    const auto on_nvme = run(nvme, int8, kPlacements[4], comm->get());
+    if (!in_memory.ok() || !on_nvme.ok()) {
+      std::fprintf(stderr, "rank %d: %s\n", info.rank,
+                   (in_memory.ok() ? on_nvme.status() : in_memory.status()).to_string().c_str());
+      return 1;
+    }
+    const std::string diff = first_difference(*in_memory, *on_nvme);
+    if (!diff.empty()) std::fprintf(stderr, "rank %d: %s\n", info.rank, diff.c_str());
+    return diff.empty() ? 0 : 2;
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+TEST(Int8Moments, ACheckpointResumesBitForBitAndLoadsIntoAndFromFp32) {
+  const tz::StateFormats int8{MasterFormat::kRemainder, tz::MomentFormat::kInt8};
+  const auto same = save_and_resume(int8, int8, kPlacements[3]);
+  ASSERT_TRUE(same.ok()) << same.status().to_string();
+  EXPECT_EQ(first_difference(same->going_on, same->resumed), "");
+  // fp32 -> int8: the moments encoded, the next steps an int8 run's.
+  const auto encoded = save_and_resume({}, int8, kPlacements[3]);
+  ASSERT_TRUE(encoded.ok()) << encoded.status().to_string();
+  EXPECT_EQ(encoded->going_on.masters.size(), encoded->resumed.masters.size());
+  EXPECT_NE(first_difference(encoded->going_on, encoded->resumed), "");
+  // int8 -> fp32: loads (decoded moments), and trains on.
+  const auto decoded = save_and_resume(int8, {}, kPlacements[2]);
+  ASSERT_TRUE(decoded.ok()) << decoded.status().to_string();
+  EXPECT_EQ(decoded->going_on.masters.size(), decoded->resumed.masters.size());
+  EXPECT_NE(first_difference(decoded->going_on, decoded->resumed), "");
+}
+
+// Both moments on NVMe move their stored int8 shards (codes, scales, padding)
+// instead of 4 B an element each, each way; the unpadded part is moments_bytes().
+TEST(Int8Moments, TheStepReportCountsTheStoredShards) {
+  const auto fp32 = third_step_bytes({});
+  const auto int8 = third_step_bytes({MasterFormat::kFp32, tz::MomentFormat::kInt8});
+  ASSERT_TRUE(fp32.ok() && int8.ok()) << (fp32.ok() ? int8.status() : fp32.status()).to_string();
+  std::uint64_t fp32_moments = 0, stored = 0, unpadded = 0;
+  for (const tz::BlockLayout& b : fp32->blocks) {
+    fp32_moments += 8 * b.shard_numel;
+    stored += 2 * tz::stored_moment_bytes(tz::MomentFormat::kInt8, b.shard_numel);
+    unpadded += tz::moments_bytes(tz::MomentFormat::kInt8, b.shard_numel);
+    EXPECT_EQ(tz::moments_bytes(tz::MomentFormat::kInt8, b.shard_numel),
+              2 * (b.shard_numel + 4 * ((b.shard_numel + 255) / 256)));
+  }
+  EXPECT_EQ(fp32->read - int8->read, fp32_moments - stored);
+  EXPECT_EQ(fp32->written - int8->written, fp32_moments - stored);
+  EXPECT_LE(stored - unpadded, 2 * 4096 * fp32->blocks.size());
 }
 
 }  // namespace

@@ -436,24 +436,13 @@ TEST(ZeroEngine, AnAutoStepCountInTheSchedulerIsRefusedByName) {
       << engine.status().message();
 }
 
-// Note [State formats]: the planner knows the compact formats, the engine
-// does not store them yet; asking for one must not train fp32 states quietly.
-TEST(ZeroEngine, Int8MomentsAreRefusedUntilTheEngineImplementsThem) {
+// Note [State formats]: every master and moment format the planner knows, the engine makes.
+TEST(ZeroEngine, EveryStateFormatCombinationIsCreated) {
   TempDir nvme;
   using tz::MasterFormat, tz::MomentFormat;
+  // Every combination trains (tests/engine/state_formats_test.cpp has how).
   for (MasterFormat master : {MasterFormat::kFp32, MasterFormat::kRemainder}) {
-    tz::Config config = test_config(nvme.path(), 3, 1);
-    config.states = {.master = master, .moments = MomentFormat::kInt8};
-    auto engine = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
-    ASSERT_FALSE(engine.ok());
-    EXPECT_EQ(engine.status().code(), tz::ErrorCode::kUnavailable);
-    EXPECT_NE(engine.status().message().find("tierzero.states.moments = int8 is not implemented by the engine yet"),
-              std::string::npos)
-        << engine.status().message();
-  }
-  // Every other combination trains (tests/engine/state_formats_test.cpp has how).
-  for (MasterFormat master : {MasterFormat::kFp32, MasterFormat::kRemainder}) {
-    for (MomentFormat moments : {MomentFormat::kFp32, MomentFormat::kBf16}) {
+    for (MomentFormat moments : {MomentFormat::kFp32, MomentFormat::kBf16, MomentFormat::kInt8}) {
       tz::Config config = test_config(nvme.path(), 3, 1);
       config.states = {.master = master, .moments = moments};
       auto engine = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));

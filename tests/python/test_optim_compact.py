@@ -1,6 +1,7 @@
 """tierzero.optim with compact states (Note [Compact states in tierzero.optim]): master="remainder" steps bf16
 parameters bit for bit as an fp32 master with a bf16 copy-out would; moments="bf16" keeps the moments in bf16;
-state_dicts round-trip and load torch's; bad combinations are refused by name."""
+moments="int8" keeps uint8 codes and block scales; state_dicts round-trip and load torch's; bad combinations
+are refused by name."""
 
 import copy
 
@@ -88,8 +89,8 @@ def test_a_torch_adamw_state_over_bf16_params_loads_as_a_zero_remainder():
 
 def test_bad_compact_state_combinations_are_refused_by_name():
     f32 = torch.nn.Parameter(torch.zeros(10))
-    with pytest.raises(ValueError, match="moments = 'int8': expected 'fp32' or 'bf16' \\('int8' is not implemented"):
-        tzo.AdamW([f32], moments="int8")
+    with pytest.raises(ValueError, match="moments = 'int4': expected 'fp32', 'bf16' or 'int8'"):
+        tzo.AdamW([f32], moments="int4")
     with pytest.raises(ValueError, match="master = 'fp16'"):
         tzo.AdamW([f32], master="fp16")
     with pytest.raises(ValueError, match="param16_dtype with master='remainder'"):
@@ -107,3 +108,78 @@ def test_bad_compact_state_combinations_are_refused_by_name():
     with pytest.raises(ValueError, match=r"state\[0\]\['master_remainder'\] is a torch.uint8 tensor of 7 elements; "
                                          "a parameter of 10 elements needs uint8 x 22"):
         good.load_state_dict(bad)
+
+
+def _int8_decoded(opt, p, key):
+    st = opt.state[p]
+    return opt._decode_int8(key, st[key], st[key + "_scale"])
+
+
+def test_int8_moments_train_as_a_drop_in_adamw_close_to_torch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    twin = copy.deepcopy(model)
+    mine = tzo.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, moments="int8")
+    theirs = torch.optim.AdamW(twin.parameters(), lr=3e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(32, 4, generator=g)
+    losses = []
+    for _ in range(150):
+        x = torch.randn(64, 32, generator=g)
+        for m, opt in ((model, mine), (twin, theirs)):
+            loss = torch.nn.functional.mse_loss(m(x), x @ teacher)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if m is model:
+                losses.append(loss.item())
+    p = next(model.parameters())
+    st = mine.state[p]
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg"].shape == p.shape
+    assert st["exp_avg_sq_scale"].dtype == torch.float32 and st["exp_avg_sq_scale"].numel() == (p.numel() + 255) // 256
+    x = torch.randn(256, 32, generator=g)
+    with torch.no_grad():
+        mine_loss = torch.nn.functional.mse_loss(model(x), x @ teacher).item()
+        their_loss = torch.nn.functional.mse_loss(twin(x), x @ teacher).item()
+    print(f"int8 AdamW {mine_loss:.4f}, torch AdamW {their_loss:.4f} (first {losses[0]:.4f})")
+    assert mine_loss < 0.2 * losses[0]
+    assert abs(mine_loss - their_loss) <= 0.1 * their_loss
+
+
+def test_remainder_and_int8_state_dicts_resume_bit_for_bit_and_load_torch_and_fp32_states():
+    master, fp32, bf16, rem, g = _pair(13, moments="int8")
+    for _ in range(4):
+        _step([(bf16, rem)], g)
+    saved = copy.deepcopy(rem.state_dict())
+    assert saved["state"][0]["exp_avg"].dtype == torch.uint8 and "exp_avg_sq_scale" in saved["state"][0]
+    twin = torch.nn.Parameter(bf16.detach().clone())
+    resumed = tzo.AdamW([twin], lr=1e-2, weight_decay=0.1, master="remainder", moments="int8")
+    resumed.load_state_dict(saved)
+    for _ in range(4):
+        grad = (torch.randn(bf16.numel(), generator=g) * 0.1).to(torch.bfloat16)
+        for p, opt in ((bf16, rem), (twin, resumed)):
+            p.grad = grad
+            opt.step()
+    assert torch.equal(twin.detach().view(torch.int16), bf16.detach().view(torch.int16))
+    for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "master_remainder"):
+        assert torch.equal(resumed.state[twin][key], rem.state[bf16][key]), key
+    # int8 -> fp32 optimizer: the moments decoded.
+    plain = tzo.AdamW([torch.nn.Parameter(bf16.detach().clone())], lr=1e-2, master="remainder")
+    plain.load_state_dict(copy.deepcopy(rem.state_dict()))
+    q = plain.param_groups[0]["params"][0]
+    assert plain.state[q]["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in plain.state[q]
+    assert torch.equal(plain.state[q]["exp_avg"], _int8_decoded(rem, bf16, "exp_avg"))
+    # A torch AdamW's fp32 moments: encoded as the step encodes them (decoding and encoding again is the same).
+    p = torch.nn.Parameter(torch.randn(700, generator=g))
+    theirs = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.randn(700, generator=g)
+    theirs.step()
+    mine = tzo.AdamW([p], lr=1e-3, moments="int8")
+    mine.load_state_dict(theirs.state_dict())
+    st = mine.state[p]
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_scale"].numel() == 3
+    back = _int8_decoded(mine, p, "exp_avg")
+    scale = st["exp_avg_scale"].repeat_interleave(256)[:700]
+    err = (back - theirs.state[p]["exp_avg"]).abs()
+    assert (err <= 0.05 * scale).all()  # within the code's top-decade spacing of each block's scale
+    assert st["exp_avg_scale"][0] == theirs.state[p]["exp_avg"][:256].abs().max()

@@ -69,13 +69,23 @@
 //                         .master_format = tz::cpu_adam::MasterFormat::kRemainder,
 //                         .remainder = rem, .tie_bits = ties};
 //
+// Weight decay per element (Spans::weight_decay_segments): the elements of a
+// segment step with its weight_decay in place of Hyper::weight_decay, the
+// others with Hyper::weight_decay; the results are bit-identical to one step()
+// per run of elements with that weight decay (Adam's runs with weight decay 0
+// take AdamW's loop, as a whole call would). Runs need not be aligned to
+// anything: tiles are cut as without segments, and a tile walks the runs it
+// covers (Note [Weight-decay segments] in cpu_adam/src/optimizer.cpp).
+//
 // Errors: every input is checked before any memory is touched (null spans,
 // spans not aligned to their element size or overlapping each other, dtypes a
 // span cannot have, a remainder-format call with fp16 parameters or with an
-// fp32 param, NaN or out-of-range hyperparameters, step < 1); on an
+// fp32 param, NaN or out-of-range hyperparameters, step < 1, weight-decay
+// segments unsorted, overlapping, empty, past n or with a weight decay that is
+// negative, NaN or out of fp32 range); on an
 // error nothing is written and the InvalidArgument message names the value and
 // its range ("lr = nan is not a number", "beta1 = 1 is outside [0, 1)").
-// Hyperparameters are checked even when n == 0 (which is otherwise a no-op).
+// Hyperparameters and segments are checked even when n == 0 (which is otherwise a no-op).
 // Thread safety: one CpuOptimizer may be called from several threads; calls
 // run one at a time inside its arena.
 #pragma once
@@ -84,6 +94,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -123,6 +134,14 @@ struct StepArgs {
 // tz::master_format_name and the bytes each format takes).
 using MasterFormat = tz::MasterFormat;
 
+// A run of elements with their own weight decay (torch parameter groups with
+// different weight_decay).
+struct WeightDecaySegment {
+  std::size_t begin = 0;      // first element, relative to the spans' first element
+  std::size_t end = 0;        // one past the last
+  double weight_decay = 0.0;  // >= 0, replaces Hyper::weight_decay for these elements
+};
+
 // One shard's state as spans of n elements. Which spans an algorithm needs:
 //   Adam/AdamW  master, grad, exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)
 //   Adagrad     master, grad, exp_avg_sq (the running sum of squares; the caller
@@ -143,7 +162,7 @@ struct Spans {
   DType grad_dtype = DType::kFp32;     // fp32 | bf16 | fp16
   void* exp_avg = nullptr;             // (n,) moment_dtype
   void* exp_avg_sq = nullptr;          // (n,) moment_dtype
-  DType moment_dtype = DType::kFp32;   // fp32 | bf16
+  DType moment_dtype = DType::kFp32;   // fp32 | bf16 | uint8 (the int8 format's codes, with the scales below)
   float* max_exp_avg_sq = nullptr;     // (n,) fp32, amsgrad only
   void* param16 = nullptr;             // (n,) fp32 format: optional copy of the new param in param16_dtype;
                                        //      remainder format: the bf16 parameters, read and rewritten
@@ -151,6 +170,11 @@ struct Spans {
   MasterFormat master_format = MasterFormat::kFp32;
   std::int16_t* remainder = nullptr;   // (n,) int16, remainder format only
   std::uint8_t* tie_bits = nullptr;    // (ceil(n / 8),) bytes, remainder format only
+  float* exp_avg_scale = nullptr;      // (ceil(n / 256),) fp32, int8 moments only: exp_avg's block scales
+  float* exp_avg_sq_scale = nullptr;   // (ceil(n / 256),) fp32, int8 moments only: exp_avg_sq's block scales
+  std::span<const WeightDecaySegment> weight_decay_segments;  // empty: Hyper::weight_decay for all n elements;
+                                                              // else sorted, disjoint, begin < end <= n; elements
+                                                              // outside every segment use Hyper::weight_decay
   // bf16 moments only (Note [Stochastic rounding of bf16 second moments]):
   // which tensor or block the spans belong to, and element 0's index in it.
   std::uint64_t rounding_key = 0;
@@ -181,6 +205,24 @@ struct Spans {
 // resumed run repeats the bits of the run it resumes. Indices are taken
 // modulo 2^32 (elements 2^32 apart in one key share random bits).
 //
+
+// Int8 moments (moment_dtype = uint8, tz::MomentFormat::kInt8): each moment
+// is n code bytes plus one fp32 scale per block of 256 elements
+// (tz::kInt8MomentBlockNumel; the last block may be partial), kept in
+// separate arrays. The spans' element 0 starts a block (a sub-span of a shard
+// must start at a multiple of 256 elements). Per block the step decodes the
+// moments to fp32, steps exactly as with fp32 moments, and encodes them again
+// (Note [Int8 moments] in cpu_adam/src/int8_codes.h: the codes, the
+// rounding, NaN and zero blocks): one pass over memory. Every variant
+// writes the same codes and scales for the same fp32 moments. amsgrad's
+// max_exp_avg_sq stays fp32.
+enum class Int8Moment : std::uint8_t { kExpAvg, kExpAvgSq };
+// fp32 <-> int8 codes and block scales (checkpoints, state dicts), the step's
+// own encoding: codes (n,), scales (ceil(n / 256),). n == 0 is a no-op.
+// Errors: InvalidArgument naming a null, misaligned or overlapping array.
+Status encode_int8_moment(Int8Moment which, const float* x, std::size_t n, std::uint8_t* codes, float* scales);
+Status decode_int8_moment(Int8Moment which, const std::uint8_t* codes, const float* scales, std::size_t n, float* x);
+
 // Conversions between the master formats, for checkpoints and exports; the
 // bits are the step's (bf16 = round to nearest even, NaN as the copy-out).
 // fp32 -> (bf16, remainder, tie bits), and back, bit for bit except NaN

@@ -76,6 +76,16 @@ double moments_bytes_per_elem(MomentFormat format);
 // bytes without it, and the NVMe store's per-extent slack holds it).
 inline constexpr std::uint64_t kStoredShardAlign = 4096;
 std::uint64_t stored_master_bytes(MasterFormat format, std::uint64_t numel);
+
+// Note [Stored int8 moment shards]: each moment's stored shard of `numel`
+// elements (numel a multiple of 4; layout shards are of 2048) is numel code
+// bytes, then ceil(numel / kInt8MomentBlockNumel) fp32 scales, then zero
+// padding up to a whole kStoredShardAlign (as Note [Stored remainder shards],
+// for O_DIRECT). Both moments' unpadded bytes are moments_bytes(kInt8, numel);
+// other formats are numel elements of their dtype, unpadded.
+std::uint64_t stored_moment_bytes(MomentFormat format, std::uint64_t numel);  // one moment's shard
+// Where a stored int8 moment shard's scales start: after its codes.
+inline std::uint64_t int8_moment_scales_offset(std::uint64_t numel) { return numel; }
 // Where a stored remainder shard's tie bits start: after its remainders.
 inline std::uint64_t remainder_tie_bits_offset(std::uint64_t numel) { return 2 * numel; }
 
