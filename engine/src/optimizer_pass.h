@@ -43,6 +43,10 @@ struct OptimizerPassDeps {
   DType moment_dtype = DType::kFp32;                 // fp32 | bf16 (tierzero.states.moments); bf16: CPU variant only
   std::uint64_t sub_group_size = 1;      // zero_optimization.sub_group_size: elements stepped together (CPU)
   Timeline* timeline = nullptr;
+  // Per block, the weight-decay segments of this rank's shard (Note [Weight
+  // decay per parameter] in optimizer_step.cpp); a block's empty table, or
+  // none: Hyper::weight_decay for all of it.
+  const std::vector<std::vector<cpu_adam::WeightDecaySegment>>* weight_decay_segments = nullptr;
 };
 
 class OptimizerPass {

@@ -68,13 +68,23 @@
 //                         .master_format = tz::cpu_adam::MasterFormat::kRemainder,
 //                         .remainder = rem, .tie_bits = ties};
 //
+// Weight decay per element (Spans::weight_decay_segments): the elements of a
+// segment step with its weight_decay in place of Hyper::weight_decay, the
+// others with Hyper::weight_decay; the results are bit-identical to one step()
+// per run of elements with that weight decay (Adam's runs with weight decay 0
+// take AdamW's loop, as a whole call would). Runs need not be aligned to
+// anything: tiles are cut as without segments, and a tile walks the runs it
+// covers (Note [Weight-decay segments] in cpu_adam/src/optimizer.cpp).
+//
 // Errors: every input is checked before any memory is touched (null spans,
 // spans not aligned to their element size or overlapping each other, dtypes a
 // span cannot have, a remainder-format call with fp16 parameters or with an
-// fp32 param, NaN or out-of-range hyperparameters, step < 1); on an
+// fp32 param, NaN or out-of-range hyperparameters, step < 1, weight-decay
+// segments unsorted, overlapping, empty, past n or with a weight decay that is
+// negative, NaN or out of fp32 range); on an
 // error nothing is written and the InvalidArgument message names the value and
 // its range ("lr = nan is not a number", "beta1 = 1 is outside [0, 1)").
-// Hyperparameters are checked even when n == 0 (which is otherwise a no-op).
+// Hyperparameters and segments are checked even when n == 0 (which is otherwise a no-op).
 // Thread safety: one CpuOptimizer may be called from several threads; calls
 // run one at a time inside its arena.
 #pragma once
@@ -83,6 +93,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -122,6 +133,14 @@ struct StepArgs {
 // tz::master_format_name and the bytes each format takes).
 using MasterFormat = tz::MasterFormat;
 
+// A run of elements with their own weight decay (torch parameter groups with
+// different weight_decay).
+struct WeightDecaySegment {
+  std::size_t begin = 0;      // first element, relative to the spans' first element
+  std::size_t end = 0;        // one past the last
+  double weight_decay = 0.0;  // >= 0, replaces Hyper::weight_decay for these elements
+};
+
 // One shard's state as spans of n elements. Which spans an algorithm needs:
 //   Adam/AdamW  master, grad, exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)
 //   Adagrad     master, grad, exp_avg_sq (the running sum of squares; the caller
@@ -150,6 +169,9 @@ struct Spans {
   MasterFormat master_format = MasterFormat::kFp32;
   std::int16_t* remainder = nullptr;   // (n,) int16, remainder format only
   std::uint8_t* tie_bits = nullptr;    // (ceil(n / 8),) bytes, remainder format only
+  std::span<const WeightDecaySegment> weight_decay_segments;  // empty: Hyper::weight_decay for all n elements;
+                                                              // else sorted, disjoint, begin < end <= n; elements
+                                                              // outside every segment use Hyper::weight_decay
 };
 
 // Conversions between the master formats, for checkpoints and exports; the
