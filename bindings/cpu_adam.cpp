@@ -3,12 +3,15 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "arrays.h"
 #include "errors.h"
@@ -55,7 +58,8 @@ class PyCpuOptimizer {
   void step(const ca::Hyper& hyper, std::int64_t step, double grad_scale, const WritableArg& param,
             const InArray& grad, const std::optional<WritableArg>& exp_avg,
             const std::optional<WritableArg>& exp_avg_sq, const std::optional<WritableArg>& max_exp_avg_sq,
-            const std::optional<WritableArg>& param16, const std::optional<WritableArg>& remainder) {
+            const std::optional<WritableArg>& param16, const std::optional<WritableArg>& remainder,
+            const std::vector<std::tuple<std::size_t, std::size_t, double>>& weight_decay_segments) {
     // Note [Remainder masters]: with `remainder`, param is the bf16 parameter and the master's bf16 part.
     const bool rem = remainder.has_value();
     const ArrayInfo p = check(param, rem ? kBf16 : kFp32, "CpuOptimizer.step()", "param");
@@ -103,6 +107,10 @@ class PyCpuOptimizer {
       s.param16 = state(param16, kHalf, "param16", p.numel, &h_dtype);
       s.param16_dtype = h_dtype;
     }
+    std::vector<ca::WeightDecaySegment> segments;
+    segments.reserve(weight_decay_segments.size());
+    for (const auto& [begin, end, wd] : weight_decay_segments) segments.push_back({begin, end, wd});
+    s.weight_decay_segments = segments;
     tz::Status status;
     {
       nb::gil_scoped_release release;
@@ -176,11 +184,14 @@ void bind_cpu_adam(nb::module_& m) {
       .def("step", &PyCpuOptimizer::step, nb::arg("hyper"), nb::arg("step"), nb::arg("grad_scale"),
            nb::arg("param"), nb::arg("grad"), nb::arg("exp_avg") = nb::none(), nb::arg("exp_avg_sq") = nb::none(),
            nb::arg("max_exp_avg_sq") = nb::none(), nb::arg("param16") = nb::none(), nb::arg("remainder") = nb::none(),
+           nb::arg("weight_decay_segments") = std::vector<std::tuple<std::size_t, std::size_t, double>>{},
            "One step in place. param: float32, C-contiguous, cpu, n elements (updated); grad: float32 | bfloat16 | "
            "float16, n elements; exp_avg, exp_avg_sq: float32 | bfloat16 (same dtype), n elements; max_exp_avg_sq: "
            "float32 (amsgrad); param16: bfloat16 | float16, receives the new param rounded (the fused copy-out); "
            "remainder: uint8, 2n + ceil(n / 8) bytes, makes param the bfloat16 parameter of a remainder master "
-           "(the fp32 master rebuilt from both, bit for bit; tierzero/cpu_adam.h). "
+           "(the fp32 master rebuilt from both, bit for bit; tierzero/cpu_adam.h); weight_decay_segments: "
+           "[(begin, end, weight_decay), ...], sorted and disjoint element runs that step with their own weight "
+           "decay (the others with hyper.weight_decay). "
            "Which states an algorithm needs: tierzero/cpu_adam.h. Arrays of any shape with n contiguous elements.")
       .def("accumulate_grad", &PyCpuOptimizer::accumulate_grad, nb::arg("acc"), nb::arg("grad"),
            nb::arg("overwrite") = false, nb::arg("scale") = 1.0,

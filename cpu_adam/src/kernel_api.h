@@ -69,8 +69,9 @@ struct alignas(64) TileStat {
   bool non_finite = false;
 };
 
-// Updates elements [begin, end) of the spans. With kBf16Remainder, begin is
-// a multiple of 8 (a tile start): tie-bit bytes belong to one call.
+// Updates elements [begin, end) of the spans; begin may be any element. With
+// kBf16Remainder, calls whose ranges share a tie-bit byte must not run at
+// once (they are one tile's, in order: Note [Weight-decay segments]).
 using StepFn = void (*)(const StepConsts& consts, const StepPtrs& ptrs, std::size_t begin, std::size_t end);
 // Accumulates elements [begin, end) and reports their statistics.
 using AccFn = TileStat (*)(const AccPtrs& ptrs, std::size_t begin, std::size_t end);

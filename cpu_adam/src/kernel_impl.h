@@ -252,9 +252,19 @@ void step_partial(const VConsts<O>& k, const StepPtrs s, std::size_t i, std::siz
 }
 
 // Elements [begin, end) with plain stores.
+// With the remainder layout, elements before the first tie-bit byte boundary
+// (a run of weight-decay segments may start anywhere) go through the partial
+// path, which moves tie bits one by one.
 template <class O, Kind K, DType G, DType M, ParamLayout L>
 TZ_ADAM_INLINE void step_plain(const VConsts<O>& k, const StepPtrs& s, std::size_t begin, std::size_t end) {
   std::size_t i = begin;
+  if constexpr (kRemainder<L>) {
+    if (i % 8 != 0) {
+      const std::size_t head = end - i < 8 - i % 8 ? end - i : 8 - i % 8;
+      step_partial<O, K, G, M, L>(k, s, i, head);
+      i += head;
+    }
+  }
   for (; i + kBlock<O, L> <= end; i += kBlock<O, L>) step_block<O, K, G, M, L>(k, s, i);
   if (i < end) step_partial<O, K, G, M, L>(k, s, i, end - i);
 }

@@ -99,20 +99,54 @@ Status CpuOptimizerImpl::run_tiles(std::size_t n, std::size_t tile, const Body& 
   return ok_status();
 }
 
+// Note [Weight-decay segments]
+// Spans::weight_decay_segments give runs of elements their own weight decay
+// (torch parameter groups). The spans' [0, n) is cut into runs: each segment,
+// and the gaps between them with Hyper::weight_decay. A run gets the element
+// loop and constants a whole step() with its weight decay would get (Adam's
+// kind changes with it: kAdamL2, or kAdamW's loop for 0), so its elements get
+// the same arithmetic, bit for bit. Tiles are cut over [0, n) as without
+// segments (tile starts at multiples of kTileQuantum, so a tie-bit byte of a
+// remainder master never has two threads), and each tile calls the kernel once
+// per run piece it covers, in order, on its own thread. A run may start at
+// any element: the kernels take any begin (a remainder run's part of a
+// tie-bit byte goes through the partial path, Note [Tails and unaligned spans]).
 Status CpuOptimizerImpl::step(const Hyper& hyper, const StepArgs& args, const Spans& spans) {
   TZ_TRY_CTX(detail::validate_hyper(hyper, args), "cpu_adam {} step", algorithm_name(hyper.algorithm));
   Expected<detail::StepConsts> made = detail::make_consts(hyper, args);
   TZ_TRY_CTX(made, "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
-  if (spans.n == 0) return ok_status();
-  TZ_TRY_CTX(detail::validate_spans(hyper, spans), "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
-  const detail::StepConsts consts = *made;
-
-  const detail::Kind kind = detail::kind_of(hyper);
-  const bool adagrad = hyper.algorithm == Algorithm::kAdagrad, lion = hyper.algorithm == Algorithm::kLion;
+  TZ_TRY_CTX(detail::validate_segments(spans), "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
+  // Each run's loop and constants, before anything is written.
+  struct Run {
+    std::size_t begin, end;
+    detail::StepFn fn;
+    detail::StepConsts consts;
+  };
   const bool remainder = spans.master_format == MasterFormat::kRemainder;
-  const detail::ParamLayout layout = detail::param_layout_of(spans);
-  const detail::StepFn fn = table_.step[static_cast<std::size_t>(kind)][static_cast<std::size_t>(spans.grad_dtype)]
-                                       [static_cast<std::size_t>(spans.moment_dtype)][static_cast<std::size_t>(layout)];
+  const detail::ParamLayout layout = spans.n == 0 ? detail::ParamLayout::kFp32 : detail::param_layout_of(spans);
+  const auto fn_for = [&](const Hyper& h) {
+    return table_.step[static_cast<std::size_t>(detail::kind_of(h))][static_cast<std::size_t>(spans.grad_dtype)]
+                      [static_cast<std::size_t>(spans.moment_dtype)][static_cast<std::size_t>(layout)];
+  };
+  std::vector<Run> runs;
+  runs.reserve(2 * spans.weight_decay_segments.size() + 1);
+  std::size_t covered = 0;
+  for (std::size_t k = 0; k < spans.weight_decay_segments.size(); ++k) {
+    const WeightDecaySegment& seg = spans.weight_decay_segments[k];
+    if (covered < seg.begin) runs.push_back({covered, seg.begin, fn_for(hyper), *made});
+    Hyper h = hyper;
+    h.weight_decay = seg.weight_decay;
+    Expected<detail::StepConsts> c = detail::make_consts(h, args);
+    TZ_TRY_CTX(c, "cpu_adam {} step {}: weight_decay_segments[{}] = [{}, {}) with weight_decay = {}",
+               algorithm_name(hyper.algorithm), args.step, k, seg.begin, seg.end, seg.weight_decay);
+    runs.push_back({seg.begin, seg.end, fn_for(h), *c});
+    covered = seg.end;
+  }
+  if (spans.n == 0) return ok_status();
+  if (covered < spans.n) runs.push_back({covered, spans.n, fn_for(hyper), *made});
+  TZ_TRY_CTX(detail::validate_spans(hyper, spans), "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
+
+  const bool adagrad = hyper.algorithm == Algorithm::kAdagrad, lion = hyper.algorithm == Algorithm::kLion;
   const detail::StepPtrs ptrs{remainder ? nullptr : spans.param,
                               spans.grad,
                               adagrad ? nullptr : spans.exp_avg,
@@ -127,8 +161,19 @@ Status CpuOptimizerImpl::step(const Hyper& hyper, const StepArgs& args, const Sp
   const std::size_t bytes = master + dtype_bytes(spans.grad_dtype) + (adagrad ? 0 : moment) + (lion ? 0 : moment) +
                             (hyper.amsgrad ? 4 : 0);
   std::lock_guard<std::mutex> lock(mu_);
-  return run_tiles(spans.n, tile_for(bytes),
-                   [&](std::size_t begin, std::size_t end) { fn(consts, ptrs, begin, end); });
+  if (runs.size() == 1) {
+    const Run& r = runs.front();
+    return run_tiles(spans.n, tile_for(bytes),
+                     [&](std::size_t begin, std::size_t end) { r.fn(r.consts, ptrs, begin, end); });
+  }
+  return run_tiles(spans.n, tile_for(bytes), [&](std::size_t begin, std::size_t end) {
+    // The first run that ends after begin; runs cover [0, n) in order.
+    auto it = std::upper_bound(runs.begin(), runs.end(), begin,
+                               [](std::size_t b, const Run& r) { return b < r.end; });
+    for (; it != runs.end() && it->begin < end; ++it) {
+      it->fn(it->consts, ptrs, std::max(begin, it->begin), std::min(end, it->end));
+    }
+  });
 }
 
 Expected<GradStats> CpuOptimizerImpl::accumulate_grad(float* acc, const void* grad, DType grad_dtype, std::size_t n,

@@ -289,7 +289,14 @@ struct XsimdOps {
   TZ_ADAM_INLINE static void store_fp16(std::uint16_t* p, const V& x) { C::store_fp16(p, x); }
   template <DType D>
   TZ_ADAM_INLINE static void stream_line(std::uint16_t* p, const V* x) { C::template stream_line<D>(p, x); }
-  TZ_ADAM_INLINE static V fma(const V& a, const V& b, const V& c) { return xsimd::fma(a, b, c); }
+  // xsimd 8 has no AVX-512 fma (its generic one is a multiply and an add):
+  // vfmadd there, as AVX2's is, so the fused variants round alike.
+  TZ_ADAM_INLINE static V fma(const V& a, const V& b, const V& c) {
+#if defined(__AVX512F__)
+    if constexpr (V::size == 16) return _mm512_fmadd_ps(a, b, c);
+#endif
+    return xsimd::fma(a, b, c);
+  }
   TZ_ADAM_INLINE static V sqrt(const V& a) { return xsimd::sqrt(a); }
   // maxps: NaN in the second operand wins (the new v in amsgrad).
   TZ_ADAM_INLINE static V max(const V& a, const V& b) { return xsimd::max(a, b); }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -154,6 +155,28 @@ Status validate_spans(const Hyper& h, const Spans& s) {
     TZ_TRY(check_span("spans.tie_bits", s.tie_bits, 1, (s.n + 7) / 8, &ranges));
   }
   return check_disjoint(ranges);
+}
+
+Status validate_segments(const Spans& s) {
+  const std::span<const WeightDecaySegment> segs = s.weight_decay_segments;
+  for (std::size_t k = 0; k < segs.size(); ++k) {
+    const WeightDecaySegment& g = segs[k];
+    if (!(std::isfinite(g.weight_decay) && g.weight_decay >= 0)) {
+      return invalid_argument("weight_decay_segments[{}] = [{}, {}) has weight_decay = {}: must be finite and >= 0", k,
+                              g.begin, g.end, g.weight_decay);
+    }
+    if (!(g.begin < g.end && g.end <= s.n)) {
+      return invalid_argument("weight_decay_segments[{}] = [{}, {}) (weight_decay = {}) is out of range: must have "
+                              "begin < end <= n = {}", k, g.begin, g.end, g.weight_decay, s.n);
+    }
+    if (k > 0 && g.begin < segs[k - 1].end) {
+      const WeightDecaySegment& p = segs[k - 1];
+      return invalid_argument("weight_decay_segments[{}] = [{}, {}) (weight_decay = {}) overlaps or precedes "
+                              "weight_decay_segments[{}] = [{}, {}) (weight_decay = {}): segments must be sorted and "
+                              "disjoint", k, g.begin, g.end, g.weight_decay, k - 1, p.begin, p.end, p.weight_decay);
+    }
+  }
+  return ok_status();
 }
 
 Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype, std::size_t n, double scale) {

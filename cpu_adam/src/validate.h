@@ -19,6 +19,12 @@ Status validate_hyper(const Hyper& hyper, const StepArgs& args);
 // spans overlap, and a remainder-format call passes no fp32 param.
 Status validate_spans(const Hyper& hyper, const Spans& spans);
 
+// Spans::weight_decay_segments: each begin < end <= n, sorted and disjoint,
+// weight_decay finite and >= 0. The message names the segment's index and
+// values (and its predecessor's, when they overlap or are out of order).
+// Checked for any n (with n == 0 every segment is past n).
+Status validate_segments(const Spans& spans);
+
 // For n > 0: acc and grad non-null, aligned and disjoint; a gradient dtype;
 // a finite scale.
 Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype, std::size_t n, double scale);

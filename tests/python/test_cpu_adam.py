@@ -57,6 +57,29 @@ def test_step_matches_float64_reference(alg):
         assert np.abs(v - want_v).max() <= 1e-6 * max(1.0, np.abs(want_v).max())
 
 
+def test_weight_decay_segments_step_like_one_call_per_run():
+    rng = np.random.default_rng(21)
+    n = 1001
+    p = rng.standard_normal(n).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    m = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    v = np.abs(0.1 * rng.standard_normal(n)).astype(np.float32)
+    segments = [(0, 37, 0.0), (100, 517, 0.3)]  # [37, 100) and [517, n) keep hyper's 0.1
+    opt = _core.CpuOptimizer(threads=2)
+    whole = [x.copy() for x in (p, g, m, v)]
+    opt.step(_core.Hyper(algorithm=A.AdamW, weight_decay=0.1), 2, 1.0, *whole, weight_decay_segments=segments)
+    runs = [x.copy() for x in (p, g, m, v)]
+    for b, e, wd in [(0, 37, 0.0), (37, 100, 0.1), (100, 517, 0.3), (517, n, 0.1)]:
+        part = [x[b:e].copy() for x in runs]
+        opt.step(_core.Hyper(algorithm=A.AdamW, weight_decay=wd), 2, 1.0, *part)
+        for x, y in zip(runs, part):
+            x[b:e] = y
+    for x, y in zip(whole, runs):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match=r"weight_decay_segments\[1\] = \[30, 40\)"):
+        opt.step(_core.Hyper(), 1, 1.0, *whole, weight_decay_segments=[(0, 37, 0.0), (30, 40, 0.1)])
+
+
 def test_fused_bf16_copy_out_is_the_new_param_rounded():
     n = 4096
     p = torch.randn(n)
