@@ -150,6 +150,20 @@ def test_param_groups_that_differ_in_weight_decay_train_as_torch_adamw_over_thos
     assert err <= 2 * TOL  # TOL is for 10 steps (tests/python/test_torch.py); these are 20
 
 
+def test_groups_that_each_give_a_weight_decay_resolve_the_configs_auto(nvme_dir):
+    model = mlp()
+    config = host_config(nvme_dir)
+    config["optimizer"]["params"]["weight_decay"] = "auto"
+    engine, optimizer, _, _ = tzt.initialize(model=model, config=config, model_parameters=_two_groups(model, 0.1, 0.0))
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert engine.weight_decay(0, 0) == 0.1 and engine.weight_decay(0, 1) == 0.0
+    fresh = mlp()
+    groups = _two_groups(fresh, 0.1, 0.0)
+    del groups[1]["weight_decay"]  # this group would take the config's "auto": refused by name
+    with pytest.raises(ValueError, match=r"optimizer.params.weight_decay = \"auto\""):
+        tzt.initialize(model=fresh, config=config, model_parameters=groups)
+
+
 def test_weight_decay_is_set_per_parameter_and_refused_when_out_of_range(nvme_dir):
     engine, *_ = tzt.initialize(model=mlp(), config=host_config(nvme_dir, weight_decay=0.01))
     assert engine.weight_decay(0, 1) == 0.01, "the config's until set"

@@ -189,6 +189,8 @@ def _groups(model: torch.nn.Module, model_parameters: Any, config: Any, raw: dic
         if len(values) > 1 and key == "weight_decay":  # each parameter steps with its group's
             for i, v in explicit:
                 decays[i] = float(v)
+            if configured == "auto" and len(explicit) == len(groups):  # no parameter takes the config's
+                params[key], changed = explicit[0][1], True
             continue
         if len(values) > 1:
             shown = ", ".join(f"group {i} ({len(groups[i]['params'])} tensors): {v}" for i, v in explicit)
