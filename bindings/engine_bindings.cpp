@@ -730,6 +730,18 @@ void bind_engine(nb::module_& m) {
            nb::arg("lr"),
            "Sets the optimizer's learning rate for the next steps (finite, >= 0); refused when the config has a "
            "scheduler block. Checkpoints carry it once set.")
+      .def("set_weight_decay",
+           [](PyEngine& e, std::size_t block, std::size_t param, double weight_decay) {
+             e.call([&](tz::ZeroEngine& z) { return z.set_weight_decay(block, param, weight_decay); });
+           },
+           nb::arg("block"), nb::arg("param"), nb::arg("weight_decay"),
+           "One parameter's weight decay (finite, >= 0) in place of the config's: param groups that differ in "
+           "weight_decay. A hyperparameter: checkpoints do not carry it; set the same on every rank.")
+      .def("weight_decay",
+           [](PyEngine& e, std::size_t block, std::size_t param) {
+             return e.read([&](tz::ZeroEngine& z) { return z.weight_decay(block, param); });
+           },
+           nb::arg("block"), nb::arg("param"), "The weight decay the parameter steps with (the config's unless set).")
       .def_prop_ro(
           "optimizer",
           [](PyEngine& e) {

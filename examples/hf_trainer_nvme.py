@@ -82,6 +82,7 @@ class Text(torch.utils.data.Dataset):
 def training_args(out: str, steps: int, **overrides) -> transformers.TrainingArguments:
     kwargs = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=steps,
                   learning_rate=3e-3, warmup_steps=4, lr_scheduler_type="linear", max_grad_norm=1.0,
+                  weight_decay=0.1,  # the Trainer's two groups: decay on matrices, none on biases and norms
                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
                   dataloader_num_workers=0, disable_tqdm=True)
     kwargs.update(overrides)

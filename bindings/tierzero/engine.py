@@ -252,6 +252,17 @@ class Engine:
         (ValueError) when the config has a scheduler."""
         self._core.set_learning_rate(float(lr))
 
+    def set_weight_decay(self, block: int, param: int, weight_decay: float) -> None:
+        """Parameter `param` of `block` (indices, as layout() lists them) steps with this weight decay (finite,
+        >= 0) in place of the config's optimizer.params.weight_decay: torch param groups that differ in it.
+        A hyperparameter, not a state: checkpoints do not carry it, and every rank must set the same values
+        (Note [Weight decay per parameter] in engine/src/optimizer_step.cpp)."""
+        self._core.set_weight_decay(int(block), int(param), float(weight_decay))
+
+    def weight_decay(self, block: int, param: int) -> float:
+        """The weight decay parameter `param` of `block` steps with (the config's unless set)."""
+        return self._core.weight_decay(int(block), int(param))
+
     # --- state
     def save_checkpoint(self, directory: Union[str, os.PathLike], tag: Optional[str] = None, *,
                         client_state: Optional[bytes] = None, save_latest: bool = True, keep_last: int = 0) -> str:

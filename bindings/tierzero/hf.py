@@ -22,8 +22,8 @@ tierzero.torch.initialize:
   "gradient_clipping" the arguments' max_grad_norm is (the plain Trainer
   clips by it; the engine clips at its step).
 - The optimizer's param groups are the Trainer's (weight decay on all but
-  biases and norms); with weight_decay 0, its default, they train as one, and
-  groups the engine cannot run as one are refused by initialize().
+  biases and norms), each parameter stepping with its group's weight decay
+  (Note [Weight decay per parameter] in engine/src/optimizer_step.cpp).
 - training_step() forms the loss as the plain Trainer does (divided by the
   batch's token count where the model takes num_items_in_batch) and runs
   engine.backward and engine.step() on every micro-batch, as accelerate does
@@ -40,8 +40,22 @@ tierzero.torch.initialize:
   engine (tied weights under each name), never the empty placeholders the
   parameters hold between forwards; a checkpoint also holds the engine's own
   (moments, step count) under "tierzero/", which resume_from_checkpoint loads.
-"""
 
+Note [Pretrained weights one module at a time]
+from_pretrained() builds the transformers model on the meta device and lets
+initialize() make it one module at a time (Note [Models on the meta device]
+in tierzero/torch/meta.py) with an init_fn that reads each module's own
+tensors from the checkpoint's safetensors files (one file, or the shards
+model.safetensors.index.json lists), a tensor at a time: the file is opened
+for that tensor and closed again, so neither the model nor a shard is ever
+whole in host memory (opened once and kept, its memory map would hold every
+page read so far in the process's resident set). A tied weight the
+checkpoint holds under one name (GPT-2's lm_head under
+transformer.wte.weight) is made at the holder whose name it has. A tensor
+the checkpoint lacks is never set, so initialize() refuses the model naming
+it (transformers' from_pretrained would initialise it at random with a
+warning): the weights are the checkpoint's or there is an error.
+"""
 from __future__ import annotations
 
 import copy
@@ -54,7 +68,7 @@ import transformers
 
 from .torch import initialize
 
-__all__ = ["Trainer", "fill_auto"]
+__all__ = ["Trainer", "fill_auto", "from_pretrained"]
 
 
 def fill_auto(config: Any, args: "transformers.TrainingArguments", *, model: Any = None,
@@ -199,16 +213,10 @@ class Trainer(transformers.Trainer):
 
     def full_state_dict(self) -> dict:
         """The model's state dict with every trained parameter's full value from the engine (in the model's
-        dtype), tied parameters under each of their names; buffers and frozen parameters as torch holds them."""
-        state = dict(self.model.state_dict())
-        if self.engine is None:
-            return state
-        master = self.engine.master_state_dict()
-        by_id = {id(p): master[n] for n, p in self.model.named_parameters() if n in master}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            if id(p) in by_id:
-                state[name] = by_id[id(p)].to(dtype=p.dtype)
-        return state
+        dtype), tied parameters under each of their names; buffers and frozen parameters as torch holds them:
+        the model's own state_dict() once the engine exists (Note [State dicts after initialize] in
+        tierzero/torch/checkpoint.py)."""
+        return dict(self.model.state_dict())
 
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
         super()._save(output_dir, state_dict=self.full_state_dict())
@@ -226,3 +234,61 @@ class Trainer(transformers.Trainer):
             raise ValueError(f"tierzero.hf: {resume_from_checkpoint} has no tierzero/ engine checkpoint (not saved by "
                              "tierzero.hf.Trainer)")
         self._engine_checkpoint = path
+
+
+def from_pretrained(model_class: Any, path: Any, config: Any, *, model_config: Any = None, **kwargs: Any) -> tuple:
+    """tierzero.torch.initialize(model=model_class(model_config) built on the meta device, config=config,
+    **kwargs), its weights read from the Hugging Face checkpoint directory `path` (safetensors: one file or
+    shards) one module at a time, never the whole model in host memory (Note [Pretrained weights one module
+    at a time]). model_config: the transformers config (default: the one in `path`). Returns initialize()'s
+    four values; the model is engine.module. A tensor the checkpoint lacks is refused, named."""
+    from .torch import initialize as _initialize
+
+    if "init_fn" in kwargs:
+        raise ValueError("tierzero.hf.from_pretrained: init_fn= is its own (the checkpoint's tensors); use "
+                         "tierzero.torch.initialize for an init_fn of yours")
+    files = _checkpoint_files(os.fspath(path))
+    if model_config is None:
+        model_config = transformers.AutoConfig.from_pretrained(os.fspath(path))
+    with torch.device("meta"):
+        model = model_class(model_config)
+    names: dict = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+
+    def init_fn(module: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for prefix in names.get(id(module), []):
+                for table in (module._parameters, module._buffers):
+                    for key, t in table.items():
+                        full = f"{prefix}.{key}" if prefix else key
+                        if t is not None and not t.is_meta and full in files:
+                            t.copy_(_read_tensor(files[full], full))
+
+    return _initialize(model=model, config=config, init_fn=init_fn, **kwargs)
+
+
+def _checkpoint_files(path: str) -> dict:
+    """{tensor name: the safetensors file holding it} for a checkpoint directory."""
+    import safetensors
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"tierzero.hf.from_pretrained: {index} has no weight_map")
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ValueError(f"tierzero.hf.from_pretrained: {path} holds neither model.safetensors nor "
+                         "model.safetensors.index.json (only safetensors checkpoints are read one module at a time)")
+    with safetensors.safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _read_tensor(file: str, name: str) -> torch.Tensor:
+    import safetensors
+
+    with safetensors.safe_open(file, framework="pt") as f:  # opened per tensor: Note [Pretrained weights ...]
+        return f.get_tensor(name)

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <span>
 #include <utility>
 
 #include <unistd.h>
@@ -23,6 +24,12 @@ Status wait_all(std::vector<nvme::IoFuture>& futures) {
   }
   futures.clear();
   return first;
+}
+
+// A block's weight-decay segments (Note [Weight decay per parameter] in optimizer_step.cpp).
+std::span<const cpu_adam::WeightDecaySegment> segments_of(const OptimizerPassDeps& deps, std::size_t block) {
+  if (deps.weight_decay_segments == nullptr) return {};
+  return (*deps.weight_decay_segments)[block];
 }
 
 // Note [Optimizer pipeline]
@@ -225,6 +232,7 @@ cpu_adam::Spans CpuOptimizerPass::spans_of(std::size_t b, void* master_ptr, void
                          .tie_bits = remainder() ? master + remainder_tie_bits_offset(n) : nullptr,
                          .exp_avg_scale = scales(exp_avg),
                          .exp_avg_sq_scale = scales(exp_avg_sq),
+                         .weight_decay_segments = segments_of(deps_, b),
                          // Note [Stochastic rounding of bf16 second moments]: keyed by the block and the
                          // element's place in it, so the bits depend on neither the ranks nor the tiers.
                          .rounding_key = b,
@@ -526,8 +534,26 @@ Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double
                                  .exp_avg = static_cast<float*>(deps_.exp_avg->device_memory(b)),
                                  .exp_avg_sq = static_cast<float*>(deps_.exp_avg_sq->device_memory(b)),
                                  .param16 = deps_.param_type == DType::kBf16 ? param16 : nullptr};
-    TZ_TRY_CTX(kernels::adam_step_cuda(t, n, h, stream.native_handle()), "stepping {} on the GPU",
-               deps_.layout->blocks[b].name);
+    // One launch per run of one weight decay: the kernel is elementwise, so this is the whole-shard launch
+    // with each element's own weight decay.
+    std::uint64_t at = 0;
+    const auto launch = [&](std::uint64_t end, double weight_decay) -> Status {
+      if (end <= at) return ok_status();
+      kernels::AdamHyper run = h;
+      run.weight_decay = weight_decay;
+      const kernels::AdamTensors part{.param = t.param + at, .grad = t.grad + at, .exp_avg = t.exp_avg + at,
+                                      .exp_avg_sq = t.exp_avg_sq + at,
+                                      .param16 = t.param16 != nullptr ? t.param16 + at : nullptr};
+      TZ_TRY_CTX(kernels::adam_step_cuda(part, end - at, run, stream.native_handle()), "stepping {} on the GPU",
+                 deps_.layout->blocks[b].name);
+      at = end;
+      return ok_status();
+    };
+    for (const cpu_adam::WeightDecaySegment& seg : segments_of(deps_, b)) {
+      TZ_TRY(launch(seg.begin, h.weight_decay));
+      TZ_TRY(launch(seg.end, seg.weight_decay));
+    }
+    TZ_TRY(launch(n, h.weight_decay));
     if (deps_.param_type == DType::kFp16) {
       TZ_TRY(kernels::cast_fp32_to_fp16_cuda(master, param16, n, stream.native_handle()));
     }

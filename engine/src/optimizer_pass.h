@@ -46,6 +46,10 @@ struct OptimizerPassDeps {
   std::uint64_t sub_group_size = 1;      // zero_optimization.sub_group_size: elements stepped together (CPU)
   int rank = 0;                          // this rank's shard of each block starts at rank * shard_numel
   Timeline* timeline = nullptr;
+  // Per block, the weight-decay segments of this rank's shard (Note [Weight
+  // decay per parameter] in optimizer_step.cpp); a block's empty table, or
+  // none: Hyper::weight_decay for all of it.
+  const std::vector<std::vector<cpu_adam::WeightDecaySegment>>* weight_decay_segments = nullptr;
 };
 
 // What a block stepped under backward keeps until the step commits or

@@ -1,9 +1,11 @@
 // The step: global norm, overflow and loss scale, clipping, then the
 // optimizer pass (optimizer_pass.h), and the step report.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 
 #include "tierzero/comm/host_collectives.h"
@@ -20,6 +22,74 @@ cpu_adam::Hyper ZeroEngineImpl::hyper() const {
                 : o.type == "Lion"    ? cpu_adam::Algorithm::kLion
                                       : cpu_adam::Algorithm::kAdamW;
   return h;
+}
+
+// Note [Weight decay per parameter]
+// torch param groups that differ only in weight_decay (Hugging Face's and
+// nanoGPT's decay / no-decay split) train with each parameter's own value:
+// set_weight_decay() records it, and each block's shard gets a table of
+// segments (cpu_adam::WeightDecaySegment, relative to the shard's first
+// element) that the optimizer pass hands to cpu_adam, or steps as one GPU
+// launch per run. A parameter's segment reaches from its offset to the next
+// parameter's (the last one's to the end of the chunk), so the alignment
+// padding between parameters rides with the one before it: padding is zero
+// with a zero gradient, which stays zero under any weight decay, and
+// neighbours with one value make one segment. Segments are cut to this
+// rank's slice [rank x shard_numel, (rank + 1) x shard_numel) of the flat
+// chunk. Parameters never set use Hyper::weight_decay (the config's).
+// cpu_adam steps each segment exactly as a call of its own with that weight
+// decay would, so the result is bit for bit the per-parameter optimizer's
+// (tierzero.optim over the same groups). Weight decays are hyperparameters,
+// like the learning rate of torch's groups: checkpoints do not carry them,
+// and a resumed run steps with whatever the resuming code sets (the groups it
+// passes to initialize()).
+Status ZeroEngineImpl::set_weight_decay(std::size_t block, std::size_t param, double weight_decay) {
+  if (block >= layout_.blocks.size()) {
+    return invalid_argument("set_weight_decay: block {} is out of range (the model has {} blocks)", block,
+                            layout_.blocks.size());
+  }
+  const BlockLayout& b = layout_.blocks[block];
+  if (param >= b.params.size()) {
+    return invalid_argument("set_weight_decay: {} has {} parameters, no parameter {}", b.name, b.params.size(), param);
+  }
+  if (!std::isfinite(weight_decay) || !(weight_decay >= 0) ||
+      !std::isfinite(static_cast<float>(weight_decay))) {
+    return invalid_argument("set_weight_decay: {}.{} weight_decay = {} must be finite and >= 0", b.name,
+                            b.params[param].name, weight_decay);
+  }
+  std::vector<std::optional<double>>& decays = param_weight_decay_[block];
+  decays.resize(b.params.size());
+  decays[param] = weight_decay;
+  make_weight_decay_segments(block);
+  return ok_status();
+}
+
+double ZeroEngineImpl::weight_decay(std::size_t block, std::size_t param) const {
+  if (block < param_weight_decay_.size() && param < param_weight_decay_[block].size() &&
+      param_weight_decay_[block][param].has_value()) {
+    return *param_weight_decay_[block][param];
+  }
+  return options_.config.optimizer.weight_decay;
+}
+
+void ZeroEngineImpl::make_weight_decay_segments(std::size_t block) {
+  const BlockLayout& b = layout_.blocks[block];
+  const std::vector<std::optional<double>>& decays = param_weight_decay_[block];
+  const std::uint64_t first = static_cast<std::uint64_t>(rank()) * b.shard_numel, last = first + b.shard_numel;
+  std::vector<cpu_adam::WeightDecaySegment>& out = weight_decay_segments_[block];
+  out.clear();
+  for (std::size_t i = 0; i < decays.size(); ++i) {
+    if (!decays[i].has_value()) continue;
+    const std::uint64_t begin = std::max(b.params[i].offset, first);
+    const std::uint64_t end = std::min(i + 1 < b.params.size() ? b.params[i + 1].offset : b.whole_numel, last);
+    if (begin >= end) continue;  // on another rank's shard
+    const cpu_adam::WeightDecaySegment seg{.begin = begin - first, .end = end - first, .weight_decay = *decays[i]};
+    if (!out.empty() && out.back().end == seg.begin && out.back().weight_decay == seg.weight_decay) {
+      out.back().end = seg.end;
+    } else {
+      out.push_back(seg);
+    }
+  }
 }
 
 // Blocks that got no gradient in this accumulation window (not used by the

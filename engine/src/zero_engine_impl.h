@@ -63,6 +63,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
     return ok_status();
   }
   double learning_rate() const override { return scheduled_lr(options_.config.scheduler, base_lr_, step_); }
+  Status set_weight_decay(std::size_t block, std::size_t param, double weight_decay) override;
+  double weight_decay(std::size_t block, std::size_t param) const override;
   const ModelLayout& layout() const override { return layout_; }
   const Plan& plan() const override { return plan_; }
   DType param_type() const override { return param_type_; }
@@ -215,6 +217,12 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // applies when resuming a run that never set one.
   bool lr_set_by_caller_ = false;
 
+  // Note [Weight decay per parameter]: each parameter's weight decay where
+  // set_weight_decay() gave one (per block, per parameter; empty: none set in
+  // the block), and each block's segment table for this rank's shard.
+  std::vector<std::vector<std::optional<double>>> param_weight_decay_;
+  std::vector<std::vector<cpu_adam::WeightDecaySegment>> weight_decay_segments_;
+  void make_weight_decay_segments(std::size_t block);
   std::unique_ptr<detail::OptimizerPass> optimizer_;  // CPU or GPU (optimizer_pass.h)
   int micro_ = 0;
   std::int64_t step_ = 0;

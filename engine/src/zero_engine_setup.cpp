@@ -273,13 +273,15 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   TZ_TRY(make_plan());
   TZ_TRY(make_stores());
   TZ_ASSIGN_OR_RETURN(cpu_opt_, cpu_adam::CpuOptimizer::create({}));
+  param_weight_decay_.resize(layout_.blocks.size());
+  weight_decay_segments_.resize(layout_.blocks.size());
   optimizer_ = detail::OptimizerPass::make(
       {.device = device_, .stream = stream_.get(), .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
        .param16 = param16_.get(), .grad = grad_.get(), .master = master_.get(), .exp_avg = exp_avg_.get(),
        .exp_avg_sq = exp_avg_sq_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_, .param_type = param_type_,
        .master_format = c.states.master, .moment_dtype = moment_type(),
        .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
-       .rank = comm_->rank(), .timeline = &timeline_},
+       .rank = comm_->rank(), .timeline = &timeline_, .weight_decay_segments = &weight_decay_segments_},
       gpu_optimizer_);
   TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
   TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());

@@ -3,6 +3,11 @@
 // skips exactly its step; bad input and impossible placements are refused.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <utility>
+
 #include "tierzero/testing/engine.h"
 #include "tierzero/kernels.h"
 #include "../nvme/nvme_test_util.h"
@@ -142,6 +147,96 @@ TEST(ZeroEngine, Fp32ParametersOnNvmeFitTheSwapStore) {
   auto p = (*engine)->fetch(3);
   ASSERT_TRUE(p.ok()) << p.status().to_string();
   EXPECT_NEAR(static_cast<const float*>(p->data())[0], 1.0F, 1e-3F) << "block d read back from NVMe";
+}
+
+// Note [Weight decay per parameter] (engine/src/optimizer_step.cpp): each
+// parameter steps with its own weight decay (the config's where none was
+// set), bit for bit as cpu_adam stepping that parameter alone with it; the
+// whole shard is stepped at once, with a segment table. On NVMe (the
+// optimizer pass's staging) and over 3 steps (the moments carry the
+// decays' effect on).
+TEST(ZeroEngine, EachParametersWeightDecayStepsAsCpuAdamOnThatParameterAlone) {
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "fp32");
+  config.gradient_clipping = 0;  // the gradient as given: grad_scale 1
+  const std::vector<tz::BlockSpec> model = {{"a", {{"w", {40, 50}}, {"bias", {50}}, {"g", {33}}}},
+                                            {"b", {{"w", {3000}}, {"bias", {7}}}}};
+  auto value = [](std::size_t b, std::size_t i, std::uint64_t j, int k) {
+    return std::sin(static_cast<float>(j * 0.37 + i * 1.3 + b * 2.1 + k * 0.71)) * (k == 0 ? 0.5F : 1.0F);
+  };
+  const tz::ParamInit init = [&](std::size_t b, std::size_t i, float* out, std::uint64_t n) {
+    for (std::uint64_t j = 0; j < n; ++j) out[j] = value(b, i, j, 0);
+  };
+  auto created = tz::ZeroEngine::create({.config = config, .placement = kPlacements[4]}, model, init);
+  ASSERT_TRUE(created.ok()) << created.status().to_string();
+  tz::ZeroEngine& engine = **created;
+  // (block, param) -> weight decay; a.bias and b.bias keep the config's 0.01
+  const std::map<std::pair<std::size_t, std::size_t>, double> decays = {{{0, 0}, 0.3}, {{0, 2}, 0.0}, {{1, 0}, 0.5}};
+  for (const auto& [at, decay] : decays) ASSERT_TRUE(engine.set_weight_decay(at.first, at.second, decay).ok());
+  EXPECT_EQ(engine.weight_decay(0, 0), 0.3);
+  EXPECT_EQ(engine.weight_decay(0, 1), 0.01) << "the config's until set";
+  const std::pair<tz::Status, std::string> refused[] = {
+      {engine.set_weight_decay(2, 0, 0.1), "set_weight_decay: block 2 is out of range (the model has 2 blocks)"},
+      {engine.set_weight_decay(0, 3, 0.1), "set_weight_decay: a has 3 parameters, no parameter 3"},
+      {engine.set_weight_decay(0, 1, -0.5), "set_weight_decay: a.bias weight_decay = -0.5 must be finite and >= 0"},
+      {engine.set_weight_decay(0, 1, NAN), "set_weight_decay: a.bias weight_decay = nan must be finite and >= 0"}};
+  for (const auto& [status, message] : refused) {
+    EXPECT_EQ(status.code(), tz::ErrorCode::kInvalidArgument) << status.to_string();
+    EXPECT_NE(status.message().find(message), std::string::npos) << status.to_string();
+  }
+  EXPECT_EQ(engine.weight_decay(0, 1), 0.01) << "a refused value changes nothing";
+
+  // The reference: each parameter on its own, in ordinary memory.
+  struct Alone {
+    std::vector<float> p, m, v;
+    double decay;
+  };
+  std::vector<std::vector<Alone>> alone(model.size());
+  for (std::size_t b = 0; b < model.size(); ++b) {
+    for (std::size_t i = 0; i < model[b].params.size(); ++i) {
+      const std::uint64_t n = model[b].params[i].numel();
+      Alone a{.p = std::vector<float>(n), .m = std::vector<float>(n, 0), .v = std::vector<float>(n, 0),
+              .decay = decays.contains({b, i}) ? decays.at({b, i}) : 0.01};
+      init(b, i, a.p.data(), n);
+      alone[b].push_back(std::move(a));
+    }
+  }
+  auto cpu = tz::cpu_adam::CpuOptimizer::create({});
+  ASSERT_TRUE(cpu.ok());
+  const tz::OptimizerConfig& o = config.optimizer;
+  for (int step = 1; step <= 3; ++step) {
+    for (std::size_t b = 0; b < model.size(); ++b) {
+      auto g = engine.grad_buffer(b);
+      ASSERT_TRUE(g.ok()) << g.status().to_string();
+      ASSERT_EQ(g->type(), tz::DType::kFp32);
+      for (std::size_t i = 0; i < model[b].params.size(); ++i) {
+        const std::uint64_t n = model[b].params[i].numel();
+        std::vector<float> grad(n);
+        for (std::uint64_t j = 0; j < n; ++j) grad[j] = value(b, i, j, step);
+        std::memcpy(g->grad(i), grad.data(), n * sizeof(float));
+        Alone& a = alone[b][i];
+        const tz::cpu_adam::Hyper h{.algorithm = tz::cpu_adam::Algorithm::kAdamW, .lr = o.lr, .beta1 = o.beta1,
+                                    .beta2 = o.beta2, .eps = o.eps, .weight_decay = a.decay};
+        ASSERT_TRUE((*cpu)->step(h, {.step = step, .grad_scale = 1.0},
+                                 {.n = n, .param = a.p.data(), .grad = grad.data(), .exp_avg = a.m.data(),
+                                  .exp_avg_sq = a.v.data()})
+                        .ok());
+      }
+      ASSERT_TRUE(engine.reduce_grads(std::move(*g)).ok());
+    }
+    auto r = engine.step();
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    ASSERT_TRUE(r->stepped);
+  }
+  for (std::size_t b = 0; b < model.size(); ++b) {
+    auto master = engine.gather_master(b);
+    ASSERT_TRUE(master.ok()) << master.status().to_string();
+    for (std::size_t i = 0; i < model[b].params.size(); ++i) {
+      const tz::ParamLayout& at = engine.layout().blocks[b].params[i];
+      EXPECT_EQ(std::memcmp(master->data() + at.offset, alone[b][i].p.data(), at.numel * sizeof(float)), 0)
+          << model[b].name << "." << at.name << " (weight decay " << alone[b][i].decay << ") not bit for bit";
+    }
+  }
 }
 
 // The plan counts fp32 parameters at 4 B: a CPU budget that holds a bf16

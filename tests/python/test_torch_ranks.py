@@ -314,3 +314,89 @@ def test_inconsistent_launcher_variables_are_refused_naming_them(tmp_path, nvme_
                          capture_output=True, text=True, timeout=120).stdout
     assert "ValueError:" in out, out
     assert re.search(message, out), out
+
+
+GROUPS_WORKER = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, {tests!r})
+    import tierzero.torch as tzt
+    from test_torch import mlp
+    config, batches, out = json.loads(sys.argv[1]), torch.load(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(0)
+    model = mlp()
+    params = list(model.parameters())
+    groups = [{{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.3}},
+              {{"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}}]
+    engine, optimizer, _, _ = tzt.initialize(model=model, config=config, model_parameters=groups)
+    for x, y in batches:
+        half = x.shape[0] // 2
+        mine = slice({rank} * half, ({rank} + 1) * half)
+        engine.backward(F.mse_loss(engine(x[mine]), y[mine]))
+        engine.step()
+    # A collective: both ranks gather (Note [State dicts after initialize]); never empty tensors.
+    state = model.state_dict()
+    assert all(t.numel() > 0 for t in state.values()), [n for n, t in state.items() if t.numel() == 0]
+    if {rank} == 0:
+        torch.save(state, out)
+""")
+
+
+def test_two_ranks_train_weight_decay_groups_as_one_plain_pytorch_process(tmp_path, nvme_dir):
+    # Note [Weight decay per parameter] (engine/src/optimizer_step.cpp): each rank's shard cuts the groups'
+    # segments where its slice of the flat block begins and ends (a 48 x 48 weight straddles the two shards).
+    gen = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(STEPS)]
+    torch.save(batches, tmp_path / "batches.pt")
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        nvme = os.path.join(nvme_dir, f"rank{rank}")
+        os.makedirs(nvme)
+        config = host_config(nvme, lr=1e-2, weight_decay=0.01)
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   TIERZERO_RENDEZVOUS_DIR=str(tmp_path / "rendezvous"))
+        code = GROUPS_WORKER.format(tests=os.path.dirname(__file__), rank=rank)
+        with open(tmp_path / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(config),
+                                           str(tmp_path / "batches.pt"), str(tmp_path / "state.pt")],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if None not in codes or any(c not in (None, 0) for c in codes):
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    failed = [f"rank {rank} {'killed' if p.returncode < 0 else f'failed ({p.returncode})'}:\n"
+              f"{(tmp_path / f'rank{rank}.log').read_text()}" for rank, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(failed)
+
+    torch.manual_seed(0)
+    ref = mlp()
+    params = list(ref.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.3},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+    for x, y in batches:
+        ((F.mse_loss(ref(x[:4]), y[:4]) + F.mse_loss(ref(x[4:]), y[4:])) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    state = torch.load(tmp_path / "state.pt")
+    err = max((state[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    print(f"two ranks, weight decay groups 0.3 / 0.0, {STEPS} steps: largest |tierzero - torch| = {err:.3g}")
+    assert err <= TOL
+    # The groups mattered: torch with the config's one weight decay ends further away than the tolerance.
+    torch.manual_seed(0)
+    one = mlp()
+    opt = torch.optim.AdamW(one.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for x, y in batches:
+        ((F.mse_loss(one(x[:4]), y[:4]) + F.mse_loss(one(x[4:]), y[4:])) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert max((state[n] - p.detach()).abs().max().item() for n, p in one.named_parameters()) > 10 * TOL

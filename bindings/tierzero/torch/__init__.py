@@ -16,14 +16,16 @@ them on GPU, pinned CPU memory or NVMe as the config says (a DeepSpeed
 
 The package, a module a concern (each module's Notes sit with its code):
 
-- engine.py: TorchEngine; Notes [A forward that raised], [Model dtype].
+- engine.py: TorchEngine; Notes [A forward that raised], [The engine as a module], [Model dtype].
 - initialize.py: initialize(), as deepspeed.initialize takes and returns it, EngineLRScheduler; Notes
   [DeepSpeed's initialize], [Clipping].
 - hooks.py: the module hooks that gather blocks for forward and backward and hand gradients
   to the engine; Notes [Parameters live in the engine], [Saved tensors], [Gradients],
   [Capsules, not tensors], [Evaluation fetches]; register_external_parameter().
-- optimizer.py: EngineOptimizer, the config's optimizer block; Notes [Learning rate], [Optimizer state_dict].
-- checkpoint.py: save_checkpoint, load_checkpoint, export_safetensors; Note [Client state].
+- optimizer.py: EngineOptimizer, the config's optimizer block; Notes [Learning rate], [accelerate],
+  [Optimizer state_dict].
+- checkpoint.py: save_checkpoint, load_checkpoint, export_safetensors, the model's state_dict(); Notes
+  [Client state], [State dicts after initialize].
 - edit.py: GatheredParameters, safe_get_full_fp32_param, safe_set_full_fp32_param; Note
   [Editing weights].
 - meta.py: models built on the meta device; Note [Models on the meta device].

@@ -17,13 +17,37 @@ a rank's refusal goes into the collective load, which fails on every rank
 before anything is replaced, and the load checks it finds the same bytes. No
 Python runs inside the engine's call (Note [Engine calls and the GIL]).
 Tensors come back on the CPU, and are copied into the model's own.
+
+Note [State dicts after initialize]
+Between forwards a trained parameter holds an empty placeholder (Note
+[Parameters live in the engine]), so torch's state_dict() would hold empty
+tensors, and model.save_pretrained(), torch.save(model.state_dict()) or
+safetensors' save_model would write them without a word. Every module that
+holds a trained parameter (its owner, and a module it is tied into) gets a
+state_dict post-hook that puts the parameter's full value in its place: the
+engine's master weights, gathered (gather_master) and cast to the model's
+dtype, on the CPU (as DeepSpeed's consolidated 16-bit state dict gives them),
+each tied name its own tensor of the same value. Inside GatheredParameters
+the parameter's live (possibly edited) value is kept. keep_vars=True gets the
+same tensors (not the Parameters: those are placeholders). On several ranks
+gathering is a collective: every rank calls state_dict(), as every rank calls
+save_checkpoint; one rank alone meets the engine's timeout, naming the
+gather. After close() the hook raises (the weights were the engine's); after
+detach_module() the hooks are gone and the parameters hold the weights.
+load_state_dict() into the engine's parameters is refused by name (a
+placeholder cannot take a value): load before initialize(), or write through
+GatheredParameters / safe_set_full_fp32_param, or engine.load_checkpoint.
+The engine's own reads of the model's state (a checkpoint's buffers and
+frozen parameters) go around the hook (_raw_state).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import warnings
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -103,13 +127,71 @@ class _Checkpoints:
             self.optimizer._show_lr()  # the restored schedule's (or saved) rate for the next step
         return path, decoded.get("client_state", {})
 
+    # Note [State dicts after initialize]
+    def _install_state_dict_hooks(self, model: torch.nn.Module) -> None:
+        engine_ref = weakref.ref(self)  # as the gathering hooks: no model -> hook -> engine cycle
+        self._state_dict_raw = 0
+
+        def fill(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+            engine = engine_ref()
+            if engine is not None and not engine._state_dict_raw:
+                engine._fill_state_dict(module, state_dict, prefix)
+
+        def refuse_load(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+            engine = engine_ref()
+            if engine is None or engine._state_dict_raw:
+                return
+            names = [prefix + key for key, p in module._parameters.items()
+                     if p is not None and p in engine._slot and prefix + key in state_dict]
+            if names:
+                raise ValueError(f"tierzero.torch: load_state_dict() into {names[0]!r} (and {len(names) - 1} more "
+                                 "of this module), a parameter whose values live in the engine (its .data is an "
+                                 "empty placeholder between forwards): load the weights before initialize(), "
+                                 "write them through tierzero.torch.GatheredParameters(params, modifier_rank=0) or "
+                                 "safe_set_full_fp32_param, or restore a checkpoint with engine.load_checkpoint")
+
+        for module in model.modules():
+            if any(p is not None and p in self._slot for p in module._parameters.values()):
+                self._hooks.append(module.register_state_dict_post_hook(fill))
+                self._hooks.append(module.register_load_state_dict_pre_hook(refuse_load))
+
+    def _fill_state_dict(self, module: torch.nn.Module, state_dict: dict, prefix: str) -> None:
+        """The full values of `module`'s trained parameters in its state_dict (Note [State dicts after
+        initialize]). A collective where there are several ranks."""
+        slots = [(prefix + key, p) for key, p in module._parameters.items()
+                 if p is not None and p in self._slot and p not in self._held_params]
+        if not slots:
+            return
+        if self.closed:
+            raise RuntimeError(f"tierzero.torch: state_dict() of a model whose engine is closed: '{slots[0][0]}' "
+                               "and the other trained weights were the engine's (save or export them, or "
+                               "detach_module(), before close())")
+        flats: dict = {}
+        for name, p in slots:
+            b, i = self._slot[p]
+            if b.index not in flats:
+                flats[b.index] = torch.from_numpy(self.gather_master(b.index))
+            state_dict[name] = flats[b.index].as_strided(*b.views[i]).to(dtype=p.dtype, copy=True)
+
+    @contextlib.contextmanager
+    def _raw_state(self) -> Any:
+        """The model's state_dict() / load_state_dict() as torch's, placeholders and all (the engine's own reads
+        of buffers and frozen parameters, which it does not hold)."""
+        self._state_dict_raw += 1
+        try:
+            yield
+        finally:
+            self._state_dict_raw -= 1
+
     def _module_state(self, exclude_frozen: bool) -> tuple:
         """(the model's state_dict() less what the engine holds: buffers and frozen parameters, the names of
         the frozen parameters). Tensors only: a module's non-tensor extra state is its own to save."""
         engine_owned, frozen = set(), set()
         for n, p in self.module.named_parameters(remove_duplicate=False):
             (engine_owned if p in self._slot else frozen).add(n)
-        state = {n: t for n, t in self.module.state_dict().items()
+        with self._raw_state():
+            whole = self.module.state_dict()
+        state = {n: t for n, t in whole.items()
                  if isinstance(t, torch.Tensor) and n not in engine_owned and not (exclude_frozen and n in frozen)}
         return state, frozen
 
@@ -131,7 +213,8 @@ class _Checkpoints:
     def _restore_module_state(self, saved: Optional[dict]) -> None:
         if not saved:
             return
-        targets = self.module.state_dict(keep_vars=True)
+        with self._raw_state():
+            targets = self.module.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, value in saved.items():
                 targets[name].copy_(value)

@@ -26,6 +26,21 @@ its blocks go back at engine.step(), and the order is recorded again. A
 backward that raises is not rewound: the blocks it had finished keep the
 gradients they handed to the engine, as torch's .grad keeps them.
 
+Note [The engine as a module]
+DeepSpeed's engine is an nn.Module holding the model as `module`, and code
+written for it (Hugging Face's, accelerate's, training scripts) calls
+nn.Module's methods on it: parameters(), named_parameters(), modules(),
+train(), eval(), register_forward_hook(), isinstance(engine, nn.Module). So
+TorchEngine is one too, with nn.Module last in its bases (tierzero.Engine's
+methods come first), and nn.Module's own answers where DeepSpeed's engine
+gives nn.Module's: parameter names prefixed "module.", engine(x) through
+nn.Module.__call__ (hooks on the engine run), train()/eval() setting the
+model's mode. The parameters it yields are the model's, placeholders between
+forwards (Note [Parameters live in the engine]); engine.state_dict() and
+model.state_dict() hold the full weights (Note [State dicts after
+initialize]). Moving or casting the engine (to(), cuda(), half()) would move
+the placeholders, not the engine's memory: refused by name.
+
 Note [Model dtype]
 With the config's "bf16" or "fp16" block enabled, the engine trains 16-bit
 parameters against fp32 master weights, and initialize() casts the model to
@@ -59,8 +74,13 @@ from .rank0 import _frozen, _kept_digest, _take_rank0s_model
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TorchEngine(_Hooks, _Checkpoints, Engine):
+class TorchEngine(_Hooks, _Checkpoints, Engine, torch.nn.Module):
     """A torch module trained through tierzero's ZeRO engine. Made by initialize().
+
+    An nn.Module wrapping the model as DeepSpeed's engine does (Note [The engine as a module]): `module` is the
+    model, a submodule, so parameters(), named_parameters() ("module."-prefixed names, as DeepSpeed's),
+    modules(), train() and eval() are nn.Module's, and engine(x) runs forward through nn.Module's call (its
+    hooks too).
 
     A tierzero.Engine whose blocks are the model's modules: its facts (rank, world_size, loss_scale,
     learning_rate, optimizer_steps, layout, describe(), the timeline) are tierzero.Engine's. What a torch
@@ -72,6 +92,7 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
 
     def __init__(self, model: torch.nn.Module, config: Any, init_fn: Any = None, *, store: Any = None,
                  timeout: float = 300.0):
+        torch.nn.Module.__init__(self)  # first: nn.Module's attribute tables (Engine.__init__ does not call it)
         self.module = model
         blocks, self._module_blocks = _collect_blocks(model)
         if not blocks:
@@ -93,6 +114,7 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
         self._client_scheduler: Any = None  # initialize(lr_scheduler=f): f(optimizer), stepped after each step
         _ENGINES.add(self)  # Note [Editing weights]
         self._install_hooks(model)
+        self._install_state_dict_hooks(model)  # Note [State dicts after initialize]
         if self._dtype != torch.float32:
             model.to(self._dtype)  # Note [Model dtype]: frozen parameters and floating buffers
 
@@ -160,14 +182,18 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
                     _add_note(e, f"tierzero.torch: rewinding the engine's fetches after it failed too: {r}")
             raise
 
-    __call__ = forward
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), scaled by the engine's loss scale (fp16). Do not divide by the accumulation steps."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """loss.backward(), scaled by the engine's loss scale (fp16); returns the loss, as DeepSpeed's. Do not
+        divide by the accumulation steps (the engine averages over them, as DeepSpeed's scale_wrt_gas)."""
         scale = self.loss_scale
-        (loss * scale if scale != 1.0 else loss).backward()
+        self._engine_backward = True
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        finally:
+            self._engine_backward = False
         if self._callback_queued or any(b.arrived or b.backward_held for b in self._blocks):
             self._end_of_backward()
+        return loss
 
     def set_learning_rate(self, lr: float) -> None:
         """The learning rate of the next steps, as tierzero.Engine's; the returned optimizer's
@@ -264,13 +290,6 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
     def dp_world_size(self) -> int:
         return self.world_size
 
-    def parameters(self, recurse: bool = True) -> Any:
-        """The model's parameters (outside their module's forward, placeholders: the engine holds the values)."""
-        return self.module.parameters(recurse)
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.named_parameters(*args, **kwargs)
-
     @contextlib.contextmanager
     def no_sync(self) -> Any:
         """Accepted for code written for DDP and DeepSpeed: the engine sums every micro-batch's gradients into its
@@ -278,17 +297,9 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
         per-micro-batch reduction to skip; the result is the same."""
         yield
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Does nothing: the engine takes every gradient out of .grad as it arrives."""
         return None
-
-    def train(self, mode: bool = True) -> "TorchEngine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "TorchEngine":
-        return self.train(False)
-
 
     def master_state_dict(self) -> dict:
         """{qualified parameter name: fp32 CPU tensor}: the engine's master weights (a collective over ranks)."""
@@ -334,6 +345,20 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
                 p.data = weights[name].to(device=self._placeholder.device, dtype=self._dtype)
         return self.module
 
+    def to(self, *args: Any, **kwargs: Any) -> "TorchEngine":
+        """Itself, where asked for the device it is on and no other dtype (accelerate's prepare() calls
+        model.to(its device)); any real move or cast is refused (Note [The engine as a module])."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None and (device is None or _same_device(device, self.device)):
+            return self
+        return self._apply(None)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "TorchEngine":
+        # nn.Module's to(), cuda(), cpu(), half(), float(), ... all come here (Note [The engine as a module]).
+        raise ValueError("TorchEngine: moving or casting the engine (to(), cuda(), half(), ...) is not supported: "
+                         "its parameters live in the engine's tiers, placed by the config (\"zero_optimization\" "
+                         "offload, \"bf16\"/\"fp16\"); move or cast the model before initialize()")
+
     # ------------------------------------------------------------ facts (the rest are tierzero.Engine's)
     @property
     def device(self) -> torch.device:
@@ -342,6 +367,13 @@ class TorchEngine(_Hooks, _Checkpoints, Engine):
     @property
     def block_names(self) -> list:
         return [b.name for b in self._blocks]
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    index = lambda d: d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else 0)  # noqa: E731
+    return index(a) == index(b)
 
 
 def _live_gathered(engine: TorchEngine) -> int:

@@ -145,6 +145,8 @@ class _Hooks:
         self._depth = 0                           # calls of the root module under way
         self._held_params: dict = {}              # parameter -> GatheredParameters contexts holding it
         self._placeholder = torch.empty(0, dtype=self._dtype, device=self._core.device)
+        self._engine_backward = False             # inside engine.backward (fp16: the loss was scaled)
+        self._fp16 = self._core.param_dtype == "float16"
         self._hooks: list = []
 
     def _install_hooks(self, model: torch.nn.Module) -> None:
@@ -294,9 +296,9 @@ class _Hooks:
     # ------------------------------------------------------------ gradients
     def _on_grad(self, p: torch.Tensor) -> None:
         b, i = self._slot[p]
-        self._queue_end_of_backward()
         grad = p.grad
         p.grad = None
+        self._queue_end_of_backward()
         if b.grads[i] is None:
             b.arrived += 1
             b.grads[i] = grad
@@ -322,6 +324,11 @@ class _Hooks:
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
+            if not self._engine_backward and self._fp16 and self.loss_scale != 1.0:
+                # loss.backward() (accelerate's backward, a plain loop's) would hand the engine gradients it then
+                # divides by the loss scale: updates 2^16 times too small, without a word.
+                raise RuntimeError("tierzero.torch: with fp16 the loss must be multiplied by the engine's loss scale: "
+                                   "call engine.backward(loss), not loss.backward() (or accelerate's backward)")
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 

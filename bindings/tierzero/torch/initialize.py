@@ -13,10 +13,13 @@ cannot do the same way:
 - `model_parameters` may be parameters or param groups (dicts, the usual
   weight-decay split of Hugging Face and nanoGPT); a group's lr, betas, eps
   or weight_decay overrides the config's, as a torch group overrides its
-  optimizer's defaults. The engine runs one value of each for all
-  parameters, so groups that differ in one are refused, naming the groups and
-  values (two groups that agree, e.g. Hugging Face's with its default
-  weight_decay of 0, train as one);
+  optimizer's defaults. Groups that differ in weight_decay train each
+  parameter with its group's (engine.set_weight_decay, Note [Weight decay per
+  parameter] in engine/src/optimizer_step.cpp; a group without one takes the
+  config's), exactly as torch's optimizer over those groups. The engine runs
+  one lr, one betas and one eps for all parameters, so groups that differ in
+  one of those are refused, naming the groups and values (groups that agree
+  train as one);
 - `training_data` becomes a torch DataLoader as DeepSpeed builds it: batches
   of train_micro_batch_size_per_gpu, a DistributedSampler over the ranks
   (shuffled, seed 0), `collate_fn`, and the config's dataloader_drop_last;
@@ -99,10 +102,15 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     raw = _load(config)
     if lr_scheduler is not None:
         _check_client_scheduler(lr_scheduler, raw)
-    groups, config = _groups(model, model_parameters, config, raw)
+    groups, config, decays = _groups(model, model_parameters, config, raw)
     if isinstance(config, (str, os.PathLike)):
         config = os.fspath(config)
     engine = TorchEngine(model, config, init_fn, store=store, timeout=timeout)
+    for group, decay in zip(groups or [], decays):
+        if decay is not None:  # Note [Weight decay per parameter] (engine/src/optimizer_step.cpp)
+            for p in group["params"]:
+                block, i = engine._slot[p]
+                engine.set_weight_decay(block.index, i, decay)
     engine.optimizer = EngineOptimizer(engine, groups)
     _mark_parameters(engine)
     engine.training_dataloader = (None if training_data is None
@@ -144,9 +152,10 @@ def _load(config: Any) -> dict:
 
 def _groups(model: torch.nn.Module, model_parameters: Any, config: Any, raw: dict) -> tuple:
     """(the param groups for the optimizer, or None for one group of all; the config, with the groups'
-    hyperparameters where they override it). Note [DeepSpeed's initialize]."""
+    hyperparameters where they override it; each group's own weight decay where the groups differ in it, else
+    None). Note [DeepSpeed's initialize]."""
     if model_parameters is None:
-        return None, config
+        return None, config, []
     items = list(model_parameters)
     if items and all(isinstance(g, dict) for g in items):
         groups = []
@@ -168,6 +177,7 @@ def _groups(model: torch.nn.Module, model_parameters: Any, config: Any, raw: dic
                          "once (the engine trains every parameter that requires grad)")
     params = dict((raw.get("optimizer") or {}).get("params") or {})
     changed = False
+    decays: list = [None] * len(groups)
     for key in _GROUP_HYPER:
         explicit = [(i, _value(g[key])) for i, g in enumerate(groups) if key in g]
         if not explicit:
@@ -176,12 +186,18 @@ def _groups(model: torch.nn.Module, model_parameters: Any, config: Any, raw: dic
         configured = params.get(key)
         if len(explicit) < len(groups):  # the other groups take the config's
             values.add(None if configured is None or configured == "auto" else _value(configured))
+        if len(values) > 1 and key == "weight_decay":  # each parameter steps with its group's
+            for i, v in explicit:
+                decays[i] = float(v)
+            if configured == "auto" and len(explicit) == len(groups):  # no parameter takes the config's
+                params[key], changed = explicit[0][1], True
+            continue
         if len(values) > 1:
             shown = ", ".join(f"group {i} ({len(groups[i]['params'])} tensors): {v}" for i, v in explicit)
             raise ValueError(f"tierzero.torch.initialize: the param groups differ in {key} ({shown}; "
                              f"optimizer.params.{key} = {configured!r} for the rest); tierzero's engine runs one {key} "
-                             "for every parameter, so these groups cannot train as given: use one value (e.g. put "
-                             "every parameter in one group)")
+                             "for every parameter (only weight_decay may differ between groups), so these groups "
+                             "cannot train as given: use one value (e.g. put every parameter in one group)")
         value = explicit[0][1]
         if configured != (list(value) if isinstance(value, tuple) else value):
             params[key] = list(value) if isinstance(value, tuple) else value
@@ -189,7 +205,7 @@ def _groups(model: torch.nn.Module, model_parameters: Any, config: Any, raw: dic
     if changed:  # the groups' values override the config's, as a torch group's override its optimizer's defaults
         config = dict(raw)
         config["optimizer"] = dict(raw.get("optimizer") or {}, params=params)
-    return [{k: v for k, v in g.items() if k not in _GROUP_HYPER} for g in groups], config
+    return [{k: v for k, v in g.items() if k not in _GROUP_HYPER} for g in groups], config, decays
 
 
 def _value(v: Any) -> Any:

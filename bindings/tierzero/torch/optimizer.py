@@ -13,7 +13,24 @@ each engine.step() "lr" shows the learning rate of the next step. Changing
 "lr" while the config has a scheduler is a ValueError; a torch scheduler's
 own state is saved by its owner (scheduler.state_dict()), as in plain torch.
 With several param groups (initialize(model_parameters=[{...}, {...}])) every
-group's "lr" must be the same: the engine runs one rate.
+group's "lr" must be the same: the engine runs one rate. Their "weight_decay"
+may differ (each group shows the one its parameters step with), but is fixed
+after initialize().
+
+Note [accelerate]
+accelerate.Accelerator().prepare(engine, optimizer, dataloader) takes the
+engine as any nn.Module (Note [The engine as a module]): its to(device) is
+the engine itself, the optimizer is wrapped in accelerate's, whose step() is
+this one's (engine.step()), and accelerator.backward(loss) is loss.backward(),
+which hands the gradients to the engine as engine.backward does (refused with
+fp16, whose loss must be scaled: call engine.backward there). Accumulation is
+counted in one place: either accelerate's (Accelerator(gradient_accumulation_steps=N)
+divides each loss by N and steps the optimizer every N micro-batches; the
+engine, with the config's gradient_accumulation_steps 1, sums the N
+backwards into one step) or the engine's (the config's, with accelerate's 1:
+every micro-batch's optimizer.step() is engine.step(), which steps at the
+boundary). Both at once would divide twice and step every N x M
+micro-batches; step() refuses it, naming both.
 
 Note [Optimizer state_dict]
 transformers.Trainer and accelerate save and load the optimizer through
@@ -29,6 +46,7 @@ naming engine.load_checkpoint, which restores them.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -60,6 +78,10 @@ class EngineOptimizer(torch.optim.Optimizer):
             groups = [{"params": [p for b in engine._blocks for p in b.params]}]
         super().__init__([{**g, **{k: v for k, v in hyper.items() if k != "lr"}, "lr": hyper["lr"]} for g in groups],
                          hyper)
+        for group in self.param_groups:  # each group's own, where the groups differ in it (initialize())
+            if group["params"]:
+                block, i = engine._slot[group["params"][0]]
+                group["weight_decay"] = engine.weight_decay(block.index, i)
         self._engine_ref = weakref.ref(engine)
         self._stepped_by_engine = False  # set by tierzero.hf.Trainer, whose training_step() calls engine.step()
         self._fixed = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
@@ -77,6 +99,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         engine = self._engine()
         if self._stepped_by_engine:  # tierzero.hf: the trainer's step() after engine.step() has stepped
             return engine.last_report
+        _check_accelerate_accumulation(engine)
         return engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -144,3 +167,21 @@ class EngineOptimizer(torch.optim.Optimizer):
         lr = self._engine().learning_rate
         for group in self.param_groups:
             group["lr"] = lr
+
+
+def _check_accelerate_accumulation(engine: "TorchEngine") -> None:
+    """Note [accelerate]: accumulation counted by accelerate and by the engine at once is refused."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or engine.gradient_accumulation_steps() == 1:
+        return
+    try:
+        shared = state.GradientState._shared_state
+        steps = int((shared.get("plugin_kwargs") or {}).get("num_steps", 1))
+    except Exception:  # noqa: BLE001 - another accelerate's internals: nothing to check against
+        return
+    if steps > 1:
+        raise ValueError(f"EngineOptimizer.step(): accelerate accumulates gradients over {steps} micro-batches "
+                         f"(Accelerator(gradient_accumulation_steps={steps})) and the engine over "
+                         f"{engine.gradient_accumulation_steps()} (the config's gradient_accumulation_steps): each "
+                         "loss would be divided twice and the optimizer step every "
+                         f"{steps * engine.gradient_accumulation_steps()} micro-batches; set one of them to 1")

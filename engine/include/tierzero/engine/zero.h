@@ -368,6 +368,15 @@ class ZeroEngine {
   // The learning rate the next optimizer step will use (the config's
   // scheduler at optimizer_steps(), or the optimizer's lr).
   virtual double learning_rate() const = 0;
+  // One parameter's weight decay (finite, >= 0), in place of the config's
+  // optimizer.params.weight_decay: torch param groups that differ in it
+  // (Note [Weight decay per parameter] in engine/src/optimizer_step.cpp).
+  // `param` indexes the block's parameters in the layout. A hyperparameter,
+  // not a state: checkpoints do not carry it, and every rank must set the
+  // same values. InvalidArgument naming the block, parameter and value.
+  virtual Status set_weight_decay(std::size_t block, std::size_t param, double weight_decay) = 0;
+  // The weight decay the parameter steps with (the config's unless set).
+  virtual double weight_decay(std::size_t block, std::size_t param) const = 0;
   virtual const ModelLayout& layout() const = 0;
   virtual const Plan& plan() const = 0;
   virtual DType param_type() const = 0;
