@@ -187,6 +187,9 @@ Status ZeroEngineImpl::make_stores() {
       if (store == master_.get() && c.states.master == MasterFormat::kRemainder) {
         args.bytes_of = [](std::uint64_t n) { return stored_master_bytes(MasterFormat::kRemainder, n); };
       }
+      if (store != master_.get() && c.states.moments == MomentFormat::kInt8) {
+        args.bytes_of = [](std::uint64_t n) { return stored_moment_bytes(MomentFormat::kInt8, n); };
+      }
       TZ_ASSIGN_OR_RETURN(*shadow, TieredStore::create(args, shards));
     }
   }

@@ -187,7 +187,9 @@ TEST(CpuAdamSegments, OneStepWithSegmentsIsOneStepPerRunBitForBit) {
               State part = runs.slice(b, e);
               Hyper h = hyper;
               h.weight_decay = wd;
-              ASSERT_TRUE(reference->step(h, args, part.spans()).ok());
+              Spans ps = part.spans();
+              ps.rounding_index = b;  // the slice's place in the whole (stochastically rounded bf16 second moments)
+              ASSERT_TRUE(reference->step(h, args, ps).ok());
               runs.put(b, part);
             };
             for (const WeightDecaySegment& g : segs) {
@@ -291,8 +293,15 @@ TEST(CpuAdamSegments, AnElementsBitsDoNotDependOnItsLane) {
           }
           const Hyper hyper = random_hyper(c.algorithm, c.amsgrad, c.weight_decay);
           ASSERT_TRUE(opt->step(hyper, {.step = 3, .grad_scale = 0.5}, many.spans()).ok());
-          ASSERT_TRUE(opt->step(hyper, {.step = 3, .grad_scale = 0.5}, one.spans()).ok());
+          const State fresh = one;
           for (std::size_t i = 0; i < many.n; ++i) {
+            // The element alone, as element i of its tensor: bf16 second moments
+            // are rounded stochastically by index (Note [Stochastic rounding of
+            // bf16 second moments]), so lane i's twin is stepped as index i.
+            one = fresh;
+            Spans alone = one.spans();
+            alone.rounding_index = i;
+            ASSERT_TRUE(opt->step(hyper, {.step = 3, .grad_scale = 0.5}, alone).ok());
             const bool same = bits_of(many.param[i]) == bits_of(one.param[0]) && many.p16[i] == one.p16[0] &&
                               std::memcmp(many.m.data() + mb * i, one.m.data(), mb) == 0 &&
                               std::memcmp(many.v.data() + mb * i, one.v.data(), mb) == 0 &&

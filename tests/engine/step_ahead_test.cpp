@@ -134,20 +134,26 @@ TEST(StepAhead, EveryPlacementAndPrecisionIsBitIdenticalToSteppingAfterBackward)
     std::string precision;
     int gas;
     bool remainder;
-    bool bf16_moments = false;  // stochastically rounded second moments: the same bits under backward
+    // bf16: stochastically rounded second moments, the same bits under backward;
+    // int8: codes and block scales in one stored shard, on the second copy too.
+    tz::MomentFormat moments = tz::MomentFormat::kFp32;
   };
   const Case cases[] = {{"bf16", 1, false}, {"fp16", 1, false}, {"fp32", 1, false}, {"bf16", 2, false},
-                        {"bf16", 1, true},  {"bf16", 1, true, true}};
+                        {"bf16", 1, true},  {"bf16", 1, true, tz::MomentFormat::kBf16},
+                        {"bf16", 1, true, tz::MomentFormat::kInt8}};
   for (const Case& c : cases) {
     TempDir nvme;
     tz::Config config = test_config(nvme.path(), 3, c.gas, c.precision);
     if (c.remainder) config.states.master = tz::MasterFormat::kRemainder;
-    if (c.bf16_moments) config.states.moments = tz::MomentFormat::kBf16;
+    config.states.moments = c.moments;
     config.gradient_clipping = median_norm(config);
     for (const Placement& placement : kPlacements) {
       const std::string what = fmt::format("{}{}{}, gas {}, {}, max norm {:.4g}", c.precision,
                                            c.remainder ? " (remainder master)" : "",
-                                           c.bf16_moments ? " (bf16 moments)" : "", c.gas, placement_name(placement),
+                                           c.moments == tz::MomentFormat::kFp32
+                                               ? std::string()
+                                               : fmt::format(" ({} moments)", tz::moment_format_name(c.moments)),
+                                           c.gas, placement_name(placement),
                                            config.gradient_clipping);
       SCOPED_TRACE(what);
       const Options o{.gas = c.gas};
