@@ -281,8 +281,8 @@ class _CpuOptimizer(torch.optim.Optimizer):
             arrays = self._state_arrays(state, group)
             states = {k: to_dlpack(v) for k, v in arrays.items()}
             if self._int8:
-                for key in self._state_keys:
-                    states[self._kernel_args[key] + "_scale"] = to_dlpack(state[key + "_scale"])
+                for name in self._state_keys:
+                    states[self._kernel_args[name] + "_scale"] = to_dlpack(state[name + "_scale"])
             remainder = to_dlpack(state["master_remainder"]) if self._remainder else None
             self._kernel.step(hyper, n, 1.0, to_dlpack(p.detach()), to_dlpack(grad),
                               param16=None if param16 is None else to_dlpack(param16), remainder=remainder,

@@ -24,7 +24,7 @@ def test_wrong_dtype_names_the_argument(opt):
         opt.step(HYPER, 1, 1.0, p, g.astype(np.float64), m, v)
     with pytest.raises(TypeError, match=r"argument 'param' must be float32; got int32"):
         opt.step(HYPER, 1, 1.0, p.astype(np.int32), g, m, v)
-    with pytest.raises(TypeError, match=r"argument 'exp_avg' must be float32 or bfloat16; got float16"):
+    with pytest.raises(TypeError, match=r"argument 'exp_avg' must be float32, bfloat16 or uint8; got float16"):
         opt.step(HYPER, 1, 1.0, p, g, m.astype(np.float16), v)
 
 

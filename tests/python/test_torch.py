@@ -436,14 +436,9 @@ def test_train_batch_size_derives_the_accumulation_steps_and_the_engine_answers_
         tzt.initialize(mlp(), config)
 
 
-def test_state_formats_the_engine_does_not_store_yet_are_refused_not_trained_in_fp32(nvme_dir):
-    # tierzero.states reaches the engine through the config; int8 moments are not stored yet, and it says so.
+def test_a_state_format_the_parameters_cannot_hold_is_refused_not_trained_in_fp32(nvme_dir):
+    # tierzero.states reaches the engine through the config; a remainder master needs bf16 parameters, and says so.
     config = host_config(nvme_dir)
-    config["bf16"] = {"enabled": True}
-    config["tierzero"]["states"] = {"master": "remainder", "moments": "int8"}
-    with pytest.raises(RuntimeError, match="tierzero.states.moments = int8 is not implemented by the engine yet; "
-                                           "tierzero-estimate plans it"):
-        tzt.initialize(mlp(), config)
     config["tierzero"]["states"] = {"master": "remainder"}
     config["fp16"], config["bf16"] = {"enabled": True}, {"enabled": False}
     with pytest.raises(ValueError, match="needs bf16 parameters, but fp16.enabled is true"):
@@ -477,8 +472,12 @@ def test_remainder_masters_train_through_tierzero_torch_exactly_as_fp32_masters(
     bf16_losses, bf16_masters = _train_tiny_gpt(nvme_dir, {"master": "remainder", "moments": "bf16"})
     assert bf16_losses[0] == losses[0]
     assert any(not torch.equal(bf16_masters[n], m) for n, m in masters.items())  # bf16 moments are in effect
+    int8_losses, int8_masters = _train_tiny_gpt(nvme_dir, {"master": "remainder", "moments": "int8"})
+    assert int8_losses[0] == losses[0]
+    assert any(not torch.equal(int8_masters[n], m) for n, m in masters.items())  # int8 moments are in effect
+    assert abs(int8_losses[-1] - losses[-1]) <= 0.02 * losses[-1]
     print(f"tiny GPT, 6 steps: loss {losses[0]:.4f} -> {losses[-1]:.4f} (fp32 and remainder masters, identical); "
-          f"with bf16 moments -> {bf16_losses[-1]:.4f}")
+          f"with bf16 moments -> {bf16_losses[-1]:.4f}, int8 moments -> {int8_losses[-1]:.4f}")
 
 
 def test_deepspeed_style_checkpoints_take_a_tag_and_a_client_state(nvme_dir, tmp_path):
