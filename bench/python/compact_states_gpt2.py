@@ -130,7 +130,7 @@ def run_tierzero(args, train, val, fmt: str) -> dict:
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
             engine.step()
-            losses.append(float(loss.float()))
+            losses.append(float(loss.detach().float()))
             report = engine.last_report
             nvme_bytes.append(report.get("nvme_read_bytes", 0) + report.get("nvme_write_bytes", 0))
         seconds = time.perf_counter() - start
@@ -171,8 +171,8 @@ def main() -> None:
             raise SystemExit(f"--ways: unknown way {way!r}; expected torch or one of {', '.join(FORMATS)}")
         rows[way] = run_torch(args, train, val) if way == "torch" else run_tierzero(args, train, val, way)
         print(f"  {way}: done in {rows[way]['seconds']:.1f} s", flush=True)
-    ref = rows.get("fp32") or rows.get("torch")
-    ref_name = "fp32" if "fp32" in rows else "torch"
+    ref_name = "fp32" if "fp32" in rows else ("torch" if "torch" in rows else next(iter(rows)))
+    ref = rows[ref_name]
     print(f"\nGPT-2-shaped model: {params / 1e6:.2f}M parameters ({args.layers} x {args.hidden}, seq {args.seq}, "
           f"batch {args.batch}), {args.steps} steps, AdamW betas (0.9, 0.999); host {cpu_name()}, {os.cpu_count()} CPUs")
     print(f"{'way':<18}{'train loss (last 20)':>22}{'val loss':>10}{'vs ' + ref_name:>10}{'vs torch':>10}"
