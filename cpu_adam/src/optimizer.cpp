@@ -146,9 +146,13 @@ Status CpuOptimizerImpl::step(const Hyper& hyper, const StepArgs& args, const Sp
   // Int8 moments step through the fp32-moment loops on decoded blocks.
   const bool int8 = spans.moment_dtype == DType::kUint8;
   const std::size_t moment_index = int8 ? 0 : static_cast<std::size_t>(spans.moment_dtype);
-  const auto fn_for = [&](const Hyper& h) {
-    return table_.step[static_cast<std::size_t>(detail::kind_of(h))][static_cast<std::size_t>(spans.grad_dtype)]
-                      [moment_index][static_cast<std::size_t>(layout)];
+  // Null for a dtype the table has no loop for: validate_spans (below, before
+  // any run is used) refuses those by name.
+  const std::size_t grad_index = static_cast<std::size_t>(spans.grad_dtype);
+  const auto fn_for = [&](const Hyper& h) -> detail::StepFn {
+    if (grad_index >= detail::kGradDtypes || moment_index >= detail::kMomentDtypes) return nullptr;
+    return table_.step[static_cast<std::size_t>(detail::kind_of(h))][grad_index][moment_index]
+                      [static_cast<std::size_t>(layout)];
   };
   std::vector<Run> runs;
   runs.reserve(2 * spans.weight_decay_segments.size() + 1);
