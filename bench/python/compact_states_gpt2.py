@@ -118,7 +118,7 @@ def run_tierzero(args, train, val, fmt: str) -> dict:
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 1_000_000,
                               "offload_param": {"device": "nvme", "nvme_path": nvme},
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
-        "tierzero": {"backend": "host", "states": FORMATS[fmt]},
+        "tierzero": {"backend": "host", "states": FORMATS[fmt], "step_under_backward": args.step_under_backward},
     }
     model = make_model(args).to(torch.bfloat16)
     engine, optimizer, *_ = tzt.initialize(model, config)
@@ -154,6 +154,8 @@ def main() -> None:
     ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--ways", default="torch,fp32,remainder,remainder+bf16",
                     help="comma-separated: torch and any of " + ", ".join(FORMATS))
+    ap.add_argument("--step-under-backward", type=lambda v: v == "on", default=True, metavar="on|off",
+                    help="tierzero.step_under_backward (default on, the engine's default)")
     ap.add_argument("--nvme-path", default=os.environ.get("TMPDIR", "/var/tmp"))
     ap.add_argument("--json")
     args = ap.parse_args()
