@@ -158,39 +158,34 @@ Status ZeroEngineImpl::make_stores() {
   // Note [Coloured arrays]: the five arrays one optimizer kernel streams each get their own colour.
   TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, dtype_bytes(param_type_), Colour::kParam16));
   TZ_ASSIGN_OR_RETURN(grad_, make(StateClass::kGrad, 4, Colour::kGrad));
-  if (c.states.master == MasterFormat::kRemainder) {  // Note [Stored remainder shards]
-    TieredStoreArgs args = store_args(StateClass::kMaster, 0, Colour::kMaster);
-    args.bytes_of = [](std::uint64_t n) { return stored_master_bytes(MasterFormat::kRemainder, n); };
-    TZ_ASSIGN_OR_RETURN(master_, TieredStore::create(args, shards));
-  } else {
-    TZ_ASSIGN_OR_RETURN(master_, make(StateClass::kMaster, 4, Colour::kMaster));
-  }
-  // Note [Stored int8 moment shards]: codes and block scales in one shard.
-  auto make_moment = [&](Colour colour) {
-    TieredStoreArgs args = store_args(StateClass::kMoments, dtype_bytes(moment_type()), colour);
-    if (c.states.moments == MomentFormat::kInt8) {
+  // The master's and the moments' arguments in their formats: a shard that is
+  // not a whole number of bytes per element takes its stored size (Notes
+  // [Stored remainder shards], [Stored int8 moment shards]). The second copies
+  // of Note [Stepping under backward] are made from the same arguments.
+  auto state_args = [&](StateClass cls, Colour colour) {
+    const bool master = cls == StateClass::kMaster;
+    const bool remainder = c.states.master == MasterFormat::kRemainder;
+    TieredStoreArgs args = store_args(cls, master ? (remainder ? 0 : 4) : dtype_bytes(moment_type()), colour);
+    if (master && remainder) {
+      args.bytes_of = [](std::uint64_t n) { return stored_master_bytes(MasterFormat::kRemainder, n); };
+    } else if (!master && c.states.moments == MomentFormat::kInt8) {
       args.bytes_of = [](std::uint64_t n) { return stored_moment_bytes(MomentFormat::kInt8, n); };
     }
-    return TieredStore::create(args, shards);
+    return args;
   };
+  TZ_ASSIGN_OR_RETURN(master_, TieredStore::create(state_args(StateClass::kMaster, Colour::kMaster), shards));
   if (!adagrad) {
-    TZ_ASSIGN_OR_RETURN(exp_avg_, make_moment(Colour::kExpAvg));
+    TZ_ASSIGN_OR_RETURN(exp_avg_, TieredStore::create(state_args(StateClass::kMoments, Colour::kExpAvg), shards));
   }
   if (!lion) {
-    TZ_ASSIGN_OR_RETURN(exp_avg_sq_, make_moment(Colour::kExpAvgSq));
+    TZ_ASSIGN_OR_RETURN(exp_avg_sq_,
+                        TieredStore::create(state_args(StateClass::kMoments, Colour::kExpAvgSq), shards));
   }
   if (ahead_shadow_bytes_ > 0) {  // Note [Stepping under backward]: same arguments, other extents
     for (auto [store, shadow] : {std::pair{master_.get(), &master_shadow_}, std::pair{exp_avg_.get(), &exp_avg_shadow_},
                                  std::pair{exp_avg_sq_.get(), &exp_avg_sq_shadow_}}) {
       if (store == nullptr || store->tier() != Tier::kNvme) continue;
-      TieredStoreArgs args = store_args(store->state(), store->elem_bytes(), store->colour());
-      if (store == master_.get() && c.states.master == MasterFormat::kRemainder) {
-        args.bytes_of = [](std::uint64_t n) { return stored_master_bytes(MasterFormat::kRemainder, n); };
-      }
-      if (store != master_.get() && c.states.moments == MomentFormat::kInt8) {
-        args.bytes_of = [](std::uint64_t n) { return stored_moment_bytes(MomentFormat::kInt8, n); };
-      }
-      TZ_ASSIGN_OR_RETURN(*shadow, TieredStore::create(args, shards));
+      TZ_ASSIGN_OR_RETURN(*shadow, TieredStore::create(state_args(store->state(), store->colour()), shards));
     }
   }
   return ok_status();
