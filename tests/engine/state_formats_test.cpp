@@ -197,6 +197,18 @@ TEST(RemainderMasters, TheStepReportCountsTheRemainderBytes) {
   EXPECT_EQ(remainder->written, fp32->written - master_fp32 + master_rem);
 }
 
+// Every placement trained in `formats` steps as `base` (the same formats in
+// CPU memory), bit for bit.
+void expect_every_placement_steps_as(const RunBits& base, tz::StateFormats formats) {
+  for (const Placement& placement : kPlacements) {
+    SCOPED_TRACE(fmt::format("master {}, {}", tz::master_format_name(formats.master), placement_name(placement)));
+    TempDir nvme;
+    const auto got = run(nvme.path(), formats, placement);
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    EXPECT_EQ(first_difference(base, *got), "");
+  }
+}
+
 TEST(Bf16Moments, EveryPlacementStepsAsTheSameFormatsInCpuMemoryBitForBit) {
   using tz::MomentFormat;
   const Placement in_memory = kPlacements[2];
@@ -207,13 +219,7 @@ TEST(Bf16Moments, EveryPlacementStepsAsTheSameFormatsInCpuMemoryBitForBit) {
   // The control: bf16 moments are really in effect.
   EXPECT_NE(first_difference(*fp32, *base), "");
   for (MasterFormat master : {MasterFormat::kFp32, MasterFormat::kRemainder}) {
-    for (const Placement& placement : kPlacements) {
-      SCOPED_TRACE(fmt::format("master {}, {}", tz::master_format_name(master), placement_name(placement)));
-      TempDir nvme;
-      const auto got = run(nvme.path(), {master, MomentFormat::kBf16}, placement);
-      ASSERT_TRUE(got.ok()) << got.status().to_string();
-      EXPECT_EQ(first_difference(*base, *got), "");
-    }
+    expect_every_placement_steps_as(*base, {master, MomentFormat::kBf16});
   }
 }
 
@@ -252,13 +258,7 @@ TEST(Int8Moments, EveryPlacementStepsAsTheSameFormatsInCpuMemoryBitForBit) {
     ASSERT_TRUE(base.ok()) << base.status().to_string();
     // The control: int8 moments are really in effect.
     EXPECT_NE(first_difference(*bf16, *base), "");
-    for (const Placement& placement : kPlacements) {
-      SCOPED_TRACE(fmt::format("master {}, {}", tz::master_format_name(master), placement_name(placement)));
-      TempDir nvme;
-      const auto got = run(nvme.path(), {master, MomentFormat::kInt8}, placement);
-      ASSERT_TRUE(got.ok()) << got.status().to_string();
-      EXPECT_EQ(first_difference(*base, *got), "");
-    }
+    expect_every_placement_steps_as(*base, {master, MomentFormat::kInt8});
   }
 }
 
