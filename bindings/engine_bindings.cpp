@@ -49,6 +49,7 @@
 #include "errors.h"
 #include "store.h"
 #include "tierzero/engine.h"
+#include "tierzero/kernels.h"
 
 namespace tzpy {
 namespace {
@@ -336,51 +337,48 @@ std::optional<void*> caller_stream(const CoreHandle& core, std::optional<std::in
 }
 
 // Copies each gradient into a fresh, unzeroed GradBlock of `block` and zeroes
-// the rest of it (None gradients, the gaps between parameters, the padding)
-// on the same stream, then hands it to reduce_grads, after the caller's
-// `producer` stream where there is one (Note [Gradients from another
-// library's stream]). One host wait per block on CUDA, where zeroing the
-// whole buffer first cost a second one. Caller holds the mutex, not the GIL.
+// the rest of it (None gradients, the gaps between parameters, the padding),
+// then hands it to reduce_grads. On CUDA that is one flatten launch (gaps as
+// zero slices) on the copy stream, after the caller's `producer` stream where
+// there is one (Note [Gradients from another library's stream]), and one
+// host wait per block: a copy per parameter and a memset per gap were one
+// launch each. Caller holds the mutex, not the GIL.
 tz::Status reduce_from(CoreHandle& core, std::size_t block, const std::vector<std::optional<ArrayInfo>>& grads,
                        std::optional<void*> producer) {
   TZ_ASSIGN_OR_RETURN(tz::GradBlock g, core.engine->grad_buffer(block, tz::GradFill::kUninitialised));
   const std::size_t bytes = tz::dtype_bytes(g.type());
   const tz::BlockLayout& b = core.engine->layout().blocks[block];
-  // On the Host backend "device" memory is host memory: a memcpy, not a
-  // round trip through the backend's copy thread (tens of microseconds per
-  // parameter, most of the per-module cost of tierzero.torch on small modules).
-  const bool host = core.device->kind() == tz::BackendKind::kHost;
-  if (producer && !host) {
+  std::vector<std::size_t> order(grads.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return b.params[x].offset < b.params[y].offset; });
+  std::vector<tz::kernels::Slice> slices;  // in bytes; tensor nullptr: zeros
+  slices.reserve(2 * grads.size() + 1);
+  std::uint64_t written = 0;  // every element before this one has its value
+  auto gap_to = [&](std::uint64_t to) {
+    if (to > written) slices.push_back({nullptr, written * bytes, (to - written) * bytes});
+  };
+  for (std::size_t i : order) {
+    if (!grads[i]) continue;
+    gap_to(b.params[i].offset);
+    slices.push_back({grads[i]->data, b.params[i].offset * bytes, b.params[i].numel * bytes});
+    written = b.params[i].offset + b.params[i].numel;
+  }
+  gap_to(b.whole_numel);
+  // On the Host backend "device" memory is host memory: memcpy and memset,
+  // not a round trip through the backend's copy thread (tens of microseconds
+  // per parameter, most of the per-module cost of tierzero.torch on small modules).
+  if (core.device->kind() == tz::BackendKind::kHost) {
+    tz::kernels::flatten_cpu(slices.data(), slices.size(), g.data());
+    return core.engine->reduce_grads(std::move(g));
+  }
+  if (producer) {
     TZ_TRY_CTX(core.device->stream_wait_native(*core.copy_stream, *producer),
                "Engine.reduce_grads(): waiting for stream={:#x} (the gradients' producer) on {}",
                reinterpret_cast<std::uintptr_t>(*producer), core.device->name());
   }
-  char* base = static_cast<char*>(g.data());
-  auto zero = [&](std::uint64_t from, std::uint64_t to) -> tz::Status {  // elements [from, to)
-    if (to <= from) return tz::ok_status();
-    if (host) {
-      std::memset(base + from * bytes, 0, (to - from) * bytes);
-      return tz::ok_status();
-    }
-    return core.device->memset_async(base + from * bytes, 0, (to - from) * bytes, *core.copy_stream);
-  };
-  std::vector<std::size_t> order(grads.size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return b.params[x].offset < b.params[y].offset; });
-  std::uint64_t written = 0;  // every element before this one has its value
-  for (std::size_t i : order) {
-    if (!grads[i]) continue;
-    TZ_TRY(zero(written, b.params[i].offset));
-    const std::size_t n = b.params[i].numel * bytes;
-    if (host) {
-      std::memcpy(g.grad(i), grads[i]->data, n);
-    } else {
-      TZ_TRY(core.device->copy_async(g.grad(i), grads[i]->data, n, *core.copy_stream));
-    }
-    written = b.params[i].offset + b.params[i].numel;
-  }
-  TZ_TRY(zero(written, b.whole_numel));
-  if (!host) TZ_TRY(core.device->synchronize_stream(*core.copy_stream));
+  TZ_TRY_CTX(tz::kernels::flatten_cuda(slices.data(), slices.size(), g.data(), core.copy_stream->native_handle()),
+             "Engine.reduce_grads(): copying the gradients of block '{}' into its buffer", b.name);
+  TZ_TRY(core.device->synchronize_stream(*core.copy_stream));
   return core.engine->reduce_grads(std::move(g));
 }
 

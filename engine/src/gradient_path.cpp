@@ -154,9 +154,13 @@ Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool fir
 // Note [GPU optimizer]
 // With every state class on the GPU (CUDA), nothing leaves the device: the
 // reduced shard is added into the fp32 gradient accumulator by a kernel on
-// the grad thread's stream, whose squared norm (the deterministic
-// multi-tensor kernel) comes back as one double per block for the global
-// norm; step() runs the Adam kernel over each block's shard with the 16-bit
+// the grad thread's stream, and the host waits for it (the shard's buffer
+// goes back to its pool after). No norm per micro-batch: at the window's
+// end, window_norms() takes every block's squared norm in one launch of the
+// deterministic multi-tensor kernel, one copy and one wait (each tensor's
+// sum is the same whether it is reduced alone or with others, so this is the
+// per-block norm the path used to take after each accumulation, bit for
+// bit). step() runs the Adam kernel over each block's shard with the 16-bit
 // copy-out. The arithmetic is the CPU optimizer's (one fma per accumulated
 // element, Adam in fp32 with double bias corrections), so the engine matches
 // the same in-memory reference on either path.
@@ -167,14 +171,26 @@ Status GradientPath::accumulate_on_device(std::size_t block, const void* d_shard
   void* stream = deps_.d2h_stream->native_handle();
   TZ_TRY_CTX(kernels::accumulate_grad_cuda(acc, d_shard, deps_.grad_type, b.shard_numel, first, static_cast<float>(scale), stream),
              "accumulating the gradients of {} on the GPU", b.name);
-  TZ_ASSIGN_OR_RETURN(PoolBlock d_norm, deps_.device_pool->allocate(sizeof(double)));
-  const kernels::TensorRef shard{acc, b.shard_numel};
-  TZ_TRY_CTX(kernels::squared_norms_cuda(&shard, 1, d_norm.as<double>(), stream), "the gradient norm of {}", b.name);
-  double sum_squares = 0;
-  TZ_TRY(deps_.device->copy_async(&sum_squares, d_norm.data(), sizeof(double), *deps_.d2h_stream));
+  return deps_.device->synchronize_stream(*deps_.d2h_stream);
+}
+
+Status GradientPath::window_norms() {
+  if (!deps_.on_device) return ok_status();  // accumulate() took each block's norm as it went
+  const std::size_t count = deps_.layout->blocks.size();
+  std::vector<kernels::TensorRef> shards(count);
+  for (std::size_t b = 0; b < count; ++b) {
+    shards[b] = {static_cast<const float*>(deps_.grad->memory(b)), deps_.layout->blocks[b].shard_numel};
+  }
+  TZ_ASSIGN_OR_RETURN(PoolBlock d_norms, deps_.device_pool->allocate(count * sizeof(double)));
+  TZ_TRY_CTX(kernels::squared_norms_cuda(shards.data(), count, d_norms.as<double>(), deps_.d2h_stream->native_handle()),
+             "the gradient norms of {} blocks", count);
+  std::vector<double> norms(count);
+  TZ_TRY(deps_.device->copy_async(norms.data(), d_norms.data(), count * sizeof(double), *deps_.d2h_stream));
   TZ_TRY(deps_.device->synchronize_stream(*deps_.d2h_stream));
-  sum_squares_[block] = sum_squares;
-  non_finite_[block] = !std::isfinite(sum_squares);
+  for (std::size_t b = 0; b < count; ++b) {
+    sum_squares_[b] = norms[b];
+    non_finite_[b] = !std::isfinite(norms[b]);
+  }
   return ok_status();
 }
 

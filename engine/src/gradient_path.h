@@ -77,7 +77,13 @@ class GradientPath {
   // The comm or grad thread's failure so far.
   Status error() const;
 
-  // Of the accumulated shard of `block` (loss-scaled), after wait().
+  // At the window's end, after wait() and once every block's accumulator
+  // holds its window's gradient (stale ones zeroed): takes the norms the GPU
+  // optimizer's path leaves for then (Note [GPU optimizer]); nothing to do
+  // on the other paths.
+  Status window_norms();
+  // Of the accumulated shard of `block` (loss-scaled), after wait() (GPU
+  // optimizer: after window_norms()).
   double sum_squares(std::size_t block) const { return sum_squares_[block]; }
   bool non_finite(std::size_t block) const { return non_finite_[block]; }
   // A block no reduce() reached this window: its accumulator holds zeros.

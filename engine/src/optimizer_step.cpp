@@ -231,6 +231,7 @@ Expected<StepReport> ZeroEngineImpl::step() {
   // issues the next window from the new parameters.
   prefetcher_->drop_in_flight();
   TZ_TRY(zero_stale_grads());
+  TZ_TRY(grads_->window_norms());
   blocks_.end_window();
   TZ_ASSIGN_OR_RETURN(report.overflow, global_norm(report.grad_norm));
   const double scale_used = scaler_.scale();

@@ -33,7 +33,7 @@ cudaError_t accumulate_grad(float* d_acc, const void* d_grad, int format, std::s
 // One launch for many byte copies on the device (flatten / unflatten).
 struct Copy {
   void* dst;
-  const void* src;
+  const void* src;  // nullptr: write zeros
   std::size_t bytes;
 };
 cudaError_t copy_slices(const Copy* copies, std::size_t count, cudaStream_t stream);

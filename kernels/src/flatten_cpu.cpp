@@ -8,13 +8,19 @@ namespace tz::kernels {
 
 void flatten_cpu(const Slice* slices, std::size_t count, void* flat) {
   for (std::size_t i = 0; i < count; ++i) {
-    if (slices[i].bytes > 0) std::memcpy(static_cast<char*>(flat) + slices[i].offset, slices[i].tensor, slices[i].bytes);
+    char* at = static_cast<char*>(flat) + slices[i].offset;
+    if (slices[i].bytes == 0) continue;
+    if (slices[i].tensor == nullptr) {
+      std::memset(at, 0, slices[i].bytes);
+    } else {
+      std::memcpy(at, slices[i].tensor, slices[i].bytes);
+    }
   }
 }
 
 void unflatten_cpu(const void* flat, const Slice* slices, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) {
-    if (slices[i].bytes > 0) {
+    if (slices[i].bytes > 0 && slices[i].tensor != nullptr) {
       std::memcpy(slices[i].tensor, static_cast<const char*>(flat) + slices[i].offset, slices[i].bytes);
     }
   }

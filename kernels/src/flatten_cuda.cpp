@@ -11,13 +11,15 @@ namespace tz::kernels {
 namespace {
 
 Status copy(const char* what, const Slice* slices, std::size_t count, void* flat, bool into_flat, void* stream) {
-  std::vector<launch::Copy> copies(count);
+  std::vector<launch::Copy> copies;
+  copies.reserve(count);
   for (std::size_t i = 0; i < count; ++i) {
     char* at = static_cast<char*>(flat) + slices[i].offset;
-    copies[i] = into_flat ? launch::Copy{at, slices[i].tensor, slices[i].bytes}
-                          : launch::Copy{slices[i].tensor, at, slices[i].bytes};
+    if (!into_flat && slices[i].tensor == nullptr) continue;  // a gap: nothing to unflatten
+    copies.push_back(into_flat ? launch::Copy{at, slices[i].tensor, slices[i].bytes}
+                               : launch::Copy{slices[i].tensor, at, slices[i].bytes});
   }
-  if (cudaError_t err = launch::copy_slices(copies.data(), count, static_cast<cudaStream_t>(stream)); err != cudaSuccess) {
+  if (cudaError_t err = launch::copy_slices(copies.data(), copies.size(), static_cast<cudaStream_t>(stream)); err != cudaSuccess) {
     (void)cudaGetLastError();  // the launch error is returned, not left for the next call
     return ::tz::detail::cuda_error(err, what, std::source_location::current());
   }

@@ -5,7 +5,8 @@
 // chunk, so a big tensor and many small ones spread evenly over the GPU. A
 // chunk whose source and destination are both 16-byte aligned (the usual
 // case: the engine aligns parameters to 64 bytes) moves in 16-byte vectors;
-// any other chunk, and a chunk's ragged tail, byte by byte.
+// any other chunk, and a chunk's ragged tail, byte by byte. A chunk with no
+// source (a gap, flatten only) is written with zeros the same way.
 #include <vector>
 
 #include "cuda_launch.h"
@@ -30,10 +31,11 @@ __global__ void copy_chunks_kernel(const Chunk* __restrict__ chunks) {
     const unsigned long long vectors = c.bytes / 16;
     auto* d = reinterpret_cast<uint4*>(c.dst);
     const auto* s = reinterpret_cast<const uint4*>(c.src);
-    for (unsigned long long i = threadIdx.x; i < vectors; i += kThreads) d[i] = s[i];
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (unsigned long long i = threadIdx.x; i < vectors; i += kThreads) d[i] = s != nullptr ? s[i] : zero;
     done = vectors * 16;
   }
-  for (unsigned long long i = done + threadIdx.x; i < c.bytes; i += kThreads) c.dst[i] = c.src[i];
+  for (unsigned long long i = done + threadIdx.x; i < c.bytes; i += kThreads) c.dst[i] = c.src != nullptr ? c.src[i] : 0;
 }
 
 }  // namespace
@@ -43,7 +45,8 @@ cudaError_t copy_slices(const Copy* copies, std::size_t count, cudaStream_t stre
   for (std::size_t i = 0; i < count; ++i) {
     for (std::size_t at = 0; at < copies[i].bytes; at += kChunkBytes) {
       const std::size_t len = copies[i].bytes - at < kChunkBytes ? copies[i].bytes - at : kChunkBytes;
-      chunks.push_back({static_cast<char*>(copies[i].dst) + at, static_cast<const char*>(copies[i].src) + at, len});
+      const char* src = copies[i].src != nullptr ? static_cast<const char*>(copies[i].src) + at : nullptr;
+      chunks.push_back({static_cast<char*>(copies[i].dst) + at, src, len});
     }
   }
   if (chunks.empty()) return cudaSuccess;

@@ -4,6 +4,7 @@
 // a vector and larger than a chunk.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -75,6 +76,28 @@ TEST(Flatten, CpuTwinsPlaceEveryByteAndTouchNothingElse) {
   EXPECT_EQ(back, c.tensors);
 }
 
+// A slice with no tensor is a gap: flatten zeroes it (the engine's gradient
+// buffer is filled, gaps and all, in one call), unflatten leaves it alone.
+TEST(Flatten, GapSlicesAreZeroedAndSkippedOnTheWayBack) {
+  Case c = make_case(std::random_device{}());
+  std::vector<void*> where;
+  for (auto& t : c.tensors) where.push_back(t.data());
+  std::vector<Slice> s = slices_of(c, where);
+  const std::size_t gaps[] = {1, 4, 7};  // 1 byte, 4096 and 65537 bytes
+  for (std::size_t g : gaps) s[g].tensor = nullptr;
+  std::vector<std::uint8_t> flat(c.flat_bytes, 0xAB);
+  flatten_cpu(s.data(), s.size(), flat.data());
+  for (std::size_t g : gaps) {
+    for (std::size_t j = 0; j < c.tensors[g].size(); ++j) ASSERT_EQ(flat[c.offsets[g] + j], 0) << "gap " << g << " byte " << j;
+  }
+  for (std::size_t j = 0; j < c.tensors[3].size(); ++j) ASSERT_EQ(flat[c.offsets[3] + j], c.tensors[3][j]);
+  // Back out: the gaps' tensors (still nullptr) are not written, the rest are.
+  std::fill(flat.begin() + static_cast<std::ptrdiff_t>(c.offsets[3]),
+            flat.begin() + static_cast<std::ptrdiff_t>(c.offsets[3] + c.tensors[3].size()), 0x5A);
+  unflatten_cpu(flat.data(), s.data(), s.size());
+  EXPECT_EQ(c.tensors[3], std::vector<std::uint8_t>(c.tensors[3].size(), 0x5A));
+}
+
 TEST(FlattenCuda, MatchesTheCpuTwinsByteForByte) {
 #if !defined(TIERZERO_WITH_CUDA)
   GTEST_SKIP() << "built without CUDA (-DTIERZERO_CUDA=OFF)";
@@ -96,12 +119,23 @@ TEST(FlattenCuda, MatchesTheCpuTwinsByteForByte) {
   ASSERT_EQ(cudaMalloc(&d_flat, c.flat_bytes), cudaSuccess);
   ASSERT_EQ(cudaMemset(d_flat, 0xAB, c.flat_bytes), cudaSuccess);
   const std::vector<Slice> d_slices = slices_of(c, d_tensors);
-  ASSERT_TRUE(flatten_cuda(d_slices.data(), d_slices.size(), d_flat, nullptr).ok());
-  std::vector<std::uint8_t> got(c.flat_bytes), want(c.flat_bytes, 0xAB);
-  ASSERT_EQ(cudaMemcpy(got.data(), d_flat, c.flat_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   std::vector<void*> h_tensors;
   for (auto& t : c.tensors) h_tensors.push_back(t.data());
   const std::vector<Slice> h_slices = slices_of(c, h_tensors);
+  std::vector<std::uint8_t> got(c.flat_bytes), want(c.flat_bytes, 0xAB);
+  // First with gaps (tensor nullptr: zeros), unaligned and over a chunk among them.
+  {
+    std::vector<Slice> d_gapped = d_slices, h_gapped = h_slices;
+    for (std::size_t g : {1, 4, 7}) d_gapped[g].tensor = h_gapped[g].tensor = nullptr;
+    ASSERT_TRUE(flatten_cuda(d_gapped.data(), d_gapped.size(), d_flat, nullptr).ok());
+    ASSERT_EQ(cudaMemcpy(got.data(), d_flat, c.flat_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    flatten_cpu(h_gapped.data(), h_gapped.size(), want.data());
+    EXPECT_EQ(got, want);
+    ASSERT_EQ(cudaMemset(d_flat, 0xAB, c.flat_bytes), cudaSuccess);
+    std::fill(want.begin(), want.end(), 0xAB);
+  }
+  ASSERT_TRUE(flatten_cuda(d_slices.data(), d_slices.size(), d_flat, nullptr).ok());
+  ASSERT_EQ(cudaMemcpy(got.data(), d_flat, c.flat_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   flatten_cpu(h_slices.data(), h_slices.size(), want.data());
   EXPECT_EQ(got, want);
   // Unflatten into zeroed device tensors.

@@ -115,11 +115,14 @@ Status accumulate_grad_cuda(float* d_acc, const void* d_grad, DType format, std:
 // its GradBlock, in one launch instead of one copy per parameter), and back.
 // Byte copies, so any element type: `bytes` and `offset` are in bytes. The
 // tensors must not overlap each other or the flat buffer's other slices.
+// A slice whose tensor is nullptr is a gap: flatten writes `bytes` zero bytes
+// there (a missing gradient, the padding between parameters), unflatten
+// skips it; so a whole buffer is filled in one launch.
 //
 //   std::vector<tz::kernels::Slice> s = {{grad_w, 0, w_bytes}, {grad_b, w_off, b_bytes}};
 //   TZ_TRY(tz::kernels::flatten_cuda(s.data(), s.size(), d_flat, stream));
 struct Slice {
-  void* tensor = nullptr;       // the tensor's memory (read by flatten, written by unflatten)
+  void* tensor = nullptr;       // the tensor's memory (read by flatten, written by unflatten); nullptr: zeros
   std::size_t offset = 0;       // where it lies in the flat buffer, bytes
   std::size_t bytes = 0;
 };
