@@ -245,25 +245,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_match_one_plain_pytorch_process(tmp_path, nvme_dir):
-    gen = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(STEPS)]
-    torch.save(batches, tmp_path / "batches.pt")
+def run_two_ranks(tmp_path, nvme_dir, worker: str, config_of, out_name: str) -> None:
+    """Runs `worker` (formatted with tests= and rank=) as ranks 0 and 1 of one Gloo job on this host, each with
+    config_of(its NVMe folder), argv: the config, tmp_path/batches.pt, tmp_path/out_name. Fails the test with
+    every failed rank's log; a rank that fails ends the run at once (the other would wait in its next collective
+    until the timeout)."""
     port = free_port()
     procs = []
     for rank in (0, 1):
         nvme = os.path.join(nvme_dir, f"rank{rank}")
         os.makedirs(nvme)
-        config = host_config(nvme, lr=1e-2, clip=1.0)
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    TIERZERO_RENDEZVOUS_DIR=str(tmp_path / "rendezvous"))
-        code = WORKER.format(tests=os.path.dirname(__file__), rank=rank)
+        code = worker.format(tests=os.path.dirname(__file__), rank=rank)
         with open(tmp_path / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(config),
-                                           str(tmp_path / "batches.pt"), str(tmp_path / "master.pt")],
+            procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(config_of(nvme)),
+                                           str(tmp_path / "batches.pt"), str(tmp_path / out_name)],
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
-    # A rank that fails ends the run at once (the other would wait in its next collective until the timeout).
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]  # every process, each pass
@@ -277,6 +276,13 @@ def test_two_ranks_match_one_plain_pytorch_process(tmp_path, nvme_dir):
     failed = [f"rank {rank} {'killed' if p.returncode < 0 else f'failed ({p.returncode})'}:\n"
               f"{(tmp_path / f'rank{rank}.log').read_text()}" for rank, p in enumerate(procs) if p.returncode != 0]
     assert not failed, "\n".join(failed)
+
+
+def test_two_ranks_match_one_plain_pytorch_process(tmp_path, nvme_dir):
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(STEPS)]
+    torch.save(batches, tmp_path / "batches.pt")
+    run_two_ranks(tmp_path, nvme_dir, WORKER, lambda nvme: host_config(nvme, lr=1e-2, clip=1.0), "master.pt")
 
     # One process, the whole batch: the mean of the two halves' losses is the engine's mean over ranks.
     torch.manual_seed(0)
@@ -349,33 +355,8 @@ def test_two_ranks_train_weight_decay_groups_as_one_plain_pytorch_process(tmp_pa
     gen = torch.Generator().manual_seed(6)
     batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(STEPS)]
     torch.save(batches, tmp_path / "batches.pt")
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        nvme = os.path.join(nvme_dir, f"rank{rank}")
-        os.makedirs(nvme)
-        config = host_config(nvme, lr=1e-2, weight_decay=0.01)
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   TIERZERO_RENDEZVOUS_DIR=str(tmp_path / "rendezvous"))
-        code = GROUPS_WORKER.format(tests=os.path.dirname(__file__), rank=rank)
-        with open(tmp_path / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(config),
-                                           str(tmp_path / "batches.pt"), str(tmp_path / "state.pt")],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if None not in codes or any(c not in (None, 0) for c in codes):
-            break
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    failed = [f"rank {rank} {'killed' if p.returncode < 0 else f'failed ({p.returncode})'}:\n"
-              f"{(tmp_path / f'rank{rank}.log').read_text()}" for rank, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(failed)
+    run_two_ranks(tmp_path, nvme_dir, GROUPS_WORKER, lambda nvme: host_config(nvme, lr=1e-2, weight_decay=0.01),
+                  "state.pt")
 
     torch.manual_seed(0)
     ref = mlp()
