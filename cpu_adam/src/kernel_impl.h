@@ -423,15 +423,21 @@ struct Table512 {
     for (int r = 0; r < (2 << kPairs); ++r) t[r] = _mm512_load_ps(at + 16 * r);
   }
   TZ_ADAM_INLINE __m512 at(__m512i idx) const {
+    __mmask16 high[kPairs > 0 ? kPairs : 1];
+    TZ_UNROLL
+    for (int bit = 0; bit < kPairs; ++bit) high[bit] = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32 << bit));
+    return at(idx, high);
+  }
+  // high[b]: the lanes whose idx has bit 5 + b set, where the caller knows them.
+  TZ_ADAM_INLINE __m512 at(__m512i idx, const __mmask16* high) const {
     __m512 part[1 << kPairs];
     TZ_UNROLL
     for (int p = 0; p < (1 << kPairs); ++p) part[p] = _mm512_permutex2var_ps(t[2 * p], idx, t[2 * p + 1]);
     TZ_UNROLL
     for (int bit = 0; bit < kPairs; ++bit) {
-      const __mmask16 high = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32 << bit));
       TZ_UNROLL
       for (int p = 0; p < (1 << kPairs) >> (bit + 1); ++p) {
-        part[p] = _mm512_mask_blend_ps(high, part[2 * p], part[2 * p + 1]);
+        part[p] = _mm512_mask_blend_ps(high[bit], part[2 * p], part[2 * p + 1]);
       }
     }
     return part[0];
@@ -443,29 +449,37 @@ struct Table512 {
 template <int kRounds>
 struct Search512 {
   static_assert(kRounds == 7 || kRounds == 8);
-  __m512 small[5];          // rounds 0..4: up to 16 candidates, one register each
+  __m512 small[5];          // rounds 0..4: up to 16 candidates, one register each (round 0's broadcast)
   __m512 r5[2];             // round 5: 32 candidates
   Table512<1> r6;           // round 6: 64
   Table512<kRounds == 8 ? 2 : 0> r7;  // round 7: 128 (unused with 7 rounds)
   explicit Search512(const float* s)
       : r5{_mm512_load_ps(s + kInt8SearchOffset[5]), _mm512_load_ps(s + kInt8SearchOffset[5] + 16)},
         r6(s + kInt8SearchOffset[6]), r7(s + kInt8SearchOffset[kRounds == 8 ? 7 : 0]) {
+    small[0] = _mm512_set1_ps(s[0]);
     TZ_UNROLL
-    for (int r = 0; r < 5; ++r) small[r] = _mm512_load_ps(s + kInt8SearchOffset[r]);
+    for (int r = 1; r < 5; ++r) small[r] = _mm512_load_ps(s + kInt8SearchOffset[r]);
   }
+  // i's bits are the rounds' outcomes, round 0's the highest; the selections
+  // of rounds 6 and 7 on i's bits 5 and 6 reuse the masks of rounds 0 and 1.
   TZ_ADAM_INLINE __m512i count_below(__m512 y) const {
     const __m512i one = _mm512_set1_epi32(1);
-    __m512i i = _mm512_setzero_si512();
-    const auto round = [&](__m512 candidate) {
-      const __mmask16 below = _mm512_cmp_ps_mask(candidate, y, _CMP_LT_OQ);
+    __mmask16 below[kRounds];
+    below[0] = _mm512_cmp_ps_mask(small[0], y, _CMP_LT_OQ);  // one candidate, in every lane
+    __m512i i = _mm512_maskz_mov_epi32(below[0], one);
+    const auto round = [&](int r, __m512 candidate) {
+      below[r] = _mm512_cmp_ps_mask(candidate, y, _CMP_LT_OQ);
       i = _mm512_add_epi32(i, i);
-      i = _mm512_mask_add_epi32(i, below, i, one);
+      i = _mm512_mask_add_epi32(i, below[r], i, one);
     };
     TZ_UNROLL
-    for (int r = 0; r < 5; ++r) round(_mm512_permutexvar_ps(i, small[r]));
-    round(_mm512_permutex2var_ps(r5[0], i, r5[1]));
-    round(r6.at(i));
-    if constexpr (kRounds == 8) round(r7.at(i));
+    for (int r = 1; r < 5; ++r) round(r, _mm512_permutexvar_ps(i, small[r]));
+    round(5, _mm512_permutex2var_ps(r5[0], i, r5[1]));
+    round(6, r6.at(i, &below[0]));
+    if constexpr (kRounds == 8) {
+      const __mmask16 high[2] = {below[1], below[0]};
+      round(7, r7.at(i, high));
+    }
     return i;
   }
 };
@@ -521,17 +535,8 @@ void int8_decode(const Int8Code& c, const std::uint8_t* codes, float scale, floa
     i = count / 16 * 16;
   }
 #endif
-#if defined(__AVX2__)
-  if constexpr (O::kLanes == 8) {
-    const __m256 s = _mm256_set1_ps(scale);
-    for (; i + 8 <= count; i += 8) {
-      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
-      __m256 t = _mm256_mul_ps(_mm256_i32gather_ps(c.decode, idx, 4), s);
-      if (c.on_sqrt) t = _mm256_mul_ps(t, t);
-      _mm256_storeu_ps(out + i, t);
-    }
-  }
-#endif
+  // AVX2 takes the element loop: on the Zen 5 measured, its 8-lane gathers
+  // were slower than scalar loads (Note [Int8 codes in registers]).
   for (; i < count; ++i) out[i] = int8_decode_one<O>(c, codes[i], scale);
 }
 
