@@ -409,6 +409,9 @@ TZ_ADAM_INLINE float int8_decode_one(const Int8Code& c, std::uint8_t code, float
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+// The templates below are not on the Ops type: they exist only in the AVX-512
+// object (this #if), so no narrower object emits a symbol the linker could
+// pick instead (Note [One object per instruction set]).
 // Loops over registers, unrolled so that their arrays stay in registers.
 #define TZ_UNROLL _Pragma("GCC unroll 16")
 
