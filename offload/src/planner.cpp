@@ -408,10 +408,11 @@ std::vector<Placement> candidate_placements(const PlanInput& in) {
   if (in.stage == 3) param_tiers = {Tier::kGpu, Tier::kCpu, Tier::kNvme};
   std::vector<Placement> out;
   for (Tier param : param_tiers) {
-    // The GPU optimizer steps fp32 masters and moments only (the engine
-    // refuses compact states there): with compact ones the optimizer's
+    // The GPU optimizer steps fp32 or remainder masters and fp32 or bf16
+    // moments (Note [Compact states on the GPU optimizer] in
+    // engine/src/optimizer_pass.cpp); with int8 moments the optimizer's
     // states are placed off the GPU, where cpu_adam steps them.
-    if (in.states.is_default()) out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
+    if (in.states.moments != MomentFormat::kInt8) out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
     for (Tier master : {Tier::kCpu, Tier::kNvme}) {
       for (Tier grad : {Tier::kCpu, Tier::kNvme}) {
         for (Tier moments : {Tier::kCpu, Tier::kNvme}) out.push_back({param, grad, master, moments});
