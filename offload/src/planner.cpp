@@ -479,6 +479,13 @@ Expected<Plan> plan_deepspeed(const PlanInput& in, const PlanLayout& layout) {
     return invalid_argument("zero_optimization.offload_param.device \"{}\" needs ZeRO stage 3, but stage is {}",
                             offload_device_name(in.offload_param), in.stage);
   }
+  if (in.offload_optimizer == OffloadDevice::kNone && in.states.moments == MomentFormat::kInt8) {
+    // The engine refuses it too (Note [Compact states on the GPU optimizer]).
+    return invalid_argument(
+        "tierzero.states.moments \"int8\" with zero_optimization.offload_optimizer.device \"none\": the GPU "
+        "optimizer steps fp32 or bf16 moments; offload the optimizer (\"cpu\" or \"nvme\") to step int8 moments "
+        "with cpu_adam, or use moments \"bf16\" on the GPU");
+  }
   const Tier param = device_tier(in.offload_param);
   Placement p = {param, Tier::kGpu, Tier::kGpu, Tier::kGpu};
   if (in.offload_optimizer == OffloadDevice::kCpu) p = {param, Tier::kCpu, Tier::kCpu, Tier::kCpu};

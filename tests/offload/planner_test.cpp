@@ -614,6 +614,25 @@ TEST(PlanFormats, ARemainderMasterWithFp32ParametersIsRefused) {
       << plan.status().message();
 }
 
+// The engine's GPU optimizer refuses int8 moments; a DeepSpeed placement that
+// keeps the optimizer on the GPU is refused by the planner the same way (as
+// tierzero-estimate shows), and bf16 moments there are planned.
+TEST(PlanFormats, Int8MomentsWithTheOptimizerOnTheGpuAreRefusedNamingBothKeys) {
+  PlanInput in = one_billion(kHuge, kHuge, kHuge);
+  in.mode = PlacementMode::kDeepSpeed;
+  in.offload_optimizer = OffloadDevice::kNone;
+  in.states.moments = MomentFormat::kInt8;
+  const Expected<Plan> plan = plan_placement(in);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), ErrorCode::kInvalidArgument);
+  for (const char* key : {"tierzero.states.moments \"int8\"", "offload_optimizer.device \"none\""}) {
+    EXPECT_NE(plan.status().message().find(key), std::string::npos) << plan.status().message();
+  }
+  in.states.moments = MomentFormat::kBf16;
+  const Plan bf16 = must_plan(in);
+  EXPECT_EQ(bf16.tier_of(StateClass::kMoments), Tier::kGpu);
+}
+
 TEST(PlanFormats, TheReportNamesEachClassesFormatAndBytesPerParameter) {
   PlanInput in = zero_infinity();
   in.gradient_accumulation_steps = 1;
