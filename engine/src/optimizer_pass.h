@@ -40,6 +40,7 @@ struct OptimizerPassDeps {
   cpu_adam::CpuOptimizer* cpu_opt = nullptr;
   const ModelLayout* layout = nullptr;
   DType param_type = DType::kBf16;
+  DType grad_dtype = DType::kFp32;                   // the accumulator's (Note [16-bit gradient accumulators])
   MasterFormat master_format = MasterFormat::kFp32;  // remainder: the CPU variant only (creation refuses the GPU one)
   DType moment_dtype = DType::kFp32;                 // fp32 | bf16 | uint8 (int8 codes + scales; tierzero.states.moments):
                                                      // compact ones on the CPU variant only
