@@ -68,6 +68,38 @@ int clipped_steps(const RunBits& r) {
   return n;
 }
 
+// One run's formats and placement.
+struct Arm {
+  tz::StateFormats states;
+  Placement placement;
+};
+
+// On 2 ranks, each rank trains `a` and then `b` (gas micro-batches a step):
+// they must step bit for bit alike, and with clipping_bites, clipping must
+// scale at least half of a's steps.
+void expect_two_ranks_train_alike(const Arm& a, const Arm& b, int gas, bool clipping_bites) {
+  TempDir dir;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
+    const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
+    std::filesystem::create_directories(nvme);
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    const auto ra = run(nvme, a.states, a.placement, comm->get(), gas);
+    const auto rb = run(nvme, b.states, b.placement, comm->get(), gas);
+    if (!ra.ok() || !rb.ok()) {
+      std::fprintf(stderr, "rank %d: %s\n", info.rank, (ra.ok() ? rb.status() : ra.status()).to_string().c_str());
+      return 1;
+    }
+    const std::string diff = first_difference(*ra, *rb);
+    if (!diff.empty()) std::fprintf(stderr, "rank %d: %s\n", info.rank, diff.c_str());
+    if (clipping_bites && clipped_steps(*ra) < kSteps / 2) return 3;
+    return diff.empty() ? 0 : 2;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(codes[r], 0) << "rank " << r << ", " << placement_name(a.placement) << " / " << placement_name(b.placement);
+  }
+}
+
 // The NVMe bytes of the third step (one micro-batch a step) of a run in these
 // formats with params, master and moments on NVMe, and the run's block layout.
 struct StepBytes {
@@ -127,27 +159,8 @@ TEST(RemainderMasters, TrainBitForBitAsFp32MastersOnEveryPlacement) {
 }
 
 TEST(RemainderMasters, TrainBitForBitAsFp32MastersOnTwoRanks) {
-  const Placement placements[] = {kPlacements[1], kPlacements[3]};
-  for (const Placement& placement : placements) {
-    TempDir dir;
-    const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
-      const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
-      std::filesystem::create_directories(nvme);
-      auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-      if (!comm.ok()) return 1;
-      const auto fp32 = run(nvme, {MasterFormat::kFp32}, placement, comm->get());
-      const auto remainder = run(nvme, {MasterFormat::kRemainder}, placement, comm->get());
-      if (!fp32.ok() || !remainder.ok()) {
-        std::fprintf(stderr, "rank %d: %s\n", info.rank,
-                     (fp32.ok() ? remainder.status() : fp32.status()).to_string().c_str());
-        return 1;
-      }
-      const std::string diff = first_difference(*fp32, *remainder);
-      if (!diff.empty()) std::fprintf(stderr, "rank %d: %s\n", info.rank, diff.c_str());
-      if (clipped_steps(*fp32) < kSteps / 2) return 3;
-      return diff.empty() ? 0 : 2;
-    });
-    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", " << placement_name(placement);
+  for (const Placement& placement : {kPlacements[1], kPlacements[3]}) {
+    expect_two_ranks_train_alike({{MasterFormat::kFp32}, placement}, {{MasterFormat::kRemainder}, placement}, 2, true);
   }
 }
 
@@ -270,24 +283,7 @@ TEST(Int8Moments, EveryPlacementStepsAsTheSameFormatsInCpuMemoryBitForBit) {
 
 TEST(Int8Moments, TwoRanksStepAsTheSameFormatsInCpuMemoryBitForBit) {
   const tz::StateFormats int8{MasterFormat::kRemainder, tz::MomentFormat::kInt8};
-  TempDir dir;
-  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
-    const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
-    std::filesystem::create_directories(nvme);
-    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-    if (!comm.ok()) return 1;
-    const auto in_memory = run(nvme, int8, kPlacements[2], comm->get());
-    const auto on_nvme = run(nvme, int8, kPlacements[4], comm->get());
-    if (!in_memory.ok() || !on_nvme.ok()) {
-      std::fprintf(stderr, "rank %d: %s\n", info.rank,
-                   (in_memory.ok() ? on_nvme.status() : in_memory.status()).to_string().c_str());
-      return 1;
-    }
-    const std::string diff = first_difference(*in_memory, *on_nvme);
-    if (!diff.empty()) std::fprintf(stderr, "rank %d: %s\n", info.rank, diff.c_str());
-    return diff.empty() ? 0 : 2;
-  });
-  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  expect_two_ranks_train_alike({int8, kPlacements[2]}, {int8, kPlacements[4]}, 2, false);
 }
 
 TEST(Int8Moments, ACheckpointResumesBitForBitAndLoadsIntoAndFromFp32) {
@@ -348,26 +344,8 @@ TEST(Bf16GradAccumulators, WithOneMicroBatchTwoRanksTrainBitForBitAsFp32Accumula
   const tz::StateFormats fp32{MasterFormat::kRemainder, tz::MomentFormat::kInt8};
   tz::StateFormats bf16 = fp32;
   bf16.grads = tz::GradFormat::kBf16;
-  const Placement placements[] = {kPlacements[2], kPlacements[4]};
-  for (const Placement& placement : placements) {
-    TempDir dir;
-    const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
-      const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
-      std::filesystem::create_directories(nvme);
-      auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-      if (!comm.ok()) return 1;
-      const auto a = run(nvme, fp32, placement, comm->get(), 1);
-      const auto b = run(nvme, bf16, placement, comm->get(), 1);
-      if (!a.ok() || !b.ok()) {
-        std::fprintf(stderr, "rank %d: %s\n", info.rank, (a.ok() ? b.status() : a.status()).to_string().c_str());
-        return 1;
-      }
-      const std::string diff = first_difference(*a, *b);
-      if (!diff.empty()) std::fprintf(stderr, "rank %d: %s\n", info.rank, diff.c_str());
-      if (clipped_steps(*a) < kSteps / 2) return 3;
-      return diff.empty() ? 0 : 2;
-    });
-    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", " << placement_name(placement);
+  for (const Placement& placement : {kPlacements[2], kPlacements[4]}) {
+    expect_two_ranks_train_alike({fp32, placement}, {bf16, placement}, 1, true);
   }
 }
 
