@@ -23,10 +23,13 @@
 // fp16: 2^-11), so per element
 //   |acc - exact| <= (2^-8 + 2^-23) * sum over k = 2..gas of |acc_k|,
 // about (gas - 1) * 2^-8 of the gradient's size (docs/configuration.md;
-// tested in tests/cpu_adam/accumulate_test.cpp, measured in bench/RESULTS.md). The squared norm and non-finite flags are of the values
-// stored, so clipping and overflow skips see the 16-bit gradient the
-// optimizer reads. The GPU optimizer keeps its fp32 accumulator: the key is
-// refused there (zero_engine_setup.cpp).
+// tested in tests/cpu_adam/accumulate_test.cpp, measured in
+// bench/RESULTS.md). Round-to-nearest rather than stochastic rounding: the
+// values a DeepSpeed run holds, and no rounding at all with one micro-batch.
+// The squared norm and non-finite flags are of the values stored, so
+// clipping and overflow skips see the 16-bit gradient the optimizer reads.
+// The GPU optimizer keeps its fp32 accumulator: the key is refused there
+// (zero_engine_setup.cpp), and the planner never plans it with one.
 //
 // The accumulator is the grad TieredStore (CPU memory, NVMe, or with the GPU
 // optimizer the GPU, where a kernel accumulates and nothing leaves the
