@@ -15,38 +15,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "tierzero/common/state_math.h"
+
 namespace tz::cpu_adam::detail {
 
-inline std::uint32_t float_bits(float x) {
-  std::uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  return u;
-}
-
-inline float bits_float(std::uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, sizeof(x));
-  return x;
-}
-
-inline float bf16_to_float(std::uint16_t h) { return bits_float(static_cast<std::uint32_t>(h) << 16); }
-
-inline std::uint16_t float_to_bf16(float x) {
-  const std::uint32_t u = float_bits(x);
-  if ((u & 0x7fffffffU) > 0x7f800000U) return static_cast<std::uint16_t>((u >> 16) | 0x0040U);
-  // Ties to even: add 0x7fff plus the lowest kept bit; a carry into the
-  // exponent is the correct rounding up (to infinity past the largest finite).
-  return static_cast<std::uint16_t>((u + 0x7fffU + ((u >> 16) & 1U)) >> 16);
-}
-
-// bf16 by stochastic rounding: the 16 random bits are added below the bf16's
-// last bit and the sum truncated, so x rounds away from zero with probability
-// (its distance past the lower bf16) / (one bf16 step): unbiased. NaN as
-// float_to_bf16; an inf stays inf (its low half is zero).
-inline std::uint16_t float_to_bf16_stochastic(float x, std::uint32_t random16) {
-  if (x != x) return float_to_bf16(x);
-  return static_cast<std::uint16_t>((float_bits(x) + random16) >> 16);
-}
+// bf16 rounding (both ways) and the bit casts are the shared per-element
+// math of the compact formats (tierzero/common/state_math.h).
+using state_math::bf16_to_float;
+using state_math::bits_float;
+using state_math::float_bits;
+using state_math::float_to_bf16;
+using state_math::float_to_bf16_stochastic;
 
 // Half -> float: shift exponent and mantissa into place and rebias; infinity
 // and NaN get the full fp32 exponent, subnormal halves are renormalised by one

@@ -47,6 +47,27 @@ void fail(const char* what) {
   std::abort();
 }
 
+// Note [Int8 codes in registers]: with the midpoints padded by +inf to N
+// entries, round r's candidate for index i (the outcome of rounds 0..r-1 as
+// bits, first round highest) is the midpoint in the middle of i's part,
+// mid[(2i + 1) * N / 2^(r+1) - 1].
+void build_search(Int8Code& c) {
+  const std::uint32_t n = c.is_signed ? 128 : 256;
+  c.search_rounds = c.is_signed ? 7 : 8;
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float& x : c.search) x = inf;
+  for (std::uint32_t r = 0; r < c.search_rounds; ++r) {
+    const std::uint32_t half = n >> (r + 1);
+    for (std::uint32_t i = 0; i < (1U << r); ++i) {
+      const std::uint32_t k = (2 * i + 1) * half - 1;
+      c.search[kInt8SearchOffset[r] + i] = k < 256 ? c.mid[k] : inf;
+    }
+  }
+  for (std::uint32_t k = c.magnitudes - 1; k < n; ++k) {
+    if (c.mid[k] != inf) fail("a midpoint past the last level");
+  }
+}
+
 Int8Code build(bool is_signed, bool on_sqrt) {
   Int8Code c;
   c.is_signed = is_signed;
@@ -84,6 +105,7 @@ Int8Code build(bool is_signed, bool on_sqrt) {
     if (inside > 2) fail("more than two midpoints in a bucket");
     c.bucket[i] = static_cast<std::uint8_t>(below);
   }
+  build_search(c);
   return c;
 }
 

@@ -34,7 +34,29 @@
 // bucket holds at most two midpoints; checked when the tables are built). The
 // arithmetic is a division, a square root, comparisons and table reads, all
 // exact or correctly rounded, so every instruction-set variant writes the
-// same codes and scales, bit for bit (tests/cpu_adam/int8_test.cpp).
+// same codes and scales, bit for bit (tests/cpu_adam/int8_test.cpp). That is
+// the scalar, SSE and AVX2 path; AVX-512 counts the same midpoints below y by
+// a search over tables in registers (Note [Int8 codes in registers]).
+//
+// Note [Int8 codes in registers]
+// Memory gathers (the bucket table, then two midpoints, per 16 elements; the
+// decode table) made the fused int8 step about nine times slower than the
+// fp32 one. On the AMD EPYC (Zen 5) measured, encoding and decoding both
+// moments took 4.3 ns per element with AVX-512 gathers, against 0.15 ns for
+// the whole fp32 step on cached data (bench/RESULTS.md "The fused int8 kernel,
+// made fast"). The AVX-512 variant keeps the tables in registers instead and
+// reads them with permutes (one register is 16 floats, a two-register permute
+// 32); the codes then take 1.6 ns per element:
+//   encode: the code is the number of midpoints below y (mid[] is increasing,
+//           +inf past the last, so this is the count the bucket table and its
+//           comparisons find), by binary search over the midpoints padded to
+//           N = 128 (signed) or 256 (unsigned) entries: log2(N) rounds, round r
+//           comparing y with one of 2^r candidates, mid[(2i + 1) * N / 2^(r+1)
+//           - 1] for the index i so far (`search`, laid out by round).
+//   decode: decode[code], a 256-entry lookup by eight two-register permutes
+//           and a selection on the code's top three bits.
+// Both are comparisons and copies of the same fp32 values the scalar variant
+// reads, so the codes and the decoded values stay bit for bit the scalar ones.
 #pragma once
 
 #include <cstddef>
@@ -52,10 +74,18 @@ static_assert(kInt8Block == 256);
 inline constexpr std::uint32_t kBucketKey0 = (127 - 33) << 7;
 inline constexpr std::uint32_t kBucketCount = 0x3f80 - kBucketKey0 + 1;  // up to y = 1.0
 
+// Where each binary-search round's candidates start in Int8Code::search.
+inline constexpr std::uint32_t kInt8SearchOffset[9] = {0, 16, 32, 48, 64, 80, 112, 176, 304};
+inline constexpr std::size_t kInt8SearchFloats = kInt8SearchOffset[8];
+
 struct Int8Code {
   alignas(64) float decode[256] = {};  // value of each code byte (NaN for the NaN code)
   alignas(64) float mid[256] = {};     // mid[k]: between magnitudes k and k + 1; +inf past the last
   alignas(64) std::uint8_t bucket[kBucketCount + 4] = {};  // first candidate magnitude; +4: 32-bit gathers
+  // Note [Int8 codes in registers]: round r's 2^r candidates from search +
+  // kInt8SearchOffset[r], each round padded to at least 16 floats.
+  alignas(64) float search[kInt8SearchFloats] = {};
+  std::uint32_t search_rounds = 0;     // log2(N): 7 (signed) or 8 (unsigned)
   std::uint32_t magnitudes = 0;        // 128 (signed) or 255 (unsigned)
   std::uint32_t nan_code = 0;          // 0x80 or 0xff
   bool is_signed = false;              // exp_avg's code

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "int8_codes.h"
+#include "tierzero/common/state_math.h"
 #include "tierzero/cpu_adam.h"
 
 namespace tz::cpu_adam::detail {
@@ -48,18 +49,10 @@ struct StepConsts {
   std::uint32_t sr_base = 0;
 };
 
-// The stochastic-rounding hash: a multiply to spread consecutive indices,
-// then murmur3's 32-bit finalizer (a bijection that mixes every input bit
-// into every output bit). Its high 16 bits are the rounding's random bits.
-constexpr std::uint32_t sr_mix32(std::uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x85ebca6bU;
-  x ^= x >> 13;
-  x *= 0xc2b2ae35U;
-  x ^= x >> 16;
-  return x;
-}
-constexpr std::uint32_t sr_hash(std::uint32_t index, std::uint32_t key) { return sr_mix32((index * 0x9e3779b1U) ^ key); }
+// The stochastic-rounding hash (tierzero/common/state_math.h, shared with the
+// GPU optimizer's compact Adam): its high 16 bits are the rounding's random bits.
+using state_math::sr_hash;
+using state_math::sr_mix32;
 
 // Base pointers of one call's spans (element i is base + i). Spans the kind
 // does not use may be null.

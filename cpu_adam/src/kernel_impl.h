@@ -421,18 +421,134 @@ TZ_ADAM_INLINE float int8_decode_one(const Int8Code& c, std::uint8_t code, float
   return c.on_sqrt ? t * t : t;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The templates below are not on the Ops type: they exist only in the AVX-512
+// object (this #if), so no narrower object emits a symbol the linker could
+// pick instead (Note [One object per instruction set]).
+// Loops over registers, unrolled so that their arrays stay in registers.
+#define TZ_UNROLL _Pragma("GCC unroll 16")
+
+// Note [Int8 codes in registers]: 16 lanes of a 32 * 2^kPairs-entry table
+// held in 2 * 2^kPairs registers, read at idx (< 32 * 2^kPairs): two-register
+// permutes over each 32 entries, then a selection on idx's higher bits.
+template <int kPairs>
+struct Table512 {
+  __m512 t[2 << kPairs];
+  explicit Table512(const float* at) {
+    TZ_UNROLL
+    for (int r = 0; r < (2 << kPairs); ++r) t[r] = _mm512_load_ps(at + 16 * r);
+  }
+  TZ_ADAM_INLINE __m512 at(__m512i idx) const {
+    __mmask16 high[kPairs > 0 ? kPairs : 1];
+    TZ_UNROLL
+    for (int bit = 0; bit < kPairs; ++bit) high[bit] = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32 << bit));
+    return at(idx, high);
+  }
+  // high[b]: the lanes whose idx has bit 5 + b set, where the caller knows them.
+  TZ_ADAM_INLINE __m512 at(__m512i idx, const __mmask16* high) const {
+    __m512 part[1 << kPairs];
+    TZ_UNROLL
+    for (int p = 0; p < (1 << kPairs); ++p) part[p] = _mm512_permutex2var_ps(t[2 * p], idx, t[2 * p + 1]);
+    TZ_UNROLL
+    for (int bit = 0; bit < kPairs; ++bit) {
+      TZ_UNROLL
+      for (int p = 0; p < (1 << kPairs) >> (bit + 1); ++p) {
+        part[p] = _mm512_mask_blend_ps(high[bit], part[2 * p], part[2 * p + 1]);
+      }
+    }
+    return part[0];
+  }
+};
+
+// The count of midpoints below y in each lane (y finite, >= 0): kRounds
+// rounds of the binary search over Int8Code::search.
+template <int kRounds>
+struct Search512 {
+  static_assert(kRounds == 7 || kRounds == 8);
+  __m512 small[5];          // rounds 0..4: up to 16 candidates, one register each (round 0's broadcast)
+  __m512 r5[2];             // round 5: 32 candidates
+  Table512<1> r6;           // round 6: 64
+  Table512<kRounds == 8 ? 2 : 0> r7;  // round 7: 128 (unused with 7 rounds)
+  explicit Search512(const float* s)
+      : r5{_mm512_load_ps(s + kInt8SearchOffset[5]), _mm512_load_ps(s + kInt8SearchOffset[5] + 16)},
+        r6(s + kInt8SearchOffset[6]), r7(s + kInt8SearchOffset[kRounds == 8 ? 7 : 0]) {
+    small[0] = _mm512_set1_ps(s[0]);
+    TZ_UNROLL
+    for (int r = 1; r < 5; ++r) small[r] = _mm512_load_ps(s + kInt8SearchOffset[r]);
+  }
+  // i's bits are the rounds' outcomes, round 0's the highest; the selections
+  // of rounds 6 and 7 on i's bits 5 and 6 reuse the masks of rounds 0 and 1.
+  TZ_ADAM_INLINE __m512i count_below(__m512 y) const {
+    const __m512i one = _mm512_set1_epi32(1);
+    __mmask16 below[kRounds];
+    below[0] = _mm512_cmp_ps_mask(small[0], y, _CMP_LT_OQ);  // one candidate, in every lane
+    __m512i i = _mm512_maskz_mov_epi32(below[0], one);
+    const auto round = [&](int r, __m512 candidate) {
+      below[r] = _mm512_cmp_ps_mask(candidate, y, _CMP_LT_OQ);
+      i = _mm512_add_epi32(i, i);
+      i = _mm512_mask_add_epi32(i, below[r], i, one);
+    };
+    TZ_UNROLL
+    for (int r = 1; r < 5; ++r) round(r, _mm512_permutexvar_ps(i, small[r]));
+    round(5, _mm512_permutex2var_ps(r5[0], i, r5[1]));
+    round(6, r6.at(i, &below[0]));
+    if constexpr (kRounds == 8) {
+      const __mmask16 high[2] = {below[1], below[0]};
+      round(7, r7.at(i, high));
+    }
+    return i;
+  }
+};
+
+// Note [Int8 codes in registers]: codes of 16 elements, as int8_code_of.
+template <bool kSigned, bool kOnSqrt>
+void int8_codes_512(const Int8Code& c, const float* in, std::uint8_t* codes, std::size_t count, float divisor) {
+  const Search512<kSigned ? 7 : 8> search(c.search);
+  const __m512 div = _mm512_set1_ps(divisor), zero = _mm512_setzero_ps();
+  const __m512i one = _mm512_set1_epi32(1), nan_code = _mm512_set1_epi32(static_cast<int>(c.nan_code));
+  for (std::size_t i = 0; i + 16 <= count; i += 16) {
+    const __m512 x = _mm512_loadu_ps(in + i);
+    const __m512 ax = _mm512_abs_ps(x);
+    const __mmask16 finite = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(__FLT_MAX__), _CMP_LE_OQ);
+    // Non-finite lanes search 0 (their code is nan_code whatever the count).
+    const __m512 y = _mm512_maskz_div_ps(finite, kOnSqrt ? _mm512_sqrt_ps(ax) : ax, div);
+    __m512i k = search.count_below(y);
+    if constexpr (kSigned) {
+      const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ) & _mm512_test_epi32_mask(k, k);
+      k = _mm512_mask_or_epi32(k, neg, k, _mm512_set1_epi32(0x80));
+    } else {
+      const __mmask16 up = _mm512_cmp_ps_mask(y, zero, _CMP_GT_OQ) & _mm512_testn_epi32_mask(k, k);
+      k = _mm512_mask_mov_epi32(k, up, one);
+    }
+    k = _mm512_mask_mov_epi32(nan_code, finite, k);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(k));
+  }
+}
+
+template <bool kOnSqrt>
+void int8_decode_512(const Int8Code& c, const std::uint8_t* codes, float scale, float* out, std::size_t count) {
+  const Table512<3> decode(c.decode);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (std::size_t i = 0; i + 16 <= count; i += 16) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    __m512 t = _mm512_mul_ps(decode.at(idx), s);
+    if constexpr (kOnSqrt) t = _mm512_mul_ps(t, t);
+    _mm512_storeu_ps(out + i, t);
+  }
+}
+#endif
+
 template <class O>
 void int8_decode(const Int8Code& c, const std::uint8_t* codes, float scale, float* out, std::size_t count) {
   std::size_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if constexpr (O::kLanes == 16) {
-    const __m512 s = _mm512_set1_ps(scale);
-    for (; i + 16 <= count; i += 16) {
-      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
-      __m512 t = _mm512_mul_ps(_mm512_i32gather_ps(idx, c.decode, 4), s);
-      if (c.on_sqrt) t = _mm512_mul_ps(t, t);
-      _mm512_storeu_ps(out + i, t);
+    if (c.on_sqrt) {
+      int8_decode_512<true>(c, codes, scale, out, count);
+    } else {
+      int8_decode_512<false>(c, codes, scale, out, count);
     }
+    i = count / 16 * 16;
   }
 #endif
 #if defined(__AVX2__)
@@ -489,31 +605,14 @@ float int8_encode(const Int8Code& c, const float* in, std::uint8_t* codes, std::
   i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if constexpr (O::kLanes == 16) {
-    const __m512 div = _mm512_set1_ps(divisor), zero = _mm512_setzero_ps();
-    const __m512i key0 = _mm512_set1_epi32(static_cast<int>(kBucketKey0)), one = _mm512_set1_epi32(1);
-    const __m512i last = _mm512_set1_epi32(static_cast<int>(kBucketCount - 1));
-    for (; i + 16 <= count; i += 16) {
-      const __m512 x = _mm512_loadu_ps(in + i);
-      const __m512 ax = _mm512_abs_ps(x);
-      const __mmask16 finite = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(__FLT_MAX__), _CMP_LE_OQ);
-      const __m512 y = _mm512_div_ps(c.on_sqrt ? _mm512_sqrt_ps(ax) : ax, div);
-      __m512i idx = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 16), key0);
-      idx = _mm512_min_epi32(_mm512_max_epi32(idx, _mm512_setzero_si512()), last);
-      __m512i k = _mm512_and_si512(_mm512_i32gather_epi32(idx, c.bucket, 1), _mm512_set1_epi32(0xff));
-      for (int r = 0; r < 2; ++r) {
-        const __mmask16 lt = _mm512_cmp_ps_mask(_mm512_i32gather_ps(k, c.mid, 4), y, _CMP_LT_OQ);
-        k = _mm512_mask_add_epi32(k, lt, k, one);
-      }
-      if (c.is_signed) {
-        const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ) & _mm512_cmpneq_epi32_mask(k, _mm512_setzero_si512());
-        k = _mm512_mask_or_epi32(k, neg, k, _mm512_set1_epi32(0x80));
-      } else {
-        const __mmask16 up = _mm512_cmp_ps_mask(y, zero, _CMP_GT_OQ) & _mm512_cmpeq_epi32_mask(k, _mm512_setzero_si512());
-        k = _mm512_mask_mov_epi32(k, up, one);
-      }
-      k = _mm512_mask_mov_epi32(_mm512_set1_epi32(static_cast<int>(c.nan_code)), finite, k);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(k));
+    if (c.is_signed) {
+      int8_codes_512<true, false>(c, in, codes, count, divisor);
+    } else if (c.on_sqrt) {
+      int8_codes_512<false, true>(c, in, codes, count, divisor);
+    } else {
+      int8_codes_512<false, false>(c, in, codes, count, divisor);
     }
+    i = count / 16 * 16;
   }
 #endif
 #if defined(__AVX2__)

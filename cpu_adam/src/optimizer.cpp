@@ -173,15 +173,10 @@ Status CpuOptimizerImpl::step(const Hyper& hyper, const StepArgs& args, const Sp
   TZ_TRY_CTX(detail::validate_spans(hyper, spans), "cpu_adam {} step {}", algorithm_name(hyper.algorithm), args.step);
   // Note [Stochastic rounding of bf16 second moments]: the key folds in the
   // tensor, the step and the index's high half; the low half is the base.
-  const auto lo = [](std::uint64_t x) { return static_cast<std::uint32_t>(x); };
-  const std::uint32_t sr_key =
-      detail::sr_mix32(lo(spans.rounding_key) ^
-                       detail::sr_mix32(lo(spans.rounding_key >> 32) ^
-                                        detail::sr_mix32(lo(static_cast<std::uint64_t>(args.step)) ^
-                                                         detail::sr_mix32(lo(spans.rounding_index >> 32) + 0x632be5abU))));
+  const std::uint32_t sr_key = state_math::sr_step_key(spans.rounding_key, args.step, spans.rounding_index);
   for (Run& r : runs) {
     r.consts.sr_key = sr_key;
-    r.consts.sr_base = lo(spans.rounding_index);
+    r.consts.sr_base = static_cast<std::uint32_t>(spans.rounding_index);
   }
 
   const bool adagrad = hyper.algorithm == Algorithm::kAdagrad, lion = hyper.algorithm == Algorithm::kLion;

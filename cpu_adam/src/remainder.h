@@ -44,26 +44,12 @@
 
 namespace tz::cpu_adam::detail {
 
-inline constexpr std::uint32_t kTieStep = 0x10000;  // what a set tie bit adds to the rebuilt bits
-inline constexpr std::uint32_t kTie = 0x8000;       // d of the tie above an even h
-
-struct SplitMaster {
-  std::uint16_t bf16 = 0;
-  std::int16_t remainder = 0;
-  bool tie = false;
-};
-
-inline SplitMaster split_master(float master) {
-  const std::uint32_t bits = float_bits(master);
-  const std::uint16_t h = float_to_bf16(master);
-  if ((bits & 0x7fffffffU) > 0x7f800000U) return {h, 0, false};  // NaN
-  const std::uint32_t d = bits - (static_cast<std::uint32_t>(h) << 16);
-  return {h, static_cast<std::int16_t>(static_cast<std::uint16_t>(d)), d == kTie};
-}
-
-inline float join_master(std::uint16_t bf16, std::int16_t remainder, bool tie) {
-  return bits_float((static_cast<std::uint32_t>(bf16) << 16) +
-                    static_cast<std::uint32_t>(static_cast<std::int32_t>(remainder)) + (tie ? kTieStep : 0U));
-}
+// The split and join themselves are shared with the GPU optimizer's compact
+// Adam (tierzero/common/state_math.h).
+using state_math::join_master;
+using state_math::kTie;
+using state_math::kTieStep;
+using state_math::split_master;
+using state_math::SplitMaster;
 
 }  // namespace tz::cpu_adam::detail

@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "tierzero/common/state_math.h"
 #include "tierzero/kernels.h"
 
 namespace tz::detail {
@@ -503,8 +504,63 @@ class GpuOptimizerPass final : public OptimizerPass {
   std::size_t sub_groups() const override { return 1; }
 
  private:
+  kernels::AdamCompactTensors compact_tensors(std::size_t b, float* master, std::uint16_t* param16,
+                                              std::int64_t step) const;
+  static kernels::AdamCompactTensors part_from(const kernels::AdamCompactTensors& t, std::uint64_t at);
+
   OptimizerPassDeps deps_;
 };
+
+// Note [Compact states on the GPU optimizer]
+// With tierzero.states.master = "remainder" or moments = "bf16" the GPU
+// tier's stores hold the compact shards (Note [Stored remainder shards]:
+// remainders, then tie bits, beside the bf16 parameter shard), and the pass
+// steps every format with the compact kernel (Note [Compact Adam arithmetic]
+// in kernels/src/adam_math.h), which gives cpu_adam's bits for the same
+// gradient scale: the rounding key and index are spans_of's, the block and
+// rank * shard_numel, so a bf16 second moment rounds as it would in CPU
+// memory. fp32 states take the same kernel, so a remainder run on the GPU is
+// an fp32-master run on the GPU bit for bit, as on the CPU. (The two
+// optimizers' runs still differ where the gradient norm does: the device
+// sums it in another order, Note [Deterministic norms], and clipping scales
+// by it.) A remainder master reads and rewrites the bf16 parameter shard;
+// when the parameters do not live on the GPU it goes up before the step and
+// down after it, as the copy-out does. int8 moments step on the CPU only
+// (creation refuses them here).
+kernels::AdamCompactTensors GpuOptimizerPass::compact_tensors(std::size_t b, float* master, std::uint16_t* param16,
+                                                               std::int64_t step) const {
+  const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
+  const bool remainder = deps_.master_format == MasterFormat::kRemainder;
+  auto* stored = static_cast<std::uint8_t*>(deps_.master->device_memory(b));
+  const std::uint64_t index = static_cast<std::uint64_t>(deps_.rank) * n;  // as spans_of
+  return {.master_format = deps_.master_format,
+          .master = master,
+          .param16 = remainder || deps_.param_type == DType::kBf16 ? param16 : nullptr,
+          .remainder = remainder ? reinterpret_cast<std::int16_t*>(stored) : nullptr,
+          .tie_bits = remainder ? stored + remainder_tie_bits_offset(n) : nullptr,
+          .grad = static_cast<const float*>(deps_.grad->device_memory(b)),
+          .moment_format = deps_.moment_dtype == DType::kBf16 ? MomentFormat::kBf16 : MomentFormat::kFp32,
+          .exp_avg = deps_.exp_avg->device_memory(b),
+          .exp_avg_sq = deps_.exp_avg_sq->device_memory(b),
+          .sr_key = state_math::sr_step_key(b, step, index),
+          .sr_base = static_cast<std::uint32_t>(index)};
+}
+
+// Elements [at, ...) of a call: the tie bits and the rounding index count
+// from the shard's element 0.
+kernels::AdamCompactTensors GpuOptimizerPass::part_from(const kernels::AdamCompactTensors& t, std::uint64_t at) {
+  const std::size_t moment_bytes = t.moment_format == MomentFormat::kBf16 ? 2 : 4;
+  kernels::AdamCompactTensors p = t;
+  if (p.master != nullptr) p.master += at;
+  if (p.param16 != nullptr) p.param16 += at;
+  if (p.remainder != nullptr) p.remainder += at;
+  p.tie_bit_offset = at;
+  p.grad += at;
+  p.exp_avg = static_cast<char*>(p.exp_avg) + at * moment_bytes;
+  p.exp_avg_sq = static_cast<char*>(p.exp_avg_sq) + at * moment_bytes;
+  p.sr_base += static_cast<std::uint32_t>(at);
+  return p;
+}
 
 Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double grad_scale,
                              const std::vector<bool>& skip) {
@@ -520,20 +576,22 @@ Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double
   // down to their tier (2 B/param over PCIe, and to NVMe when they live there).
   TieredStore& param16_store = *deps_.param16;
   const bool params_on_gpu = param16_store.device_memory(0) != nullptr;
+  const bool remainder = deps_.master_format == MasterFormat::kRemainder;
   PoolBlock d_out, h_out;
   for (std::size_t b = 0; b < deps_.layout->blocks.size(); ++b) {
     const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
-    auto* master = static_cast<float*>(deps_.master->device_memory(b));
+    auto* master = remainder ? nullptr : static_cast<float*>(deps_.master->device_memory(b));
     if (!params_on_gpu && d_out.size_bytes() < param16_store.shard_bytes(b)) {
       TZ_ASSIGN_OR_RETURN(d_out, deps_.device_pool->allocate(param16_store.shard_bytes(b)));
       TZ_ASSIGN_OR_RETURN(h_out, deps_.host_pool->allocate(param16_store.shard_bytes(b)));
     }
     auto* param16 = static_cast<std::uint16_t*>(params_on_gpu ? param16_store.device_memory(b) : d_out.data());
-    const kernels::AdamTensors t{.param = master,
-                                 .grad = static_cast<const float*>(deps_.grad->device_memory(b)),
-                                 .exp_avg = static_cast<float*>(deps_.exp_avg->device_memory(b)),
-                                 .exp_avg_sq = static_cast<float*>(deps_.exp_avg_sq->device_memory(b)),
-                                 .param16 = deps_.param_type == DType::kBf16 ? param16 : nullptr};
+    if (remainder && !params_on_gpu) {
+      // A remainder master's bf16 half is the parameter: up to the device first.
+      TZ_TRY_CTX(param16_store.get(b, h_out.data(), stream), "reading the parameters of {}", deps_.layout->blocks[b].name);
+      TZ_TRY(deps_.device->copy_async(param16, h_out.data(), param16_store.shard_bytes(b), stream));
+    }
+    const kernels::AdamCompactTensors t = compact_tensors(b, master, param16, step);
     // One launch per run of one weight decay: the kernel is elementwise, so this is the whole-shard launch
     // with each element's own weight decay.
     std::uint64_t at = 0;
@@ -541,11 +599,8 @@ Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double
       if (end <= at) return ok_status();
       kernels::AdamHyper run = h;
       run.weight_decay = weight_decay;
-      const kernels::AdamTensors part{.param = t.param + at, .grad = t.grad + at, .exp_avg = t.exp_avg + at,
-                                      .exp_avg_sq = t.exp_avg_sq + at,
-                                      .param16 = t.param16 != nullptr ? t.param16 + at : nullptr};
-      TZ_TRY_CTX(kernels::adam_step_cuda(part, end - at, run, stream.native_handle()), "stepping {} on the GPU",
-                 deps_.layout->blocks[b].name);
+      TZ_TRY_CTX(kernels::adam_step_compact_cuda(part_from(t, at), end - at, run, stream.native_handle()),
+                 "stepping {} on the GPU", deps_.layout->blocks[b].name);
       at = end;
       return ok_status();
     };

@@ -1,16 +1,15 @@
 // Private to kernels/: one Adam element update, shared by the CPU twin
 // (optim_cpu.cpp) and the CUDA kernel (optim_cuda.cu) so the two run the same
-// fp32 operations in the same order. Plain C++ (no tierzero or CUDA headers):
-// nvcc compiles it for the device too.
+// fp32 operations in the same order. Plain C++ (no CUDA headers, and of
+// tierzero's only the plain state_math.h): nvcc compiles it for the device too.
 #pragma once
 
 #include <math.h>
 
-#if defined(__CUDACC__)
-#define TZ_HOST_DEVICE __host__ __device__
-#else
-#define TZ_HOST_DEVICE
-#endif
+#include <cstddef>
+#include <cstdint>
+
+#include "tierzero/common/state_math.h"
 
 namespace tz::kernels::detail {
 
@@ -24,6 +23,7 @@ struct AdamCoef {
   float weight_decay = 0;     // Adam: added to the gradient as weight_decay * p
   float grad_scale = 1;
   bool adamw = true;
+  bool l2 = false;            // Adam with weight_decay != 0 (the compact step's test, as cpu_adam's)
 };
 
 TZ_HOST_DEVICE inline void adam_element(float& p, float g, float& m, float& v, const AdamCoef& c) {
@@ -36,6 +36,114 @@ TZ_HOST_DEVICE inline void adam_element(float& p, float g, float& m, float& v, c
   m = c.beta1 * m + c.one_minus_beta1 * g;
   v = c.beta2 * v + c.one_minus_beta2 * g * g;
   p -= c.step_size * m / (sqrtf(v) * c.inv_sqrt_bc2 + c.eps);
+}
+
+// Note [Compact Adam arithmetic]
+// The compact step (adam_step_compact_*) must give cpu_adam's bits, because
+// cpu_adam is what the engine's references and the state-format tests hold
+// the formats to, and a checkpoint moves between the two optimizers. So it
+// repeats cpu_adam's element (kernel_impl.h, step_vector), operation for
+// operation:
+//   g = grad * scale;  Adam: g = fma(wd, p, g)  AdamW: p = p * decay
+//   m = fma(b1, m, (1-b1) g);  v = fma(b2, v, ((1-b2) g) g)
+//   p = fma(-lr/bc1, m / fma(sqrt(v), 1/sqrt(bc2), eps), p)
+// cpu_adam's AVX2 and AVX-512 variants fuse those fma()s; its scalar and
+// SSE4.2 variants compute a multiply and an add (two roundings). The CUDA
+// kernel always fuses (fmaf), so it matches the fused variants, which are
+// what any GPU host runs; the CPU twin does either (CompactStep::fused), so
+// it can be checked against every variant. Each operation is spelled with
+// the _rn intrinsics on the device, which nvcc never contracts into an fma
+// of its own; on the host the twin's source is built with -ffp-contract=off.
+
+TZ_HOST_DEVICE inline float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+TZ_HOST_DEVICE inline float madd(float a, float b, float c, bool fused) {
+#if defined(__CUDA_ARCH__)
+  return fused ? __fmaf_rn(a, b, c) : __fadd_rn(__fmul_rn(a, b), c);
+#else
+  return fused ? fmaf(a, b, c) : a * b + c;
+#endif
+}
+
+TZ_HOST_DEVICE inline float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+TZ_HOST_DEVICE inline float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return sqrtf(a);
+#endif
+}
+
+// One call of the compact step: base pointers (element i is base + i) and
+// what each format needs. A plain struct, passed to the CUDA kernel by value.
+struct CompactStep {
+  AdamCoef coef;
+  bool fused = true;               // Note [Compact Adam arithmetic]
+  bool remainder_master = false;   // master as param16 + remainder + tie bits
+  bool bf16_moments = false;
+  float* master = nullptr;         // (n,) fp32, !remainder_master
+  std::uint16_t* param16 = nullptr;  // (n,) bf16: the copy-out (or null), or the master's bf16 half
+  std::int16_t* remainder = nullptr; // (n,) remainder_master
+  std::uint8_t* tie_bits = nullptr;  // element i's tie: bit (tie_bit_offset + i) of this array
+  std::uint64_t tie_bit_offset = 0;
+  const float* grad = nullptr;     // (n,) fp32
+  void* exp_avg = nullptr;         // (n,) fp32 or bf16
+  void* exp_avg_sq = nullptr;      // (n,) fp32 or bf16 (stochastic rounding)
+  std::uint32_t sr_key = 0, sr_base = 0;  // element i's random bits: sr_hash(sr_base + i, sr_key) >> 16
+};
+
+TZ_HOST_DEVICE inline float load_moment(const void* base, std::size_t i, bool bf16) {
+  return bf16 ? state_math::bf16_to_float(static_cast<const std::uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+}
+
+// Steps element i. `tie` is its tie bit (remainder masters; false otherwise);
+// returns the new one. The caller reads and writes the packed tie bits.
+TZ_HOST_DEVICE inline bool adam_compact_element(const CompactStep& s, std::size_t i, bool tie) {
+  namespace sm = state_math;
+  const AdamCoef& c = s.coef;
+  float p = s.remainder_master ? sm::join_master(s.param16[i], s.remainder[i], tie) : s.master[i];
+  float m = load_moment(s.exp_avg, i, s.bf16_moments);
+  float v = load_moment(s.exp_avg_sq, i, s.bf16_moments);
+  float g = mul_rn(s.grad[i], c.grad_scale);
+  if (c.l2) {
+    g = madd(c.weight_decay, p, g, s.fused);
+  } else {
+    p = mul_rn(p, c.decay);
+  }
+  m = madd(c.beta1, m, mul_rn(c.one_minus_beta1, g), s.fused);
+  v = madd(c.beta2, v, mul_rn(mul_rn(c.one_minus_beta2, g), g), s.fused);
+  const float denom = madd(sqrt_rn(v), c.inv_sqrt_bc2, c.eps, s.fused);
+  p = madd(-c.step_size, div_rn(m, denom), p, s.fused);
+  if (s.bf16_moments) {
+    static_cast<std::uint16_t*>(s.exp_avg)[i] = sm::float_to_bf16(m);
+    static_cast<std::uint16_t*>(s.exp_avg_sq)[i] =
+        sm::float_to_bf16_stochastic(v, sm::sr_hash(s.sr_base + static_cast<std::uint32_t>(i), s.sr_key) >> 16);
+  } else {
+    static_cast<float*>(s.exp_avg)[i] = m;
+    static_cast<float*>(s.exp_avg_sq)[i] = v;
+  }
+  if (s.remainder_master) {
+    const sm::SplitMaster split = sm::split_master(p);
+    s.param16[i] = split.bf16;
+    s.remainder[i] = split.remainder;
+    return split.tie;
+  }
+  s.master[i] = p;
+  if (s.param16 != nullptr) s.param16[i] = sm::float_to_bf16(p);
+  return false;
 }
 
 }  // namespace tz::kernels::detail

@@ -26,6 +26,9 @@ cudaError_t squared_norms(const Tensor* tensors, std::size_t count, double* d_ou
 cudaError_t adam_step(float* d_param, const float* d_grad, float* d_m, float* d_v, std::uint16_t* d_param16,
                       std::size_t n, const detail::AdamCoef& coef, cudaStream_t stream);
 
+// Note [Compact Adam arithmetic]; always fused.
+cudaError_t adam_step_compact(const detail::CompactStep& s, std::size_t n, cudaStream_t stream);
+
 // format: 0 fp32, 1 bf16, 2 fp16 (tz::DType).
 cudaError_t accumulate_grad(float* d_acc, const void* d_grad, int format, std::size_t n, bool overwrite, float scale,
                             cudaStream_t stream);

@@ -38,6 +38,23 @@ Status adam_step_cpu(const AdamTensors& t, std::size_t n, const AdamHyper& h) {
   return ok_status();
 }
 
+Status adam_step_compact_cpu(const AdamCompactTensors& t, std::size_t n, const AdamHyper& h,
+                             const AdamCompactCpuOptions& options) {
+  TZ_ASSIGN_OR_RETURN(detail::CompactStep s, detail::compact_step_of(t, n, h, options.fused_multiply_add));
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!s.remainder_master) {
+      (void)detail::adam_compact_element(s, i, false);
+      continue;
+    }
+    const std::uint64_t bit = s.tie_bit_offset + i;
+    std::uint8_t& byte = s.tie_bits[bit / 8];
+    const auto mask = static_cast<std::uint8_t>(1U << (bit % 8));
+    const bool tie = detail::adam_compact_element(s, i, (byte & mask) != 0);
+    byte = static_cast<std::uint8_t>(tie ? byte | mask : byte & ~mask);
+  }
+  return ok_status();
+}
+
 void accumulate_grad_cpu(float* acc, const void* grad, DType format, std::size_t n, bool overwrite, float scale) {
   const auto* g16 = static_cast<const std::uint16_t*>(grad);
   for (std::size_t i = 0; i < n; ++i) {
@@ -60,6 +77,9 @@ Status squared_norms_cuda(const TensorRef*, std::size_t, double*, void*) {
 }
 Status adam_step_cuda(const AdamTensors&, std::size_t, const AdamHyper&, void*) {
   return unavailable("adam_step_cuda: built without CUDA (-DTIERZERO_CUDA=OFF)");
+}
+Status adam_step_compact_cuda(const AdamCompactTensors&, std::size_t, const AdamHyper&, void*) {
+  return unavailable("adam_step_compact_cuda: built without CUDA (-DTIERZERO_CUDA=OFF)");
 }
 #endif
 

@@ -31,6 +31,12 @@ Status adam_step_cuda(const AdamTensors& d_t, std::size_t n, const AdamHyper& h,
   return ok_status();
 }
 
+Status adam_step_compact_cuda(const AdamCompactTensors& d_t, std::size_t n, const AdamHyper& h, void* cuda_stream) {
+  TZ_ASSIGN_OR_RETURN(detail::CompactStep s, detail::compact_step_of(d_t, n, h, true));
+  TZ_CUDA_CHECK(launch::adam_step_compact(s, n, static_cast<cudaStream_t>(cuda_stream)));
+  return ok_status();
+}
+
 Status accumulate_grad_cuda(float* d_acc, const void* d_grad, DType format, std::size_t n, bool overwrite,
                             float scale, void* cuda_stream) {
   // The launch takes the format as its ordinal: 0 fp32, 1 bf16, 2 fp16.

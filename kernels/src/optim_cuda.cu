@@ -81,6 +81,37 @@ __global__ void adam_kernel(float* __restrict__ p, const float* __restrict__ g, 
   }
 }
 
+// Note [Tie bits across threads]
+// Eight elements share a tie-bit byte, so one thread per element cannot
+// write its bit alone. A warp takes 32 consecutive elements, four whole
+// bytes: each lane steps its element, __ballot_sync gathers the warp's new
+// tie bits, and lanes 0, 8, 16 and 24 write a byte each, keeping the bits of
+// elements outside [0, n) (they may belong to the next launch's range, a
+// weight-decay run beside this one). The index j runs over element i =
+// j - shift, where shift = tie_bit_offset % 8 aligns j's bytes with the
+// array's; the loop's test is the warp's first j, so every lane of a warp
+// takes part in each ballot.
+__global__ void adam_compact_kernel(detail::CompactStep s, std::size_t n) {
+  const std::size_t shift = s.remainder_master ? s.tie_bit_offset % 8 : 0;
+  std::uint8_t* ties = s.remainder_master ? s.tie_bits + s.tie_bit_offset / 8 : nullptr;
+  const std::size_t total = n + shift;
+  const unsigned lane = threadIdx.x % 32;
+  for (std::size_t j = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; j - lane < total;
+       j += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const bool active = j >= shift && j < total;
+    bool tie = false;
+    if (active && ties != nullptr) tie = ((ties[j / 8] >> (j % 8)) & 1U) != 0;
+    if (active) tie = detail::adam_compact_element(s, j - shift, tie);
+    if (ties == nullptr) continue;  // uniform over the launch
+    const unsigned bits = __ballot_sync(0xffffffffU, tie);
+    const unsigned live = __ballot_sync(0xffffffffU, active);
+    const unsigned mask = (live >> lane) & 0xffU;
+    if (lane % 8 == 0 && mask != 0) {
+      ties[j / 8] = static_cast<std::uint8_t>((ties[j / 8] & ~mask) | ((bits >> lane) & mask));
+    }
+  }
+}
+
 template <typename T>
 __device__ float grad_value(const T* g, std::size_t i);
 template <>
@@ -100,6 +131,14 @@ __global__ void accumulate_kernel(float* __restrict__ acc, const T* __restrict__
 }
 
 }  // namespace
+
+cudaError_t adam_step_compact(const detail::CompactStep& s, std::size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const std::size_t shift = s.remainder_master ? s.tie_bit_offset % 8 : 0;
+  static_assert(kThreads % 32 == 0, "Note [Tie bits across threads]: blocks of whole warps");
+  adam_compact_kernel<<<grid_for(n + shift), kThreads, 0, stream>>>(s, n);
+  return cudaGetLastError();
+}
 
 cudaError_t accumulate_grad(float* d_acc, const void* d_grad, int format, std::size_t n, bool overwrite, float scale,
                             cudaStream_t stream) {

@@ -414,10 +414,14 @@ std::vector<Placement> candidate_placements(const PlanInput& in) {
   if (in.stage == 3) param_tiers = {Tier::kGpu, Tier::kCpu, Tier::kNvme};
   std::vector<Placement> out;
   for (Tier param : param_tiers) {
-    // The GPU optimizer steps fp32 masters and moments only (the engine
-    // refuses compact states there): with compact ones the optimizer's
+    // The GPU optimizer steps fp32 or remainder masters and fp32 or bf16
+    // moments (Note [Compact states on the GPU optimizer] in
+    // engine/src/optimizer_pass.cpp); with int8 moments the optimizer's
     // states are placed off the GPU, where cpu_adam steps them.
-    if (in.states.is_default()) out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
+    // It accumulates gradients in fp32 only (data_types.grad_accum_dtype).
+    if (in.states.moments != MomentFormat::kInt8 && in.states.grads == GradFormat::kFp32) {
+      out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
+    }
     for (Tier master : {Tier::kCpu, Tier::kNvme}) {
       for (Tier grad : {Tier::kCpu, Tier::kNvme}) {
         for (Tier moments : {Tier::kCpu, Tier::kNvme}) out.push_back({param, grad, master, moments});
@@ -510,7 +514,7 @@ double state_elem_bytes(StateClass state, std::uint64_t param_bytes, StateFormat
   switch (state) {
     case StateClass::kParam16: return static_cast<double>(param_bytes);
     // 4 B, or 2 with data_types.grad_accum_dtype 16-bit (off the GPU only:
-    // the GPU optimizer keeps fp32, and compact formats never plan it).
+    // the GPU optimizer keeps fp32, and a 16-bit accumulator never plans it).
     case StateClass::kGrad: return static_cast<double>(grad_bytes_per_elem(formats.grads));
     case StateClass::kMaster: return master_bytes_per_elem(formats.master);
     case StateClass::kMoments: return moments_bytes_per_elem(formats.moments);

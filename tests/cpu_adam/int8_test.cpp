@@ -102,6 +102,57 @@ TEST(CpuAdamInt8, CodesAreTheNearestLevelAndEveryVariantWritesTheScalarBits) {
   std::printf("[ cpu_adam ] int8 codes: %zu blocks, nearest level, every variant bit-identical to scalar\n", blocks);
 }
 
+// The values where a search goes wrong first: every level and midpoint and
+// their fp32 neighbours, 0, subnormals, the largest and inf/NaN, in blocks
+// whose largest finite element is 1 (so y is the element, or its square root,
+// exactly). Each variant's codes (Note [Int8 codes in registers]: the AVX-512
+// one searches register tables) against the brute-force nearest level.
+TEST(CpuAdamInt8, EveryLevelAndMidpointAndTheirNeighboursGetTheNearestCode) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  std::size_t checked = 0;
+  for (const Int8Moment which : {Int8Moment::kExpAvg, Int8Moment::kExpAvgSq}) {
+    const Int8Code& c = code_of(which);
+    std::vector<float> ys{0.0f, std::numeric_limits<float>::denorm_min(), 1e-40f, std::numeric_limits<float>::min(),
+                          1e-30f, 1e-9f, 1.0f};
+    for (std::uint32_t k = 0; k < c.magnitudes; ++k) {
+      for (const float at : {c.decode[k], c.mid[k]}) {
+        if (!std::isfinite(at)) continue;
+        ys.insert(ys.end(), {at, std::nextafter(at, 0.0f), std::nextafter(at, 2.0f)});
+      }
+    }
+    std::vector<float> xs;
+    for (const float y : ys) {
+      if (y > 1.0f) continue;
+      if (!c.on_sqrt) {
+        xs.insert(xs.end(), {y, -y});
+        continue;
+      }
+      // x with sqrt(x) at or beside y (the square may round either way).
+      const float sq = y * y;
+      xs.insert(xs.end(), {sq, std::nextafter(sq, 0.0f), std::nextafter(sq, 2.0f)});
+    }
+    xs.insert(xs.end(), {inf, -inf, nan});
+    // Blocks of 255 values and a 1 (the scale), the last one partial.
+    for (std::size_t at = 0; at < xs.size(); at += kB - 1) {
+      std::vector<float> x(xs.begin() + static_cast<std::ptrdiff_t>(at),
+                           xs.begin() + static_cast<std::ptrdiff_t>(std::min(xs.size(), at + kB - 1)));
+      x.push_back(1.0f);
+      const std::size_t count = x.size();
+      for (Simd simd : runnable_variants()) {
+        std::vector<std::uint8_t> got(count);
+        const float scale = kernel_table(simd).int8_encode(c, x.data(), got.data(), count);
+        ASSERT_EQ(scale, 1.0f) << simd_name(simd);
+        for (std::size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(got[i], nearest_code(c, x[i], scale))
+              << simd_name(simd) << ": x = " << x[i] << " (bits " << bits_of(x[i]) << ")";
+          ++checked;
+        }
+      }
+    }
+  }
+  std::printf("[ cpu_adam ] int8 codes: %zu level and midpoint neighbours, nearest level in every variant\n", checked);
+}
+
 TEST(CpuAdamInt8, PublicConversionsRoundTripPartialBlocks) {
   const std::size_t n = 1000;  // 3 blocks and a partial one of 232
   for (const Int8Moment which : {Int8Moment::kExpAvg, Int8Moment::kExpAvgSq}) {

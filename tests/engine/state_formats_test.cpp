@@ -20,8 +20,6 @@
 //   float64 reference is cpu_adam's: tests/cpu_adam/int8_test.cpp.)
 #include <gtest/gtest.h>
 
-#include <fstream>
-
 #include "tierzero/testing/engine.h"
 #include "../nvme/nvme_test_util.h"
 
@@ -187,11 +185,9 @@ TEST(RemainderMasters, TheSafetensorsExportIsTheFp32RunsByteForByte) {
                                          tz::mlp::model(kMlp), tz::mlp::init(kMlp));
     ASSERT_TRUE(engine.ok()) << engine.status().to_string();
     ASSERT_TRUE(train_for_bits(**engine, kMlp, 3, 2).ok());
-    const std::string path = out.path() + "/model.safetensors";
-    const tz::Status exported = (*engine)->export_safetensors(path);
-    ASSERT_TRUE(exported.ok()) << exported.to_string();
-    std::ifstream in(path, std::ios::binary);
-    files[static_cast<int>(master)].assign(std::istreambuf_iterator<char>(in), {});
+    auto file = exported_safetensors(**engine, out.path());
+    ASSERT_TRUE(file.ok()) << file.status().to_string();
+    files[static_cast<int>(master)] = std::move(*file);
   }
   ASSERT_GT(files[0].size(), 1000u);
   EXPECT_TRUE(files[0] == files[1]);

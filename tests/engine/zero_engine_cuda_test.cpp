@@ -8,6 +8,7 @@
 // Skips, saying why, without a GPU.
 #include <gtest/gtest.h>
 
+#include "tierzero/cpu_adam.h"
 #include "tierzero/testing/engine.h"
 #include "tierzero/kernels.h"
 #include "../nvme/nvme_test_util.h"
@@ -153,6 +154,165 @@ TEST(ZeroEngineCuda, A16BitGradAccumulatorWithTheGpuOptimizerIsRefusedNamingTheK
   engine = tz::ZeroEngine::create({.config = config, .placement = kCases[1].placement}, tz::mlp::model(kMlp),
                                   tz::mlp::init(kMlp));
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
+}
+
+// ---------------------------------------------------------------- compact states on the GPU optimizer
+// Note [Compact states on the GPU optimizer]: the GPU optimizer steps
+// remainder masters and bf16 moments with cpu_adam's arithmetic.
+
+using tz::MasterFormat;
+using tz::MomentFormat;
+
+constexpr int kCompactSteps = 20;
+constexpr double kClip = 0.05;  // small enough that clipping scales most steps (checked)
+
+tz::Config compact_config(const std::string& nvme, tz::StateFormats states, double clip) {
+  tz::Config config = test_config(nvme, 3, 2, "bf16", "cuda");
+  config.gradient_clipping = clip;
+  config.states = states;
+  return config;
+}
+
+tz::Expected<RunBits> run_formats(tz::StateFormats states, const Placement& placement, double clip) {
+  TempDir nvme;
+  TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> engine,
+                      tz::ZeroEngine::create({.config = compact_config(nvme.path(), states, clip), .placement = placement},
+                                             tz::mlp::model(kMlp), tz::mlp::init(kMlp)));
+  return train_for_bits(*engine, kMlp, kCompactSteps, 2);
+}
+
+// The masters' first difference, leaving the gradient norms aside (the two
+// optimizers' paths sum them in different orders).
+std::string first_master_difference(RunBits a, RunBits b) {
+  a.grad_norms.clear();
+  b.grad_norms.clear();
+  return first_difference(a, b);
+}
+
+// Note [Compact Adam arithmetic]: the GPU kernel fuses its multiply-adds as
+// cpu_adam's AVX2 and AVX-512 kernels do; on a CPU with neither the two
+// optimizers differ in the last bit by design.
+#define TZ_REQUIRE_FUSED_CPU_ADAM()                                                                           \
+  do {                                                                                                        \
+    const tz::cpu_adam::Simd simd_ = tz::cpu_adam::best_supported();                                           \
+    if (simd_ != tz::cpu_adam::Simd::kAvx2 && simd_ != tz::cpu_adam::Simd::kAvx512) {                         \
+      GTEST_SKIP() << "cpu_adam runs " << tz::cpu_adam::simd_name(simd_) << ", which does not fuse multiply-adds"; \
+    }                                                                                                         \
+  } while (0)
+
+const tz::StateFormats kGpuFormats[] = {{MasterFormat::kRemainder, MomentFormat::kFp32},
+                                        {MasterFormat::kFp32, MomentFormat::kBf16},
+                                        {MasterFormat::kRemainder, MomentFormat::kBf16}};
+
+std::string formats_name(tz::StateFormats f) {
+  return fmt::format("master {}, moments {}", tz::master_format_name(f.master), tz::moment_format_name(f.moments));
+}
+
+// With clipping on, 20 steps: the remainder master on the GPU optimizer is
+// the fp32 master bit for bit (as with cpu_adam), with fp32 or bf16 moments.
+// The parameters in GPU memory, CPU memory or on NVMe: a remainder master
+// reads its bf16 half from wherever they are.
+TEST(ZeroEngineCuda, RemainderMastersOnTheGpuOptimizerTrainBitForBitAsFp32MastersWithClipping) {
+  TZ_REQUIRE_CUDA_DEVICE();
+  for (const Placement& gpu : {kCases[0].placement, kCases[4].placement, kCases[5].placement}) {
+    for (MomentFormat moments : {MomentFormat::kFp32, MomentFormat::kBf16}) {
+      SCOPED_TRACE(fmt::format("{}, moments {}", placement_name(gpu), tz::moment_format_name(moments)));
+      const auto fp32 = run_formats({MasterFormat::kFp32, moments}, gpu, kClip);
+      const auto remainder = run_formats({MasterFormat::kRemainder, moments}, gpu, kClip);
+      ASSERT_TRUE(fp32.ok() && remainder.ok()) << (fp32.ok() ? remainder.status() : fp32.status()).to_string();
+      int clipped = 0;
+      for (double norm : fp32->grad_norms) clipped += norm > kClip;
+      EXPECT_GE(clipped, kCompactSteps / 2) << "clipping must bite for this test to mean anything";
+      EXPECT_EQ(first_difference(*fp32, *remainder), "");
+      EXPECT_NE(fp32->masters[kCompactSteps - 1], fp32->masters[kCompactSteps - 2]);  // the control
+    }
+  }
+}
+
+// Every compact format on the GPU optimizer steps as the same formats with
+// the optimizer in CPU memory, bit for bit over 20 steps. Clipping is off:
+// its coefficient comes from the gradient norm, which the device sums in
+// another order (Note [Deterministic norms]), so with clipping the two runs
+// are the same formulas on gradients scaled a rounding apart.
+TEST(ZeroEngineCuda, CompactStatesOnTheGpuOptimizerStepAsInCpuMemoryBitForBit) {
+  TZ_REQUIRE_CUDA_DEVICE();
+  TZ_REQUIRE_FUSED_CPU_ADAM();
+  for (const tz::StateFormats& f : kGpuFormats) {
+    SCOPED_TRACE(formats_name(f));
+    const auto gpu = run_formats(f, kCases[0].placement, 0.0);
+    const auto cpu = run_formats(f, kCases[1].placement, 0.0);
+    ASSERT_TRUE(gpu.ok() && cpu.ok()) << (gpu.ok() ? cpu.status() : gpu.status()).to_string();
+    EXPECT_EQ(first_master_difference(*gpu, *cpu), "");
+    for (std::size_t s = 0; s < gpu->grad_norms.size(); ++s) {
+      EXPECT_NEAR(gpu->grad_norms[s], cpu->grad_norms[s], 1e-6 * cpu->grad_norms[s]) << "step " << s + 1;
+    }
+  }
+  // The control: bf16 moments are in effect on the GPU (an fp32-moment run differs).
+  const auto fp32 = run_formats({}, kCases[0].placement, 0.0);
+  const auto bf16 = run_formats(kGpuFormats[1], kCases[0].placement, 0.0);
+  ASSERT_TRUE(fp32.ok() && bf16.ok());
+  EXPECT_NE(first_master_difference(*fp32, *bf16), "");
+}
+
+// A checkpoint of compact states saved by either optimizer loads into the
+// other, and both go on as the unbroken run (clipping off, as above).
+TEST(ZeroEngineCuda, CompactCheckpointsMoveBetweenTheGpuAndCpuOptimizersBitForBit) {
+  TZ_REQUIRE_CUDA_DEVICE();
+  TZ_REQUIRE_FUSED_CPU_ADAM();
+  const tz::StateFormats f = kGpuFormats[2];
+  const Placement gpu = kCases[0].placement, cpu = kCases[1].placement;
+  for (bool from_gpu : {true, false}) {
+    SCOPED_TRACE(from_gpu ? "saved on the GPU optimizer" : "saved on the CPU optimizer");
+    TempDir nvme, ckpt;
+    auto make = [&](const Placement& p) {
+      return tz::ZeroEngine::create({.config = compact_config(nvme.path(), f, 0.0), .placement = p},
+                                    tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    };
+    auto a = make(from_gpu ? gpu : cpu);
+    ASSERT_TRUE(a.ok()) << a.status().to_string();
+    ASSERT_TRUE(train_for_bits(**a, kMlp, 3, 2).ok());
+    ASSERT_TRUE((*a)->save_checkpoint(ckpt.path()).ok());
+    auto b = make(from_gpu ? cpu : gpu);
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    const tz::Status loaded = (*b)->load_checkpoint(ckpt.path());
+    ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+    const auto going_on = train_for_bits(**a, kMlp, 4, 2);
+    const auto resumed = train_for_bits(**b, kMlp, 4, 2);
+    ASSERT_TRUE(going_on.ok() && resumed.ok());
+    EXPECT_EQ(first_master_difference(*going_on, *resumed), "");
+  }
+}
+
+// The export rebuilds the fp32 master from the GPU's remainders: the same
+// file as an fp32-master run on the GPU optimizer, byte for byte.
+TEST(ZeroEngineCuda, TheExportOfGpuRemainderMastersIsTheFp32RunsByteForByte) {
+  TZ_REQUIRE_CUDA_DEVICE();
+  std::string files[2];
+  for (MasterFormat master : {MasterFormat::kFp32, MasterFormat::kRemainder}) {
+    TempDir nvme, out;
+    auto engine = tz::ZeroEngine::create(
+        {.config = compact_config(nvme.path(), {master, MomentFormat::kBf16}, kClip), .placement = kCases[0].placement},
+        tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(train_for_bits(**engine, kMlp, 3, 2).ok());
+    auto file = exported_safetensors(**engine, out.path());
+    ASSERT_TRUE(file.ok()) << file.status().to_string();
+    files[static_cast<int>(master)] = std::move(*file);
+  }
+  ASSERT_GT(files[0].size(), 1000u);
+  EXPECT_TRUE(files[0] == files[1]);
+}
+
+TEST(ZeroEngineCuda, Int8MomentsOnTheGpuOptimizerAreRefusedNamingInt8) {
+  TZ_REQUIRE_CUDA_DEVICE();
+  TempDir nvme;
+  auto engine = tz::ZeroEngine::create(
+      {.config = compact_config(nvme.path(), {MasterFormat::kRemainder, MomentFormat::kInt8}, kClip),
+       .placement = kCases[0].placement},
+      tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("moments = \"int8\""), std::string::npos) << engine.status().to_string();
+  EXPECT_EQ(engine.status().message().find("remainder"), std::string::npos) << engine.status().to_string();
 }
 
 }  // namespace

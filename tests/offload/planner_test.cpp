@@ -461,10 +461,14 @@ TEST(PlanFormats, ClassBytesFollowTheFormats) {
   PlanInput in = one_billion(kHuge, kHuge, kHuge);
   in.states = {MasterFormat::kRemainder, MomentFormat::kInt8};
   const Plan plan = must_plan(in);
-  // The GPU optimizer steps fp32 states only: compact ones stay off the GPU,
-  // though with fp32 states everything fits there (the control).
+  // The GPU optimizer steps no int8 moments: they stay off the GPU, though
+  // with fp32 states, or remainder masters and bf16 moments, everything fits
+  // there (the controls).
   for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) EXPECT_NE(plan.tier_of(s), G);
   EXPECT_EQ(must_plan(one_billion(kHuge, kHuge, kHuge)).tier, (Tiers{G, G, G, G}));
+  PlanInput gpu_formats = in;
+  gpu_formats.states.moments = MomentFormat::kBf16;
+  EXPECT_EQ(must_plan(gpu_formats).tier, (Tiers{G, G, G, G}));
   EXPECT_EQ(plan.bytes_of(StateClass::kParam16), 2 * kP1B);
   EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 4 * kP1B);
   EXPECT_EQ(plan.bytes_of(StateClass::kMaster), kRemainder1B);

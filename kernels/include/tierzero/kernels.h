@@ -100,6 +100,51 @@ struct AdamTensors {
 Status adam_step_cpu(const AdamTensors& t, std::size_t n, const AdamHyper& h);
 Status adam_step_cuda(const AdamTensors& d_t, std::size_t n, const AdamHyper& h, void* cuda_stream);
 
+// Adam / AdamW on the compact state formats (tierzero/common/state_format.h,
+// issue #21), decoded, stepped and encoded in one pass: the master fp32 or
+// "remainder" (its bf16 parameter + an int16 remainder + a tie bit, Note
+// [Remainder masters] in cpu_adam/src/remainder.h), the moments fp32 or bf16
+// (exp_avg round-to-nearest-even, exp_avg_sq by stochastic rounding: Note
+// [Stochastic rounding of bf16 second moments] in tierzero/cpu_adam.h).
+// Every element gets cpu_adam's arithmetic, so the results are cpu_adam's
+// bits (Note [Compact Adam arithmetic] in kernels/src/adam_math.h: the CUDA
+// kernel matches cpu_adam's fused-multiply-add variants, AVX2 and AVX-512).
+// int8 moments are refused (InvalidArgument): they step on the CPU only.
+//
+//   AdamCompactTensors t{.master_format = MasterFormat::kRemainder, .param16 = d_bf16, .remainder = d_rem,
+//                        .tie_bits = d_ties, .grad = d_grad, .moment_format = MomentFormat::kBf16,
+//                        .exp_avg = d_m, .exp_avg_sq = d_v,
+//                        .sr_key = state_math::sr_step_key(key, step, index), .sr_base = uint32_t(index)};
+//   TZ_TRY(tz::kernels::adam_step_compact_cuda(t, n, hyper, stream));
+struct AdamCompactTensors {
+  MasterFormat master_format = MasterFormat::kFp32;
+  float* master = nullptr;            // (n,) fp32 master (kFp32), updated
+  std::uint16_t* param16 = nullptr;   // (n,) bf16: kFp32: the copy-out, or null; kRemainder: the master's bf16 half
+  std::int16_t* remainder = nullptr;  // (n,) kRemainder, updated
+  // kRemainder: element i's tie bit is bit (tie_bit_offset + i) % 8 of byte
+  // (tie_bit_offset + i) / 8; the array's other bits are left as they are.
+  std::uint8_t* tie_bits = nullptr;
+  std::uint64_t tie_bit_offset = 0;
+  const float* grad = nullptr;        // (n,) fp32
+  MomentFormat moment_format = MomentFormat::kFp32;
+  void* exp_avg = nullptr;            // (n,) fp32 or bf16, updated
+  void* exp_avg_sq = nullptr;         // (n,) fp32 or bf16, updated
+  // bf16 moments: element i's exp_avg_sq rounds with the random bits
+  // state_math::sr_hash(sr_base + i, sr_key) >> 16 (uint32, wrapping).
+  std::uint32_t sr_key = 0;
+  std::uint32_t sr_base = 0;
+};
+struct AdamCompactCpuOptions {
+  // Note [Compact Adam arithmetic]: true (the CUDA kernel's) matches
+  // cpu_adam's AVX2/AVX-512 kernels; false its scalar and SSE4.2 kernels.
+  bool fused_multiply_add = true;
+};
+// Errors: InvalidArgument for int8 moments, a missing array of the chosen
+// formats, or the hyper-parameters adam_step_cpu refuses.
+Status adam_step_compact_cpu(const AdamCompactTensors& t, std::size_t n, const AdamHyper& h,
+                             const AdamCompactCpuOptions& options = {});
+Status adam_step_compact_cuda(const AdamCompactTensors& d_t, std::size_t n, const AdamHyper& h, void* cuda_stream);
+
 // The gradient-arrival pass of an optimizer on the device: the reduced
 // gradient shard (fp32, bf16 or fp16) into the fp32 accumulator,
 //   acc[i] = (overwrite ? 0 : acc[i]) + scale * grad[i]   (one fused multiply-add)

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -101,8 +103,9 @@ inline double train_and_compare(tz::ZeroEngine& engine, tz::mlp::Reference& ref,
 
 // One run, recorded for bit-for-bit comparisons: every block's gathered fp32
 // master after each optimizer step (as bits, blocks one after another), each
-// block's gathered 16-bit parameters at the end (host backend: device memory
-// is host memory), and each step's gradient norm before clipping.
+// block's gathered 16-bit parameters at the end (Host backend only, where
+// device memory is host memory; on CUDA they are the masters' copy-out), and
+// each step's gradient norm before clipping.
 struct RunBits {
   std::vector<std::vector<std::uint32_t>> masters;
   std::vector<std::vector<std::uint8_t>> params;
@@ -126,12 +129,20 @@ inline tz::Expected<RunBits> train_for_bits(tz::ZeroEngine& engine, const tz::ml
       std::memcpy(bits.data() + at, master.data(), master.size() * 4);
     }
   }
-  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+  for (std::size_t b = 0; engine.device().kind() == tz::BackendKind::kHost && b < engine.layout().blocks.size(); ++b) {
     TZ_ASSIGN_OR_RETURN(tz::GatheredBlock gathered, engine.fetch(b, tz::FetchFor::kEvaluation));
     const auto* data = static_cast<const std::uint8_t*>(gathered.data());
     run.params.emplace_back(data, data + engine.layout().blocks[b].whole_numel * 2);
   }
   return run;
+}
+
+// The bytes of the safetensors file the engine exports into `dir`.
+inline tz::Expected<std::string> exported_safetensors(tz::ZeroEngine& engine, const std::string& dir) {
+  const std::string path = dir + "/model.safetensors";
+  TZ_TRY(engine.export_safetensors(path));
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 // The first difference between two recorded runs, or "" when they are the same bit for bit.
