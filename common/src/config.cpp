@@ -609,6 +609,7 @@ const Block& zero_block();
 const Block& offload_param_block();
 const Block& offload_optimizer_block();
 const Block& aio_block();
+const Block& data_types_block();
 const Block& tierzero_block();
 const Block& tiers_block();
 const Block& tierzero_aio_block();
@@ -634,6 +635,7 @@ const Block& top_block() {
          }},
         zero_optimization_key(zero_block),
         block_key("aio", aio_block),
+        block_key("data_types", data_types_block),
         block_key("tierzero", tierzero_block),
         bool_key("dataloader_drop_last", TZ_FIELD(dataloader_drop_last), AutoOk::kNo),
         // Note [DeepSpeed features tierzero lacks]
@@ -656,7 +658,7 @@ const Block& top_block() {
     ignore(b, {"steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
                "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp32_allreduce",
                "disable_allgather", "communication_data_type", "seq_parallel_communication_data_type",
-               "data_types", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+               "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
                "activation_checkpointing", "sparse_attention", "flops_profiler", "tensorboard", "wandb",
                "csv_monitor", "comet", "monitor_config", "comms_logger", "autotuning", "compression_training",
                "eigenvalue", "checkpoint", "load_universal_checkpoint",
@@ -995,6 +997,30 @@ const Block& states_block() {
   return block;
 }
 
+// Note [16-bit gradient accumulators]: DeepSpeed's data_types.grad_accum_dtype
+// (its one data_types key) takes its DtypeEnum's spellings. null keeps the
+// default, as DeepSpeed's None does; but DeepSpeed's default under ZeRO is the
+// model's dtype, tierzero's stays fp32 (docs/configuration.md says so). The
+// 16-bit values must be the training dtype: check_state_formats() checks that
+// once the whole file is read (the bf16 block may come later). "int8", which
+// DeepSpeed's enum spells too, is refused here.
+const Block& data_types_block() {
+  static const std::vector<std::pair<std::string_view, GradFormat>> options = {
+      {"fp32", GradFormat::kFp32},           {"float32", GradFormat::kFp32},  {"float", GradFormat::kFp32},
+      {"torch.float32", GradFormat::kFp32},  {"bf16", GradFormat::kBf16},     {"bfloat16", GradFormat::kBf16},
+      {"torch.bfloat16", GradFormat::kBf16}, {"fp16", GradFormat::kFp16},     {"float16", GradFormat::kFp16},
+      {"half", GradFormat::kFp16},           {"torch.float16", GradFormat::kFp16},
+  };
+  static const Block block = [] {
+    Key choose = choice_key<GradFormat>("grad_accum_dtype", TZ_FIELD(states.grads), options);
+    choose.set = [set = std::move(choose.set)](ParseState& st, const Json& v, const std::string& path) -> Status {
+      return v.is_null() ? ok_status() : set(st, v, path);
+    };
+    return Block{{std::move(choose)}};
+  }();
+  return block;
+}
+
 #undef TZ_FIELD
 
 // Every block with where it lives, for "it belongs in ...".
@@ -1006,7 +1032,7 @@ const std::vector<std::pair<std::string_view, const Block*>>& all_blocks() {
       {"zero_optimization", &zero_block()}, {"zero_optimization.offload_param", &offload_param_block()},
       {"zero_optimization.offload_optimizer", &offload_optimizer_block()}, {"aio", &aio_block()},
       {"tierzero", &tierzero_block()}, {"tierzero.tiers", &tiers_block()}, {"tierzero.aio", &tierzero_aio_block()},
-      {"tierzero.states", &states_block()},
+      {"tierzero.states", &states_block()}, {"data_types", &data_types_block()},
   };
   return blocks;
 }
@@ -1431,6 +1457,27 @@ void override_gradient_accumulation_steps(Config& config, std::int64_t steps) {
   config.batch_given.train_batch_size.reset();
 }
 
+// Note [16-bit gradient accumulators] (engine/src/gradient_path.h): a 16-bit
+// accumulator holds the arriving gradient's own dtype, so it is the training
+// dtype. DeepSpeed's ZeRO would also take the other 16-bit dtype, or a 16-bit
+// one under fp32 training (a copy that rounds each micro-batch's gradient);
+// tierzero refuses those rather than add a second rounding.
+namespace {
+Status check_grad_format(const Config& config) {
+  const GradFormat g = config.states.grads;
+  if (g == GradFormat::kFp32 || (g == GradFormat::kBf16 && config.precision.bf16) ||
+      (g == GradFormat::kFp16 && config.precision.fp16)) {
+    return ok_status();
+  }
+  const std::string_view training = config.precision.bf16 ? "bf16" : config.precision.fp16 ? "fp16" : "fp32";
+  const std::string where = config.source.empty() ? "" : config.source + ": ";
+  return invalid_argument("{}data_types.grad_accum_dtype: \"{}\" with {} training is not supported; allowed are \"fp32\" "
+                          "and the 16-bit training dtype ({})",
+                          where, grad_format_name(g), training,
+                          training == "fp32" ? "none: fp32 training has none" : fmt::format("\"{}\"", training));
+}
+}  // namespace
+
 // Note [Master remainder] (tierzero/common/state_format.h): the remainder
 // rebuilds an fp32 master from its round-to-nearest-even bf16 parameter,
 // which has the fp32 exponent. An fp16 parameter has 5 exponent bits: a
@@ -1438,6 +1485,7 @@ void override_gradient_accumulation_steps(Config& config, std::int64_t steps) {
 // than any 16-bit remainder can say. fp32 training keeps its parameter in
 // fp32 already: there is no 16-bit parameter to build on.
 Status check_state_formats(const Config& config) {
+  TZ_TRY(check_grad_format(config));
   if (config.states.master != MasterFormat::kRemainder || config.precision.bf16) return ok_status();
   const std::string_view why =
       config.precision.fp16
@@ -1474,6 +1522,10 @@ Status set_master_format(Config& config, std::string_view name) {
 
 Status set_moment_format(Config& config, std::string_view name) {
   return set_format(config.states.moments, "tierzero.states.moments", name, kMomentFormats, moment_format_name);
+}
+
+Status set_grad_format(Config& config, std::string_view name) {
+  return set_format(config.states.grads, "data_types.grad_accum_dtype", name, kGradFormats, grad_format_name);
 }
 
 Status set_training_precision(Config& config, std::string_view precision) {

@@ -26,6 +26,17 @@ std::string_view moment_format_name(MomentFormat format) {
   return "?";
 }
 
+std::string_view grad_format_name(GradFormat format) {
+  switch (format) {
+    case GradFormat::kFp32: return "fp32";
+    case GradFormat::kBf16: return "bf16";
+    case GradFormat::kFp16: return "fp16";
+  }
+  return "?";
+}
+
+std::uint64_t grad_bytes_per_elem(GradFormat format) { return format == GradFormat::kFp32 ? 4 : 2; }
+
 std::uint64_t master_bytes(MasterFormat format, std::uint64_t numel) {
   switch (format) {
     case MasterFormat::kFp32: return 4 * numel;

@@ -68,7 +68,7 @@ struct StepPtrs {
 };
 
 struct AccPtrs {
-  float* acc = nullptr;           // (n,) fp32
+  void* acc = nullptr;            // (n,) accumulator dtype (fp32, bf16, fp16)
   const void* grad = nullptr;     // (n,) grad dtype
   float scale = 1;
 };
@@ -96,7 +96,7 @@ using Int8EncodeFn = float (*)(const Int8Code& code, const float* in, std::uint8
 struct KernelTable {
   Simd simd = Simd::kScalar;
   StepFn step[kKinds][kGradDtypes][kMomentDtypes][kParamLayouts] = {};
-  AccFn accumulate[kGradDtypes][2] = {};  // [grad dtype][overwrite]
+  AccFn accumulate[kGradDtypes][kGradDtypes][2] = {};  // [accumulator dtype][grad dtype][overwrite]
   Int8DecodeFn int8_decode = nullptr;
   Int8EncodeFn int8_encode = nullptr;
 };

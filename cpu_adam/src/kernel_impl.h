@@ -320,7 +320,9 @@ void step_range(const StepConsts& consts, const StepPtrs& ptrs, std::size_t begi
 
 // One vector of the gradient-arrival pass: acc = (overwrite ? 0 : acc) + scale * g,
 // with its squares and a NaN-if-non-finite probe (x * 0) accumulated in lanes.
-template <class O, DType G, bool kOverwrite>
+// A 16-bit accumulator (A) stores the fp32 result rounded to nearest even and
+// reads it back, so the statistics are of what was stored.
+template <class O, DType A, DType G, bool kOverwrite>
 TZ_ADAM_INLINE void acc_block(const AccPtrs& a, const typename O::V& scale, std::size_t i, typename O::V& squares,
                               typename O::V& probe) {
   using V = typename O::V;
@@ -329,36 +331,47 @@ TZ_ADAM_INLINE void acc_block(const AccPtrs& a, const typename O::V& scale, std:
   if constexpr (kOverwrite) {
     x = g * scale;
   } else {
-    x = O::fma(scale, g, O::load(a.acc + i));
+    x = O::fma(scale, g, load_as<O, A>(a.acc, i));
   }
-  O::store(a.acc + i, x);
+  store_as<O, A>(a.acc, i, x);
+  if constexpr (A != DType::kFp32) x = load_as<O, A>(a.acc, i);
   squares = O::fma(x, x, squares);
   probe = O::fma(x, O::splat(0.0f), probe);
 }
 
-template <class O, DType G, bool kOverwrite>
+template <class O, DType A, DType G, bool kOverwrite>
 void acc_partial(const AccPtrs a, const typename O::V& scale, std::size_t i, std::size_t count,
                  typename O::V& squares, typename O::V& probe) {
   constexpr std::size_t kL = O::kLanes;
-  alignas(64) float acc[kL] = {};
+  alignas(64) Elem<A> acc[kL] = {};
   alignas(64) Elem<G> grad[kL] = {};
-  if constexpr (!kOverwrite) copy_elems(acc, a.acc, i, count, 4);
+  if constexpr (!kOverwrite) copy_elems(acc, a.acc, i, count, kElemBytes<A>);
   copy_elems(grad, a.grad, i, count, kElemBytes<G>);
   const AccPtrs t{acc, grad, a.scale};
-  acc_block<O, G, kOverwrite>(t, scale, 0, squares, probe);
-  copy_back(a.acc, i, acc, count, 4);
+  acc_block<O, A, G, kOverwrite>(t, scale, 0, squares, probe);
+  copy_back(a.acc, i, acc, count, kElemBytes<A>);
 }
 
-template <class O>
-double sum_squares_f64(const float* x, std::size_t count) {
+template <DType A>
+double sum_squares_f64(const void* base, std::size_t begin, std::size_t count) {
   double s = 0;
-  for (std::size_t i = 0; i < count; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  for (std::size_t i = begin; i < begin + count; ++i) {
+    double x;
+    if constexpr (A == DType::kFp32) {
+      x = static_cast<const float*>(base)[i];
+    } else if constexpr (A == DType::kBf16) {
+      x = bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+    } else {
+      x = fp16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+    }
+    s += x * x;
+  }
   return s;
 }
 
 // An AccFn. Squares are summed in fp32 lanes over chunks of 64 vectors (at
 // most 64 roundings per lane, relative error < 4e-6), then in double.
-template <class O, DType G, bool kOverwrite>
+template <class O, DType A, DType G, bool kOverwrite>
 TileStat acc_range(const AccPtrs& ptrs, std::size_t begin, std::size_t end) {
   using V = typename O::V;
   const AccPtrs a = ptrs;  // kept in registers, as in step_range
@@ -370,13 +383,13 @@ TileStat acc_range(const AccPtrs& ptrs, std::size_t begin, std::size_t end) {
     const std::size_t chunk_end = end - c > kChunk ? c + kChunk : end;
     V squares = O::splat(0.0f), probe = O::splat(0.0f);
     std::size_t i = c;
-    for (; i + kL <= chunk_end; i += kL) acc_block<O, G, kOverwrite>(a, scale, i, squares, probe);
-    if (i < chunk_end) acc_partial<O, G, kOverwrite>(a, scale, i, chunk_end - i, squares, probe);
+    for (; i + kL <= chunk_end; i += kL) acc_block<O, A, G, kOverwrite>(a, scale, i, squares, probe);
+    if (i < chunk_end) acc_partial<O, A, G, kOverwrite>(a, scale, i, chunk_end - i, squares, probe);
     double sum = O::sum_lanes(squares);
     if (O::sum_lanes(probe) != 0.0) {  // NaN compares unequal: some element was inf or NaN
       stat.non_finite = true;
     } else if (!__builtin_isfinite(sum)) {
-      sum = sum_squares_f64<O>(a.acc + c, chunk_end - c);  // finite values whose squares overflow fp32
+      sum = sum_squares_f64<A>(a.acc, c, chunk_end - c);  // finite values whose squares overflow fp32
     }
     stat.sum_squares += sum;
     c = chunk_end;
@@ -651,17 +664,19 @@ constexpr void fill_steps(KernelTable& t, std::index_sequence<I...>) {
    ...);
 }
 
+template <class O, std::size_t... I>
+constexpr void fill_accumulates(KernelTable& t, std::index_sequence<I...>) {
+  ((t.accumulate[I / (2 * kGradDtypes)][I / 2 % kGradDtypes][I % 2] =
+        &acc_range<O, static_cast<DType>(I / (2 * kGradDtypes)), static_cast<DType>(I / 2 % kGradDtypes), I % 2 == 1>),
+   ...);
+}
+
 template <class O>
 constexpr KernelTable make_table(Simd simd) {
   KernelTable t{};
   t.simd = simd;
   fill_steps<O>(t, std::make_index_sequence<kKinds * kGradDtypes * kMomentDtypes * kParamLayouts>{});
-  t.accumulate[0][0] = &acc_range<O, DType::kFp32, false>;
-  t.accumulate[0][1] = &acc_range<O, DType::kFp32, true>;
-  t.accumulate[1][0] = &acc_range<O, DType::kBf16, false>;
-  t.accumulate[1][1] = &acc_range<O, DType::kBf16, true>;
-  t.accumulate[2][0] = &acc_range<O, DType::kFp16, false>;
-  t.accumulate[2][1] = &acc_range<O, DType::kFp16, true>;
+  fill_accumulates<O>(t, std::make_index_sequence<kGradDtypes * kGradDtypes * 2>{});
   t.int8_decode = &int8_decode<O>;
   t.int8_encode = &int8_encode<O>;
   return t;

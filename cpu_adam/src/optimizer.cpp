@@ -67,8 +67,8 @@ class CpuOptimizerImpl final : public CpuOptimizer {
   }
 
   Status step(const Hyper& hyper, const StepArgs& args, const Spans& spans) override;
-  Expected<GradStats> accumulate_grad(float* acc, const void* grad, DType grad_dtype, std::size_t n, bool overwrite,
-                                      double scale) override;
+  Expected<GradStats> accumulate_grad(void* acc, DType acc_dtype, const void* grad, DType grad_dtype, std::size_t n,
+                                      bool overwrite, double scale) override;
   Simd simd() const override { return table_.simd; }
   int threads() const override { return threads_; }
 
@@ -249,14 +249,15 @@ Status CpuOptimizerImpl::step_int8(const Spans& spans, const detail::StepPtrs& p
   });
 }
 
-Expected<GradStats> CpuOptimizerImpl::accumulate_grad(float* acc, const void* grad, DType grad_dtype, std::size_t n,
-                                                      bool overwrite, double scale) {
-  TZ_TRY_CTX(detail::validate_accumulate(acc, grad, grad_dtype, n, scale), "cpu_adam accumulate_grad");
+Expected<GradStats> CpuOptimizerImpl::accumulate_grad(void* acc, DType acc_dtype, const void* grad, DType grad_dtype,
+                                                      std::size_t n, bool overwrite, double scale) {
+  TZ_TRY_CTX(detail::validate_accumulate(acc, acc_dtype, grad, grad_dtype, n, scale), "cpu_adam accumulate_grad");
   if (n == 0) return GradStats{};
-  const detail::AccFn fn = table_.accumulate[static_cast<std::size_t>(grad_dtype)][overwrite ? 1 : 0];
+  const detail::AccFn fn =
+      table_.accumulate[static_cast<std::size_t>(acc_dtype)][static_cast<std::size_t>(grad_dtype)][overwrite ? 1 : 0];
   const detail::AccPtrs ptrs{acc, grad, static_cast<float>(scale)};
   std::lock_guard<std::mutex> lock(mu_);
-  const std::size_t tile = tile_for(4 + dtype_bytes(grad_dtype));
+  const std::size_t tile = tile_for(dtype_bytes(acc_dtype) + dtype_bytes(grad_dtype));
   tile_stats_.assign((n + tile - 1) / tile, TileStat{});
   TZ_TRY(run_tiles(n, tile, [&](std::size_t begin, std::size_t end) { tile_stats_[begin / tile] = fn(ptrs, begin, end); }));
   // In tile order, so the result does not depend on which thread ran what.

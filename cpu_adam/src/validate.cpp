@@ -188,14 +188,16 @@ Status validate_segments(const Spans& s) {
   return ok_status();
 }
 
-Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype, std::size_t n, double scale) {
+Status validate_accumulate(const void* acc, DType acc_dtype, const void* grad, DType grad_dtype, std::size_t n,
+                           double scale) {
+  TZ_TRY(check_grad_dtype("acc_dtype", acc_dtype));
   TZ_TRY(check_grad_dtype("grad_dtype", grad_dtype));
   if (!std::isfinite(static_cast<float>(scale))) {
     return invalid_argument("scale = {} is out of range: must be finite in fp32", scale);
   }
   if (n == 0) return ok_status();
   std::vector<SpanRange> ranges;
-  TZ_TRY(check_span("acc", acc, 4, n, &ranges));
+  TZ_TRY(check_span("acc", acc, dtype_bytes(acc_dtype), n, &ranges));
   TZ_TRY(check_span("grad", grad, dtype_bytes(grad_dtype), n, &ranges));
   return check_disjoint(ranges);
 }

@@ -27,7 +27,8 @@ Status validate_segments(const Spans& spans);
 
 // For n > 0: acc and grad non-null, aligned and disjoint; a gradient dtype;
 // a finite scale.
-Status validate_accumulate(const float* acc, const void* grad, DType grad_dtype, std::size_t n, double scale);
+Status validate_accumulate(const void* acc, DType acc_dtype, const void* grad, DType grad_dtype, std::size_t n,
+                           double scale);
 
 // For n > 0: the arrays of encode/decode_remainder_masters non-null, aligned
 // and disjoint (tie_bits: ceil(n / 8) bytes).

@@ -132,18 +132,19 @@ Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool fir
   TZ_ASSIGN_OR_RETURN(PoolBlock host, deps_.host_pool->allocate(shard_bytes(block), Colour::kArrivingGrad));
   TZ_TRY(deps_.device->copy_async(host.data(), d_shard, shard_bytes(block), *deps_.d2h_stream));
   TZ_TRY(deps_.device->synchronize_stream(*deps_.d2h_stream));
-  // The mean over ranks and micro-batches, accumulated in fp32 on the grad tier.
+  // The mean over ranks and micro-batches, accumulated on the grad tier in
+  // fp32 or 16 bits (Note [16-bit gradient accumulators]).
   const double scale = 1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps);
   TieredStore& grad = *deps_.grad;
   PoolBlock acc_staging;
-  float* acc = static_cast<float*>(grad.memory(block));
+  void* acc = grad.memory(block);
   if (!grad.resident()) {
     TZ_ASSIGN_OR_RETURN(acc_staging, deps_.host_pool->allocate(grad.shard_bytes(block), Colour::kGrad));
-    acc = acc_staging.as<float>();
+    acc = acc_staging.data();
     if (!first) TZ_TRY(grad.read(block, acc).wait());
   }
-  Expected<cpu_adam::GradStats> stats =
-      deps_.cpu_opt->accumulate_grad(acc, host.data(), (deps_.grad_type), b.shard_numel, first, scale);
+  Expected<cpu_adam::GradStats> stats = deps_.cpu_opt->accumulate_grad(acc, deps_.acc_type, host.data(), deps_.grad_type,
+                                                                       b.shard_numel, first, scale);
   TZ_TRY_CTX(stats, "accumulating the gradients of {}", b.name);
   if (!grad.resident()) TZ_TRY(grad.write(block, acc).wait());
   sum_squares_[block] = stats->sum_squares;

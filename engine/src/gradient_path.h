@@ -2,7 +2,34 @@
 //
 //   reduce-scatter (stages 2-3; all-reduce at 0-1)  on the comm thread, in call order (Note [Collective order])
 //   device-to-host copy of this rank's shard        on the grad thread
-//   fp32 accumulation (mean over ranks and micro-batches) with its squared norm
+//   accumulation (mean over ranks and micro-batches) with its squared norm, in
+//   fp32 or, with data_types.grad_accum_dtype, in the 16-bit training dtype
+//
+// Note [16-bit gradient accumulators]
+// DeepSpeed's data_types.grad_accum_dtype sets the dtype of ZeRO's gradient
+// partition buffer; stage 3 adds each micro-batch's shard into it with a
+// 16-bit add on the GPU (PyTorch: the fp32 sum rounded to nearest even).
+// tierzero's accumulator is the grad TieredStore, on CPU memory or NVMe; with
+// the key at the training dtype it holds 2 B an element instead of 4. The
+// arithmetic is the fp32 path's, x = fma(scale, g, acc) in fp32 with
+// scale = 1/(ranks * gas), then rounded to nearest even into the 16-bit
+// store (cpu_adam's accumulate_grad): for a power-of-two scale g * scale is
+// exact, so x is PyTorch's fp32 sum and the rounding DeepSpeed's. The first
+// micro-batch stores g * scale rounded once; with gas = 1 and ranks a power
+// of two that is exact (a bf16 g times 2^-k, away from the subnormals), so
+// the bf16 accumulator holds bit for bit what the fp32 one holds and the run
+// is the fp32 run. With gas > 1 each later micro-batch k rounds the fp32 sum
+// (relative error <= 2^-24) to bf16 (<= 2^-8 of the value stored, acc_k;
+// fp16: 2^-11), so per element
+//   |acc - exact| <= (2^-8 + 2^-23) * sum over k = 2..gas of |acc_k|,
+// about (gas - 1) * 2^-8 of the gradient's size (docs/configuration.md;
+// tested in tests/cpu_adam/accumulate_test.cpp, measured in
+// bench/RESULTS.md). Round-to-nearest rather than stochastic rounding: the
+// values a DeepSpeed run holds, and no rounding at all with one micro-batch.
+// The squared norm and non-finite flags are of the values stored, so
+// clipping and overflow skips see the 16-bit gradient the optimizer reads.
+// The GPU optimizer keeps its fp32 accumulator: the key is refused there
+// (zero_engine_setup.cpp), and the planner never plans it with one.
 //
 // The accumulator is the grad TieredStore (CPU memory, NVMe, or with the GPU
 // optimizer the GPU, where a kernel accumulates and nothing leaves the
@@ -52,7 +79,8 @@ struct GradientPathDeps {
   Stream* d2h_stream = nullptr;       // the grad thread's copies and kernels
   MemoryPool* device_pool = nullptr;  // reduced shards
   MemoryPool* host_pool = nullptr;    // arriving shards; NVMe accumulator staging
-  TieredStore* grad = nullptr;        // the fp32 accumulator
+  TieredStore* grad = nullptr;        // the accumulator, (shard_numel,) acc_type per block
+  DType acc_type = DType::kFp32;      // fp32, or grad_type (Note [16-bit gradient accumulators])
   cpu_adam::CpuOptimizer* cpu_opt = nullptr;
   const ModelLayout* layout = nullptr;
   DType grad_type = DType::kBf16;

@@ -222,7 +222,7 @@ cpu_adam::Spans CpuOptimizerPass::spans_of(std::size_t b, void* master_ptr, void
   return cpu_adam::Spans{.n = n,
                          .param = remainder() ? nullptr : reinterpret_cast<float*>(master),
                          .grad = grad,
-                         .grad_dtype = DType::kFp32,
+                         .grad_dtype = deps_.grad_dtype,
                          .exp_avg = exp_avg,
                          .exp_avg_sq = exp_avg_sq,
                          .moment_dtype = deps_.moment_dtype,

@@ -40,6 +40,7 @@ struct OptimizerPassDeps {
   cpu_adam::CpuOptimizer* cpu_opt = nullptr;
   const ModelLayout* layout = nullptr;
   DType param_type = DType::kBf16;
+  DType grad_dtype = DType::kFp32;                   // the accumulator's (Note [16-bit gradient accumulators])
   MasterFormat master_format = MasterFormat::kFp32;  // fp32 | remainder (Note [Compact states on the GPU optimizer])
   DType moment_dtype = DType::kFp32;                 // fp32 | bf16 | uint8 (int8 codes + scales; tierzero.states.moments):
                                                      // int8 on the CPU variant only

@@ -393,6 +393,8 @@ std::string ZeroEngineImpl::describe() const {
       format = fmt::format(" ({})", master_format_name(formats.master));
     } else if (cls == StateClass::kMoments && formats.moments != MomentFormat::kFp32) {
       format = fmt::format(" ({})", moment_format_name(formats.moments));
+    } else if (cls == StateClass::kGrad && formats.grads != GradFormat::kFp32) {
+      format = fmt::format(" ({})", grad_format_name(formats.grads));
     }
     out += fmt::format("; {}{} on {}", state_class_name(cls), format, tier_name(plan_.tier[s]));
   }

@@ -134,6 +134,15 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
       default: return DType::kFp32;
     }
   }
+  // The gradient accumulator's dtype (data_types.grad_accum_dtype; Note
+  // [16-bit gradient accumulators], gradient_path.h).
+  DType acc_type() const {
+    switch (options_.config.states.grads) {
+      case GradFormat::kBf16: return DType::kBf16;
+      case GradFormat::kFp16: return DType::kFp16;
+      default: return DType::kFp32;
+    }
+  }
   // Gathers every persistent block's 16-bit parameters; with unset_too, also
   // those of blocks still marked unset (a load that has just written them).
   Status gather_persistent(bool unset_too = false);

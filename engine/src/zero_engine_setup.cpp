@@ -75,6 +75,12 @@ Status ZeroEngineImpl::make_plan() {
                            tier_name(plan_.tier_of(StateClass::kGrad)), tier_name(plan_.tier_of(StateClass::kMaster)),
                            tier_name(plan_.tier_of(StateClass::kMoments)));
       }
+      if (c.states.grads != GradFormat::kFp32) {
+        return unavailable("data_types.grad_accum_dtype = \"{}\": the GPU optimizer accumulates gradients in fp32 "
+                           "only; offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or "
+                           "\"nvme\") to accumulate in 16 bits, or remove the key",
+                           grad_format_name(c.states.grads));
+      }
       // Note [Compact states on the GPU optimizer] (optimizer_pass.cpp).
       if (c.states.moments == MomentFormat::kInt8) {
         return unavailable("tierzero.states.moments = \"int8\": the GPU optimizer steps fp32 and bf16 moments; "
@@ -157,7 +163,7 @@ Status ZeroEngineImpl::make_stores() {
   };
   // Note [Coloured arrays]: the five arrays one optimizer kernel streams each get their own colour.
   TZ_ASSIGN_OR_RETURN(param16_, make(StateClass::kParam16, dtype_bytes(param_type_), Colour::kParam16));
-  TZ_ASSIGN_OR_RETURN(grad_, make(StateClass::kGrad, 4, Colour::kGrad));
+  TZ_ASSIGN_OR_RETURN(grad_, make(StateClass::kGrad, grad_bytes_per_elem(c.states.grads), Colour::kGrad));
   // The master's and the moments' arguments in their formats: a shard that is
   // not a whole number of bytes per element takes its stored size (Notes
   // [Stored remainder shards], [Stored int8 moment shards]). The second copies
@@ -277,7 +283,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       {.device = device_, .stream = stream_.get(), .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
        .param16 = param16_.get(), .grad = grad_.get(), .master = master_.get(), .exp_avg = exp_avg_.get(),
        .exp_avg_sq = exp_avg_sq_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_, .param_type = param_type_,
-       .master_format = c.states.master, .moment_dtype = moment_type(),
+       .grad_dtype = acc_type(), .master_format = c.states.master, .moment_dtype = moment_type(),
        .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
        .rank = comm_->rank(), .timeline = &timeline_, .weight_decay_segments = &weight_decay_segments_},
       gpu_optimizer_);
@@ -288,8 +294,8 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   grads_ = std::make_unique<detail::GradientPath>(detail::GradientPathDeps{
       .device = device_, .comm = comm_, .comm_thread = comm_thread_.get(), .grad_thread = grad_thread_.get(),
       .comm_stream = comm_stream_.get(), .d2h_stream = d2h_stream_.get(), .device_pool = device_pool_.get(),
-      .host_pool = host_pool_.get(), .grad = grad_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_,
-      .grad_type = grad_type_, .stage = stage_, .gradient_accumulation_steps = gas_, .on_device = gpu_optimizer_,
+      .host_pool = host_pool_.get(), .grad = grad_.get(), .acc_type = acc_type(), .cpu_opt = cpu_opt_.get(),
+      .layout = &layout_, .grad_type = grad_type_, .stage = stage_, .gradient_accumulation_steps = gas_, .on_device = gpu_optimizer_,
       .timeline = &timeline_});
   TZ_TRY(make_step_ahead());  // Note [Stepping under backward]
   ranks_ = std::make_unique<RankAgreement>(*comm_, *device_, *device_pool_, [this](const std::function<Status()>& f) {

@@ -29,8 +29,6 @@ namespace {
 constexpr std::uint64_t kShardAlignNumel = 2048;
 // 2^50 elements (a quadrillion) keeps every byte count below 2^64 even at 16 B/elem.
 constexpr std::uint64_t kMaxModelNumel = std::uint64_t{1} << 50;
-// The fp32 gradient accumulator CPU Adam reads, per element.
-constexpr std::uint64_t kGradBytesPerElem = 4;
 
 std::uint64_t sat_mul(std::uint64_t a, std::uint64_t b) {
   if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) {
@@ -153,7 +151,13 @@ std::string_view params_name(std::uint64_t param_bytes) { return param_bytes == 
 std::string_view class_what(StateClass s, std::uint64_t param_bytes, StateFormats formats) {
   switch (s) {
     case StateClass::kParam16: return params_name(param_bytes);
-    case StateClass::kGrad: return "fp32 grads";
+    case StateClass::kGrad:
+      switch (formats.grads) {
+        case GradFormat::kFp32: return "fp32 grads";
+        case GradFormat::kBf16: return "bf16 grads (data_types.grad_accum_dtype)";
+        case GradFormat::kFp16: return "fp16 grads (data_types.grad_accum_dtype)";
+      }
+      return "grads";
     case StateClass::kMaster:
       return formats.master == MasterFormat::kFp32 ? "fp32 master weights"
                                                    : "master weights as int16 remainders + tie bits";
@@ -246,8 +250,8 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
   // this, writing the last; one per group when there are fewer), each with
   // the states that live on NVMe and, unless the parameters live in CPU
   // memory, their new 16-bit copy on its way out; and each arriving gradient
-  // shard, copied down in the parameters' type (and accumulated in fp32
-  // staging when the accumulators live on NVMe).
+  // shard, copied down in the parameters' type (and accumulated in staging of
+  // the accumulator's dtype when the accumulators live on NVMe).
   const std::uint64_t group = l.largest_sub_group_numel;
   const std::uint64_t sets = std::min<std::uint64_t>(kStagingSets, l.sub_groups);
   double nvme_elem_bytes = 0;
@@ -282,12 +286,12 @@ void add_cpu_extras(const PlanInput& in, Plan& plan) {
   // so up to three at once: the training thread's, the comm thread's and the
   // grad thread's (ZeroEngine.ThePoolsStayWithinThePlan measures it).
   const bool on_nvme = plan.tier_of(StateClass::kGrad) == Tier::kNvme;
-  const std::uint64_t arrival = on_nvme ? b + 4 : b;
+  const std::uint64_t arrival = on_nvme ? b + grad_bytes_per_elem(in.states.grads) : b;
   const std::uint64_t at_once = on_nvme ? 1 : 3;
   add_item(cpu,
            fmt::format("gradient shards arriving ({} x {} B x {} elem{})", at_once, arrival,
                        format_count(static_cast<double>(shard)),
-                       on_nvme ? ": copied down, its fp32 accumulation staged" : ", copied down"),
+                       on_nvme ? ": copied down, its accumulation staged" : ", copied down"),
            at_once * arrival * shard);
 }
 
@@ -340,14 +344,14 @@ void add_remainder_reads(const PlanInput& in, const Plan& plan, StepTraffic& t) 
   add_bytes(t.cpu_optimizer_bytes, {b, plan.layout.optimizer_numel});
 }
 
-// CPU Adam's memory traffic per step: it reads the fp32 gradient, reads and
-// writes master and moments (in their formats) and writes the training
-// parameter (2 B for a 16-bit one, 4 B in fp32 training): 28 B + b per
-// element in the fp32 formats. The remainder's parameter read is
-// add_remainder_reads'.
+// CPU Adam's memory traffic per step: it reads the gradient accumulator (4 B,
+// or 2 with data_types.grad_accum_dtype 16-bit), reads and writes master and
+// moments (in their formats) and writes the training parameter (2 B for a
+// 16-bit one, 4 B in fp32 training): 28 B + b per element in the fp32
+// formats. The remainder's parameter read is add_remainder_reads'.
 std::uint64_t cpu_adam_bytes(const PlanInput& in, std::uint64_t numel) {
   std::uint64_t bytes = 0;
-  add_bytes(bytes, {kGradBytesPerElem + in.param_bytes, numel});
+  add_bytes(bytes, {grad_bytes_per_elem(in.states.grads) + in.param_bytes, numel});
   add_bytes(bytes, {2, master_bytes(in.states.master, numel)});
   add_bytes(bytes, {2, moments_bytes(in.states.moments, numel)});
   return bytes;
@@ -381,13 +385,15 @@ StepTraffic step_traffic(const PlanInput& in, const Plan& plan) {
   const std::uint64_t g = static_cast<std::uint64_t>(in.gradient_accumulation_steps);
   const std::uint64_t grad = plan.layout.grad_numel;
   const std::uint64_t opt = plan.layout.optimizer_numel;
-  // The gradient leaves the GPU in the parameters' type; the host accumulates it in fp32.
+  // The gradient leaves the GPU in the parameters' type; the host accumulates
+  // it in fp32, or 16 bits (data_types.grad_accum_dtype).
   if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) add_bytes(t.d2h_bytes, {in.param_bytes, grad, g});
   if (plan.tier_of(StateClass::kGrad) == Tier::kNvme) {
-    // Each micro-batch writes its accumulated fp32 grads; every one but the
+    // Each micro-batch writes its accumulated grads; every one but the
     // first reads them back to accumulate, and the step reads them once.
-    add_bytes(t.nvme_write_bytes, {4, grad, g});
-    add_bytes(t.nvme_read_bytes, {4, grad, g});
+    const std::uint64_t acc = grad_bytes_per_elem(in.states.grads);
+    add_bytes(t.nvme_write_bytes, {acc, grad, g});
+    add_bytes(t.nvme_read_bytes, {acc, grad, g});
   }
   for (StateClass s : {StateClass::kMaster, StateClass::kMoments}) {
     if (plan.tier_of(s) != Tier::kNvme) continue;
@@ -412,7 +418,10 @@ std::vector<Placement> candidate_placements(const PlanInput& in) {
     // moments (Note [Compact states on the GPU optimizer] in
     // engine/src/optimizer_pass.cpp); with int8 moments the optimizer's
     // states are placed off the GPU, where cpu_adam steps them.
-    if (in.states.moments != MomentFormat::kInt8) out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
+    // It accumulates gradients in fp32 only (data_types.grad_accum_dtype).
+    if (in.states.moments != MomentFormat::kInt8 && in.states.grads == GradFormat::kFp32) {
+      out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
+    }
     for (Tier master : {Tier::kCpu, Tier::kNvme}) {
       for (Tier grad : {Tier::kCpu, Tier::kNvme}) {
         for (Tier moments : {Tier::kCpu, Tier::kNvme}) out.push_back({param, grad, master, moments});
@@ -511,9 +520,9 @@ Expected<Plan> plan_deepspeed(const PlanInput& in, const PlanLayout& layout) {
 double state_elem_bytes(StateClass state, std::uint64_t param_bytes, StateFormats formats) {
   switch (state) {
     case StateClass::kParam16: return static_cast<double>(param_bytes);
-    // fp32 accumulators on every tier: the engine's GPU optimizer keeps its
-    // gradient partition in fp32 too (Note [GPU optimizer], zero_engine.cpp).
-    case StateClass::kGrad: return static_cast<double>(kGradBytesPerElem);
+    // 4 B, or 2 with data_types.grad_accum_dtype 16-bit (off the GPU only:
+    // the GPU optimizer keeps fp32, and a 16-bit accumulator never plans it).
+    case StateClass::kGrad: return static_cast<double>(grad_bytes_per_elem(formats.grads));
     case StateClass::kMaster: return master_bytes_per_elem(formats.master);
     case StateClass::kMoments: return moments_bytes_per_elem(formats.moments);
   }
@@ -523,7 +532,7 @@ double state_elem_bytes(StateClass state, std::uint64_t param_bytes, StateFormat
 std::uint64_t state_bytes(StateClass state, std::uint64_t numel, std::uint64_t param_bytes, StateFormats formats) {
   switch (state) {
     case StateClass::kParam16: return sat_mul(param_bytes, numel);
-    case StateClass::kGrad: return sat_mul(kGradBytesPerElem, numel);
+    case StateClass::kGrad: return sat_mul(grad_bytes_per_elem(formats.grads), numel);
     case StateClass::kMaster: return master_bytes(formats.master, numel);
     case StateClass::kMoments: return moments_bytes(formats.moments, numel);
   }
@@ -533,7 +542,7 @@ std::uint64_t state_bytes(StateClass state, std::uint64_t numel, std::uint64_t p
 std::string_view state_format_name(StateClass state, std::uint64_t param_bytes, StateFormats formats) {
   switch (state) {
     case StateClass::kParam16: return param_bytes == 2 ? "bf16/fp16" : "fp32";
-    case StateClass::kGrad: return "fp32";
+    case StateClass::kGrad: return grad_format_name(formats.grads);
     case StateClass::kMaster: return master_format_name(formats.master);
     case StateClass::kMoments: return moment_format_name(formats.moments);
   }

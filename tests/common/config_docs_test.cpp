@@ -144,6 +144,7 @@ std::string fingerprint(const Config& c) {
                      budget(c.tiers.nvme), fmt::join(c.tiers.nvme_paths, ","), c.tiers.numa_node.value_or(-1),
                      c.tiers.huge_pages, static_cast<int>(c.backend), static_cast<int>(c.placement),
                      master_format_name(c.states.master), moment_format_name(c.states.moments));
+  out += fmt::format(" grads {}", grad_format_name(c.states.grads));
   out += fmt::format(" | drop_last {}", c.dataloader_drop_last);
   out += fmt::format(" | step_under_backward {}", c.step_under_backward);
   return out;

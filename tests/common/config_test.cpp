@@ -835,6 +835,61 @@ TEST(Config, ToolOverridesOfTheStatesAreCheckedAgain) {
       << check_state_formats(no_source).message();
 }
 
+// ---- data_types.grad_accum_dtype (Note [16-bit gradient accumulators]) -------
+
+TEST(Config, GradAccumDtypeDefaultsToFp32AndReadsDeepSpeedsSpellings) {
+  EXPECT_EQ(parse_ok("{}").states.grads, GradFormat::kFp32);
+  EXPECT_EQ(parse_ok(R"({"data_types": {}})").states.grads, GradFormat::kFp32);
+  EXPECT_EQ(parse_ok(R"({"data_types": null})").states.grads, GradFormat::kFp32);
+  EXPECT_EQ(parse_ok(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": null}})").states.grads,
+            GradFormat::kFp32);
+  for (const char* name : {"bf16", "bfloat16", "torch.bfloat16"}) {
+    // The bf16 block may come after data_types.
+    const Config c = parse_ok(fmt::format(R"({{"data_types": {{"grad_accum_dtype": "{}"}}, "bf16": {{"enabled": true}}}})", name));
+    EXPECT_EQ(c.states.grads, GradFormat::kBf16) << name;
+    EXPECT_FALSE(c.states.is_default()) << name;
+    EXPECT_TRUE(c.ignored_keys.empty()) << name << ": " << fmt::format("{}", fmt::join(c.ignored_keys, ", "));
+  }
+  for (const char* name : {"fp16", "float16", "half", "torch.float16"}) {
+    const Config c = parse_ok(fmt::format(R"({{"fp16": {{"enabled": true}}, "data_types": {{"grad_accum_dtype": "{}"}}}})", name));
+    EXPECT_EQ(c.states.grads, GradFormat::kFp16) << name;
+  }
+  for (const char* name : {"fp32", "float32", "float", "torch.float32"}) {
+    const Config c = parse_ok(fmt::format(R"({{"data_types": {{"grad_accum_dtype": "{}"}}}})", name));
+    EXPECT_EQ(c.states.grads, GradFormat::kFp32) << name;
+  }
+}
+
+TEST(Config, GradAccumDtypeOtherThanFp32OrTheTrainingDtypeIsRefusedNamingTheKey) {
+  expect_invalid(R"({"fp16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}})",
+                 {"data_types.grad_accum_dtype", "\"bf16\"", "fp16 training", "\"fp32\"", "\"fp16\""});
+  expect_invalid(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp16"}})",
+                 {"data_types.grad_accum_dtype", "\"fp16\"", "bf16 training", "\"fp32\"", "\"bf16\""});
+  expect_invalid(R"({"data_types": {"grad_accum_dtype": "bf16"}})",
+                 {"data_types.grad_accum_dtype", "\"bf16\"", "fp32 training"});
+  expect_invalid(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "int8"}})",
+                 {"data_types.grad_accum_dtype", "\"int8\"", "\"fp32\"", "\"bf16\""});
+  expect_invalid(R"({"data_types": {"grad_accum_dtype": "BF16"}})", {"data_types.grad_accum_dtype", "\"BF16\""});
+  expect_invalid(R"({"data_types": {"grad_accum_dtype": 16}})", {"data_types.grad_accum_dtype", "16"});
+  expect_invalid(R"({"data_types": {"grad_acum_dtype": "bf16"}})", {"data_types.grad_acum_dtype", "'grad_accum_dtype'"});
+  expect_invalid(R"({"data_types": "bf16"})", {"data_types", "an object"});
+}
+
+TEST(Config, ToolOverridesOfTheGradAccumDtypeAreCheckedAgain) {
+  Config c = parse_ok(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}})");
+  EXPECT_TRUE(check_state_formats(c).ok());
+  ASSERT_TRUE(set_training_precision(c, "fp16").ok());
+  const Status refused = check_state_formats(c);
+  EXPECT_EQ(refused.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("test.json: data_types.grad_accum_dtype"), std::string::npos) << refused.message();
+  ASSERT_TRUE(set_grad_format(c, "fp16").ok());
+  EXPECT_TRUE(check_state_formats(c).ok());
+  const Status bad = set_grad_format(c, "int8");
+  EXPECT_NE(bad.message().find("data_types.grad_accum_dtype 'int8': expected fp32, bf16, fp16"), std::string::npos)
+      << bad.message();
+  EXPECT_EQ(c.states.grads, GradFormat::kFp16) << "a refused name changes nothing";
+}
+
 TEST(Config, PartialOptimizerOffloadNeedsStage3) {
   expect_invalid(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})",
                  {"zero_optimization.offload_optimizer.ratio", "stage 3"});

@@ -8,6 +8,11 @@
 //   the same formats in CPU memory, a checkpoint resumes bit for bit, and the
 //   moments move half the bytes. (Their rounding error against a float64
 //   reference is cpu_adam's: tests/cpu_adam/step_test.cpp.)
+// - data_types.grad_accum_dtype "bf16" (Note [16-bit gradient accumulators]):
+//   with one micro-batch a step, training on every placement and on 2 ranks
+//   is bit for bit the fp32 accumulator's; with two it is not (the control),
+//   and grads on NVMe move 2 B each way instead of 4. (The error over several
+//   micro-batches against float64 is cpu_adam's: tests/cpu_adam/accumulate_test.cpp.)
 // - moments "int8" (Note [Int8 moments in the engine]): likewise on every
 //   placement and on 2 ranks; an int8 checkpoint resumes bit for bit, an fp32
 //   one loads into an int8 run and an int8 one into an fp32 run; the stored
@@ -48,11 +53,11 @@ tz::Config config_for(const std::string& nvme, tz::StateFormats states, int gas 
 }
 
 tz::Expected<RunBits> run(const std::string& nvme, tz::StateFormats states, const Placement& placement,
-                          tz::Communicator* comm = nullptr) {
+                          tz::Communicator* comm = nullptr, int gas = 2) {
   TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> engine,
-                      tz::ZeroEngine::create({.config = config_for(nvme, states), .comm = comm, .placement = placement},
+                      tz::ZeroEngine::create({.config = config_for(nvme, states, gas), .comm = comm, .placement = placement},
                                              tz::mlp::model(kMlp), tz::mlp::init(kMlp)));
-  return train_for_bits(*engine, kMlp, kSteps, 2);
+  return train_for_bits(*engine, kMlp, kSteps, gas);
 }
 
 int clipped_steps(const RunBits& r) {
@@ -61,16 +66,48 @@ int clipped_steps(const RunBits& r) {
   return n;
 }
 
+// One run's formats and placement.
+struct Arm {
+  tz::StateFormats states;
+  Placement placement;
+};
+
+// On 2 ranks, each rank trains `a` and then `b` (gas micro-batches a step):
+// they must step bit for bit alike, and with clipping_bites, clipping must
+// scale at least half of a's steps.
+void expect_two_ranks_train_alike(const Arm& a, const Arm& b, int gas, bool clipping_bites) {
+  TempDir dir;
+  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
+    const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
+    std::filesystem::create_directories(nvme);
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    const auto ra = run(nvme, a.states, a.placement, comm->get(), gas);
+    const auto rb = run(nvme, b.states, b.placement, comm->get(), gas);
+    if (!ra.ok() || !rb.ok()) {
+      std::fprintf(stderr, "rank %d: %s\n", info.rank, (ra.ok() ? rb.status() : ra.status()).to_string().c_str());
+      return 1;
+    }
+    const std::string diff = first_difference(*ra, *rb);
+    if (!diff.empty()) std::fprintf(stderr, "rank %d: %s\n", info.rank, diff.c_str());
+    if (clipping_bites && clipped_steps(*ra) < kSteps / 2) return 3;
+    return diff.empty() ? 0 : 2;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(codes[r], 0) << "rank " << r << ", " << placement_name(a.placement) << " / " << placement_name(b.placement);
+  }
+}
+
 // The NVMe bytes of the third step (one micro-batch a step) of a run in these
 // formats with params, master and moments on NVMe, and the run's block layout.
 struct StepBytes {
   std::uint64_t read = 0, written = 0;
   std::vector<tz::BlockLayout> blocks;
 };
-tz::Expected<StepBytes> third_step_bytes(tz::StateFormats states) {
+tz::Expected<StepBytes> third_step_bytes(tz::StateFormats states, const Placement& placement = kPlacements[3]) {
   TempDir nvme;
   TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> engine,
-                      tz::ZeroEngine::create({.config = config_for(nvme.path(), states, 1), .placement = kPlacements[3]},
+                      tz::ZeroEngine::create({.config = config_for(nvme.path(), states, 1), .placement = placement},
                                              tz::mlp::model(kMlp), tz::mlp::init(kMlp)));
   tz::StepReport last;
   for (int step = 0; step < 3; ++step) {
@@ -120,27 +157,8 @@ TEST(RemainderMasters, TrainBitForBitAsFp32MastersOnEveryPlacement) {
 }
 
 TEST(RemainderMasters, TrainBitForBitAsFp32MastersOnTwoRanks) {
-  const Placement placements[] = {kPlacements[1], kPlacements[3]};
-  for (const Placement& placement : placements) {
-    TempDir dir;
-    const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
-      const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
-      std::filesystem::create_directories(nvme);
-      auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-      if (!comm.ok()) return 1;
-      const auto fp32 = run(nvme, {MasterFormat::kFp32}, placement, comm->get());
-      const auto remainder = run(nvme, {MasterFormat::kRemainder}, placement, comm->get());
-      if (!fp32.ok() || !remainder.ok()) {
-        std::fprintf(stderr, "rank %d: %s\n", info.rank,
-                     (fp32.ok() ? remainder.status() : fp32.status()).to_string().c_str());
-        return 1;
-      }
-      const std::string diff = first_difference(*fp32, *remainder);
-      if (!diff.empty()) std::fprintf(stderr, "rank %d: %s\n", info.rank, diff.c_str());
-      if (clipped_steps(*fp32) < kSteps / 2) return 3;
-      return diff.empty() ? 0 : 2;
-    });
-    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", " << placement_name(placement);
+  for (const Placement& placement : {kPlacements[1], kPlacements[3]}) {
+    expect_two_ranks_train_alike({{MasterFormat::kFp32}, placement}, {{MasterFormat::kRemainder}, placement}, 2, true);
   }
 }
 
@@ -194,12 +212,13 @@ TEST(RemainderMasters, TheStepReportCountsTheRemainderBytes) {
 }
 
 // Every placement trained in `formats` steps as `base` (the same formats in
-// CPU memory), bit for bit.
-void expect_every_placement_steps_as(const RunBits& base, tz::StateFormats formats) {
+// CPU memory, or any run of the same steps), bit for bit.
+void expect_every_placement_steps_as(const RunBits& base, tz::StateFormats formats, int gas = 2) {
   for (const Placement& placement : kPlacements) {
-    SCOPED_TRACE(fmt::format("master {}, {}", tz::master_format_name(formats.master), placement_name(placement)));
+    SCOPED_TRACE(fmt::format("master {}, grads {}, {}", tz::master_format_name(formats.master),
+                             tz::grad_format_name(formats.grads), placement_name(placement)));
     TempDir nvme;
-    const auto got = run(nvme.path(), formats, placement);
+    const auto got = run(nvme.path(), formats, placement, nullptr, gas);
     ASSERT_TRUE(got.ok()) << got.status().to_string();
     EXPECT_EQ(first_difference(base, *got), "");
   }
@@ -260,24 +279,7 @@ TEST(Int8Moments, EveryPlacementStepsAsTheSameFormatsInCpuMemoryBitForBit) {
 
 TEST(Int8Moments, TwoRanksStepAsTheSameFormatsInCpuMemoryBitForBit) {
   const tz::StateFormats int8{MasterFormat::kRemainder, tz::MomentFormat::kInt8};
-  TempDir dir;
-  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
-    const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
-    std::filesystem::create_directories(nvme);
-    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-    if (!comm.ok()) return 1;
-    const auto in_memory = run(nvme, int8, kPlacements[2], comm->get());
-    const auto on_nvme = run(nvme, int8, kPlacements[4], comm->get());
-    if (!in_memory.ok() || !on_nvme.ok()) {
-      std::fprintf(stderr, "rank %d: %s\n", info.rank,
-                   (in_memory.ok() ? on_nvme.status() : in_memory.status()).to_string().c_str());
-      return 1;
-    }
-    const std::string diff = first_difference(*in_memory, *on_nvme);
-    if (!diff.empty()) std::fprintf(stderr, "rank %d: %s\n", info.rank, diff.c_str());
-    return diff.empty() ? 0 : 2;
-  });
-  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  expect_two_ranks_train_alike({int8, kPlacements[2]}, {int8, kPlacements[4]}, 2, false);
 }
 
 TEST(Int8Moments, ACheckpointResumesBitForBitAndLoadsIntoAndFromFp32) {
@@ -314,6 +316,47 @@ TEST(Int8Moments, TheStepReportCountsTheStoredShards) {
   EXPECT_EQ(fp32->read - int8->read, fp32_moments - stored);
   EXPECT_EQ(fp32->written - int8->written, fp32_moments - stored);
   EXPECT_LE(stored - unpadded, 2 * 4096 * fp32->blocks.size());
+}
+
+TEST(Bf16GradAccumulators, WithOneMicroBatchEveryPlacementTrainsBitForBitAsFp32Accumulators) {
+  const Placement in_memory = kPlacements[2];
+  for (tz::StateFormats fp32 : {tz::StateFormats{}, tz::StateFormats{MasterFormat::kRemainder, tz::MomentFormat::kInt8}}) {
+    tz::StateFormats bf16 = fp32;
+    bf16.grads = tz::GradFormat::kBf16;
+    TempDir base_dir;
+    const auto base = run(base_dir.path(), fp32, in_memory, nullptr, 1);
+    ASSERT_TRUE(base.ok()) << base.status().to_string();
+    EXPECT_GE(clipped_steps(*base), kSteps / 2) << "clipping must bite for this test to mean anything";
+    expect_every_placement_steps_as(*base, bf16, 1);
+    // The control: with two micro-batches the second one's sum is rounded to bf16.
+    const auto fp32_two = run(base_dir.path(), fp32, in_memory);
+    const auto bf16_two = run(base_dir.path(), bf16, in_memory);
+    ASSERT_TRUE(fp32_two.ok() && bf16_two.ok()) << (fp32_two.ok() ? bf16_two.status() : fp32_two.status()).to_string();
+    EXPECT_NE(first_difference(*fp32_two, *bf16_two), "");
+  }
+}
+
+TEST(Bf16GradAccumulators, WithOneMicroBatchTwoRanksTrainBitForBitAsFp32Accumulators) {
+  const tz::StateFormats fp32{MasterFormat::kRemainder, tz::MomentFormat::kInt8};
+  tz::StateFormats bf16 = fp32;
+  bf16.grads = tz::GradFormat::kBf16;
+  for (const Placement& placement : {kPlacements[2], kPlacements[4]}) {
+    expect_two_ranks_train_alike({fp32, placement}, {bf16, placement}, 1, true);
+  }
+}
+
+// Grads on NVMe: one micro-batch a step writes the accumulator once and the
+// step reads it once, 2 B an element each way instead of 4.
+TEST(Bf16GradAccumulators, TheStepReportCountsHalfTheGradBytes) {
+  tz::StateFormats bf16;
+  bf16.grads = tz::GradFormat::kBf16;
+  const auto fp32 = third_step_bytes({}, kPlacements[4]);
+  const auto half = third_step_bytes(bf16, kPlacements[4]);
+  ASSERT_TRUE(fp32.ok() && half.ok()) << (fp32.ok() ? half.status() : fp32.status()).to_string();
+  std::uint64_t numel = 0;
+  for (const tz::BlockLayout& b : fp32->blocks) numel += b.shard_numel;
+  EXPECT_EQ(fp32->read - half->read, 2 * numel);
+  EXPECT_EQ(fp32->written - half->written, 2 * numel);
 }
 
 }  // namespace

@@ -138,6 +138,24 @@ TEST(ZeroEngineCuda, MixedGpuAndOffloadedOptimizerStatesAreRefusedNamingThePlace
   EXPECT_NE(engine.status().message().find("Lion"), std::string::npos) << engine.status().to_string();
 }
 
+// Note [16-bit gradient accumulators]: the GPU optimizer accumulates in fp32;
+// a 16-bit data_types.grad_accum_dtype is refused there, naming the key.
+TEST(ZeroEngineCuda, A16BitGradAccumulatorWithTheGpuOptimizerIsRefusedNamingTheKey) {
+  TZ_REQUIRE_CUDA_DEVICE();
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16", "cuda");
+  config.states.grads = tz::GradFormat::kBf16;
+  auto engine = tz::ZeroEngine::create({.config = config, .placement = kCases[0].placement}, tz::mlp::model(kMlp),
+                                       tz::mlp::init(kMlp));
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("data_types.grad_accum_dtype = \"bf16\""), std::string::npos)
+      << engine.status().to_string();
+  // Offloaded, the CPU optimizer accumulates in bf16.
+  engine = tz::ZeroEngine::create({.config = config, .placement = kCases[1].placement}, tz::mlp::model(kMlp),
+                                  tz::mlp::init(kMlp));
+  EXPECT_TRUE(engine.ok()) << engine.status().to_string();
+}
+
 // ---------------------------------------------------------------- compact states on the GPU optimizer
 // Note [Compact states on the GPU optimizer]: the GPU optimizer steps
 // remainder masters and bf16 moments with cpu_adam's arithmetic.

@@ -603,6 +603,39 @@ TEST(PlanFormats, CompactFormatsFitWhereFp32StatesDoNot) {
   EXPECT_EQ(compact.tier_of(StateClass::kParam16), G);
 }
 
+// data_types.grad_accum_dtype "bf16": the accumulator is 2 B a parameter
+// wherever it lives, never on the GPU (the GPU optimizer accumulates in fp32).
+TEST(PlanFormats, Bf16GradsAreTwoBytesAndNeverPlanTheGpuOptimizer) {
+  PlanInput in = one_billion(kHuge, kHuge, kHuge);
+  in.states.grads = GradFormat::kBf16;
+  const Plan plan = must_plan(in);
+  for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) EXPECT_NE(plan.tier_of(s), G);
+  EXPECT_EQ(plan.bytes_of(StateClass::kGrad), 2 * kP1B);
+  EXPECT_EQ(plan.elem_bytes_of(StateClass::kGrad), 2.0);
+  EXPECT_EQ(state_format_name(StateClass::kGrad, 2, in.states), "bf16");
+  EXPECT_NE(format_plan(plan, in).find("bf16 grads (data_types.grad_accum_dtype)"), std::string::npos)
+      << format_plan(plan, in);
+}
+
+// As PlanTraffic.GradsOnNvmeAreReadBackEachAccumulation with 2 B grads. CPU:
+// 1'000'005'632 + 3 x L x (2 + 4 + 8) + 3 x L x 2 + one arriving shard
+// (2 + 2) B x L, L = 250'001'408: 14'000'078'848 (with the grads in CPU
+// memory it would be 17'000'095'744 - 2P = 15'000'084'480, over 14.5e9).
+TEST(PlanFormats, Bf16GradsOnNvmeMoveTwoBytesEachAccumulation) {
+  PlanInput in = zero_infinity();
+  in.cpu_bytes = 14'500'000'000;
+  in.states.grads = GradFormat::kBf16;
+  const Plan plan = must_plan(in);
+  EXPECT_EQ(plan.tier, (Tiers{N, N, N, N}));
+  EXPECT_EQ(plan.usage_of(Tier::kCpu).need_bytes, 14'000'078'848u);
+  EXPECT_EQ(plan.usage_of(Tier::kNvme).need_bytes, 16 * kP1B);  // 2 + 2 + 4 + 8 B
+  // grads add NVMe write 2P x 2 and read 2P x (2 - 1) + 2P (the step).
+  EXPECT_EQ(plan.traffic.nvme_write_bytes, 14 * kP1B + 4 * kP1B);
+  EXPECT_EQ(plan.traffic.nvme_read_bytes, 8 * kP1B + 12 * kP1B + 4 * kP1B);
+  // CPU Adam reads 2 B of gradient instead of 4: 30P - 2P.
+  EXPECT_EQ(plan.traffic.cpu_optimizer_bytes, 28 * kP1B);
+}
+
 TEST(PlanFormats, ARemainderMasterWithFp32ParametersIsRefused) {
   PlanInput in = one_billion(kHuge, kHuge, kHuge);
   in.param_bytes = 4;

@@ -58,6 +58,30 @@ if(NOT largest EQUAL planned)
   message(FATAL_ERROR "--largest found ${largest} params but planned ${planned}")
 endif()
 estimate(largest_and_params 2 "excludes" --largest --params 1B)
+# data_types.grad_accum_dtype (Note [16-bit gradient accumulators]): from the
+# config or --grad-accum-dtype, 2 B a parameter; a dtype other than the
+# training one is exit 2 naming the key.
+file(WRITE "${WORK_DIR}/grad16.json" [=[{"bf16": {"enabled": true}, "zero_optimization": {"stage": 3},
+  "data_types": {"grad_accum_dtype": "bf16"}}]=])
+function(expect_grads name format bytes)
+  file(READ "${WORK_DIR}/${name}.json" json)
+  string(JSON got GET "${json}" states 1 format)
+  string(JSON got_bytes GET "${json}" states 1 bytes_per_elem)
+  string(JSON input GET "${json}" inputs grad_accum_dtype)
+  if(NOT got STREQUAL format OR NOT got_bytes EQUAL bytes OR NOT input STREQUAL format)
+    message(FATAL_ERROR "${name}: grads ${got} ${got_bytes} B (inputs ${input}); expected ${format} ${bytes}")
+  endif()
+endfunction()
+estimate(grads_config 0 "grad +bf16 +2 " --params 1B --config "${WORK_DIR}/grad16.json")
+expect_grads(grads_config bf16 2)
+estimate(grads_flag 0 "bf16 grads \\(data_types.grad_accum_dtype\\)" --params 1B --grad-accum-dtype bf16
+         --offload-optimizer cpu --offload-param none)
+expect_grads(grads_flag bf16 2)
+estimate(grads_default 0 "grad +fp32 +4 " --params 1B)
+expect_grads(grads_default fp32 4)
+estimate(grads_fp16 2 "data_types.grad_accum_dtype: \"bf16\" with fp16 training is not supported" --params 1B
+         --config "${WORK_DIR}/grad16.json" --precision fp16)
+
 estimate(neither 2 "--params is required" --master fp32)
 
 # Drive wear: 10B params hold 160 GB of grads and optimizer states, more than the 120 GB of CPU:

@@ -445,13 +445,15 @@ def test_a_state_format_the_parameters_cannot_hold_is_refused_not_trained_in_fp3
         tzt.initialize(mlp(), config)
 
 
-def _train_tiny_gpt(nvme_dir, states):
-    """Six steps of the tiny GPT in bf16 with these tierzero.states: (losses, final masters)."""
+def _train_tiny_gpt(nvme_dir, states, data_types=None):
+    """Six steps of the tiny GPT in bf16 with these tierzero.states (and data_types): (losses, final masters)."""
     torch.manual_seed(0)
     config = host_config(nvme_dir, lr=3e-3)
     config["bf16"] = {"enabled": True}
     config["gradient_clipping"] = 0.1
     config["tierzero"]["states"] = states
+    if data_types is not None:
+        config["data_types"] = data_types
     engine, *_ = tzt.initialize(TinyGPT(), config)
     losses = []
     for x, y in _gpt_batches(5, 6):
@@ -462,6 +464,21 @@ def _train_tiny_gpt(nvme_dir, states):
     masters = engine.master_state_dict()
     engine.close()
     return losses, masters
+
+
+def test_grad_accum_dtype_reaches_the_engine_or_is_refused_with_its_name(nvme_dir):
+    # data_types.grad_accum_dtype is DeepSpeed's key: bf16 under bf16 training accumulates in bf16, which with one
+    # micro-batch a step is bit for bit the fp32 accumulator (Note [16-bit gradient accumulators]); a dtype that is
+    # not the training one is refused, naming the key.
+    losses, masters = _train_tiny_gpt(nvme_dir, {"master": "fp32"})
+    bf16_losses, bf16_masters = _train_tiny_gpt(nvme_dir, {"master": "fp32"}, {"grad_accum_dtype": "bf16"})
+    assert bf16_losses == losses
+    assert all(torch.equal(bf16_masters[n].view(torch.int32), m.view(torch.int32)) for n, m in masters.items())
+    config = host_config(nvme_dir)
+    config["bf16"] = {"enabled": True}
+    config["data_types"] = {"grad_accum_dtype": "fp16"}
+    with pytest.raises(ValueError, match=r'data_types.grad_accum_dtype: "fp16" with bf16 training is not supported'):
+        tzt.initialize(mlp(), config)
 
 
 def test_remainder_masters_train_through_tierzero_torch_exactly_as_fp32_masters(nvme_dir):

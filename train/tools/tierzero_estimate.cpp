@@ -56,6 +56,7 @@ struct Options {
   std::string offload_param, offload_optimizer, placement;
   std::string precision;  // bf16 | fp16 | fp32; empty: the config's, or bf16 without one
   std::string master, moments;  // tierzero.states formats; empty: the config's (fp32)
+  std::string grad_accum_dtype;  // data_types.grad_accum_dtype; empty: the config's (fp32)
   bool largest = false;
   // Drive wear: a rating in TB written, or drive writes per day x capacity x years.
   double tbw = 0, dwpd = 0, warranty_years = 5, step_seconds = 0;
@@ -182,6 +183,10 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--moments", o.moments, "the Adam moments' format: fp32, bf16 or int8 (default the config's "
                                          "tierzero.states.moments, or fp32)")
       ->check(CLI::IsMember(format_names(tz::kMomentFormats, tz::moment_format_name)));
+  app.add_option("--grad-accum-dtype", o.grad_accum_dtype,
+                 "the gradient accumulator's dtype, as DeepSpeed's data_types.grad_accum_dtype: fp32, or the 16-bit "
+                 "training dtype (bf16, fp16); default the config's, or fp32")
+      ->check(CLI::IsMember(format_names(tz::kGradFormats, tz::grad_format_name)));
   app.add_option("--placement", o.placement, "auto (fastest plan that fits) or deepspeed (follow the offload devices)")
       ->check(CLI::IsMember({"auto", "deepspeed"}));
   app.add_option("--config", o.config_path, "tierzero/DeepSpeed JSON config (flags override it)")
@@ -248,9 +253,10 @@ tz::Expected<tz::Config> effective_config(const Options& o) {
   if (!o.precision.empty()) TZ_TRY(tz::set_training_precision(config, o.precision));
   if (!o.master.empty()) TZ_TRY(tz::set_master_format(config, o.master));
   if (!o.moments.empty()) TZ_TRY(tz::set_moment_format(config, o.moments));
+  if (!o.grad_accum_dtype.empty()) TZ_TRY(tz::set_grad_format(config, o.grad_accum_dtype));
   // Again after the flags: --precision fp16 under a remainder config, or --master remainder without bf16.
   if (const tz::Status s = tz::check_state_formats(config); !s.ok()) {
-    return tz::invalid_argument("{} (on the command line: --master, --precision)", s.message());
+    return tz::invalid_argument("{} (on the command line: --master, --precision, --grad-accum-dtype)", s.message());
   }
   if (o.has_stage) config.zero.stage = o.stage;
   if (o.has_grad_accum) tz::override_gradient_accumulation_steps(config, o.grad_accum);
@@ -323,6 +329,7 @@ nlohmann::json plan_json(const tz::Plan& plan, const tz::PlanInput& in, const tz
         {"ranks", in.ranks}, {"ranks_per_node", in.effective_ranks_per_node()}, {"stage", in.stage},
         {"gradient_accumulation_steps", in.gradient_accumulation_steps}, {"param_bytes", in.param_bytes},
         {"master", tz::master_format_name(in.states.master)}, {"moments", tz::moment_format_name(in.states.moments)},
+        {"grad_accum_dtype", tz::grad_format_name(in.states.grads)},
         {"placement", plan.mode == tz::PlacementMode::kAuto ? "auto" : "deepspeed"},
         {"links_Bps", {{"nvme_read", in.links.nvme_read_Bps}, {"nvme_write", in.links.nvme_write_Bps},
                        {"pcie", in.links.pcie_Bps}, {"cpu_mem", in.links.cpu_mem_Bps}}}}},

@@ -72,6 +72,7 @@ struct Flags {
   std::string backend;   // "", "auto", "cuda", "host": empty follows the config
   std::string gpu_bytes; // "", "auto" or a size: replaces tierzero.tiers.gpu_bytes
   std::string master, moments;  // "" or a format name: replace tierzero.states.master / .moments
+  std::string grad_accum_dtype;  // "" or fp32 | bf16 | fp16: replaces data_types.grad_accum_dtype
   bool tf32 = true;      // CUDA only
   std::optional<int> layers, hidden, heads, seq, batch;
   std::optional<std::int64_t> steps;
@@ -140,8 +141,9 @@ tz::Expected<tz::Config> load_train_config(Flags& f) {
   }
   if (!f.master.empty()) TZ_TRY(tz::set_master_format(config, f.master));
   if (!f.moments.empty()) TZ_TRY(tz::set_moment_format(config, f.moments));
+  if (!f.grad_accum_dtype.empty()) TZ_TRY(tz::set_grad_format(config, f.grad_accum_dtype));
   if (const tz::Status s = tz::check_state_formats(config); !s.ok()) {  // --master remainder on an fp16 config, say
-    return tz::invalid_argument("{} (on the command line: --master)", s.message());
+    return tz::invalid_argument("{} (on the command line: --master, --grad-accum-dtype)", s.message());
   }
   if (!f.nvme_path.empty()) {  // one directory for everything on NVMe, replacing the config's
     config.tiers.nvme_paths = {f.nvme_path};
@@ -565,6 +567,9 @@ void add_flags(CLI::App& app, Flags& f) {
                                        "fp32, or remainder (bf16 parameters; exact, 2.125 B instead of 4)");
   app.add_option("--moments", f.moments, "the Adam moments' format, replacing the config's tierzero.states.moments: "
                                          "fp32, bf16, or int8 (8-bit codes + a scale per 256 elements: 2.03 B for both)");
+  app.add_option("--grad-accum-dtype", f.grad_accum_dtype,
+                 "the gradient accumulator's dtype, replacing the config's data_types.grad_accum_dtype: fp32, or the "
+                 "16-bit training dtype (bf16 or fp16; 2 B instead of 4)");
   app.add_option("--preset", f.preset, "model size: tiny, cpu (default), small, gpt2")->capture_default_str();
   app.add_option("--layers", f.layers, "transformer blocks (overrides the preset)")->check(CLI::Range(1, 1000));
   app.add_option("--hidden", f.hidden, "model width")->check(CLI::Range(1, 65536));

@@ -263,8 +263,16 @@ class CpuOptimizer {
   // returning the squared L2 norm and non-finite flag of the new acc in the same read.
   // acc is (n,) fp32, grad (n,) grad_dtype; they must not overlap; scale must be
   // finite in fp32. With overwrite, acc is only written (old inf/NaN are forgotten).
-  virtual Expected<GradStats> accumulate_grad(float* acc, const void* grad, DType grad_dtype, std::size_t n,
-                                              bool overwrite, double scale = 1.0) = 0;
+  Expected<GradStats> accumulate_grad(float* acc, const void* grad, DType grad_dtype, std::size_t n,
+                                      bool overwrite, double scale = 1.0) {
+    return accumulate_grad(acc, DType::kFp32, grad, grad_dtype, n, overwrite, scale);
+  }
+  // The same into an accumulator of acc_dtype (fp32, bf16 or fp16; Note
+  // [16-bit gradient accumulators], engine/src/gradient_path.h): each new
+  // acc[i] is the fp32 result above rounded to nearest even in acc_dtype, and
+  // the statistics are of the values stored.
+  virtual Expected<GradStats> accumulate_grad(void* acc, DType acc_dtype, const void* grad, DType grad_dtype,
+                                              std::size_t n, bool overwrite, double scale = 1.0) = 0;
 
   virtual Simd simd() const = 0;
   virtual int threads() const = 0;

@@ -265,7 +265,8 @@ void override_gradient_accumulation_steps(Config& config, std::int64_t steps);
 // A tool's precision flag: "bf16" or "fp16" enables that block (and disables
 // the other), "fp32" disables both. Anything else is kInvalidArgument naming it.
 Status set_training_precision(Config& config, std::string_view precision);
-// The states' formats against the training precision: master "remainder"
+// The states' formats against the training precision: a 16-bit
+// data_types.grad_accum_dtype must be the training dtype; master "remainder"
 // needs bf16 parameters (fp16's exponent cannot hold the master; fp32
 // training has no 16-bit parameter to build on). kInvalidArgument naming the
 // key, the value, why, and what to use instead. parse_config() runs it; a
@@ -276,5 +277,9 @@ Status check_state_formats(const Config& config);
 // check_state_formats() once every override is applied.
 Status set_master_format(Config& config, std::string_view name);
 Status set_moment_format(Config& config, std::string_view name);
+// A tool's --grad-accum-dtype flag: "fp32", "bf16" or "fp16" as
+// data_types.grad_accum_dtype; check_state_formats() checks it against the
+// precision.
+Status set_grad_format(Config& config, std::string_view name);
 
 }  // namespace tz

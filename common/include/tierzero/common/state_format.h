@@ -14,6 +14,10 @@
 //            int8         2.03125      both as 8-bit codes, block-wise: one
 //                                      fp32 scale per kInt8MomentBlockNumel
 //                                      elements of each moment
+//   grads    fp32         4            the gradient accumulator in fp32
+//            bf16 | fp16  2            in the 16-bit training dtype
+//                                      (DeepSpeed's data_types.grad_accum_dtype;
+//                                      Note [16-bit gradient accumulators])
 //
 // Note [Master remainder]: bf16 b = round-to-nearest-even(m) of an fp32
 // master m. The fp32 values that round to b lie within half a bf16 step of
@@ -37,10 +41,14 @@ namespace tz {
 
 enum class MasterFormat : std::uint8_t { kFp32, kRemainder };
 enum class MomentFormat : std::uint8_t { kFp32, kBf16, kInt8 };
+// The gradient accumulator's dtype. A 16-bit one is the training dtype
+// (check_state_formats() in config.h refuses the others).
+enum class GradFormat : std::uint8_t { kFp32, kBf16, kFp16 };
 
 // Every format, in the order the config's error messages list them.
 inline constexpr MasterFormat kMasterFormats[] = {MasterFormat::kFp32, MasterFormat::kRemainder};
 inline constexpr MomentFormat kMomentFormats[] = {MomentFormat::kFp32, MomentFormat::kBf16, MomentFormat::kInt8};
+inline constexpr GradFormat kGradFormats[] = {GradFormat::kFp32, GradFormat::kBf16, GradFormat::kFp16};
 
 // Elements of one moment that share one fp32 scale in the int8 format.
 inline constexpr std::uint64_t kInt8MomentBlockNumel = 256;
@@ -49,14 +57,20 @@ inline constexpr std::uint64_t kInt8MomentScaleBytes = 4;  // fp32
 struct StateFormats {
   MasterFormat master = MasterFormat::kFp32;
   MomentFormat moments = MomentFormat::kFp32;
+  GradFormat grads = GradFormat::kFp32;  // data_types.grad_accum_dtype
 
-  bool is_default() const { return master == MasterFormat::kFp32 && moments == MomentFormat::kFp32; }
+  bool is_default() const {
+    return master == MasterFormat::kFp32 && moments == MomentFormat::kFp32 && grads == GradFormat::kFp32;
+  }
   friend bool operator==(const StateFormats&, const StateFormats&) = default;
 };
 
 // The config's spellings: "fp32" | "remainder", and "fp32" | "bf16" | "int8".
 std::string_view master_format_name(MasterFormat format);
 std::string_view moment_format_name(MomentFormat format);
+std::string_view grad_format_name(GradFormat format);  // "fp32" | "bf16" | "fp16"
+// Bytes a gradient accumulator element takes: 4 or 2.
+std::uint64_t grad_bytes_per_elem(GradFormat format);
 
 // Bytes that `numel` elements of a shard take in each format, exactly
 // (partial tie-bit bytes and partial scale blocks round up).
