@@ -463,6 +463,23 @@ double roomy_max_norm(tz::Config config, const Options& o) {
   return 10 * *std::max_element(run->bits.grad_norms.begin(), run->bits.grad_norms.end());
 }
 
+// "auto" under a roomy max norm, beside the switch-off engine: its run,
+// checked bit for bit against the other's.
+struct AutoRun {
+  AheadRun run;
+  double max_norm = 0;
+};
+
+tz::Expected<AutoRun> auto_beside_off(const Placement& placement, const Options& o) {
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  config.gradient_clipping = roomy_max_norm(config, o);
+  TZ_ASSIGN_OR_RETURN(AheadRun before, train_new(config, placement, false, o));
+  TZ_ASSIGN_OR_RETURN(AheadRun ahead, train_new(config, placement, kAuto, o));
+  EXPECT_EQ(first_difference(before.bits, ahead.bits), "");
+  return AutoRun{std::move(ahead), config.gradient_clipping};
+}
+
 std::uint64_t redone_bytes(const tz::StepReport& r) { return r.ahead_redone_read_bytes + r.ahead_redone_write_bytes; }
 
 // The policy alone: calm windows, the margin, the back-off and its reset.
@@ -506,23 +523,17 @@ TEST(StepAhead, AheadPolicyWaitsForCalmWindowsAndBacksOffAfterRedos) {
 // calm windows in a row, so it never steps under backward and undoes
 // nothing; the weights are the switch-off engine's.
 TEST(StepAhead, AutoDoesNotSpeculateWhereStepsAlternateBetweenClippingAndNot) {
-  TempDir nvme;
-  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
   Options o{.steps = 12};
   for (int step = 1; step < o.steps; step += 2) o.loud_steps.insert(step);
-  config.gradient_clipping = roomy_max_norm(config, o);
-  auto before = train_new(config, kInfinity, false, o);
-  ASSERT_TRUE(before.ok()) << before.status().to_string();
-  auto ahead = train_new(config, kInfinity, kAuto, o);
+  auto ahead = auto_beside_off(kInfinity, o);
   ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
-  EXPECT_EQ(first_difference(before->bits, ahead->bits), "");
   for (int step = 0; step < o.steps; ++step) {
-    const tz::StepReport& r = ahead->reports[step];
+    const tz::StepReport& r = ahead->run.reports[step];
     // The sequence is what the test means: loud steps clip, quiet ones are calm.
     if (o.loud_steps.count(step) != 0) {
       ASSERT_LT(r.clip_coef, 1.0) << "step " << step;
     } else {
-      ASSERT_LE(r.grad_norm, 0.5 * config.gradient_clipping) << "step " << step;
+      ASSERT_LE(r.grad_norm, 0.5 * ahead->max_norm) << "step " << step;
     }
     EXPECT_EQ(r.ahead_blocks, 0U) << "step " << step;
     EXPECT_EQ(r.ahead_redone, 0U) << "step " << step;
@@ -538,17 +549,11 @@ TEST(StepAhead, AutoDoesNotSpeculateWhereStepsAlternateBetweenClippingAndNot) {
 TEST(StepAhead, AutoSpeculatesAndKeepsEveryBlockWhereNothingClips) {
   for (const Placement& placement : {kPlacements[1], kInfinity}) {
     SCOPED_TRACE(placement_name(placement));
-    TempDir nvme;
-    tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
     const Options o{.steps = 8};
-    config.gradient_clipping = roomy_max_norm(config, o);
-    auto before = train_new(config, placement, false, o);
-    ASSERT_TRUE(before.ok()) << before.status().to_string();
-    auto ahead = train_new(config, placement, kAuto, o);
+    auto ahead = auto_beside_off(placement, o);
     ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
-    EXPECT_EQ(first_difference(before->bits, ahead->bits), "");
     for (int step = 0; step < o.steps; ++step) {
-      const tz::StepReport& r = ahead->reports[step];
+      const tz::StepReport& r = ahead->run.reports[step];
       const bool speculates = step >= tz::detail::AheadPolicy::kCalmWindows;
       EXPECT_EQ(r.ahead_blocks, speculates ? static_cast<std::uint64_t>(kMlp.layers) : 0U) << "step " << step;
       EXPECT_EQ(r.ahead_redone, 0U) << "step " << step;
