@@ -336,16 +336,22 @@ TEST(StepAhead, ARunStoppedUnderBackwardResumesFromItsCheckpointsBitForBit) {
   }
 }
 
+// DeepSpeed's offload keys placing params and optimizer states on NVMe.
+tz::Config deepspeed_nvme_config(const std::string& nvme) {
+  tz::Config config = test_config(nvme, 3, 1, "bf16");
+  config.placement = tz::PlacementMode::kDeepSpeed;
+  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
+  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
+  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme;
+  return config;
+}
+
 // Where the CPU tier's headroom holds no slot, the step runs after backward
 // and the report says why, with the numbers.
 TEST(StepAhead, WhereItDoesNotFitTheBudgetTheStepRunsAfterBackwardAndSaysWhy) {
   TempDir nvme;
-  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
   // The config's own placement (the plan's numbers are its): params and optimizer on NVMe.
-  config.placement = tz::PlacementMode::kDeepSpeed;
-  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
-  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
-  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme.path();
+  tz::Config config = deepspeed_nvme_config(nvme.path());
   auto create = [&](bool ahead) {
     config.step_under_backward = mode_of(ahead);
     return tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
@@ -376,11 +382,7 @@ TEST(StepAhead, WhereItDoesNotFitTheBudgetTheStepRunsAfterBackwardAndSaysWhy) {
 // memory but for the host pool's page rounding of each buffer.
 TEST(StepAhead, ThePlannerCountsWhatTheEngineAddsToItsPlan) {
   TempDir nvme;
-  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
-  config.placement = tz::PlacementMode::kDeepSpeed;
-  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
-  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
-  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme.path();
+  tz::Config config = deepspeed_nvme_config(nvme.path());
   config.step_under_backward = kAlways;
   auto e = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   ASSERT_TRUE(e.ok()) << e.status().to_string();
