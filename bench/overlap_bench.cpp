@@ -327,7 +327,7 @@ nlohmann::json arm_json(const Arm& arm, const Summary& sum) {
                      {"ahead_s", r.ahead_s}, {"ahead_hidden_s", r.ahead_hidden_s},
                      {"ahead_blocks", r.ahead_blocks}, {"ahead_redone", r.ahead_redone}});
   }
-  return {{"step_under_backward", arm.ahead == "on"}, {"engine", arm.engine->describe()}, {"steps", steps},
+  return {{"step_under_backward", arm.ahead}, {"engine", arm.engine->describe()}, {"steps", steps},
           {"median_ratio_to_critical_path", sum.ratio}, {"median_wait_fraction", sum.wait},
           {"whole_step_over_critical_path", sum.whole}, {"median_whole_step_s", sum.whole_s}};
 }
@@ -355,12 +355,15 @@ tz::Status run(const Flags& f) {
   std::vector<std::string> which;
   if (f.ahead == "off" || f.ahead == "both") which.emplace_back("off");
   if (f.ahead == "on" || f.ahead == "both") which.emplace_back("on");
+  if (f.ahead == "auto") which.emplace_back("auto");
   std::vector<Arm> arms;
   for (const std::string& ahead : which) {
     Arm arm{.ahead = ahead, .nvme_path = which.size() > 1 ? f.nvme_path + "/" + ahead : f.nvme_path};
     std::filesystem::create_directories(arm.nvme_path);
     TZ_ASSIGN_OR_RETURN(tz::Config config, make_config(f, arm.nvme_path));
-    config.step_under_backward = ahead == "on";
+    config.step_under_backward = ahead == "on"     ? tz::StepUnderBackward::kAlways
+                                 : ahead == "auto" ? tz::StepUnderBackward::kAuto
+                                                   : tz::StepUnderBackward::kOff;
     TZ_ASSIGN_OR_RETURN(arm.engine, tz::ZeroEngine::create({.config = config, .placement = parse_placement(f.placement)},
                                                           tz::mlp::model(mlp), tz::mlp::init(mlp)));
     std::printf("[step_under_backward %s] %s\n", ahead.c_str(), arm.engine->describe().c_str());
@@ -403,9 +406,9 @@ int main(int argc, char** argv) {
   app.add_option("--trace", f.trace_path, "write the last step's Chrome trace here");
   app.add_option("--max-norm", f.max_norm, "gradient_clipping; a step that clips is redone after backward")
       ->capture_default_str();
-  app.add_option("--ahead", f.ahead, "tierzero.step_under_backward: off, on, or both (two engines, alternating)")
+  app.add_option("--ahead", f.ahead, "tierzero.step_under_backward: off, on (true), auto, or both (two engines, off and on, alternating)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"off", "on", "both"}));
+      ->check(CLI::IsMember({"off", "on", "auto", "both"}));
   CLI11_PARSE(app, argc, argv);
   const tz::Status s = run(f);
   if (!s.ok()) {

@@ -160,6 +160,10 @@ nb::dict report_dict(const tz::StepReport& r) {
   d["ahead_seconds"] = r.ahead_seconds;
   d["ahead_hidden_seconds"] = r.ahead_hidden_seconds;
   d["ahead_off"] = r.ahead_off;
+  d["ahead_redone_read_bytes"] = r.ahead_redone_read_bytes;  // Note [What a redo costs]
+  d["ahead_redone_write_bytes"] = r.ahead_redone_write_bytes;
+  d["ahead_redone_seconds"] = r.ahead_redone_seconds;
+  d["ahead_redo_reason"] = r.ahead_redo_reason;
   d["nvme_read_bytes"] = r.nvme_read_bytes;
   d["nvme_write_bytes"] = r.nvme_write_bytes;
   d["nvme_read_busy_seconds"] = r.nvme_read_busy_seconds;

@@ -19,6 +19,11 @@ initialisation. It prints, per way, the final training loss (mean of the last
 engine's NVMe bytes per parameter per step from its step report; writes --json.
 The bound the issue sets is 2% of the fp32 reference's final validation loss.
 
+--step-under-backward off,on,auto runs each tierzero way once per value of
+tierzero.step_under_backward (false, true, "auto"), in that order, and prints
+what the steps under backward kept and redid (issue #22: Note [What a redo
+costs] and Note [When to speculate] in engine/src/step_ahead.h).
+
     python3 bench/python/compact_states_gpt2.py --steps 200 --json out.json
 """
 
@@ -106,7 +111,10 @@ def run_torch(args, train, val) -> dict:
     return {"losses": losses, "val_loss": evaluate(lambda x: model(input_ids=x, labels=x), val), "seconds": seconds}
 
 
-def run_tierzero(args, train, val, fmt: str) -> dict:
+SWITCH = {"off": False, "on": True, "auto": "auto"}
+
+
+def run_tierzero(args, train, val, fmt: str, ahead: str) -> dict:
     nvme = tempfile.mkdtemp(prefix="tz-compact-gpt2-", dir=args.nvme_path)
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
@@ -118,28 +126,45 @@ def run_tierzero(args, train, val, fmt: str) -> dict:
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 1_000_000,
                               "offload_param": {"device": "nvme", "nvme_path": nvme},
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
-        "tierzero": {"backend": "host", "states": FORMATS[fmt], "step_under_backward": args.step_under_backward},
+        "tierzero": {"backend": "host", "states": FORMATS[fmt], "step_under_backward": SWITCH[ahead]},
     }
     model = make_model(args).to(torch.bfloat16)
     engine, optimizer, *_ = tzt.initialize(model, config)
     losses, nvme_bytes, params = [], [], sum(p.numel() for p in make_model(args).parameters())
+    steps = []  # per step: what the report says of the optimizer under backward, and the step's seconds
     start = time.perf_counter()
     try:
         for i, x in enumerate(train):
             optimizer.param_groups[0]["lr"] = lr_at(i, args)
+            began = time.perf_counter()
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach().float()))
             report = engine.last_report
             nvme_bytes.append(report.get("nvme_read_bytes", 0) + report.get("nvme_write_bytes", 0))
+            steps.append({"seconds": time.perf_counter() - began,
+                          **{k: report.get(k) for k in ("grad_norm", "clip_coef", "ahead_blocks", "ahead_redone",
+                                                        "ahead_redone_read_bytes", "ahead_redone_write_bytes",
+                                                        "ahead_redone_seconds", "ahead_redo_reason", "ahead_off")}})
         seconds = time.perf_counter() - start
         engine.eval()
         val_loss = evaluate(lambda x: engine(input_ids=x, labels=x), val)
     finally:
         engine.close()
     steady = sorted(nvme_bytes[1:])[len(nvme_bytes[1:]) // 2] if len(nvme_bytes) > 1 else nvme_bytes[0]
-    return {"losses": losses, "val_loss": val_loss, "seconds": seconds, "nvme_bytes_per_param": steady / params}
+    redone = [(s["ahead_redone_read_bytes"] or 0) + (s["ahead_redone_write_bytes"] or 0) for s in steps]
+    reasons: dict = {}
+    for s in steps:
+        if s["ahead_redo_reason"]:
+            reasons[s["ahead_redo_reason"]] = reasons.get(s["ahead_redo_reason"], 0) + 1
+    times = sorted(s["seconds"] for s in steps[1:]) or [seconds]
+    return {"losses": losses, "val_loss": val_loss, "seconds": seconds, "nvme_bytes_per_param": steady / params,
+            "nvme_bytes_per_param_mean": sum(nvme_bytes[1:]) / max(1, len(nvme_bytes) - 1) / params,
+            "redone_bytes_per_param_mean": sum(redone) / len(redone) / params,
+            "windows_kept": sum(1 for s in steps if (s["ahead_blocks"] or 0) > 0),
+            "windows_redone": sum(1 for s in steps if (s["ahead_redone"] or 0) > 0),
+            "redo_reasons": reasons, "step_seconds_median": times[len(times) // 2], "steps": steps}
 
 
 def main() -> None:
@@ -154,8 +179,9 @@ def main() -> None:
     ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--ways", default="torch,fp32,remainder,remainder+bf16",
                     help="comma-separated: torch and any of " + ", ".join(FORMATS))
-    ap.add_argument("--step-under-backward", type=lambda v: v == "on", default=True, metavar="on|off",
-                    help="tierzero.step_under_backward (default on, the engine's default)")
+    ap.add_argument("--step-under-backward", default="auto", metavar="off,on,auto",
+                    help="tierzero.step_under_backward: off (false), on (true), auto (the engine's default); a "
+                         "comma-separated list runs each tierzero way once per value")
     ap.add_argument("--nvme-path", default=os.environ.get("TMPDIR", "/var/tmp"))
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -168,16 +194,21 @@ def main() -> None:
     val = batches(text[split:], args, args.val_batches, seed=2)
     params = sum(p.numel() for p in make_model(args).parameters())
     rows = {}
+    switches = args.step_under_backward.split(",")
+    if any(v not in SWITCH for v in switches):
+        raise SystemExit(f"--step-under-backward: expected off, on or auto (comma-separated), got {args.step_under_backward!r}")
     for way in args.ways.split(","):
         if way != "torch" and way not in FORMATS:
             raise SystemExit(f"--ways: unknown way {way!r}; expected torch or one of {', '.join(FORMATS)}")
-        rows[way] = run_torch(args, train, val) if way == "torch" else run_tierzero(args, train, val, way)
-        print(f"  {way}: done in {rows[way]['seconds']:.1f} s", flush=True)
+        for ahead in ["-"] if way == "torch" else switches:
+            name = way if way == "torch" or len(switches) == 1 else f"{way} ({ahead})"
+            rows[name] = run_torch(args, train, val) if way == "torch" else run_tierzero(args, train, val, way, ahead)
+            print(f"  {name}: done in {rows[name]['seconds']:.1f} s", flush=True)
     ref_name = "fp32" if "fp32" in rows else ("torch" if "torch" in rows else next(iter(rows)))
     ref = rows[ref_name]
     print(f"\nGPT-2-shaped model: {params / 1e6:.2f}M parameters ({args.layers} x {args.hidden}, seq {args.seq}, "
           f"batch {args.batch}), {args.steps} steps, AdamW betas (0.9, 0.999); host {cpu_name()}, {os.cpu_count()} CPUs")
-    print(f"{'way':<18}{'train loss (last 20)':>22}{'val loss':>10}{'vs ' + ref_name:>10}{'vs torch':>10}"
+    print(f"{'way':<22}{'train loss (last 20)':>22}{'val loss':>10}{'vs ' + ref_name:>10}{'vs torch':>10}"
           f"{'NVMe B/param/step':>19}")
     for way, r in rows.items():
         r["train_loss_last20"] = sum(r["losses"][-20:]) / len(r["losses"][-20:])
@@ -185,8 +216,14 @@ def main() -> None:
         r["val_vs_torch"] = r["val_loss"] / rows["torch"]["val_loss"] - 1 if "torch" in rows else None
         nv = f"{r['nvme_bytes_per_param']:.2f}" if "nvme_bytes_per_param" in r else "-"
         vt = f"{100 * r['val_vs_torch']:+.2f}%" if r["val_vs_torch"] is not None else "-"
-        print(f"{way:<18}{r['train_loss_last20']:>22.4f}{r['val_loss']:>10.4f}{100 * r['val_vs_ref']:>+9.2f}%"
+        print(f"{way:<22}{r['train_loss_last20']:>22.4f}{r['val_loss']:>10.4f}{100 * r['val_vs_ref']:>+9.2f}%"
               f"{vt:>10}{nv:>19}")
+    print(f"\n{'way':<22}{'NVMe B/param/step (mean)':>26}{'redone B/param/step':>21}{'kept':>6}{'redone':>8}"
+          f"{'step s (median)':>17}  redo reasons")
+    for way, r in rows.items():
+        if "windows_kept" in r:
+            print(f"{way:<22}{r['nvme_bytes_per_param_mean']:>26.2f}{r['redone_bytes_per_param_mean']:>21.2f}"
+                  f"{r['windows_kept']:>6}{r['windows_redone']:>8}{r['step_seconds_median']:>17.3f}  {r['redo_reasons']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": params, "args": vars(args), "host": cpu_name(), "reference": ref_name, "rows": rows}, f,

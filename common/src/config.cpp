@@ -36,6 +36,15 @@ std::string_view offload_device_name(OffloadDevice device) {
   return "none";
 }
 
+std::string_view step_under_backward_name(StepUnderBackward mode) {
+  switch (mode) {
+    case StepUnderBackward::kOff: return "false";
+    case StepUnderBackward::kAlways: return "true";
+    case StepUnderBackward::kAuto: break;
+  }
+  return "auto";
+}
+
 namespace {
 
 // ordered_json keeps the file's key order, so ignored_keys and the first error
@@ -939,6 +948,21 @@ const Block& aio_block() {
   return block;
 }
 
+// tierzero.step_under_backward: true, false or "auto" (tierzero's own
+// policy, Note [When to speculate]; not an "auto" for a trainer to resolve).
+Key step_under_backward_key() {
+  return {"step_under_backward", [](ParseState& st, const Json& v, const std::string& path) -> Status {
+            if (v.is_boolean()) {
+              st.config.step_under_backward = v.get<bool>() ? StepUnderBackward::kAlways : StepUnderBackward::kOff;
+            } else if (is_auto(v)) {
+              st.config.step_under_backward = StepUnderBackward::kAuto;
+            } else {
+              return type_error(st, path, v, "true, false or \"auto\"");
+            }
+            return ok_status();
+          }};
+}
+
 const Block& tierzero_block() {
   static const Block block{{
       choice_key<BackendChoice>(
@@ -950,7 +974,7 @@ const Block& tierzero_block() {
       block_key("tiers", tiers_block),
       block_key("aio", tierzero_aio_block),
       block_key("states", states_block),
-      bool_key("step_under_backward", TZ_FIELD(step_under_backward), AutoOk::kNo),
+      step_under_backward_key(),
   }};
   return block;
 }

@@ -49,6 +49,7 @@ class CpuOptimizerPass final : public OptimizerPass {
   Status step_ahead(std::size_t block, std::size_t next, const cpu_adam::Hyper& h, std::int64_t step,
                     double grad_scale, AheadSlot& slot) override;
   Status ahead_flush() override;
+  AheadIo take_ahead_io(std::size_t block) override;
   std::vector<std::size_t> take_failed_ahead() override;
   Status commit_ahead(std::size_t block, AheadSlot& slot) override;
   Status undo_ahead(std::size_t block, AheadSlot& slot) override;
@@ -90,7 +91,7 @@ class CpuOptimizerPass final : public OptimizerPass {
     std::size_t block = kNoBlock;
     bool stepped = false;
   };
-  static constexpr std::size_t kAheadSets = 3;
+  static constexpr std::size_t kAheadSets = kAheadStagingBlocks;  // the planner counts as many
   Status make_ahead_sets();
   Status drain_set(AheadSet& set);
   Expected<AheadSet*> claim_set(std::size_t block, std::size_t keep, bool must);
@@ -101,6 +102,7 @@ class CpuOptimizerPass final : public OptimizerPass {
   std::vector<bool> skip_;                      // run()'s blocks left out, while it runs
   std::vector<AheadSet> ahead_sets_;             // made at the first step under backward
   std::vector<std::size_t> failed_ahead_;       // blocks whose writes under backward failed
+  std::vector<AheadIo> ahead_io_;               // per block, since its last take_ahead_io
   std::vector<std::vector<std::size_t>> groups_;
   std::vector<std::size_t> group_of_;           // per block
   std::uint64_t max_group_numel_ = 0;
@@ -356,6 +358,7 @@ Status CpuOptimizerPass::drain_set(AheadSet& set) {
 
 Status CpuOptimizerPass::make_ahead_sets() {
   if (!ahead_sets_.empty()) return ok_status();
+  ahead_io_.assign(deps_.layout->blocks.size(), {});
   ahead_sets_.resize(kAheadSets);
   for (AheadSet& set : ahead_sets_) {
     for (TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq, deps_.grad}) {
@@ -395,7 +398,9 @@ Expected<CpuOptimizerPass::AheadSet*> CpuOptimizerPass::claim_set(std::size_t bl
   (void)drained;
   pick->block = block;
   for (TieredStore* store : stepped_states()) {
-    if (store != nullptr && !store->resident()) pick->reads.push_back(store->read(block, pick->area.at(store).data()));
+    if (store == nullptr || store->resident()) continue;
+    pick->reads.push_back(store->read(block, pick->area.at(store).data()));
+    ahead_io_[block].read_bytes += store->shard_bytes(block);
   }
   return pick;
 }
@@ -423,7 +428,9 @@ Status CpuOptimizerPass::step_ahead(std::size_t block, std::size_t next, const c
   Stream& stream = *ahead_stream_;
   if (deps_.grad != nullptr && !deps_.grad->resident()) {
     set->reads.push_back(deps_.grad->read(block, ahead_ptr(deps_.grad, block, *set)));
+    ahead_io_[block].read_bytes += deps_.grad->shard_bytes(block);
   }
+  if (remainder() && !param16_store.resident()) ahead_io_[block].read_bytes += param16_store.shard_bytes(block);
   Status read = remainder() ? param16_store.read_into(block, slot.param16.data(), stream, set->reads) : ok_status();
   if (read.ok() && remainder()) read = param16_store.settle(stream);
   Status waited = wait_all(set->reads);
@@ -451,6 +458,7 @@ Status CpuOptimizerPass::step_ahead(std::size_t block, std::size_t next, const c
     if (store == nullptr || store->resident()) continue;
     TieredStore* to = shadow_of(store) != nullptr ? shadow_of(store) : store;  // the old values stay on store's extent
     set->writes.push_back(to->write(block, ahead_ptr(store, block, *set)));
+    ahead_io_[block].write_bytes += store->shard_bytes(block);
   }
   return ok_status();  // the writes drain behind later blocks
 }
@@ -465,6 +473,10 @@ Status CpuOptimizerPass::ahead_flush() {
 }
 
 std::vector<std::size_t> CpuOptimizerPass::take_failed_ahead() { return std::exchange(failed_ahead_, {}); }
+
+AheadIo CpuOptimizerPass::take_ahead_io(std::size_t block) {
+  return block < ahead_io_.size() ? std::exchange(ahead_io_[block], {}) : AheadIo{};
+}
 
 Status CpuOptimizerPass::commit_ahead(std::size_t block, AheadSlot& slot) {
   std::vector<nvme::IoFuture> writes;

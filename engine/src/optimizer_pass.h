@@ -59,6 +59,11 @@ struct OptimizerPassDeps {
 // fp32 with fp32 parameters), which reach their tier only at the commit.
 inline constexpr std::size_t kNoBlock = static_cast<std::size_t>(-1);
 
+// NVMe bytes a block's steps under backward issued (Note [What a redo costs], step_ahead.h).
+struct AheadIo {
+  std::uint64_t read_bytes = 0, write_bytes = 0;
+};
+
 struct AheadSlot {
   std::map<const TieredStore*, PoolBlock> old;
   PoolBlock param16;
@@ -101,6 +106,9 @@ class OptimizerPass {
   virtual Status step_ahead(std::size_t block, std::size_t next, const cpu_adam::Hyper& h, std::int64_t step,
                             double grad_scale, AheadSlot& slot);
   virtual Status ahead_flush() { return ok_status(); }
+  // The NVMe bytes read and written for `block` under backward since the last
+  // take (a hinted read of a block that never stepped counts too), zeroed.
+  virtual AheadIo take_ahead_io(std::size_t /*block*/) { return {}; }
   virtual std::vector<std::size_t> take_failed_ahead() { return {}; }
   virtual Status commit_ahead(std::size_t block, AheadSlot& slot);
   virtual Status undo_ahead(std::size_t block, AheadSlot& slot);

@@ -58,6 +58,10 @@ Status ZeroEngineImpl::set_weight_decay(std::size_t block, std::size_t param, do
                             b.params[param].name, weight_decay);
   }
   std::vector<std::optional<double>>& decays = param_weight_decay_[block];
+  if (decays.size() > param && decays[param] == weight_decay) return ok_status();
+  // The steps under backward took the old value (and the optimizer thread
+  // reads the segments): undone first, stepped after backward.
+  TZ_TRY(cancel_step_ahead(detail::AheadRedo::kHyperparameters));
   decays.resize(b.params.size());
   decays[param] = weight_decay;
   make_weight_decay_segments(block);
@@ -123,7 +127,7 @@ Expected<bool> ZeroEngineImpl::global_norm(double& norm) {
 
 // Note [Stepping under backward] (step_ahead.h)
 Status ZeroEngineImpl::make_step_ahead() {
-  if (!options_.config.step_under_backward) {
+  if (options_.config.step_under_backward == StepUnderBackward::kOff) {
     ahead_off_ = "tierzero.step_under_backward is false";
     return ok_status();
   }
@@ -132,6 +136,7 @@ Status ZeroEngineImpl::make_step_ahead() {
     return ok_status();
   }
   if (!ahead_off_.empty()) return ok_status();  // make_stores found no NVMe room for the second copies
+  ahead_policy_ = detail::AheadPolicy(options_.config.step_under_backward == StepUnderBackward::kAlways);
   for (auto [store, shadow] : {std::pair{master_.get(), master_shadow_.get()}, std::pair{exp_avg_.get(), exp_avg_shadow_.get()},
                                std::pair{exp_avg_sq_.get(), exp_avg_sq_shadow_.get()}}) {
     if (shadow != nullptr) optimizer_->set_shadow(store, shadow);
@@ -189,18 +194,39 @@ Status ZeroEngineImpl::make_step_ahead() {
 }
 
 void ZeroEngineImpl::open_step_ahead() {
-  if (!ahead_ || ahead_->is_open()) return;
-  if (last_step_clipped_) return;  // clipping (an overflow) tends to repeat: step after backward this time
+  if (!ahead_ || ahead_decided_) return;
+  ahead_decided_ = true;
+  if (!ahead_policy_.speculate(ahead_why_not_)) return;  // Note [When to speculate]
+  ahead_opened_ = true;
   cpu_adam::Hyper h = hyper();
   h.lr = learning_rate();  // what step() sets before it steps
   ahead_->open({.hyper = h, .step = step_ + 1, .grad_scale = 1.0 / scaler_.scale(),
                 .max_norm = options_.config.gradient_clipping, .loss_scale = scaler_.scale()});
 }
 
-Status ZeroEngineImpl::cancel_step_ahead() {
+Status ZeroEngineImpl::cancel_step_ahead(detail::AheadRedo why) {
   if (!ahead_) return ok_status();
   TZ_TRY(grads_->wait());
-  return ahead_->cancel();
+  return ahead_->cancel(why);
+}
+
+// The window's end, in the report and the policy (Note [When to speculate],
+// Note [What a redo costs]).
+void ZeroEngineImpl::end_ahead_window(StepReport& report, const detail::AheadOutcome& ahead) {
+  report.ahead_blocks = ahead.committed;
+  report.ahead_redone = ahead.redone;
+  report.ahead_seconds = ahead.busy_seconds;
+  report.ahead_hidden_seconds = ahead.hidden_seconds;
+  report.ahead_redone_seconds = ahead.redone_seconds;
+  report.ahead_redone_read_bytes = ahead.redone_io.read_bytes;
+  report.ahead_redone_write_bytes = ahead.redone_io.write_bytes;
+  report.ahead_redo_reason = std::string(detail::ahead_redo_name(ahead.why));
+  if (!ahead_) return;
+  if (!ahead_opened_ && !ahead_why_not_.empty()) report.ahead_off = ahead_why_not_;
+  ahead_policy_.record(report.stepped, report.overflow, report.grad_norm, options_.config.gradient_clipping,
+                       ahead_opened_, ahead.why);
+  ahead_decided_ = ahead_opened_ = false;
+  ahead_why_not_.clear();
 }
 
 Expected<StepReport> ZeroEngineImpl::step() {
@@ -253,8 +279,9 @@ Expected<StepReport> ZeroEngineImpl::step() {
     const double grad_scale = report.clip_coef / scale_used;
     if (ahead_) {
       cancel_on_failure.ahead = nullptr;
-      TZ_TRY_CTX(ahead_->finish(detail::same_args(ahead_->args(), hyper(), step_, grad_scale), done, began, ahead),
-                 "optimizer step {}", step_);
+      const detail::AheadRedo verdict =
+          detail::verdict(ahead_->args(), true, false, report.clip_coef, hyper(), step_, grad_scale);
+      TZ_TRY_CTX(ahead_->finish(verdict, done, began, ahead), "optimizer step {}", step_);
     }
     TZ_TRY_CTX(optimizer_->run(hyper(), step_, grad_scale, done), "optimizer step {}", step_);
     TZ_TRY_CTX(gather_persistent(), "re-gathering the persistent blocks after step {}", step_);
@@ -262,15 +289,11 @@ Expected<StepReport> ZeroEngineImpl::step() {
     report.stepped = true;
   } else if (ahead_) {
     cancel_on_failure.ahead = nullptr;
-    TZ_TRY_CTX(ahead_->finish(false, done, began, ahead), "undoing the steps under backward of a skipped step");
+    TZ_TRY_CTX(ahead_->finish(detail::AheadRedo::kOverflow, done, began, ahead),
+               "undoing the steps under backward of a skipped step");
   }
   cancel_on_failure.ahead = nullptr;
-  if (ahead_ && last_step_clipped_) report.ahead_off = "the last step clipped or overflowed: this one stepped after backward";
-  last_step_clipped_ = report.overflow || (report.stepped && report.clip_coef < 1.0);
-  report.ahead_blocks = ahead.committed;
-  report.ahead_redone = ahead.redone;
-  report.ahead_seconds = ahead.busy_seconds;
-  report.ahead_hidden_seconds = ahead.hidden_seconds;
+  end_ahead_window(report, ahead);
   TZ_TRY(prefetcher_->end_micro_batch());
   report.step = step_;
   const detail::StageWaits waits = prefetcher_->take_waits();

@@ -1,19 +1,83 @@
 #include "step_ahead.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
 namespace tz::detail {
 
-bool same_args(const AheadArgs& a, const cpu_adam::Hyper& h, std::int64_t step, double grad_scale) {
+std::string_view ahead_redo_name(AheadRedo why) {
+  switch (why) {
+    case AheadRedo::kNone: return "";
+    case AheadRedo::kClip: return "clip";
+    case AheadRedo::kOverflow: return "overflow";
+    case AheadRedo::kHyperparameters: return "hyperparameters";
+    case AheadRedo::kStepNumber: return "step number";
+    case AheadRedo::kCancel: return "cancel";
+    case AheadRedo::kFault: break;
+  }
+  return "fault";
+}
+
+AheadRedo verdict(const AheadArgs& a, bool stepped, bool overflow, double clip_coef, const cpu_adam::Hyper& h,
+                  std::int64_t step, double grad_scale) {
+  if (overflow || !stepped) return AheadRedo::kOverflow;
+  if (clip_coef < 1.0) return AheadRedo::kClip;
+  if (a.step != step) return AheadRedo::kStepNumber;
   const cpu_adam::Hyper& s = a.hyper;
-  return s.algorithm == h.algorithm && s.lr == h.lr && s.beta1 == h.beta1 && s.beta2 == h.beta2 && s.eps == h.eps &&
-         s.weight_decay == h.weight_decay && s.amsgrad == h.amsgrad && s.lr_decay == h.lr_decay && a.step == step &&
-         a.grad_scale == grad_scale;
+  const bool same = s.algorithm == h.algorithm && s.lr == h.lr && s.beta1 == h.beta1 && s.beta2 == h.beta2 &&
+                    s.eps == h.eps && s.weight_decay == h.weight_decay && s.amsgrad == h.amsgrad &&
+                    s.lr_decay == h.lr_decay && a.grad_scale == grad_scale;
+  return same ? AheadRedo::kNone : AheadRedo::kHyperparameters;
+}
+
+// Note [When to speculate]
+bool AheadPolicy::speculate(std::string& why_not) const {
+  if (always_) return true;
+  if (skip_ > 0) {
+    why_not = fmt::format("auto: the last {} window(s) that stepped under backward were redone ({}): {} more "
+                          "window(s) step after backward", failures_, ahead_redo_name(last_why_), skip_);
+    return false;
+  }
+  if (calm_ >= kCalmWindows) return true;
+  if (last_overflow_) {
+    why_not = "auto: the last step overflowed";
+  } else if (last_max_norm_ > 0 && last_norm_ > kNormMargin * last_max_norm_) {
+    why_not = fmt::format("auto: the last step's gradient norm {:.4g} was above {:.4g} ({} x the max norm)",
+                          last_norm_, kNormMargin * last_max_norm_, kNormMargin);
+  } else {
+    why_not = fmt::format("auto: {} of the {} windows before a speculation stepped at or below {} x the max norm",
+                          calm_, kCalmWindows, kNormMargin);
+  }
+  return false;
+}
+
+void AheadPolicy::record(bool stepped, bool overflow, double grad_norm, double max_norm, bool speculated,
+                         AheadRedo why) {
+  last_overflow_ = overflow;
+  last_norm_ = grad_norm;
+  last_max_norm_ = max_norm;
+  const bool calm = stepped && !overflow && (max_norm <= 0 || grad_norm <= kNormMargin * max_norm);
+  calm_ = calm ? calm_ + 1 : 0;
+  if (skip_ > 0 && !speculated) --skip_;
+  if (!speculated || why == AheadRedo::kCancel) return;
+  last_why_ = why;
+  if (why == AheadRedo::kNone) {
+    failures_ = 0;
+    return;
+  }
+  failures_ = std::min(failures_ + 1, kMaxBackoffShift);
+  skip_ = (1 << failures_) - 1;
 }
 
 StepAhead::StepAhead(const StepAheadDeps& deps, std::vector<bool> may)
-    : deps_(deps), may_(std::move(may)), state_(deps.layout->blocks.size()), slots_(deps.layout->blocks.size()) {}
+    : deps_(deps),
+      may_(std::move(may)),
+      state_(deps.layout->blocks.size()),
+      slots_(deps.layout->blocks.size()),
+      seconds_(deps.layout->blocks.size(), 0.0) {}
 
 StepAhead::~StepAhead() {
   (void)thread_.wait_idle();
@@ -24,8 +88,10 @@ void StepAhead::open(const AheadArgs& args) {
   if (window_ != Window::kClosed) return;
   args_ = args;
   stopped_ = false;
+  stopped_why_ = AheadRedo::kNone;
   partial_sum_squares_ = 0;
   spans_.clear();
+  std::fill(seconds_.begin(), seconds_.end(), 0.0);
   undone_ = 0;
   undo_error_ = ok_status();
   for (auto& s : state_) s = Block::kNone;
@@ -61,6 +127,8 @@ Status StepAhead::step_block(std::size_t block) {
   if (grads.non_finite(block) || !std::isfinite(partial_sum_squares_) ||
       (args_.max_norm > 0 && norm_so_far > args_.max_norm * 1.001 + 1e-6)) {
     stopped_ = true;
+    stopped_why_ = grads.non_finite(block) || !std::isfinite(partial_sum_squares_) ? AheadRedo::kOverflow
+                                                                                    : AheadRedo::kClip;
     return undo_all();
   }
   if (!may_[block]) return ok_status();
@@ -69,6 +137,7 @@ Status StepAhead::step_block(std::size_t block) {
   const auto begin = std::chrono::steady_clock::now();
   Status s = deps_.pass->step_ahead(block, next, args_.hyper, args_.step, args_.grad_scale, slots_[block]);
   spans_.emplace_back(begin, std::chrono::steady_clock::now());
+  seconds_[block] += std::chrono::duration<double>(spans_.back().second - begin).count();
   if (s.ok()) state_[block] = Block::kStepped;
   const std::vector<std::size_t> failed = deps_.pass->take_failed_ahead();  // earlier blocks' writes
   for (std::size_t b : failed) state_[b] = Block::kRedo;
@@ -77,6 +146,7 @@ Status StepAhead::step_block(std::size_t block) {
   // after backward (and meets the fault again, if it lasts, and reports it).
   state_[block] = Block::kRedo;
   stopped_ = true;
+  stopped_why_ = AheadRedo::kFault;
   return undo_all();
 }
 
@@ -93,8 +163,9 @@ Status StepAhead::undo_all() {
   return ok_status();  // undo_error_ is reported by finish() / cancel()
 }
 
-Status StepAhead::finish(bool commit, std::vector<bool>& done, std::chrono::steady_clock::time_point step_began,
+Status StepAhead::finish(AheadRedo verdict, std::vector<bool>& done, std::chrono::steady_clock::time_point step_began,
                          AheadOutcome& outcome) {
+  const bool commit = verdict == AheadRedo::kNone;
   done.assign(slots_.size(), false);
   outcome = {};
   if (window_ == Window::kClosed) return ok_status();
@@ -127,6 +198,19 @@ Status StepAhead::finish(bool commit, std::vector<bool>& done, std::chrono::stea
     }
   }
   outcome.redone = undone_;
+  // Note [What a redo costs]: whatever was read, stepped or written for a
+  // block that run() steps again.
+  for (std::size_t b = 0; b < slots_.size(); ++b) {
+    const AheadIo io = deps_.pass->take_ahead_io(b);
+    if (done[b]) continue;
+    outcome.redone_io.read_bytes += io.read_bytes;
+    outcome.redone_io.write_bytes += io.write_bytes;
+    outcome.redone_seconds += seconds_[b];
+  }
+  if (outcome.redone > 0 || outcome.redone_io.read_bytes + outcome.redone_io.write_bytes > 0) {
+    outcome.why = !was_open || verdict == AheadRedo::kNone ? stopped_why_ : verdict;
+    if (outcome.why == AheadRedo::kNone) outcome.why = AheadRedo::kFault;  // some blocks only
+  }
   for (const auto& [begin, end] : spans_) {
     outcome.busy_seconds += std::chrono::duration<double>(end - begin).count();
     if (begin < step_began) outcome.hidden_seconds += std::chrono::duration<double>(std::min(end, step_began) - begin).count();
@@ -135,11 +219,12 @@ Status StepAhead::finish(bool commit, std::vector<bool>& done, std::chrono::stea
   return s;
 }
 
-Status StepAhead::cancel() {
+Status StepAhead::cancel(AheadRedo why) {
   if (window_ != Window::kOpen) return ok_status();
   window_ = Window::kCancelled;
-  TZ_TRY(thread_.run([this] {
+  TZ_TRY(thread_.run([this, why] {
     stopped_ = true;
+    stopped_why_ = why;
     return undo_all();
   }));
   return std::exchange(undo_error_, ok_status());

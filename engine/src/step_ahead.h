@@ -39,10 +39,9 @@
 // accumulation waits for the optimizer thread and marks it redone) step in
 // run() after backward, which skips the committed ones.
 //
-// A window after a step that clipped or overflowed does not speculate at
-// all (clipping tends to last, early in training every step; the norm of
-// every step says when it stops), so a run that clips throughout pays
-// nothing for this. The speculation also stops early, undoing what it did while backward goes on,
+// Which windows speculate at all is the policy's (Note [When to speculate]
+// below): by default only after calm steps, so a run that clips throughout
+// pays nothing for this. The speculation also stops early, undoing what it did while backward goes on,
 // once it is certain not to commit: a non-finite gradient (an overflow), or
 // this rank's sum of squares so far already clipping (it is a lower bound of
 // the global one; a 0.1% margin keeps rounding from deciding). Everything
@@ -58,13 +57,58 @@
 // blocks' NVMe-resident states and gradient as staging (Note [Pipelined steps
 // under backward]); NVMe space for a second copy of the NVMe master and
 // moments (12 B/param); no extra NVMe traffic except the redo's (the states
-// of the blocks redone are read and written once more). The engine adds
-// both to its plan's CPU and NVMe breakdowns. The CPU tier's headroom in the
+// of the blocks redone are read and written once more: Note [What a redo
+// costs]). The engine adds both to its plan's CPU and NVMe breakdowns, and
+// the planner counts the same from the layout (add_step_ahead in
+// offload/src/planner.cpp), so tierzero-estimate shows it too. The CPU tier's headroom in the
 // plan decides how many blocks may (those whose gradients complete first in
 // backward, the last blocks); where no block fits, or the NVMe headroom does
 // not hold the second copy, or tierzero.step_under_backward is false, or the
 // optimizer runs on the GPU, the step runs after backward as before and the
 // step report's ahead_off says why.
+//
+// Note [What a redo costs]
+// A block undone is stepped again by run(): what its speculation read and
+// wrote on NVMe (its master and moments, and its gradient and 16-bit shard
+// where those live there, read; the new states written to the second copy),
+// and its optimizer seconds, were spent for nothing. The pass counts those
+// bytes per block as it issues them (OptimizerPass::take_ahead_io: the
+// shards' stored bytes, the same the engine's NVMe counters count), and the
+// step report gives the undone blocks' share beside ahead_redone
+// (ahead_redone_read_bytes, _write_bytes, _seconds), with the reason: the
+// step clipped, overflowed, ran with other hyperparameters (a learning rate
+// or weight decay set after the window opened) or another step number, a
+// cancel, or a fault of some blocks. With states in CPU memory a redo costs
+// CPU time only; on NVMe it costs a step's state traffic again: on the
+// GPT-2-shaped bench of bench/RESULTS.md (remainder + int8 on NVMe), 11.3
+// B/param more than the 17.7 of a step after backward, and drive wear.
+//
+// Note [When to speculate]
+// tierzero.step_under_backward = true speculates in every window, false
+// never, "auto" (the default) where the last windows say the step will be
+// kept (AheadPolicy):
+// - calm: the last kCalmWindows (2) windows each stepped with a global norm
+//   at most kNormMargin (1.0) x max norm (any norm when clipping is off);
+//   an overflow or a clipped step restarts the count. A step's norm is known
+//   only at its end, and a norm hovering at the max norm clips on some steps
+//   and not the next: a second calm window keeps it from speculating on the
+//   step after each crossing;
+// - back-off: a window whose speculation was undone anyway (for any reason
+//   but a cancel) makes the next 2^k - 1 windows step after backward, k the
+//   failures in a row (at most kMaxBackoffShift); a kept window resets k. A
+//   caller that changes the learning rate after every backward (the torch
+//   wrapper did, until it handed the rate over at forward) speculates in
+//   windows 2, 4, 8, 16, ... only, not in every one.
+// Measured by replaying the GPT-2-shaped bench's 200 norms (57 clip; the
+// norms do not depend on the rule, the weights being the same bits:
+// bench/python/ahead_policy_sim.py, bench/RESULTS.md "what a redo costs"):
+// the old rule (speculate unless the last step clipped) kept 122 windows and
+// redid 21 for clipping; 1 calm window: 113 and 13; 2: 110 and 10; 3: 102
+// and 8; a margin below the max norm cost kept windows without saving redos
+// (0.95 x / 2: 103 and 10; 0.9 x / 3: 64 and 5), hence 1.0 x / 2. A kept
+// window hides optimizer time; a redone one costs its state traffic again.
+// A run with nothing near the max norm speculates from its third window on;
+// one that clips every step (early training, the README's job) never does.
 #pragma once
 
 #include <atomic>
@@ -73,6 +117,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gradient_path.h"
@@ -98,13 +143,58 @@ struct AheadArgs {
   double loss_scale = 1;
 };
 
-bool same_args(const AheadArgs& a, const cpu_adam::Hyper& h, std::int64_t step, double grad_scale);
+// Why a window's steps under backward were undone (Note [What a redo costs]).
+enum class AheadRedo : std::uint8_t {
+  kNone,             // nothing undone
+  kClip,             // the global norm clipped
+  kOverflow,         // non-finite gradients (fp16), the step skipped
+  kHyperparameters,  // the learning rate, a weight decay or the gradient scale changed after the window opened
+  kStepNumber,       // the step taken was not the one speculated
+  kCancel,           // a checkpoint, set_master, gather_master, ... read or wrote states mid-window
+  kFault,            // some blocks only: an NVMe write failed, or a gradient arrived twice
+};
+std::string_view ahead_redo_name(AheadRedo why);  // "clip", "overflow", "hyperparameters", ...
+
+// What step() decided, against the speculated arguments: kNone where the
+// step runs with exactly them (the window's steps are kept).
+AheadRedo verdict(const AheadArgs& a, bool stepped, bool overflow, double clip_coef, const cpu_adam::Hyper& h,
+                  std::int64_t step, double grad_scale);
 
 // What the window's speculation did, for the step report.
 struct AheadOutcome {
   std::uint64_t committed = 0, redone = 0;
   double busy_seconds = 0;    // optimizer work on the optimizer thread this window
   double hidden_seconds = 0;  // of it, before step() began (under backward)
+  // Note [What a redo costs]: of the work under backward, what was undone.
+  double redone_seconds = 0;
+  AheadIo redone_io;          // NVMe bytes
+  AheadRedo why = AheadRedo::kNone;
+};
+
+// Note [When to speculate]
+// Whether a window speculates at all. tierzero.step_under_backward = true:
+// every window; "auto": only where the last windows say it will be kept.
+class AheadPolicy {
+ public:
+  static constexpr int kCalmWindows = 2;       // stepped windows in a row, each ...
+  static constexpr double kNormMargin = 1.0;   // ... with its global norm at most this x max norm
+  static constexpr int kMaxBackoffShift = 6;   // after failures in a row: skip up to 2^6 - 1 = 63 windows
+
+  explicit AheadPolicy(bool always) : always_(always) {}
+  // Whether the next window speculates; where not, `why_not` says why.
+  bool speculate(std::string& why_not) const;
+  // At each step() that ends a window: what the window did. `speculated`:
+  // it opened; `why`: its outcome's (kNone: kept, or nothing to keep).
+  void record(bool stepped, bool overflow, double grad_norm, double max_norm, bool speculated, AheadRedo why);
+
+ private:
+  bool always_;
+  int calm_ = 0;       // the last windows in a row that stepped below the margin
+  double last_norm_ = 0, last_max_norm_ = 0;
+  bool last_overflow_ = false;
+  int failures_ = 0;   // speculating windows undone in a row (a cancel does not count)
+  int skip_ = 0;       // windows left to skip
+  AheadRedo last_why_ = AheadRedo::kNone;
 };
 
 class StepAhead final : public AccumulationObserver {
@@ -126,11 +216,12 @@ class StepAhead final : public AccumulationObserver {
   // commit: the step runs with `args`-equal arguments; the stepped blocks'
   // parameters go to their tier and done[b] says which run() must skip.
   // Otherwise every stepped block is undone. Either way the window closes.
-  Status finish(bool commit, std::vector<bool>& done, std::chrono::steady_clock::time_point step_began,
+  Status finish(AheadRedo verdict, std::vector<bool>& done, std::chrono::steady_clock::time_point step_began,
                 AheadOutcome& outcome);
   // Undoes whatever was stepped and stops this window's speculation (the
-  // step then runs after backward). For anything that reads or writes states.
-  Status cancel();
+  // step then runs after backward). For anything that reads or writes states
+  // (kCancel), or changes the step's arguments (kHyperparameters: a weight decay).
+  Status cancel(AheadRedo why = AheadRedo::kCancel);
 
  private:
   enum class Window : std::uint8_t { kClosed, kOpen, kCancelled };
@@ -148,7 +239,9 @@ class StepAhead final : public AccumulationObserver {
   std::vector<AheadSlot> slots_;
   // The optimizer thread's own.
   bool stopped_ = false;
+  AheadRedo stopped_why_ = AheadRedo::kNone;  // why the window stopped early, or was cancelled
   double partial_sum_squares_ = 0;
+  std::vector<double> seconds_;  // per block, its step's
   std::vector<std::pair<std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point>> spans_;
   std::uint64_t undone_ = 0;
   Status undo_error_;

@@ -175,7 +175,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // reads or writes the states.
   Status make_step_ahead();
   void open_step_ahead();
-  Status cancel_step_ahead();
+  Status cancel_step_ahead(detail::AheadRedo why = detail::AheadRedo::kCancel);
+  void end_ahead_window(StepReport& report, const detail::AheadOutcome& ahead);
   cpu_adam::Hyper hyper() const;
 
   ZeroOptions options_;
@@ -253,7 +254,11 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::unique_ptr<Stream> ahead_stream_;
   std::string ahead_off_;
   std::size_t ahead_blocks_ = 0;
-  bool last_step_clipped_ = false;  // or overflowed: the next window does not speculate (Note [Stepping under backward])
+  // Note [When to speculate]: whether each window speculates; this window's
+  // decision (made at its first reduce_grads), and why not.
+  detail::AheadPolicy ahead_policy_{false};
+  bool ahead_decided_ = false, ahead_opened_ = false;
+  std::string ahead_why_not_;
   // Declared last: destroyed first, so no task outlives what it uses.
   std::unique_ptr<detail::TaskThread> grad_thread_;
   std::unique_ptr<detail::TaskThread> comm_thread_;

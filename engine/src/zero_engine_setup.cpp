@@ -53,6 +53,10 @@ Status ZeroEngineImpl::make_plan() {
   for (const std::string& path : c.all_nvme_paths()) swap_files_seen += nvme::reclaim_stale_swap_files(path).describe();
   TZ_ASSIGN_OR_RETURN(budgets_, resolve_budgets(tiers, c.all_nvme_paths()));
   PlanInput input = PlanInput::from_config(c, layout_.block_numel(), comm_->size(), 0, budgets_);
+  // The steps under backward are counted by make_stores and make_step_ahead,
+  // from the shards as stored and the pool's pages (the planner's is the
+  // same count from the layout, for tierzero-estimate).
+  input.step_under_backward = StepUnderBackward::kOff;
   Expected<Plan> plan = plan_placement(input);
   if (!plan.ok() && !options_.placement) {
     const Status refused = std::move(plan).status().with_context("placing the model states");
@@ -128,7 +132,7 @@ Status ZeroEngineImpl::make_stores() {
     io_ = std::move(io);
     // Note [Stepping under backward]: a second copy of the NVMe master and
     // moments, where the NVMe tier's headroom holds it.
-    if (c.step_under_backward && !gpu_optimizer_) {
+    if (c.step_under_backward != StepUnderBackward::kOff && !gpu_optimizer_) {
       std::uint64_t shadow = 0;
       for (StateClass cls : {StateClass::kMaster, StateClass::kMoments}) {
         if (plan_.tier_of(cls) == Tier::kNvme) {

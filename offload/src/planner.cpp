@@ -583,11 +583,79 @@ Plan planner_internal::evaluate_placement(const PlanInput& in, const PlanLayout&
   return plan;
 }
 
+namespace {
+
+// Note [Stepping under backward] (engine/src/step_ahead.h), "Cost, per
+// rank", counted as the engine counts it (make_stores, make_step_ahead) but
+// from the layout: a second NVMe copy of the NVMe master and moments where
+// the NVMe headroom holds it; in CPU memory three blocks' NVMe states as
+// staging and, per block from the last (backward reaches it first) while the
+// CPU headroom holds them, its new 16-bit shard and its old CPU-resident
+// master and moments. After the placement is chosen: what does not fit turns
+// the speculation off (or shortens it), never the placement.
+void add_step_ahead(const PlanInput& in, Plan& plan) {
+  if (in.step_under_backward == StepUnderBackward::kOff || plan.tier_of(StateClass::kMaster) == Tier::kGpu) return;
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
+  const auto shard_of = [&](std::uint64_t numel) { return align_up((numel + ranks - 1) / ranks, kShardAlignNumel); };
+  const auto add = [&](Tier t, std::string what, std::uint64_t bytes) {
+    TierUsage& u = plan.usage[idx(t)];
+    add_item(u, std::move(what), bytes);
+    u.need_bytes = sat_mul(u.per_rank_bytes, static_cast<std::uint64_t>(std::max(u.ranks_sharing, 1)));
+  };
+  const auto share = [&](Tier t) {
+    const TierUsage& u = plan.usage_of(t);
+    return u.headroom_bytes() / std::max(u.ranks_sharing, 1);
+  };
+  std::uint64_t shadow = 0;
+  for (StateClass s : {StateClass::kMaster, StateClass::kMoments}) {
+    if (plan.tier_of(s) == Tier::kNvme) shadow += plan.bytes_of(s);
+  }
+  if (shadow > 0 && static_cast<std::int64_t>(shadow) > share(Tier::kNvme)) {
+    plan.ahead_off = fmt::format("stepping under backward writes the new NVMe master and moments ({}) beside the "
+                                 "old ones, and this rank's share of the NVMe headroom is {}",
+                                 format_bytes(shadow), format_bytes(as_u64(share(Tier::kNvme))));
+    return;
+  }
+  const std::uint64_t largest = shard_of(plan.layout.largest_block_numel);
+  std::uint64_t staging = 0;
+  for (StateClass s : {StateClass::kGrad, StateClass::kMaster, StateClass::kMoments}) {
+    if (plan.tier_of(s) == Tier::kNvme) staging += std::uint64_t{kAheadStagingBlocks} * state_bytes(s, largest, in.param_bytes, in.states);
+  }
+  std::uint64_t need = staging;
+  for (std::size_t b = in.block_numel.size(); b-- > 0;) {
+    const std::uint64_t shard = shard_of(in.block_numel[b]);
+    std::uint64_t slot = shard * in.param_bytes;
+    for (StateClass s : {StateClass::kMaster, StateClass::kMoments}) {
+      if (plan.tier_of(s) != Tier::kNvme) slot += state_bytes(s, shard, in.param_bytes, in.states);
+    }
+    if (static_cast<std::int64_t>(need + slot) > share(Tier::kCpu)) break;
+    need += slot;
+    ++plan.ahead_blocks;
+  }
+  if (plan.ahead_blocks == 0) {
+    plan.ahead_off = fmt::format("stepping under backward needs more CPU memory than this rank's share of the CPU "
+                                 "headroom ({}) for its first block", format_bytes(as_u64(share(Tier::kCpu))));
+    return;
+  }
+  if (plan.ahead_blocks < in.block_numel.size()) {
+    plan.ahead_off = fmt::format("{} of {} blocks step under backward: the CPU headroom holds no more", plan.ahead_blocks,
+                                 in.block_numel.size());
+  }
+  add(Tier::kCpu,
+      fmt::format("steps under backward: {} blocks' old master + moments and new params, and three blocks' NVMe states "
+                  "as staging", plan.ahead_blocks),
+      need);
+  if (shadow > 0) add(Tier::kNvme, "steps under backward: a second copy of the master and moments", shadow);
+}
+
+}  // namespace
+
 Expected<Plan> plan_placement(const PlanInput& input) {
   TZ_TRY(validate(input));
   const PlanLayout layout = compute_layout(input);
-  if (input.mode == PlacementMode::kDeepSpeed) return plan_deepspeed(input, layout);
-  return plan_auto(input, layout);
+  Expected<Plan> plan = input.mode == PlacementMode::kDeepSpeed ? plan_deepspeed(input, layout) : plan_auto(input, layout);
+  if (plan.ok()) add_step_ahead(input, *plan);
+  return plan;
 }
 
 }  // namespace tz

@@ -215,11 +215,27 @@ std::string_view state_class_name(StateClass state) {
   return "?";
 }
 
+// Note [Stepping under backward] (engine/src/step_ahead.h): what the plan holds for it.
+void format_step_ahead(std::string& out, const Plan& plan, const PlanInput& in) {
+  if (in.step_under_backward == StepUnderBackward::kOff) return;
+  out += fmt::format("\noptimizer under backward (tierzero.step_under_backward {}): ",
+                     step_under_backward_name(in.step_under_backward));
+  if (plan.tier_of(StateClass::kMaster) == Tier::kGpu) {
+    out += "none: the optimizer runs on the GPU\n";
+  } else if (plan.ahead_blocks == 0) {
+    out += fmt::format("none: {}\n", plan.ahead_off);
+  } else {
+    out += fmt::format("{} of {} blocks{}{} (the breakdowns' \"steps under backward\" items)\n", plan.ahead_blocks,
+                       plan.layout.blocks, plan.ahead_off.empty() ? "" : "; ", plan.ahead_off);
+  }
+}
+
 std::string format_plan(const Plan& plan, const PlanInput& input) {
   std::string out;
   format_inputs(out, plan, input);
   format_tables(out, plan);
   format_breakdown(out, plan);
+  format_step_ahead(out, plan, input);
   format_traffic(out, plan, input);
   return out;
 }

@@ -146,7 +146,7 @@ std::string fingerprint(const Config& c) {
                      master_format_name(c.states.master), moment_format_name(c.states.moments));
   out += fmt::format(" grads {}", grad_format_name(c.states.grads));
   out += fmt::format(" | drop_last {}", c.dataloader_drop_last);
-  out += fmt::format(" | step_under_backward {}", c.step_under_backward);
+  out += fmt::format(" | step_under_backward {}", tz::step_under_backward_name(c.step_under_backward));
   return out;
 }
 

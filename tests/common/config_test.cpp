@@ -762,6 +762,23 @@ TEST(Config, TierzeroEnumsAndPathListsAreChecked) {
   expect_invalid(R"({"tierzero": {"aio": {"sqpoll": "auto"}}})", {"tierzero.aio.sqpoll", "true or false"});
 }
 
+// Note [When to speculate] (engine/src/step_ahead.h): "auto" by default,
+// true speculates in every window, false never; nothing else.
+TEST(Config, StepUnderBackwardTakesTrueFalseOrAuto) {
+  EXPECT_EQ(parse_ok("{}").step_under_backward, StepUnderBackward::kAuto);
+  EXPECT_EQ(parse_ok(R"({"tierzero": {"step_under_backward": "auto"}})").step_under_backward,
+            StepUnderBackward::kAuto);
+  EXPECT_EQ(parse_ok(R"({"tierzero": {"step_under_backward": true}})").step_under_backward,
+            StepUnderBackward::kAlways);
+  EXPECT_EQ(parse_ok(R"({"tierzero": {"step_under_backward": false}})").step_under_backward,
+            StepUnderBackward::kOff);
+  EXPECT_TRUE(parse_ok(R"({"tierzero": {"step_under_backward": "auto"}})").unresolved_auto.empty());
+  for (const char* bad : {R"("always")", "1", R"("true")", R"(["auto"])"}) {
+    expect_invalid(fmt::format(R"({{"tierzero": {{"step_under_backward": {}}}}})", bad),
+                   {"tierzero.step_under_backward", "true, false or \"auto\""});
+  }
+}
+
 // ---- tierzero.states (Note [State formats]) ----------------------------------
 
 TEST(Config, StatesDefaultToFp32MasterAndMoments) {

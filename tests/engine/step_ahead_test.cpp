@@ -14,6 +14,7 @@
 #include <functional>
 #include <set>
 
+#include "../../engine/src/step_ahead.h"
 #include "../nvme/nvme_test_util.h"
 #include "tierzero/testing/engine.h"
 
@@ -24,6 +25,9 @@ using tz::Tier;
 
 constexpr tz::mlp::MlpConfig kMlp{.layers = 4, .hidden = 64, .batch = 6, .seed = 31};
 constexpr int kSteps = 22;
+constexpr float kLoud = 30;
+constexpr auto kAuto = tz::StepUnderBackward::kAuto;
+constexpr auto kAlways = tz::StepUnderBackward::kAlways;
 
 const Placement kPlacements[] = {
     {Tier::kGpu, Tier::kGpu, Tier::kGpu, Tier::kGpu},      // the Host backend's "device" memory: the CPU pass
@@ -45,6 +49,8 @@ struct Options {
   std::set<int> overflow_steps;   // fp16: an inf in block inf_block's gradient on these steps
   int inf_block = -1;
   std::set<int> new_lr_steps;     // set_learning_rate after backward on these steps
+  std::set<int> new_decay_steps;  // set_weight_decay (block 1, parameter 0) after backward on these steps
+  std::set<int> loud_steps;       // targets x kLoud: a gradient norm far above the quiet steps'
   std::function<void(int step)> before_last_micro;  // e.g. arms a fault
 };
 
@@ -56,10 +62,13 @@ tz::Expected<AheadRun> train(tz::ZeroEngine& e, const Options& o) {
       const bool last = micro + 1 == o.gas;
       if (last && o.before_last_micro) o.before_last_micro(step);
       const bool inf = last && o.overflow_steps.count(step) != 0;
-      TZ_TRY(tz::mlp::train_micro_batch(e, kMlp, tz::mlp::make_batch(kMlp, e.rank(), micro, step), {}, inf,
-                                        o.inf_block)
-                 .status());
+      tz::mlp::Batch batch = tz::mlp::make_batch(kMlp, e.rank(), micro, step);
+      if (o.loud_steps.count(step) != 0) {
+        for (float& t : batch.target) t *= kLoud;
+      }
+      TZ_TRY(tz::mlp::train_micro_batch(e, kMlp, batch, {}, inf, o.inf_block).status());
       if (last && o.new_lr_steps.count(step) != 0) TZ_TRY(e.set_learning_rate(1e-3 * (1 + 0.1 * step)));
+      if (last && o.new_decay_steps.count(step) != 0) TZ_TRY(e.set_weight_decay(1, 0, 0.3 + 0.1 * step));
       TZ_ASSIGN_OR_RETURN(tz::StepReport report, e.step());
       if (report.stepped) run.bits.grad_norms.push_back(report.grad_norm);
       if (last) run.reports.push_back(report);
@@ -81,19 +90,32 @@ tz::Expected<AheadRun> train(tz::ZeroEngine& e, const Options& o) {
   return run;
 }
 
-tz::Expected<std::unique_ptr<tz::ZeroEngine>> make(tz::Config config, const Placement& placement, bool ahead,
-                                                   tz::Communicator* comm = nullptr,
+tz::Expected<std::unique_ptr<tz::ZeroEngine>> make(tz::Config config, const Placement& placement,
+                                                   tz::StepUnderBackward mode, tz::Communicator* comm = nullptr,
                                                    tz::nvme::FaultInjector faults = {}) {
-  config.step_under_backward = ahead;
+  config.step_under_backward = mode;
   tz::ZeroOptions options{.config = config, .comm = comm, .placement = placement};
   options.nvme_fault_injector = std::move(faults);
   return tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
 }
 
+tz::StepUnderBackward mode_of(bool ahead) { return ahead ? tz::StepUnderBackward::kAlways : tz::StepUnderBackward::kOff; }
+
+tz::Expected<std::unique_ptr<tz::ZeroEngine>> make(const tz::Config& config, const Placement& placement, bool ahead,
+                                                   tz::Communicator* comm = nullptr,
+                                                   tz::nvme::FaultInjector faults = {}) {
+  return make(config, placement, mode_of(ahead), comm, std::move(faults));
+}
+
+tz::Expected<AheadRun> train_new(const tz::Config& config, const Placement& placement, tz::StepUnderBackward mode,
+                                 const Options& o, tz::Communicator* comm = nullptr) {
+  TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> e, make(config, placement, mode, comm));
+  return train(*e, o);
+}
+
 tz::Expected<AheadRun> train_new(const tz::Config& config, const Placement& placement, bool ahead, const Options& o,
                             tz::Communicator* comm = nullptr) {
-  TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> e, make(config, placement, ahead, comm));
-  return train(*e, o);
+  return train_new(config, placement, mode_of(ahead), o, comm);
 }
 
 // A max norm that clips some steps and not others: the median norm of a run
@@ -204,24 +226,36 @@ TEST(StepAhead, AnFp16OverflowUndoesTheStepsTakenUnderBackward) {
   }
 }
 
+// Every block kept, but on the `changed` steps every block redone, for a
+// changed hyperparameter.
+void expect_redone_only_on(const AheadRun& ahead, int steps, const std::set<int>& changed) {
+  for (int step = 0; step < steps; ++step) {
+    const tz::StepReport& r = ahead.reports[step];
+    const bool redone = changed.count(step) != 0;
+    EXPECT_EQ(r.ahead_blocks, redone ? 0U : static_cast<std::uint64_t>(kMlp.layers)) << "step " << step;
+    EXPECT_EQ(r.ahead_redone, redone ? static_cast<std::uint64_t>(kMlp.layers) : 0U) << "step " << step;
+    EXPECT_EQ(r.ahead_redo_reason, redone ? "hyperparameters" : "") << "step " << step;
+  }
+}
+
 // set_learning_rate between backward and step: the steps taken under
 // backward used the old rate, so every one is redone.
-TEST(StepAhead, ALearningRateSetAfterBackwardRedoesTheSteps) {
+// The same bits as the switch-off engine, with every block redone on the
+// `changed` steps and kept on the others.
+void expect_exact_and_redone_only_on(const Placement& placement, const Options& o, const std::set<int>& changed) {
   TempDir nvme;
   tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
   config.gradient_clipping = 0;
-  const Options o{.steps = 8, .new_lr_steps = {2, 5}};
-  auto before = train_new(config, kInfinity, false, o);
+  auto before = train_new(config, placement, false, o);
   ASSERT_TRUE(before.ok()) << before.status().to_string();
-  auto ahead = train_new(config, kInfinity, true, o);
+  auto ahead = train_new(config, placement, true, o);
   ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
   EXPECT_EQ(first_difference(before->bits, ahead->bits), "");
-  for (int step = 0; step < 8; ++step) {
-    const tz::StepReport& r = ahead->reports[step];
-    const bool changed = step == 2 || step == 5;
-    EXPECT_EQ(r.ahead_blocks, changed ? 0U : static_cast<std::uint64_t>(kMlp.layers)) << "step " << step;
-    EXPECT_EQ(r.ahead_redone, changed ? static_cast<std::uint64_t>(kMlp.layers) : 0U) << "step " << step;
-  }
+  expect_redone_only_on(*ahead, o.steps, changed);
+}
+
+TEST(StepAhead, ALearningRateSetAfterBackwardRedoesTheSteps) {
+  expect_exact_and_redone_only_on(kInfinity, {.steps = 8, .new_lr_steps = {2, 5}}, {2, 5});
 }
 
 // An NVMe write that fails under backward (once): the block is put back,
@@ -302,18 +336,24 @@ TEST(StepAhead, ARunStoppedUnderBackwardResumesFromItsCheckpointsBitForBit) {
   }
 }
 
+// DeepSpeed's offload keys placing params and optimizer states on NVMe.
+tz::Config deepspeed_nvme_config(const std::string& nvme) {
+  tz::Config config = test_config(nvme, 3, 1, "bf16");
+  config.placement = tz::PlacementMode::kDeepSpeed;
+  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
+  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
+  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme;
+  return config;
+}
+
 // Where the CPU tier's headroom holds no slot, the step runs after backward
 // and the report says why, with the numbers.
 TEST(StepAhead, WhereItDoesNotFitTheBudgetTheStepRunsAfterBackwardAndSaysWhy) {
   TempDir nvme;
-  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
   // The config's own placement (the plan's numbers are its): params and optimizer on NVMe.
-  config.placement = tz::PlacementMode::kDeepSpeed;
-  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
-  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
-  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme.path();
+  tz::Config config = deepspeed_nvme_config(nvme.path());
   auto create = [&](bool ahead) {
-    config.step_under_backward = ahead;
+    config.step_under_backward = mode_of(ahead);
     return tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   };
   auto probe = create(true);
@@ -335,6 +375,43 @@ TEST(StepAhead, WhereItDoesNotFitTheBudgetTheStepRunsAfterBackwardAndSaysWhy) {
   const std::string& why = run->reports[0].ahead_off;
   EXPECT_NE(why.find("headroom"), std::string::npos) << why;
   EXPECT_EQ(run->reports[0].ahead_blocks + run->reports[1].ahead_blocks, 0U);
+}
+
+// The planner (tierzero-estimate) counts what the engine adds to its plan for
+// the steps under backward: the same second NVMe copy, and the same CPU
+// memory but for the host pool's page rounding of each buffer.
+TEST(StepAhead, ThePlannerCountsWhatTheEngineAddsToItsPlan) {
+  TempDir nvme;
+  tz::Config config = deepspeed_nvme_config(nvme.path());
+  config.step_under_backward = kAlways;
+  auto e = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  const tz::Plan& engine_plan = (*e)->plan();
+  const tz::ResolvedBudgets budgets{.gpu_bytes = engine_plan.usage_of(Tier::kGpu).budget_bytes,
+                                    .cpu_bytes = engine_plan.usage_of(Tier::kCpu).budget_bytes,
+                                    .nvme_bytes = engine_plan.usage_of(Tier::kNvme).budget_bytes};
+  auto planned = tz::plan_placement(tz::PlanInput::from_config(config, (*e)->layout().block_numel(), 1, 0, budgets));
+  ASSERT_TRUE(planned.ok()) << planned.status().to_string();
+  EXPECT_EQ(planned->tier, engine_plan.tier);
+  EXPECT_EQ(planned->ahead_blocks, (*e)->layout().blocks.size());
+  const auto item = [](const tz::Plan& plan, Tier t) -> std::uint64_t {
+    for (const tz::NeedItem& i : plan.usage_of(t).breakdown) {
+      if (i.what.find("steps under backward") != std::string::npos) return i.bytes;
+    }
+    return 0;
+  };
+  EXPECT_GT(item(*planned, Tier::kNvme), 0U);
+  EXPECT_EQ(item(*planned, Tier::kNvme), item(engine_plan, Tier::kNvme));
+  const std::uint64_t engine_cpu = item(engine_plan, Tier::kCpu), planned_cpu = item(*planned, Tier::kCpu);
+  ASSERT_GT(planned_cpu, 0U);
+  EXPECT_LE(planned_cpu, engine_cpu);
+  const std::uint64_t buffers = (*e)->layout().blocks.size() + 3 * 3;  // a slot per block, three staging sets of three stores
+  EXPECT_LT(engine_cpu - planned_cpu, buffers * 4096) << engine_cpu << " vs " << planned_cpu;
+  // Off: neither counts it.
+  config.step_under_backward = tz::StepUnderBackward::kOff;
+  auto off = tz::plan_placement(tz::PlanInput::from_config(config, (*e)->layout().block_numel(), 1, 0, budgets));
+  ASSERT_TRUE(off.ok());
+  EXPECT_EQ(item(*off, Tier::kCpu) + item(*off, Tier::kNvme), 0U);
 }
 
 // 2 ranks (processes): each steps its shards under backward; the global norm
@@ -370,6 +447,192 @@ TEST(StepAhead, TwoRanksAreBitIdenticalToSteppingAfterBackward) {
     return code;
   });
   EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+}
+
+
+// ---- Note [When to speculate] and Note [What a redo costs] ------------------
+
+
+// A max norm ten times the largest norm of a run without clipping: quiet
+// steps stay far below it, loud ones (targets x kLoud) above it.
+double roomy_max_norm(tz::Config config, const Options& o) {
+  config.gradient_clipping = 0;
+  Options quiet = o;
+  quiet.loud_steps.clear();
+  auto run = train_new(config, kPlacements[1], false, quiet);
+  EXPECT_TRUE(run.ok()) << run.status().to_string();
+  if (!run.ok()) return 1.0;
+  return 10 * *std::max_element(run->bits.grad_norms.begin(), run->bits.grad_norms.end());
+}
+
+// "auto" under a roomy max norm, beside the switch-off engine: its run,
+// checked bit for bit against the other's.
+struct AutoRun {
+  AheadRun run;
+  double max_norm = 0;
+};
+
+tz::Expected<AutoRun> auto_beside_off(const Placement& placement, const Options& o) {
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  config.gradient_clipping = roomy_max_norm(config, o);
+  TZ_ASSIGN_OR_RETURN(AheadRun before, train_new(config, placement, false, o));
+  TZ_ASSIGN_OR_RETURN(AheadRun ahead, train_new(config, placement, kAuto, o));
+  EXPECT_EQ(first_difference(before.bits, ahead.bits), "");
+  return AutoRun{std::move(ahead), config.gradient_clipping};
+}
+
+std::uint64_t redone_bytes(const tz::StepReport& r) { return r.ahead_redone_read_bytes + r.ahead_redone_write_bytes; }
+
+// The policy alone: calm windows, the margin, the back-off and its reset.
+TEST(StepAhead, AheadPolicyWaitsForCalmWindowsAndBacksOffAfterRedos) {
+  using tz::detail::AheadPolicy;
+  using tz::detail::AheadRedo;
+  std::string why;
+  AheadPolicy always(true);
+  always.record(true, false, 5.0, 1.0, true, AheadRedo::kClip);
+  EXPECT_TRUE(always.speculate(why));
+  AheadPolicy p(false);
+  EXPECT_FALSE(p.speculate(why));  // no history yet
+  p.record(true, false, 0.5, 1.0, false, AheadRedo::kNone);
+  EXPECT_FALSE(p.speculate(why));
+  p.record(true, false, 1.25, 1.0, false, AheadRedo::kNone);  // clipped: not calm
+  EXPECT_FALSE(p.speculate(why));
+  EXPECT_NE(why.find("norm 1.25 was above 1"), std::string::npos) << why;
+  p.record(true, false, 1.0, 1.0, false, AheadRedo::kNone);  // at the max norm: calm
+  p.record(false, true, INFINITY, 1.0, false, AheadRedo::kNone);  // an overflow
+  EXPECT_FALSE(p.speculate(why));
+  EXPECT_NE(why.find("overflowed"), std::string::npos) << why;
+  p.record(true, false, 0.5, 0.0, false, AheadRedo::kNone);  // clipping off: every stepped window is calm
+  p.record(true, false, 50, 0.0, false, AheadRedo::kNone);
+  ASSERT_TRUE(p.speculate(why));
+  // Redone for a changed learning rate: skip 1, then 3, then 7 windows; a cancel counts for nothing.
+  std::vector<int> opened;
+  for (int w = 0; w < 16; ++w) {
+    const bool s = p.speculate(why);
+    if (s) opened.push_back(w);
+    p.record(true, false, 0.1, 1.0, s, s ? (w == 2 ? AheadRedo::kCancel : AheadRedo::kHyperparameters)
+                                           : AheadRedo::kNone);
+  }
+  EXPECT_EQ(opened, (std::vector<int>{0, 2, 3, 7, 15}));
+  p.record(true, false, 0.1, 1.0, true, AheadRedo::kNone);  // a kept window resets the back-off
+  p.record(true, false, 0.1, 1.0, true, AheadRedo::kHyperparameters);
+  EXPECT_FALSE(p.speculate(why));
+  EXPECT_NE(why.find("1 more window"), std::string::npos) << why;
+}
+
+// Steps that clip and steps that do not, alternating: "auto" never finds two
+// calm windows in a row, so it never steps under backward and undoes
+// nothing; the weights are the switch-off engine's.
+TEST(StepAhead, AutoDoesNotSpeculateWhereStepsAlternateBetweenClippingAndNot) {
+  Options o{.steps = 12};
+  for (int step = 1; step < o.steps; step += 2) o.loud_steps.insert(step);
+  auto ahead = auto_beside_off(kInfinity, o);
+  ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
+  for (int step = 0; step < o.steps; ++step) {
+    const tz::StepReport& r = ahead->run.reports[step];
+    // The sequence is what the test means: loud steps clip, quiet ones are calm.
+    if (o.loud_steps.count(step) != 0) {
+      ASSERT_LT(r.clip_coef, 1.0) << "step " << step;
+    } else {
+      ASSERT_LE(r.grad_norm, 0.5 * ahead->max_norm) << "step " << step;
+    }
+    EXPECT_EQ(r.ahead_blocks, 0U) << "step " << step;
+    EXPECT_EQ(r.ahead_redone, 0U) << "step " << step;
+    EXPECT_EQ(redone_bytes(r), 0U) << "step " << step;
+    EXPECT_EQ(r.ahead_seconds, 0.0) << "step " << step;
+    EXPECT_EQ(r.ahead_redo_reason, "") << "step " << step;
+    EXPECT_EQ(r.ahead_off.rfind("auto: ", 0), 0U) << "step " << step << ": " << r.ahead_off;
+  }
+}
+
+// Nothing clips: "auto" steps under backward from its third window on and
+// keeps every block; the first two step after backward and say why.
+TEST(StepAhead, AutoSpeculatesAndKeepsEveryBlockWhereNothingClips) {
+  for (const Placement& placement : {kPlacements[1], kInfinity}) {
+    SCOPED_TRACE(placement_name(placement));
+    const Options o{.steps = 8};
+    auto ahead = auto_beside_off(placement, o);
+    ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
+    for (int step = 0; step < o.steps; ++step) {
+      const tz::StepReport& r = ahead->run.reports[step];
+      const bool speculates = step >= tz::detail::AheadPolicy::kCalmWindows;
+      EXPECT_EQ(r.ahead_blocks, speculates ? static_cast<std::uint64_t>(kMlp.layers) : 0U) << "step " << step;
+      EXPECT_EQ(r.ahead_redone, 0U) << "step " << step;
+      EXPECT_EQ(redone_bytes(r), 0U) << "step " << step;
+      EXPECT_EQ(r.ahead_off.empty(), speculates) << "step " << step << ": " << r.ahead_off;
+    }
+  }
+}
+
+// A learning rate set after every backward undoes every speculation: "auto"
+// backs off, speculating in windows 2, 4, 8 and 16 only (1, 3, 7 windows
+// skipped after each failure), where true speculates in all 19. Each redone
+// window's report counts what the speculation moved on NVMe: exactly the
+// writes the switch-off engine did not make.
+TEST(StepAhead, AutoBacksOffWhenTheLearningRateChangesAfterEveryBackward) {
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  config.gradient_clipping = 0;
+  Options o{.steps = 20};
+  for (int step = 1; step < o.steps; ++step) o.new_lr_steps.insert(step);  // step 0's rate is the config's
+  auto before = train_new(config, kInfinity, false, o);
+  ASSERT_TRUE(before.ok()) << before.status().to_string();
+  auto always = train_new(config, kInfinity, kAlways, o);
+  ASSERT_TRUE(always.ok()) << always.status().to_string();
+  auto ahead = train_new(config, kInfinity, kAuto, o);
+  ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
+  EXPECT_EQ(first_difference(before->bits, always->bits), "");
+  EXPECT_EQ(first_difference(before->bits, ahead->bits), "");
+  std::set<int> speculated;
+  for (int step = 1; step < o.steps; ++step) {
+    const tz::StepReport& off = before->reports[step];
+    for (const tz::StepReport* r : {&always->reports[step], &ahead->reports[step]}) {
+      EXPECT_EQ(r->ahead_blocks, 0U) << "step " << step;
+      if (r->ahead_redone == 0) continue;
+      EXPECT_EQ(r->ahead_redone, static_cast<std::uint64_t>(kMlp.layers)) << "step " << step;
+      EXPECT_EQ(r->ahead_redo_reason, "hyperparameters") << "step " << step;
+      EXPECT_GT(r->ahead_redone_seconds, 0.0) << "step " << step;
+      EXPECT_GT(r->ahead_redone_write_bytes, 0U) << "step " << step;
+      EXPECT_EQ(r->nvme_write_bytes - off.nvme_write_bytes, r->ahead_redone_write_bytes) << "step " << step;
+      // It read the master and moments it wrote (when the reads land is the prefetcher's, so no difference here).
+      EXPECT_EQ(r->ahead_redone_read_bytes, r->ahead_redone_write_bytes) << "step " << step;
+    }
+    EXPECT_EQ(always->reports[step].ahead_redone, static_cast<std::uint64_t>(kMlp.layers)) << "step " << step;
+    if (ahead->reports[step].ahead_redone > 0) speculated.insert(step);
+  }
+  EXPECT_EQ(speculated, (std::set<int>{2, 4, 8, 16}));
+}
+
+// set_weight_decay between backward and step: the blocks stepped under
+// backward took the old value, so they are undone (at once) and stepped
+// after backward with the new one.
+TEST(StepAhead, AWeightDecaySetAfterBackwardRedoesTheSteps) {
+  for (const Placement& placement : {kPlacements[2], kInfinity}) {
+    SCOPED_TRACE(placement_name(placement));
+    expect_exact_and_redone_only_on(placement, {.steps = 8, .new_decay_steps = {2, 5}}, {2, 5});
+  }
+}
+
+// The reasons the report gives: an overflow, a checkpoint saved mid-window.
+TEST(StepAhead, TheReportSaysWhyTheStepsWereRedone) {
+  TempDir nvme, ckpt;
+  tz::Config config = test_config(nvme.path(), 3, 1, "fp16");
+  config.gradient_clipping = 0;
+  auto overflow = train_new(config, kInfinity, true, {.steps = 4, .overflow_steps = {2}, .inf_block = 0});
+  ASSERT_TRUE(overflow.ok()) << overflow.status().to_string();
+  EXPECT_EQ(overflow->reports[2].ahead_redo_reason, "overflow");
+  EXPECT_GT(redone_bytes(overflow->reports[2]), 0U);
+  EXPECT_EQ(overflow->reports[3].ahead_redo_reason, "");
+  auto e = make(config, kInfinity, true);
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  ASSERT_TRUE(tz::mlp::train_micro_batch(**e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, 0)).ok());
+  ASSERT_TRUE((*e)->save_checkpoint(ckpt.path(), {.tag = "mid-backward"}).ok());
+  auto r = (*e)->step();
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->ahead_redo_reason, "cancel");
+  EXPECT_EQ(r->ahead_redone, static_cast<std::uint64_t>(kMlp.layers));
+  EXPECT_GT(redone_bytes(*r), 0U);
 }
 
 }  // namespace

@@ -834,5 +834,56 @@ TEST(PlanTraffic, SaturatesInsteadOfWrapping) {
   EXPECT_GT(plan.traffic.estimated_seconds, 1e8);
 }
 
+
+// ---- Note [Stepping under backward] (engine/src/step_ahead.h), "Cost, per rank"
+
+// ZeRO-Infinity's placement (master and moments on NVMe, grads in CPU memory)
+// with room for everything; only PlanInput::step_under_backward differs.
+std::pair<Plan, Plan> without_and_with_step_ahead(std::uint64_t cpu, std::uint64_t nvme) {
+  PlanInput off = zero_infinity();
+  off.cpu_bytes = cpu;
+  off.nvme_bytes = nvme;
+  PlanInput on = off;
+  on.step_under_backward = StepUnderBackward::kAuto;
+  return {must_plan(off), must_plan(on)};
+}
+
+constexpr std::uint64_t kShard1B = 250'001'408;  // each block's shard (1 rank), aligned
+
+TEST(PlanStepAhead, CountsTheSecondNvmeCopyAndTheCpuSlotsAndStaging) {
+  const auto [off, on] = without_and_with_step_ahead(100'000'000'000, kHuge);
+  EXPECT_EQ(on.tier, off.tier);
+  EXPECT_EQ(off.ahead_blocks, 0U);
+  EXPECT_EQ(on.ahead_blocks, 4U);
+  EXPECT_EQ(on.ahead_off, "");
+  // A second fp32 master and two fp32 moments: 12 B per element.
+  EXPECT_EQ(on.usage_of(Tier::kNvme).need_bytes - off.usage_of(Tier::kNvme).need_bytes, 12 * 4 * kShard1B);
+  // Three blocks' NVMe master + moments as staging, and each block's new 16-bit shard.
+  EXPECT_EQ(on.usage_of(Tier::kCpu).need_bytes - off.usage_of(Tier::kCpu).need_bytes,
+            3 * 12 * kShard1B + 4 * 2 * kShard1B);
+  EXPECT_NE(format_plan(on, zero_infinity()).find("steps under backward"), std::string::npos);
+}
+
+TEST(PlanStepAhead, TheCpuHeadroomBoundsTheBlocksThatMay) {
+  const std::uint64_t base = without_and_with_step_ahead(100'000'000'000, kHuge).first.usage_of(Tier::kCpu).need_bytes;
+  // Staging and two and a half slots.
+  const auto [off, on] = without_and_with_step_ahead(base + 3 * 12 * kShard1B + 5 * kShard1B, kHuge);
+  EXPECT_EQ(on.tier, off.tier);
+  EXPECT_EQ(on.ahead_blocks, 2U);
+  EXPECT_NE(on.ahead_off.find("2 of 4 blocks"), std::string::npos) << on.ahead_off;
+  EXPECT_TRUE(on.fits());
+}
+
+TEST(PlanStepAhead, WhereTheNvmeHeadroomDoesNotHoldTheSecondCopyItIsOffAndSaysWhy) {
+  const std::uint64_t base = without_and_with_step_ahead(100'000'000'000, kHuge).first.usage_of(Tier::kNvme).need_bytes;
+  const auto [off, on] = without_and_with_step_ahead(100'000'000'000, base + 12 * 4 * kShard1B - 1);
+  EXPECT_EQ(on.tier, off.tier);
+  EXPECT_EQ(on.ahead_blocks, 0U);
+  EXPECT_NE(on.ahead_off.find("NVMe headroom"), std::string::npos) << on.ahead_off;
+  EXPECT_EQ(on.usage_of(Tier::kNvme).need_bytes, off.usage_of(Tier::kNvme).need_bytes);
+  EXPECT_EQ(on.usage_of(Tier::kCpu).need_bytes, off.usage_of(Tier::kCpu).need_bytes);
+  EXPECT_TRUE(on.fits());
+}
+
 }  // namespace
 }  // namespace tz

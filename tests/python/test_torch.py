@@ -729,6 +729,33 @@ def test_the_engines_set_learning_rate_holds_and_the_optimizer_shows_it(nvme_dir
     assert engine.step()["lr"] == 2e-3 and engine.get_lr() == [2e-3]
 
 
+def test_a_torch_schedule_keeps_the_steps_taken_under_backward(nvme_dir):
+    # Note [Learning rate]: the rate set in param_groups before forward reaches the engine before any
+    # gradient does, so the steps under backward (tierzero.step_under_backward true) use it and are kept;
+    # handed over only at step(), every one of them would be redone ("hyperparameters").
+    torch.manual_seed(0)
+    config = host_config(nvme_dir, lr=1e-2)
+    config["tierzero"]["step_under_backward"] = True
+    engine, optimizer, _, _ = tzt.initialize(mlp(), config)
+    for t in range(4):
+        optimizer.param_groups[0]["lr"] = 1e-2 * (t + 1) / 4
+        engine.backward(engine(torch.randn(8, 16)).square().mean())
+        report = engine.step()
+        assert report["lr"] == 1e-2 * (t + 1) / 4
+        assert report["ahead_off"] == "" and report["ahead_blocks"] > 0, report
+        assert report["ahead_redone"] == 0 and report["ahead_redo_reason"] == "", report
+        assert report["ahead_redone_read_bytes"] == report["ahead_redone_write_bytes"] == 0
+        assert report["ahead_redone_seconds"] == 0.0
+    # A rate changed after backward: the engine redoes the step, and says why and what it cost.
+    engine.backward(engine(torch.randn(8, 16)).square().mean())
+    optimizer.param_groups[0]["lr"] = 2e-3
+    report = engine.step()
+    assert report["ahead_blocks"] == 0 and report["ahead_redone"] > 0, report
+    assert report["ahead_redo_reason"] == "hyperparameters"
+    assert report["ahead_redone_read_bytes"] > 0 and report["ahead_redone_write_bytes"] > 0
+    assert report["ahead_redone_seconds"] > 0.0
+
+
 def test_eval_and_detach_module_give_the_trained_model(nvme_dir):
     torch.manual_seed(0)
     model = mlp()

@@ -330,6 +330,7 @@ nlohmann::json plan_json(const tz::Plan& plan, const tz::PlanInput& in, const tz
         {"gradient_accumulation_steps", in.gradient_accumulation_steps}, {"param_bytes", in.param_bytes},
         {"master", tz::master_format_name(in.states.master)}, {"moments", tz::moment_format_name(in.states.moments)},
         {"grad_accum_dtype", tz::grad_format_name(in.states.grads)},
+        {"step_under_backward", tz::step_under_backward_name(in.step_under_backward)},
         {"placement", plan.mode == tz::PlacementMode::kAuto ? "auto" : "deepspeed"},
         {"links_Bps", {{"nvme_read", in.links.nvme_read_Bps}, {"nvme_write", in.links.nvme_write_Bps},
                        {"pcie", in.links.pcie_Bps}, {"cpu_mem", in.links.cpu_mem_Bps}}}}},
@@ -346,6 +347,7 @@ nlohmann::json plan_json(const tz::Plan& plan, const tz::PlanInput& in, const tz
                    {"cpu_optimizer_bytes", t.cpu_optimizer_bytes}, {"estimated_seconds", t.estimated_seconds},
                    {"nvme_bytes_per_param", per_param(t.nvme_read_bytes) + per_param(t.nvme_write_bytes)},
                    {"pcie_bytes_per_param", per_param(t.h2d_bytes) + per_param(t.d2h_bytes)}}},
+      {"step_under_backward", {{"blocks", plan.ahead_blocks}, {"off", plan.ahead_off}}},
       {"candidates", plan.candidates},
       {"feasible_candidates", plan.feasible_candidates},
       {"summary", plan.summary}};

@@ -1,10 +1,13 @@
 // tierzero-train's progress lines, summary and output files (train_report.h).
 #include "train_report.h"
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
+#include <string>
 
 #include "png.h"
 
@@ -112,6 +115,28 @@ NvmeWrites nvme_writes(const RunInfo& info, const std::vector<const StepRecord*>
   return w;
 }
 
+// Note [What a redo costs] (engine/src/step_ahead.h): over the whole run,
+// the work under backward that was undone and done again after it, and why.
+void print_redone(const RunInfo& info, const std::vector<StepRecord>& steps) {
+  std::map<std::string, int> reasons;
+  double read = 0, written = 0, seconds = 0;
+  for (const StepRecord& r : steps) {
+    read += static_cast<double>(r.report.ahead_redone_read_bytes);
+    written += static_cast<double>(r.report.ahead_redone_write_bytes);
+    seconds += r.report.ahead_redone_seconds;
+    if (!r.report.ahead_redo_reason.empty()) ++reasons[r.report.ahead_redo_reason];
+  }
+  if (reasons.empty()) return;
+  const double per_param = static_cast<double>(info.ranks) /
+                           static_cast<double>(std::max<std::uint64_t>(info.params, 1)) /
+                           static_cast<double>(steps.size());
+  std::string why;
+  for (const auto& [reason, count] : reasons) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", reason, count);
+  std::printf("optimizer under backward, redone: %.2f B/param/step NVMe read + %.2f written, %.3f s per step of "
+              "optimizer work; windows redone: %s\n", read * per_param, written * per_param,
+              seconds / static_cast<double>(steps.size()), why.c_str());
+}
+
 void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, const std::vector<EvalRecord>& evals) {
   if (steps.empty()) return;
   const std::vector<const StepRecord*> st = steady(steps);
@@ -173,6 +198,7 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
   if (!steps.back().report.ahead_off.empty()) std::printf("optimizer under backward: %s\n", steps.back().report.ahead_off.c_str());
   std::printf("optimizer under backward: %.3f s per step, %.3f s of it hidden (before step()); blocks kept %.1f, "
               "redone %.1f per step\n", ahead, hidden, kept, redone);
+  print_redone(info, steps);
   std::uint64_t pg = 0, pc = 0, pn = 0;
   for (const StepRecord& r : steps) {
     pg = std::max(pg, r.report.peak_gpu_bytes), pc = std::max(pc, r.report.peak_cpu_bytes);
@@ -202,7 +228,11 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                   {"peak_cpu_bytes", r.report.peak_cpu_bytes}, {"peak_nvme_bytes", r.report.peak_nvme_bytes},
                   {"host_waits", r.report.host_waits}, {"blocks_reduced", r.report.blocks_reduced},
                   {"ahead_blocks", r.report.ahead_blocks}, {"ahead_redone", r.report.ahead_redone},
-                  {"ahead_seconds", r.report.ahead_seconds}, {"ahead_hidden_seconds", r.report.ahead_hidden_seconds}});
+                  {"ahead_seconds", r.report.ahead_seconds}, {"ahead_hidden_seconds", r.report.ahead_hidden_seconds},
+                  {"ahead_redone_read_bytes", r.report.ahead_redone_read_bytes},
+                  {"ahead_redone_write_bytes", r.report.ahead_redone_write_bytes},
+                  {"ahead_redone_seconds", r.report.ahead_redone_seconds},
+                  {"ahead_redo_reason", r.report.ahead_redo_reason}});
   }
   const NvmeRates rates = nvme_rates(steady(steps));
   const NvmeWrites writes = nvme_writes(info, steady(steps));

@@ -168,6 +168,8 @@ class TorchEngine(_Hooks, _Checkpoints, Engine, torch.nn.Module):
     # ------------------------------------------------------------ the training loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model (with the saved-tensor hooks of Note [Saved tensors])."""
+        if self.optimizer is not None and self.training:
+            self.optimizer._take_lr()  # before backward: Note [Learning rate]
         # Note [A forward that raised]: one rank only, where no other rank's collectives can be left unmatched
         mark = self.fetch_mark() if self.world_size == 1 else None
         try:
@@ -185,6 +187,8 @@ class TorchEngine(_Hooks, _Checkpoints, Engine, torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """loss.backward(), scaled by the engine's loss scale (fp16); returns the loss, as DeepSpeed's. Do not
         divide by the accumulation steps (the engine averages over them, as DeepSpeed's scale_wrt_gas)."""
+        if self.optimizer is not None:
+            self.optimizer._take_lr()  # before the gradients: Note [Learning rate]
         scale = self.loss_scale
         self._engine_backward = True
         try:

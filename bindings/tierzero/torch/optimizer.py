@@ -8,7 +8,12 @@ from its optimizer step count, so a loaded checkpoint resumes the schedule),
 or from optimizer.param_groups[0]["lr"]: the returned optimizer is a
 torch.optim.Optimizer, and engine.step() hands a changed "lr" to the engine
 before the step, so a torch scheduler built on it (LambdaLR, CosineAnnealingLR,
-...) and stepped after engine.step() works as with any torch optimizer. After
+...) and stepped after engine.step() works as with any torch optimizer. The
+engine's forward (in training) and backward hand it over too, before any
+gradient reaches the engine: the steps the engine takes under backward use the
+step's rate, and a rate first seen at step() would undo them all (Note
+[Stepping under backward], engine/src/step_ahead.h; a warm-up or decay changes
+it every step). After
 each engine.step() "lr" shows the learning rate of the next step. Changing
 "lr" while the config has a scheduler is a ValueError; a torch scheduler's
 own state is saved by its owner (scheduler.state_dict()), as in plain torch.

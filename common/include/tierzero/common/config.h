@@ -204,6 +204,10 @@ struct BatchKeys {
   std::optional<std::int64_t> gradient_accumulation_steps;
 };
 
+// tierzero.step_under_backward's values: false, true, "auto".
+enum class StepUnderBackward : std::uint8_t { kOff, kAlways, kAuto };
+std::string_view step_under_backward_name(StepUnderBackward mode);  // "false", "true", "auto"
+
 struct Config {
   std::string source;                    // file name, or "<string>"
   // The batch: what the file gave, until resolve_batch() derives the rest
@@ -225,8 +229,10 @@ struct Config {
   StateFormats states;
   // tierzero.step_under_backward: the CPU optimizer steps each block under
   // backward as its gradient completes, kept only when it is exactly the step
-  // after backward (Note [Stepping under backward], engine/src/step_ahead.h).
-  bool step_under_backward = true;
+  // after backward (Note [Stepping under backward], engine/src/step_ahead.h):
+  // "auto" where it is likely to be kept (Note [When to speculate]), true in
+  // every window, false never.
+  StepUnderBackward step_under_backward = StepUnderBackward::kAuto;
   // Dotted paths of keys accepted but unused, in file order.
   std::vector<std::string> ignored_keys;
   // Note [Auto values]: dotted paths of the keys given as "auto" that nothing

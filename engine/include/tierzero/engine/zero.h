@@ -260,6 +260,16 @@ struct StepReport {
   std::uint64_t ahead_blocks = 0, ahead_redone = 0;
   double ahead_seconds = 0, ahead_hidden_seconds = 0;
   std::string ahead_off;
+  // Note [What a redo costs] (engine/src/step_ahead.h): of the work under
+  // backward, what was undone (and is done again after backward): the NVMe
+  // bytes it read and wrote, its optimizer seconds, and why: "clip",
+  // "overflow", "hyperparameters" (the learning rate or a weight decay
+  // changed after backward began), "step number", "cancel" (a checkpoint,
+  // set_master, gather_master mid-window), "fault" (some blocks: an NVMe write
+  // failed, a gradient arrived twice); empty when nothing was undone.
+  std::uint64_t ahead_redone_read_bytes = 0, ahead_redone_write_bytes = 0;
+  double ahead_redone_seconds = 0;
+  std::string ahead_redo_reason;
 };
 
 // save_checkpoint's choices beyond the directory (DeepSpeed's save_checkpoint

@@ -74,6 +74,9 @@ enum class Tier : std::uint8_t { kGpu, kCpu, kNvme };
 inline constexpr int kMaxPendingGrads = 3;
 // Optimizer sub-groups staged at once: reading the next, stepping one, writing the last.
 inline constexpr int kStagingSets = 3;
+// Blocks' NVMe states staged at once by the steps under backward (Note
+// [Pipelined steps under backward]): the next block's read, this one's step, the last one's write.
+inline constexpr int kAheadStagingBlocks = 3;
 
 inline constexpr std::size_t kNumTiers = 3;
 enum class StateClass : std::uint8_t { kParam16, kGrad, kMaster, kMoments };
@@ -141,6 +144,10 @@ struct PlanInput {
   std::int64_t persistence_threshold = 100'000;   // elements (stage3_param_persistence_threshold)
   std::int64_t prefetch_bucket_size = 50'000'000; // elements (stage3_prefetch_bucket_size)
   std::int64_t sub_group_size = 1'000'000'000;    // elements per optimizer sub-group
+  // tierzero.step_under_backward: where not kOff, the plan counts what the
+  // steps under backward hold (Plan::ahead_blocks). The engine plans with
+  // kOff and adds its own count from its shards (engine/src/optimizer_step.cpp).
+  StepUnderBackward step_under_backward = StepUnderBackward::kOff;
   LinkSpeeds links;
 
   // Stage, accumulation, precision, state formats, mode, offload devices, thresholds and
@@ -218,6 +225,12 @@ struct Plan {
   std::size_t candidates = 0;           // placements considered (1 in kDeepSpeed mode)
   std::size_t feasible_candidates = 0;  // of those, how many fit
   std::string summary;                  // one line: tiers, needs vs budgets, seconds
+  // Note [Stepping under backward] (engine/src/step_ahead.h), "Cost, per
+  // rank": the blocks that may step under backward (their CPU memory and the
+  // second NVMe copy are in `usage`'s breakdowns), and, where not every
+  // block may, why (empty when PlanInput::step_under_backward is kOff).
+  std::size_t ahead_blocks = 0;
+  std::string ahead_off;
 
   Tier tier_of(StateClass state) const { return tier[static_cast<std::size_t>(state)]; }
   std::uint64_t bytes_of(StateClass state) const { return class_bytes[static_cast<std::size_t>(state)]; }
