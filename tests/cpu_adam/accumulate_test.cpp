@@ -260,7 +260,9 @@ TEST(CpuAdamAccumulate, Bf16AccumulationOverMicroBatchesStaysWithinItsBound) {
         norm += exact[i] * exact[i];
       }
       EXPECT_EQ(outside, 0U) << simd_name(simd) << " gas " << gas;
-      if (gas == 1) EXPECT_EQ(err16, 0.0) << simd_name(simd) << ": one micro-batch with a power-of-two scale is exact";
+      if (gas == 1) {
+        EXPECT_EQ(err16, 0.0) << simd_name(simd) << ": one micro-batch with a power-of-two scale is exact";
+      }
       std::printf("[ cpu_adam ] %-7s gas %2d: normwise error vs float64: bf16 accumulator %.3g, fp32 %.3g; "
                   "largest error / bound %.3f\n",
                   std::string(simd_name(simd)).c_str(), gas, std::sqrt(err16 / norm), std::sqrt(err32 / norm), worst);
