@@ -146,9 +146,15 @@ Status ZeroEngineImpl::make_step_ahead() {
   const TierUsage& cpu = plan_.usage_of(Tier::kCpu);
   const std::int64_t share = cpu.headroom_bytes() / std::max(cpu.ranks_sharing, 1);
   const std::uint64_t staging = optimizer_->ahead_staging_bytes();
+  // "auto" leaves small blocks to run() (Note [When to speculate]).
+  const std::uint64_t min_numel =
+      options_.config.step_under_backward == StepUnderBackward::kAuto ? options_.auto_ahead_min_block_numel : 0;
   std::vector<bool> may(layout_.blocks.size(), false);
   std::uint64_t need = staging;
+  std::size_t large = 0;
   for (std::size_t b = layout_.blocks.size(); b-- > 0;) {
+    if (layout_.blocks[b].shard_numel < min_numel) continue;
+    ++large;
     if (static_cast<std::int64_t>(need + optimizer_->ahead_bytes(b)) > share) break;
     need += optimizer_->ahead_bytes(b);
     may[b] = true;
@@ -160,15 +166,26 @@ Status ZeroEngineImpl::make_step_ahead() {
     exp_avg_shadow_.reset();
     exp_avg_sq_shadow_.reset();
     ahead_shadow_bytes_ = 0;
+    if (large == 0) {
+      ahead_off_ = fmt::format("tierzero.step_under_backward \"auto\" steps blocks of at least {} elements per rank "
+                               "under backward and this model's are smaller (per-block overhead would cost more than "
+                               "it hides); true steps every block",
+                               min_numel);
+      return ok_status();
+    }
+    const std::size_t first = layout_.blocks.size() - 1;
     ahead_off_ = fmt::format("stepping under backward needs {} B of CPU memory for its first block ({} B of it "
                              "staging), and this rank's share of the CPU tier's headroom is {} B (needs {} of {} B "
-                             "budget)", staging + (layout_.blocks.empty() ? 0 : optimizer_->ahead_bytes(layout_.blocks.size() - 1)),
+                             "budget)", staging + (layout_.blocks.empty() ? 0 : optimizer_->ahead_bytes(first)),
                              staging, share, cpu.need_bytes, cpu.budget_bytes);
     return ok_status();
   }
-  if (ahead_blocks_ < layout_.blocks.size()) {
+  if (ahead_blocks_ < large) {
     ahead_off_ = fmt::format("{} of {} blocks step under backward: the CPU tier's headroom ({} B for this rank) holds "
                              "no more slots", ahead_blocks_, layout_.blocks.size(), share);
+  } else if (ahead_blocks_ < layout_.blocks.size()) {
+    ahead_off_ = fmt::format("{} of {} blocks step under backward: \"auto\" leaves blocks of fewer than {} elements "
+                             "per rank to after backward", ahead_blocks_, layout_.blocks.size(), min_numel);
   }
   // The plan counts it (ZeroEngine.ThePoolsStayWithinThePlan measures it).
   TierUsage& usage = plan_.usage[static_cast<std::size_t>(Tier::kCpu)];

@@ -95,6 +95,7 @@ tz::Expected<std::unique_ptr<tz::ZeroEngine>> make(tz::Config config, const Plac
                                                    tz::nvme::FaultInjector faults = {}) {
   config.step_under_backward = mode;
   tz::ZeroOptions options{.config = config, .comm = comm, .placement = placement};
+  options.auto_ahead_min_block_numel = 0;  // the test MLP's blocks are small; the floor has its own test
   options.nvme_fault_injector = std::move(faults);
   return tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
 }
@@ -570,6 +571,40 @@ TEST(StepAhead, AutoSpeculatesAndKeepsEveryBlockWhereNothingClips) {
 // skipped after each failure), where true speculates in all 19. Each redone
 // window's report counts what the speculation moved on NVMe: exactly the
 // writes the switch-off engine did not make.
+// With the default floor, "auto" leaves the test MLP's blocks (a few
+// thousand elements) to after backward and says why; true steps them.
+TEST(StepAhead, AutoLeavesBlocksBelowTheFloorToAfterBackwardAndSaysWhy) {
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  config.gradient_clipping = 0;
+  config.step_under_backward = kAuto;
+  tz::ZeroOptions options{.config = config, .placement = kInfinity};
+  ASSERT_EQ(options.auto_ahead_min_block_numel, tz::ZeroOptions::kAutoAheadMinBlockNumel);
+  auto e = tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  auto run = train(**e, {.steps = 6});
+  ASSERT_TRUE(run.ok()) << run.status().to_string();
+  for (const tz::StepReport& r : run->reports) {
+    EXPECT_EQ(r.ahead_blocks, 0U);
+    EXPECT_NE(r.ahead_off.find("steps blocks of at least 1048576 elements"), std::string::npos) << r.ahead_off;
+  }
+  // A floor at the blocks' shard size (the MLP's are all alike): every block steps under backward.
+  std::uint64_t smallest = UINT64_MAX;
+  for (const tz::BlockLayout& b : (*e)->layout().blocks) smallest = std::min(smallest, b.shard_numel);
+  options.auto_ahead_min_block_numel = smallest;
+  auto all = tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(all.ok()) << all.status().to_string();
+  auto kept_run = train(**all, {.steps = 6});
+  ASSERT_TRUE(kept_run.ok()) << kept_run.status().to_string();
+  EXPECT_EQ(first_difference(run->bits, kept_run->bits), "");
+  std::uint64_t kept = 0;
+  for (const tz::StepReport& r : kept_run->reports) {
+    kept += r.ahead_blocks;
+    EXPECT_EQ(r.ahead_off.find("steps blocks of at least"), std::string::npos) << r.ahead_off;  // the policy's waits may show
+  }
+  EXPECT_GT(kept, 0U);
+}
+
 TEST(StepAhead, AutoBacksOffWhenTheLearningRateChangesAfterEveryBackward) {
   TempDir nvme;
   tz::Config config = test_config(nvme.path(), 3, 1, "bf16");

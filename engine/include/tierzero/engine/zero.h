@@ -103,6 +103,12 @@ struct ZeroOptions {
   std::optional<std::array<Tier, kNumStateClasses>> placement;
   // Whose initial values the engine keeps (Note [Initial values]).
   InitialValues initial_values = InitialValues::kRankZero;
+  // tierzero.step_under_backward "auto" steps only blocks whose shard holds
+  // at least this many elements under backward; smaller ones step after it
+  // (Note [When to speculate]: small blocks' per-block overhead cost more
+  // than it hid). true steps every block whatever this says.
+  std::uint64_t auto_ahead_min_block_numel = kAutoAheadMinBlockNumel;
+  static constexpr std::uint64_t kAutoAheadMinBlockNumel = std::uint64_t{1} << 20;
   // Tests only: injects NVMe faults (see tz::nvme::EngineOptions).
   nvme::FaultInjector nvme_fault_injector;
 };
