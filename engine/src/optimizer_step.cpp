@@ -296,8 +296,7 @@ Expected<StepReport> ZeroEngineImpl::step() {
     const double grad_scale = report.clip_coef / scale_used;
     if (ahead_) {
       cancel_on_failure.ahead = nullptr;
-      const detail::AheadRedo verdict =
-          detail::verdict(ahead_->args(), true, false, report.clip_coef, hyper(), step_, grad_scale);
+      const detail::AheadRedo verdict = detail::verdict(ahead_->args(), report.clip_coef, hyper(), step_, grad_scale);
       TZ_TRY_CTX(ahead_->finish(verdict, done, began, ahead), "optimizer step {}", step_);
     }
     TZ_TRY_CTX(optimizer_->run(hyper(), step_, grad_scale, done), "optimizer step {}", step_);

@@ -21,9 +21,8 @@ std::string_view ahead_redo_name(AheadRedo why) {
   return "fault";
 }
 
-AheadRedo verdict(const AheadArgs& a, bool stepped, bool overflow, double clip_coef, const cpu_adam::Hyper& h,
-                  std::int64_t step, double grad_scale) {
-  if (overflow || !stepped) return AheadRedo::kOverflow;
+AheadRedo verdict(const AheadArgs& a, double clip_coef, const cpu_adam::Hyper& h, std::int64_t step,
+                  double grad_scale) {
   if (clip_coef < 1.0) return AheadRedo::kClip;
   if (a.step != step) return AheadRedo::kStepNumber;
   const cpu_adam::Hyper& s = a.hyper;

@@ -163,10 +163,11 @@ enum class AheadRedo : std::uint8_t {
 };
 std::string_view ahead_redo_name(AheadRedo why);  // "clip", "overflow", "hyperparameters", ...
 
-// What step() decided, against the speculated arguments: kNone where the
-// step runs with exactly them (the window's steps are kept).
-AheadRedo verdict(const AheadArgs& a, bool stepped, bool overflow, double clip_coef, const cpu_adam::Hyper& h,
-                  std::int64_t step, double grad_scale);
+// The step step() takes, against the speculated arguments: kNone where it
+// runs with exactly them (the window's steps are kept). A step skipped for
+// an overflow is kOverflow without asking.
+AheadRedo verdict(const AheadArgs& a, double clip_coef, const cpu_adam::Hyper& h, std::int64_t step,
+                  double grad_scale);
 
 // What the window's speculation did, for the step report.
 struct AheadOutcome {
