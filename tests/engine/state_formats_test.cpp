@@ -181,11 +181,8 @@ TEST(RemainderMasters, TheSafetensorsExportIsTheFp32RunsByteForByte) {
   std::string files[2];
   for (MasterFormat master : {MasterFormat::kFp32, MasterFormat::kRemainder}) {
     TempDir nvme, out;
-    auto engine = tz::ZeroEngine::create({.config = config_for(nvme.path(), {master}), .placement = placement},
-                                         tz::mlp::model(kMlp), tz::mlp::init(kMlp));
-    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-    ASSERT_TRUE(train_for_bits(**engine, kMlp, 3, 2).ok());
-    auto file = exported_safetensors(**engine, out.path());
+    auto file = exported_after_training({.config = config_for(nvme.path(), {master}), .placement = placement}, kMlp, 3,
+                                        2, out.path());
     ASSERT_TRUE(file.ok()) << file.status().to_string();
     files[static_cast<int>(master)] = std::move(*file);
   }

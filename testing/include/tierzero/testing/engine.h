@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -137,10 +138,15 @@ inline tz::Expected<RunBits> train_for_bits(tz::ZeroEngine& engine, const tz::ml
   return run;
 }
 
-// The bytes of the safetensors file the engine exports into `dir`.
-inline tz::Expected<std::string> exported_safetensors(tz::ZeroEngine& engine, const std::string& dir) {
+// The bytes of the safetensors file an engine made with `options` exports
+// into `dir` after train_for_bits(mlp, steps, micro_batches).
+inline tz::Expected<std::string> exported_after_training(const tz::ZeroOptions& options, const tz::mlp::MlpConfig& mlp,
+                                                         int steps, int micro_batches, const std::string& dir) {
+  TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> engine,
+                      tz::ZeroEngine::create(options, tz::mlp::model(mlp), tz::mlp::init(mlp)));
+  TZ_TRY(train_for_bits(*engine, mlp, steps, micro_batches).status());
   const std::string path = dir + "/model.safetensors";
-  TZ_TRY(engine.export_safetensors(path));
+  TZ_TRY(engine->export_safetensors(path));
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
