@@ -270,7 +270,9 @@ TEST(AdamStepCompact, CpuTwinMatchesCpuAdamBitForBitOnEveryVariantAndFormat) {
         }
         if (f.moments == MomentFormat::kInt8) {  // the cases the gradients set up are there
           const bool l2 = a.algorithm == cpu_adam::Algorithm::kAdam && a.weight_decay != 0;
-          if (!l2) ASSERT_EQ(twin.ms[5], 0.0F);  // (Adam's L2 term makes block 5's gradients non-zero)
+          if (!l2) {  // (Adam's L2 term makes block 5's gradients non-zero)
+            ASSERT_EQ(twin.ms[5], 0.0F);
+          }
           ASSERT_EQ(twin.m8[7], 0x80);
           ASSERT_EQ(twin.v8[600], 0xff);
           ASSERT_NE(twin.ms[2], 0.0F);
