@@ -86,12 +86,6 @@ Status ZeroEngineImpl::make_plan() {
                            "\"nvme\") to accumulate in 16 bits, or remove the key",
                            grad_format_name(c.states.grads));
       }
-      // Note [Compact states on the GPU optimizer] (optimizer_pass.cpp).
-      if (c.states.moments == MomentFormat::kInt8) {
-        return unavailable("tierzero.states.moments = \"int8\": the GPU optimizer steps fp32 and bf16 moments; "
-                           "offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\") "
-                           "to step int8 moments with cpu_adam, or keep \"bf16\" or \"fp32\" moments on the GPU");
-      }
       if (c.optimizer.type != "Adam" && c.optimizer.type != "AdamW") {
         return unavailable("optimizer.type = \"{}\": the GPU optimizer steps Adam and AdamW; offload the optimizer "
                            "(zero_optimization.offload_optimizer.device \"cpu\") to step {} with cpu_adam",

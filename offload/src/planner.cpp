@@ -422,12 +422,10 @@ std::vector<Placement> candidate_placements(const PlanInput& in) {
   if (in.stage == 3) param_tiers = {Tier::kGpu, Tier::kCpu, Tier::kNvme};
   std::vector<Placement> out;
   for (Tier param : param_tiers) {
-    // The GPU optimizer steps fp32 or remainder masters and fp32 or bf16
-    // moments (Note [Compact states on the GPU optimizer] in
-    // engine/src/optimizer_pass.cpp); with int8 moments the optimizer's
-    // states are placed off the GPU, where cpu_adam steps them.
-    // It accumulates gradients in fp32 only (data_types.grad_accum_dtype).
-    if (in.states.moments != MomentFormat::kInt8 && in.states.grads == GradFormat::kFp32) {
+    // The GPU optimizer steps every master and moment format (Note [Compact
+    // states on the GPU optimizer] in engine/src/optimizer_pass_gpu.cpp), and
+    // accumulates gradients in fp32 only (data_types.grad_accum_dtype).
+    if (in.states.grads == GradFormat::kFp32) {
       out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
     }
     for (Tier master : {Tier::kCpu, Tier::kNvme}) {
@@ -495,13 +493,6 @@ Expected<Plan> plan_deepspeed(const PlanInput& in, const PlanLayout& layout) {
   if (in.offload_param != OffloadDevice::kNone && in.stage != 3) {
     return invalid_argument("zero_optimization.offload_param.device \"{}\" needs ZeRO stage 3, but stage is {}",
                             offload_device_name(in.offload_param), in.stage);
-  }
-  if (in.offload_optimizer == OffloadDevice::kNone && in.states.moments == MomentFormat::kInt8) {
-    // The engine refuses it too (Note [Compact states on the GPU optimizer]).
-    return invalid_argument(
-        "tierzero.states.moments \"int8\" with zero_optimization.offload_optimizer.device \"none\": the GPU "
-        "optimizer steps fp32 or bf16 moments; offload the optimizer (\"cpu\" or \"nvme\") to step int8 moments "
-        "with cpu_adam, or use moments \"bf16\" on the GPU");
   }
   const Tier param = device_tier(in.offload_param);
   Placement p = {param, Tier::kGpu, Tier::kGpu, Tier::kGpu};
