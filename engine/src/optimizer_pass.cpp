@@ -176,8 +176,10 @@ void* CpuOptimizerPass::param16_out(std::size_t block, StagingSet& set) const {
 
 // Starts the reads of a sub-group's states into its staging set. A
 // remainder master also needs its 16-bit parameter shards, read from their
-// tier into the copy-out staging they leave by (Note [Remainder traffic]);
-// a copy from the GPU tier is there once the stream settles.
+// tier into the copy-out staging they leave by (Note [Remainder traffic]),
+// or copied from what backward's fetch kept (Note [The step keeps
+// backward's parameter shards]); a copy from the GPU tier is there once the
+// stream settles.
 Status CpuOptimizerPass::read_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& reads) {
   for (const TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq, deps_.grad}) {
     if (store == nullptr || store->resident()) continue;
@@ -187,7 +189,8 @@ Status CpuOptimizerPass::read_group(std::size_t group, StagingSet& set, std::vec
   }
   if (!remainder()) return ok_status();
   for (std::size_t b : groups_[group]) {
-    if (!skipped(b)) TZ_TRY(deps_.param16->read_into(b, param16_out(b, set), *deps_.stream, reads));
+    if (skipped(b) || (deps_.kept != nullptr && deps_.kept->copy_to(b, param16_out(b, set)))) continue;
+    TZ_TRY(deps_.param16->read_into(b, param16_out(b, set), *deps_.stream, reads));
   }
   return deps_.param16->settle(*deps_.stream);
 }
@@ -430,9 +433,11 @@ Status CpuOptimizerPass::step_ahead(std::size_t block, std::size_t next, const c
     set->reads.push_back(deps_.grad->read(block, ahead_ptr(deps_.grad, block, *set)));
     ahead_io_[block].read_bytes += deps_.grad->shard_bytes(block);
   }
-  if (remainder() && !param16_store.resident()) ahead_io_[block].read_bytes += param16_store.shard_bytes(block);
-  Status read = remainder() ? param16_store.read_into(block, slot.param16.data(), stream, set->reads) : ok_status();
-  if (read.ok() && remainder()) read = param16_store.settle(stream);
+  // Note [The step keeps backward's parameter shards]: copied, not taken, so a redo finds it too.
+  const bool read_param = remainder() && (deps_.kept == nullptr || !deps_.kept->copy_to(block, slot.param16.data()));
+  if (read_param && !param16_store.resident()) ahead_io_[block].read_bytes += param16_store.shard_bytes(block);
+  Status read = read_param ? param16_store.read_into(block, slot.param16.data(), stream, set->reads) : ok_status();
+  if (read.ok() && read_param) read = param16_store.settle(stream);
   Status waited = wait_all(set->reads);
   if (!read.ok() || !waited.ok()) set->block = kNoBlock;  // what it holds is in doubt
   TZ_TRY(read);

@@ -18,6 +18,7 @@
 #include "block_table.h"
 #include "checkpoint_files.h"
 #include "gradient_path.h"
+#include "kept_params.h"
 #include "optimizer_pass.h"
 #include "loss_scaler.h"
 #include "prefetch.h"
@@ -107,6 +108,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status make_plan();
   RankAgreement::Settings settings_that_must_match() const;
   Status make_stores();
+  Status make_kept_params();  // Note [The step keeps backward's parameter shards] (kept_params.h)
   Status init_states(const ParamInit& init);
 
   // --- data movement
@@ -233,6 +235,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::vector<std::vector<std::optional<double>>> param_weight_decay_;
   std::vector<std::vector<cpu_adam::WeightDecaySegment>> weight_decay_segments_;
   void make_weight_decay_segments(std::size_t block);
+  // Note [The step keeps backward's parameter shards]: nullptr where nothing
+  // is kept, and kept_off_ says why where it applies.
+  std::unique_ptr<detail::KeptParams> kept_params_;
+  std::string kept_off_;
   std::unique_ptr<detail::OptimizerPass> optimizer_;  // CPU or GPU (optimizer_pass.h)
   int micro_ = 0;
   std::int64_t step_ = 0;

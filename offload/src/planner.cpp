@@ -648,12 +648,50 @@ void add_step_ahead(const PlanInput& in, Plan& plan) {
   if (shadow > 0) add(Tier::kNvme, "steps under backward: a second copy of the master and moments", shadow);
 }
 
+// Note [The step keeps backward's parameter shards] (engine/src/kept_params.h),
+// counted as the engine counts it (make_kept_params) but from the layout:
+// with a remainder master stepped by the CPU optimizer and the 16-bit
+// parameters on NVMe, each non-persistent block's 16-bit shard, from the
+// last block while this rank's share of the CPU headroom holds them; the
+// step's NVMe reads of those shards (Note [Remainder traffic]) leave the
+// traffic. Before the steps under backward take their share, as in the engine.
+void add_kept_params(const PlanInput& in, Plan& plan) {
+  if (!in.keep_fetched_params || in.states.master != MasterFormat::kRemainder ||
+      plan.tier_of(StateClass::kParam16) != Tier::kNvme || plan.tier_of(StateClass::kMaster) == Tier::kGpu) {
+    return;
+  }
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
+  TierUsage& cpu = plan.usage[idx(Tier::kCpu)];
+  const std::int64_t share = cpu.headroom_bytes() / std::max(cpu.ranks_sharing, 1);
+  std::uint64_t kept = 0;
+  bool full = false;
+  for (std::size_t b = in.block_numel.size(); b-- > 0;) {
+    const std::uint64_t n = in.block_numel[b];
+    if (in.stage < 3 || n < as_u64(in.persistence_threshold)) continue;  // persistent: gathered whole, not kept
+    ++plan.keepable_param_blocks;
+    const std::uint64_t bytes = align_up((n + ranks - 1) / ranks, kShardAlignNumel) * in.param_bytes;
+    if (full || static_cast<std::int64_t>(kept + bytes) > share) {
+      full = true;
+      continue;
+    }
+    kept += bytes;
+    ++plan.kept_param_blocks;
+  }
+  if (kept == 0) return;
+  add_item(cpu, fmt::format("parameter shards kept for the step: {} blocks' 16-bit shards", plan.kept_param_blocks),
+           kept);
+  cpu.need_bytes = sat_mul(cpu.per_rank_bytes, static_cast<std::uint64_t>(std::max(cpu.ranks_sharing, 1)));
+  plan.traffic.nvme_read_bytes -= kept;
+  plan.traffic.estimated_seconds -= static_cast<double>(kept) / in.links.nvme_read_Bps;
+}
+
 }  // namespace
 
 Expected<Plan> plan_placement(const PlanInput& input) {
   TZ_TRY(validate(input));
   const PlanLayout layout = compute_layout(input);
   Expected<Plan> plan = input.mode == PlacementMode::kDeepSpeed ? plan_deepspeed(input, layout) : plan_auto(input, layout);
+  if (plan.ok()) add_kept_params(input, *plan);
   if (plan.ok()) add_step_ahead(input, *plan);
   return plan;
 }

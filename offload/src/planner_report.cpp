@@ -230,11 +230,22 @@ void format_step_ahead(std::string& out, const Plan& plan, const PlanInput& in) 
   }
 }
 
+// Note [The step keeps backward's parameter shards] (engine/src/kept_params.h).
+void format_kept_params(std::string& out, const Plan& plan) {
+  if (plan.keepable_param_blocks == 0) return;
+  out += fmt::format("\n16-bit shards the step keeps from their fetch (remainder master): {} of {} blocks{}\n",
+                     plan.kept_param_blocks, plan.keepable_param_blocks,
+                     plan.kept_param_blocks < plan.keepable_param_blocks
+                         ? "; the CPU headroom holds no more, the others are read from NVMe at the step"
+                         : "");
+}
+
 std::string format_plan(const Plan& plan, const PlanInput& input) {
   std::string out;
   format_inputs(out, plan, input);
   format_tables(out, plan);
   format_breakdown(out, plan);
+  format_kept_params(out, plan);
   format_step_ahead(out, plan, input);
   format_traffic(out, plan, input);
   return out;
