@@ -329,6 +329,10 @@ void add_bytes(std::uint64_t& counter, std::initializer_list<std::uint64_t> fact
 // (param16 off the GPU, for GPU Adam), or in place (param16 where the
 // optimizer runs). The buffer it arrives in is the one the new parameter
 // leaves by, so the staging is the copy-out staging the plan already holds.
+// With the parameters on NVMe and CPU Adam the step copies it instead from
+// the staging the last fetch read it into, for the blocks the CPU headroom
+// holds (add_kept_params, after the placement: Note [The step keeps
+// backward's parameter shards] in engine/src/kept_params.h).
 void add_remainder_reads(const PlanInput& in, const Plan& plan, StepTraffic& t) {
   if (in.states.master != MasterFormat::kRemainder) return;
   const std::uint64_t p = plan.layout.param_numel;
