@@ -128,8 +128,8 @@ def test_the_step_report_counts_the_parameter_shards_kept_from_the_fetch(nvme_di
     for _ in range(2):
         for b in (0, 1):
             eng.fetch(b)  # the forward's fetch, given back at once
-        eng.reduce_grads(0, [torch.ones(8, 16), None])
-        eng.reduce_grads(1, [np.ones((4, 8), np.float32)])
+        eng.reduce_grads(0, [torch.ones(8, 16, dtype=torch.bfloat16), None])  # bf16: the parameters' type
+        eng.reduce_grads(1, [torch.ones(4, 8, dtype=torch.bfloat16)])
         report = eng.step()
     assert report["kept_param_blocks"] == 2 and report["reread_param_blocks"] == 0, report
     assert report["kept_param_bytes"] == 2 * 2 * 2048  # each block's shard: one 2048-element run of bf16
