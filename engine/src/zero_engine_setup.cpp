@@ -103,6 +103,40 @@ Status ZeroEngineImpl::make_plan() {
   return ok_status();
 }
 
+// Note [Accumulating on the device across micro-batches] (gradient_path.cpp):
+// the blocks backward reaches first, while this rank's share of the GPU
+// tier's headroom holds their fp32 accumulators.
+std::vector<bool> ZeroEngineImpl::grad_window_blocks() const {
+  std::vector<bool> on(layout_.blocks.size(), false);
+  const std::optional<bool> wanted = options_.grads_on_device_across_micro_batches;
+  const bool allowed = wanted.has_value() ? *wanted : device_->kind() == BackendKind::kCuda;
+  if (!allowed || gpu_optimizer_ || gas_ < 2 || acc_type() != DType::kFp32) return on;
+  const TierUsage& gpu = plan_.usage_of(Tier::kGpu);
+  std::int64_t room = gpu.headroom_bytes() / std::max(gpu.ranks_sharing, 1);
+  for (std::size_t b = layout_.blocks.size(); b-- > 0;) {
+    const auto bytes = static_cast<std::int64_t>(layout_.blocks[b].shard_numel * sizeof(float));
+    if (bytes > room) break;
+    room -= bytes;
+    on[b] = true;
+  }
+  return on;
+}
+
+Status ZeroEngineImpl::make_grad_window() {
+  TZ_TRY_CTX(grads_->allocate_window(), "the gradient accumulators on the device");
+  const std::uint64_t bytes = grads_->window_bytes();
+  if (bytes == 0) return ok_status();
+  for (bool on : grad_window_blocks()) grad_window_blocks_ += on ? 1 : 0;
+  TierUsage& usage = plan_.usage[static_cast<std::size_t>(Tier::kGpu)];
+  usage.breakdown.push_back({fmt::format("fp32 gradient accumulators across micro-batches, {} of {} blocks (Note "
+                                         "[Accumulating on the device across micro-batches])",
+                                         grad_window_blocks_, layout_.blocks.size()),
+                             bytes});
+  usage.per_rank_bytes += bytes;
+  usage.need_bytes += bytes * static_cast<std::uint64_t>(std::max(usage.ranks_sharing, 1));
+  return ok_status();
+}
+
 // The NVMe tier: its I/O engine and the swap store over the configured paths,
 // sized for nvme_bytes of shards, plus the second copies of Note [Stepping
 // under backward] where the tier's headroom holds them.
@@ -302,6 +336,27 @@ RankAgreement::Settings ZeroEngineImpl::settings_that_must_match() const {
   };
 }
 
+// The optimizer pass (CPU or GPU), with the 16-bit shards it may take from
+// their fetch (Note [The step keeps backward's parameter shards]) and each
+// block's weight-decay segments.
+Status ZeroEngineImpl::make_optimizer() {
+  const Config& c = options_.config;
+  TZ_TRY(make_kept_params());
+  TZ_ASSIGN_OR_RETURN(cpu_opt_, cpu_adam::CpuOptimizer::create({}));
+  param_weight_decay_.resize(layout_.blocks.size());
+  weight_decay_segments_.resize(layout_.blocks.size());
+  optimizer_ = detail::OptimizerPass::make(
+      {.device = device_, .stream = stream_.get(), .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+       .param16 = param16_.get(), .grad = grad_.get(), .master = master_.get(), .exp_avg = exp_avg_.get(),
+       .exp_avg_sq = exp_avg_sq_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_, .param_type = param_type_,
+       .grad_dtype = acc_type(), .master_format = c.states.master, .moment_dtype = moment_type(),
+       .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
+       .rank = comm_->rank(), .timeline = &timeline_, .weight_decay_segments = &weight_decay_segments_,
+       .kept = kept_params_.get()},
+      gpu_optimizer_);
+  return ok_status();
+}
+
 Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
   const Config& c = options_.config;
   stage_ = c.zero.stage;
@@ -321,19 +376,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   TZ_ASSIGN_OR_RETURN(layout_, ModelLayout::make(model, comm_->size(), persist_below));
   TZ_TRY(make_plan());
   TZ_TRY(make_stores());
-  TZ_TRY(make_kept_params());
-  TZ_ASSIGN_OR_RETURN(cpu_opt_, cpu_adam::CpuOptimizer::create({}));
-  param_weight_decay_.resize(layout_.blocks.size());
-  weight_decay_segments_.resize(layout_.blocks.size());
-  optimizer_ = detail::OptimizerPass::make(
-      {.device = device_, .stream = stream_.get(), .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
-       .param16 = param16_.get(), .grad = grad_.get(), .master = master_.get(), .exp_avg = exp_avg_.get(),
-       .exp_avg_sq = exp_avg_sq_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_, .param_type = param_type_,
-       .grad_dtype = acc_type(), .master_format = c.states.master, .moment_dtype = moment_type(),
-       .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
-       .rank = comm_->rank(), .timeline = &timeline_, .weight_decay_segments = &weight_decay_segments_,
-       .kept = kept_params_.get()},
-      gpu_optimizer_);
+  TZ_TRY(make_optimizer());
   TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
   TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());
   comm_thread_ = std::make_unique<detail::TaskThread>("comm");
@@ -343,7 +386,8 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       .comm_stream = comm_stream_.get(), .d2h_stream = d2h_stream_.get(), .device_pool = device_pool_.get(),
       .host_pool = host_pool_.get(), .grad = grad_.get(), .acc_type = acc_type(), .cpu_opt = cpu_opt_.get(),
       .layout = &layout_, .grad_type = grad_type_, .stage = stage_, .gradient_accumulation_steps = gas_, .on_device = gpu_optimizer_,
-      .timeline = &timeline_});
+      .window_on_device = grad_window_blocks(), .timeline = &timeline_});
+  TZ_TRY(make_grad_window());
   TZ_TRY(make_step_ahead());  // Note [Stepping under backward]
   ranks_ = std::make_unique<RankAgreement>(*comm_, *device_, *device_pool_, [this](const std::function<Status()>& f) {
     return comm_thread_->run(f);
