@@ -338,7 +338,7 @@ void add_remainder_reads(const PlanInput& in, const Plan& plan, StepTraffic& t) 
   const std::uint64_t p = plan.layout.param_numel;
   const std::uint64_t b = in.param_bytes;
   const Tier where = plan.tier_of(StateClass::kParam16);
-  if (where == Tier::kNvme) add_bytes(t.nvme_read_bytes, {b, p});
+  if (where == Tier::kNvme) add_bytes(t.nvme_read_bytes, {b, p - plan.kept_param_numel});  // kept: add_kept_params
   if (plan.tier_of(StateClass::kMaster) == Tier::kGpu) {
     if (where != Tier::kGpu) add_bytes(t.h2d_bytes, {b, p});
     return;
@@ -390,14 +390,22 @@ StepTraffic step_traffic(const PlanInput& in, const Plan& plan) {
   const std::uint64_t grad = plan.layout.grad_numel;
   const std::uint64_t opt = plan.layout.optimizer_numel;
   // The gradient leaves the GPU in the parameters' type; the host accumulates
-  // it in fp32, or 16 bits (data_types.grad_accum_dtype).
-  if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) add_bytes(t.d2h_bytes, {in.param_bytes, grad, g});
+  // it in fp32, or 16 bits (data_types.grad_accum_dtype). The blocks that
+  // accumulate on the device (Note [Accumulating on the device across
+  // micro-batches]) send their fp32 sum down once and store it once.
+  const std::uint64_t window = std::min(plan.grad_window_numel, grad);
+  if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) {
+    add_bytes(t.d2h_bytes, {in.param_bytes, grad - window, g});
+    add_bytes(t.d2h_bytes, {4, window});
+  }
   if (plan.tier_of(StateClass::kGrad) == Tier::kNvme) {
     // Each micro-batch writes its accumulated grads; every one but the
     // first reads them back to accumulate, and the step reads them once.
     const std::uint64_t acc = grad_bytes_per_elem(in.states.grads);
-    add_bytes(t.nvme_write_bytes, {acc, grad, g});
-    add_bytes(t.nvme_read_bytes, {acc, grad, g});
+    add_bytes(t.nvme_write_bytes, {acc, grad - window, g});
+    add_bytes(t.nvme_read_bytes, {acc, grad - window, g});
+    add_bytes(t.nvme_write_bytes, {acc, window});
+    add_bytes(t.nvme_read_bytes, {acc, window});
   }
   for (StateClass s : {StateClass::kMaster, StateClass::kMoments}) {
     if (plan.tier_of(s) != Tier::kNvme) continue;
@@ -589,6 +597,36 @@ Plan planner_internal::evaluate_placement(const PlanInput& in, const PlanLayout&
 
 namespace {
 
+// Note [Accumulating on the device across micro-batches] (engine/src/
+// gradient_path.cpp), counted as the engine counts it (grad_window_blocks in
+// zero_engine_setup.cpp): with the CPU optimizer, fp32 accumulators and G >= 2,
+// an fp32 accumulator per block from the last (backward reaches it first)
+// while this rank's share of the GPU headroom holds it; after the placement
+// is chosen, as the engine decides, and the traffic follows.
+void add_grad_window(const PlanInput& in, Plan& plan) {
+  if (!in.grads_on_device_across_micro_batches || in.gradient_accumulation_steps < 2 ||
+      plan.tier_of(StateClass::kMaster) == Tier::kGpu || in.states.grads != GradFormat::kFp32) {
+    return;
+  }
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
+  TierUsage& gpu = plan.usage[idx(Tier::kGpu)];
+  std::int64_t room = gpu.headroom_bytes() / std::max(gpu.ranks_sharing, 1);
+  for (std::size_t b = in.block_numel.size(); b-- > 0;) {
+    const std::uint64_t shard = align_up((in.block_numel[b] + ranks - 1) / ranks, kShardAlignNumel);
+    if (static_cast<std::int64_t>(shard * 4) > room) break;
+    room -= static_cast<std::int64_t>(shard * 4);
+    plan.grad_window_numel += shard;
+    ++plan.grad_window_blocks;
+  }
+  if (plan.grad_window_blocks == 0) return;
+  add_item(gpu, fmt::format("fp32 gradient accumulators across micro-batches, {} of {} blocks (Note [Accumulating "
+                            "on the device across micro-batches])", plan.grad_window_blocks, in.block_numel.size()),
+           plan.grad_window_numel * 4);
+  gpu.need_bytes = sat_mul(gpu.per_rank_bytes, static_cast<std::uint64_t>(std::max(gpu.ranks_sharing, 1)));
+  plan.traffic = step_traffic(in, plan);
+  plan.summary = planner_internal::plan_summary(plan);
+}
+
 // Note [Stepping under backward] (engine/src/step_ahead.h), "Cost, per
 // rank", counted as the engine counts it (make_stores, make_step_ahead) but
 // from the layout: a second NVMe copy of the NVMe master and moments where
@@ -667,26 +705,25 @@ void add_kept_params(const PlanInput& in, Plan& plan) {
   const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
   TierUsage& cpu = plan.usage[idx(Tier::kCpu)];
   const std::int64_t share = cpu.headroom_bytes() / std::max(cpu.ranks_sharing, 1);
-  std::uint64_t kept = 0;
   bool full = false;
   for (std::size_t b = in.block_numel.size(); b-- > 0;) {
     const std::uint64_t n = in.block_numel[b];
     if (in.stage < 3 || n < as_u64(in.persistence_threshold)) continue;  // persistent: gathered whole, not kept
     ++plan.keepable_param_blocks;
-    const std::uint64_t bytes = align_up((n + ranks - 1) / ranks, kShardAlignNumel) * in.param_bytes;
-    if (full || static_cast<std::int64_t>(kept + bytes) > share) {
+    const std::uint64_t shard = align_up((n + ranks - 1) / ranks, kShardAlignNumel);
+    if (full || static_cast<std::int64_t>((plan.kept_param_numel + shard) * in.param_bytes) > share) {
       full = true;
       continue;
     }
-    kept += bytes;
+    plan.kept_param_numel += shard;
     ++plan.kept_param_blocks;
   }
-  if (kept == 0) return;
+  if (plan.kept_param_blocks == 0) return;
   add_item(cpu, fmt::format("parameter shards kept for the step: {} blocks' 16-bit shards", plan.kept_param_blocks),
-           kept);
+           plan.kept_param_numel * in.param_bytes);
   cpu.need_bytes = sat_mul(cpu.per_rank_bytes, static_cast<std::uint64_t>(std::max(cpu.ranks_sharing, 1)));
-  plan.traffic.nvme_read_bytes -= kept;
-  plan.traffic.estimated_seconds -= static_cast<double>(kept) / in.links.nvme_read_Bps;
+  plan.traffic = step_traffic(in, plan);  // the remainder's reads of these shards leave NVMe (add_remainder_reads)
+  plan.summary = planner_internal::plan_summary(plan);
 }
 
 }  // namespace
@@ -697,6 +734,7 @@ Expected<Plan> plan_placement(const PlanInput& input) {
   Expected<Plan> plan = input.mode == PlacementMode::kDeepSpeed ? plan_deepspeed(input, layout) : plan_auto(input, layout);
   if (plan.ok()) add_kept_params(input, *plan);
   if (plan.ok()) add_step_ahead(input, *plan);
+  if (plan.ok()) add_grad_window(input, *plan);
   return plan;
 }
 

@@ -301,5 +301,48 @@ TEST(ZeroEngineCuda, Int8MomentsOnTheGpuOptimizerAreRefusedNamingInt8) {
   EXPECT_EQ(engine.status().message().find("remainder"), std::string::npos) << engine.status().to_string();
 }
 
+// ---------------------------------------------------------------- gradients across micro-batches on the GPU
+// Note [Accumulating on the device across micro-batches]: with the CPU
+// optimizer and 3 micro-batches a step, the default on CUDA keeps every
+// block's fp32 accumulator on the GPU (the test budget holds them) and brings
+// the sum down once; the run is the host path's (the switch off) bit for bit,
+// norms included, and the gradients move 4 B an element down instead of 6.
+TEST(ZeroEngineCuda, GradientsAccumulatedOnTheGpuAcrossMicroBatchesTrainAsOnTheHostBitForBit) {
+  TZ_REQUIRE_CUDA_DEVICE();
+  TZ_REQUIRE_FUSED_CPU_ADAM();
+  constexpr int kGas = 3;
+  for (const Case& c : {kCases[1], kCases[2], kCases[3]}) {
+    SCOPED_TRACE(c.what);
+    struct Arm {
+      RunBits bits;
+      tz::StepReport last;
+      std::uint64_t numel = 0;
+    };
+    const auto arm = [&](std::optional<bool> window) -> tz::Expected<Arm> {
+      TempDir nvme;
+      tz::Config config = test_config(nvme.path(), 3, kGas, "bf16", "cuda");
+      config.gradient_clipping = kClip;
+      TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> engine,
+                          tz::ZeroEngine::create({.config = config, .placement = c.placement,
+                                                  .grads_on_device_across_micro_batches = window},
+                                                 tz::mlp::model(kMlp), tz::mlp::init(kMlp)));
+      Arm a;
+      TZ_ASSIGN_OR_RETURN(a.bits, train_for_bits(*engine, kMlp, kCompactSteps, kGas));
+      for (int micro = 0; micro < kGas; ++micro) {
+        TZ_TRY(tz::mlp::train_micro_batch(*engine, kMlp, tz::mlp::make_batch(kMlp, 0, micro, kCompactSteps)).status());
+        TZ_ASSIGN_OR_RETURN(a.last, engine->step());
+      }
+      for (const tz::BlockLayout& b : engine->layout().blocks) a.numel += b.shard_numel;
+      return a;
+    };
+    const auto host = arm(false), device = arm(std::nullopt);
+    ASSERT_TRUE(host.ok() && device.ok()) << (host.ok() ? device.status() : host.status()).to_string();
+    EXPECT_EQ(device->last.grad_window_blocks, 3U) << "on CUDA by default, where the budget allows";
+    EXPECT_EQ(first_difference(host->bits, device->bits), "");
+    EXPECT_EQ(host->last.d2h_bytes, 2 * kGas * host->numel);
+    EXPECT_EQ(device->last.d2h_bytes, 4 * device->numel);
+  }
+}
+
 }  // namespace
 }  // namespace tzt

@@ -153,6 +153,12 @@ struct PlanInput {
   // fetch for a remainder master (Plan::kept_param_blocks). from_config sets
   // it; the engine plans without and adds its own count from its shards.
   bool keep_fetched_params = false;
+  // Note [Accumulating on the device across micro-batches] (engine/src/
+  // gradient_path.cpp): where true, the plan counts the fp32 accumulators the
+  // GPU headroom holds (Plan::grad_window_blocks) and the bytes they save. On
+  // for a CUDA backend ("auto" or "cuda"); the engine plans with false and
+  // adds its own count from its shards (zero_engine_setup.cpp).
+  bool grads_on_device_across_micro_batches = false;
   LinkSpeeds links;
 
   // Stage, accumulation, precision, state formats, mode, offload devices, thresholds and
@@ -241,6 +247,11 @@ struct Plan {
   // memory is in usage's breakdown, the NVMe reads saved are out of traffic),
   // and of how many it could (0 and 0 where it does not apply).
   std::size_t kept_param_blocks = 0, keepable_param_blocks = 0;
+  std::uint64_t kept_param_numel = 0;  // the kept blocks' shards, elements per rank
+  // Note [Accumulating on the device across micro-batches]: the blocks (the
+  // last ones) whose micro-batches add up on the GPU, and their shards' elements.
+  std::size_t grad_window_blocks = 0;
+  std::uint64_t grad_window_numel = 0;
 
   Tier tier_of(StateClass state) const { return tier[static_cast<std::size_t>(state)]; }
   std::uint64_t bytes_of(StateClass state) const { return class_bytes[static_cast<std::size_t>(state)]; }
