@@ -164,6 +164,9 @@ nb::dict report_dict(const tz::StepReport& r) {
   d["ahead_redone_write_bytes"] = r.ahead_redone_write_bytes;
   d["ahead_redone_seconds"] = r.ahead_redone_seconds;
   d["ahead_redo_reason"] = r.ahead_redo_reason;
+  d["kept_param_blocks"] = r.kept_param_blocks;  // Note [The step keeps backward's parameter shards]
+  d["kept_param_bytes"] = r.kept_param_bytes;
+  d["reread_param_blocks"] = r.reread_param_blocks;
   d["nvme_read_bytes"] = r.nvme_read_bytes;
   d["nvme_write_bytes"] = r.nvme_write_bytes;
   d["nvme_read_busy_seconds"] = r.nvme_read_busy_seconds;

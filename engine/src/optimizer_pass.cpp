@@ -102,8 +102,10 @@ void* CpuOptimizerPass::param16_out(std::size_t block, StagingSet& set) const {
 
 // Starts the reads of a sub-group's states into its staging set. A
 // remainder master also needs its 16-bit parameter shards, read from their
-// tier into the copy-out staging they leave by (Note [Remainder traffic]);
-// a copy from the GPU tier is there once the stream settles.
+// tier into the copy-out staging they leave by (Note [Remainder traffic]),
+// or copied from what backward's fetch kept (Note [The step keeps
+// backward's parameter shards]); a copy from the GPU tier is there once the
+// stream settles.
 Status CpuOptimizerPass::read_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& reads) {
   for (const TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq, deps_.grad}) {
     if (store == nullptr || store->resident()) continue;
@@ -113,7 +115,8 @@ Status CpuOptimizerPass::read_group(std::size_t group, StagingSet& set, std::vec
   }
   if (!remainder()) return ok_status();
   for (std::size_t b : groups_[group]) {
-    if (!skipped(b)) TZ_TRY(deps_.param16->read_into(b, param16_out(b, set), *deps_.stream, reads));
+    if (skipped(b) || (deps_.kept != nullptr && deps_.kept->copy_to(b, param16_out(b, set)))) continue;
+    TZ_TRY(deps_.param16->read_into(b, param16_out(b, set), *deps_.stream, reads));
   }
   return deps_.param16->settle(*deps_.stream);
 }

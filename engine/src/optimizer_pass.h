@@ -20,6 +20,7 @@
 #include <memory>
 #include <vector>
 
+#include "kept_params.h"
 #include "trace.h"
 #include "tierzero/cpu_adam.h"
 #include "tierzero/engine/model.h"
@@ -50,6 +51,10 @@ struct OptimizerPassDeps {
   // decay per parameter] in optimizer_step.cpp); a block's empty table, or
   // none: Hyper::weight_decay for all of it.
   const std::vector<std::vector<cpu_adam::WeightDecaySegment>>* weight_decay_segments = nullptr;
+  // Note [The step keeps backward's parameter shards] (kept_params.h): the
+  // CPU variant's remainder master takes the 16-bit shards from there where
+  // it can (set with the parameters on NVMe only).
+  KeptParams* kept = nullptr;
 };
 
 // What a block stepped under backward keeps until the step commits or

@@ -136,9 +136,11 @@ Status CpuOptimizerPass::step_ahead(std::size_t block, std::size_t next, const c
     set->reads.push_back(deps_.grad->read(block, ahead_ptr(deps_.grad, block, *set)));
     ahead_io_[block].read_bytes += deps_.grad->shard_bytes(block);
   }
-  if (remainder() && !param16_store.resident()) ahead_io_[block].read_bytes += param16_store.shard_bytes(block);
-  Status read = remainder() ? param16_store.read_into(block, slot.param16.data(), stream, set->reads) : ok_status();
-  if (read.ok() && remainder()) read = param16_store.settle(stream);
+  // Note [The step keeps backward's parameter shards]: copied, not taken, so a redo finds it too.
+  const bool read_param = remainder() && (deps_.kept == nullptr || !deps_.kept->copy_to(block, slot.param16.data()));
+  if (read_param && !param16_store.resident()) ahead_io_[block].read_bytes += param16_store.shard_bytes(block);
+  Status read = read_param ? param16_store.read_into(block, slot.param16.data(), stream, set->reads) : ok_status();
+  if (read.ok() && read_param) read = param16_store.settle(stream);
   Status waited = wait_all(set->reads);
   if (!read.ok() || !waited.ok()) set->block = kNoBlock;  // what it holds is in doubt
   TZ_TRY(read);

@@ -228,6 +228,10 @@ void ZeroEngineImpl::open_step_ahead() {
 }
 
 Status ZeroEngineImpl::cancel_step_ahead(detail::AheadRedo why) {
+  // Note [The step keeps backward's parameter shards]: whoever reads or
+  // writes states outside a step finds the kept shards' headroom free (the
+  // step reads the shards from NVMe instead).
+  if (kept_params_) kept_params_->drop_all();
   if (!ahead_) return ok_status();
   TZ_TRY(grads_->wait());
   return ahead_->cancel(why);
@@ -258,6 +262,12 @@ void ZeroEngineImpl::fill_counters(StepReport& report) {
   const detail::StageWaits waits = prefetcher_->take_waits();
   report.nvme_read_bytes = nvme_traffic_.read_bytes.exchange(0);
   report.nvme_write_bytes = nvme_traffic_.write_bytes.exchange(0);
+  if (kept_params_) {  // Note [The step keeps backward's parameter shards]
+    const detail::KeptCounts kept = kept_params_->take_counts();
+    report.kept_param_blocks = kept.blocks;
+    report.kept_param_bytes = kept.bytes;
+    report.reread_param_blocks = kept.reread;
+  }
   report.h2d_bytes = waits.h2d_bytes;
   report.d2h_bytes = grads_->take_d2h_bytes();
   report.grad_window_blocks = grad_window_blocks_;
@@ -341,7 +351,9 @@ Expected<StepReport> ZeroEngineImpl::step() {
       const detail::AheadRedo verdict = detail::verdict(ahead_->args(), report.clip_coef, hyper(), step_, grad_scale);
       TZ_TRY_CTX(ahead_->finish(verdict, done, began, ahead), "optimizer step {}", step_);
     }
-    TZ_TRY_CTX(optimizer_->run(hyper(), step_, grad_scale, done), "optimizer step {}", step_);
+    const Status ran = optimizer_->run(hyper(), step_, grad_scale, done);
+    if (kept_params_) kept_params_->drop_all();  // every shard it stepped is rewritten: stale, and the memory goes back
+    TZ_TRY_CTX(ran, "optimizer step {}", step_);
     TZ_TRY_CTX(gather_persistent(), "re-gathering the persistent blocks after step {}", step_);
     report.optimizer_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     report.stepped = true;

@@ -3,6 +3,7 @@
 
 #include <condition_variable>
 
+#include "kept_params.h"
 #include "tierzero/comm/host_collectives.h"
 
 namespace tz::detail {
@@ -14,6 +15,7 @@ struct Prefetcher::Entry {
   PoolBlock owned;                    // the gathered buffer, when the pool's
   void* whole = nullptr;              // (whole_numel,) 16-bit, device memory
   PoolBlock staging;                  // NVMe -> pinned; released by the training thread (deterministic pool use)
+  std::uint64_t version = 0;          // the param16 store's shard_version when the read was issued
   std::unique_ptr<Event> h2d_done;
   std::mutex mu;
   std::condition_variable cv;
@@ -97,6 +99,7 @@ std::shared_ptr<Prefetcher::Entry> Prefetcher::issue(std::size_t block, void* wh
       e->fail(std::move(staging).status().with_context(fmt::format("staging {} from NVMe", name)));
     } else {
       e->staging = std::move(*staging);
+      e->version = deps_.param16->shard_version(block);  // Note [The step keeps backward's parameter shards]
       deps_.param16->read(block, e->staging.data(), [this, e, name](const Status& s, const nvme::IoResult&) {
         e->t_read_done = Clock::now();
         deps_.timeline->record(Track::kNvme, name, e->t_issue, e->t_read_done);
@@ -262,7 +265,7 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block, bool traced) {
         TZ_TRY(top_up());
         if (!in_flight_.empty()) post_gather(in_flight_.front());
         TZ_TRY(wait_ready(*e, start));
-        e->staging.reset();
+        done_with_staging(*e);
         std::lock_guard<std::mutex> lock(waits_mu_);
         ++waits_.prefetched;
         return std::move(e->owned);
@@ -282,8 +285,19 @@ Expected<PoolBlock> Prefetcher::acquire(std::size_t block, bool traced) {
   std::shared_ptr<Entry> e = issue(block, data, std::move(*whole));
   post_gather(e);
   TZ_TRY(wait_ready(*e, start));
-  e->staging.reset();
+  done_with_staging(*e);
   return std::move(e->owned);
+}
+
+// Note [The step keeps backward's parameter shards] (kept_params.h): the
+// block is gathered, so its staging holds the shard as read and nothing
+// reads it any more.
+void Prefetcher::done_with_staging(Entry& e) {
+  if (deps_.kept != nullptr && e.staging.valid()) {
+    deps_.kept->keep(e.block, std::move(e.staging), e.version);
+  } else {
+    e.staging.reset();
+  }
 }
 
 Status Prefetcher::gather_into(std::size_t block, void* d_whole) {

@@ -44,6 +44,8 @@
 
 namespace tz::detail {
 
+class KeptParams;
+
 struct PrefetchDeps {
   Device* device = nullptr;
   Communicator* comm = nullptr;
@@ -55,6 +57,9 @@ struct PrefetchDeps {
   const ModelLayout* layout = nullptr;
   DType param_type = DType::kBf16;
   Timeline* timeline = nullptr;
+  // Note [The step keeps backward's parameter shards] (kept_params.h): where
+  // set, each fetch's NVMe staging goes there once the block is gathered.
+  KeptParams* kept = nullptr;
 };
 
 // Seconds compute spent waiting on each stage, summed over fetches.
@@ -115,6 +120,8 @@ class Prefetcher {
   Status close_pass();
   void drain();  // waits for every entry in flight and drops them
   Status wait_ready(Entry& e, std::chrono::steady_clock::time_point start);
+  // A gathered entry's staging: to deps_.kept, or back to the pool.
+  void done_with_staging(Entry& e);
 
   PrefetchDeps deps_;
   std::uint64_t window_bytes_;

@@ -402,6 +402,9 @@ std::string ZeroEngineImpl::describe() const {
   // Note [Stepping under backward]
   if (ahead_ && ahead_off_.empty()) out += "; the optimizer steps under backward";
   if (!ahead_off_.empty()) out += fmt::format("; the optimizer under backward: {}", ahead_off_);
+  // Note [The step keeps backward's parameter shards]
+  if (kept_params_ && kept_off_.empty()) out += "; the step keeps the 16-bit shards from their fetch";
+  if (!kept_off_.empty()) out += fmt::format("; {}", kept_off_);
   if (io_) out += fmt::format("; NVMe: {}", io_->describe());
   return out;
 }

@@ -18,6 +18,7 @@
 #include "block_table.h"
 #include "checkpoint_files.h"
 #include "gradient_path.h"
+#include "kept_params.h"
 #include "optimizer_pass.h"
 #include "loss_scaler.h"
 #include "prefetch.h"
@@ -111,6 +112,8 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // Note [Accumulating on the device across micro-batches]: which blocks do, and the plan counts them.
   std::vector<bool> grad_window_blocks() const;
   Status make_grad_window();
+  Status make_kept_params();  // Note [The step keeps backward's parameter shards] (kept_params.h)
+  Status make_optimizer();    // the pass, after make_kept_params
   Status init_states(const ParamInit& init);
 
   // --- data movement
@@ -239,6 +242,10 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::vector<std::vector<std::optional<double>>> param_weight_decay_;
   std::vector<std::vector<cpu_adam::WeightDecaySegment>> weight_decay_segments_;
   void make_weight_decay_segments(std::size_t block);
+  // Note [The step keeps backward's parameter shards]: nullptr where nothing
+  // is kept, and kept_off_ says why where it applies.
+  std::unique_ptr<detail::KeptParams> kept_params_;
+  std::string kept_off_;
   std::unique_ptr<detail::OptimizerPass> optimizer_;  // CPU or GPU (optimizer_pass.h)
   int micro_ = 0;
   std::int64_t step_ = 0;

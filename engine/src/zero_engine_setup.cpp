@@ -57,6 +57,7 @@ Status ZeroEngineImpl::make_plan() {
   // from the shards as stored and the pool's pages (the planner's is the
   // same count from the layout, for tierzero-estimate).
   input.step_under_backward = StepUnderBackward::kOff;
+  input.keep_fetched_params = false;  // make_kept_params counts it the same way
   input.grads_on_device_across_micro_batches = false;  // the engine counts its own (make_grad_window)
   Expected<Plan> plan = plan_placement(input);
   if (!plan.ok() && !options_.placement) {
@@ -242,6 +243,39 @@ Status ZeroEngineImpl::make_stores() {
   return ok_status();
 }
 
+// Note [The step keeps backward's parameter shards] (kept_params.h): the
+// blocks whose shards fit in this rank's share of the CPU tier's headroom,
+// counted into the plan before the steps under backward take theirs (the
+// planner's add_kept_params counts the same from the layout).
+Status ZeroEngineImpl::make_kept_params() {
+  const bool applies = options_.config.states.master == MasterFormat::kRemainder && !gpu_optimizer_ &&
+                       param16_->tier() == Tier::kNvme;
+  if (!applies) return ok_status();
+  if (!options_.keep_fetched_params) {
+    kept_off_ = "ZeroOptions::keep_fetched_params is false";
+    return ok_status();
+  }
+  TierUsage& cpu = plan_.usage[static_cast<std::size_t>(Tier::kCpu)];
+  const std::int64_t share = cpu.headroom_bytes() / std::max(cpu.ranks_sharing, 1);
+  detail::KeptChoice choice = detail::choose_kept_blocks(layout_, *param16_, share);
+  const auto keepable = static_cast<std::size_t>(
+      std::count_if(layout_.blocks.begin(), layout_.blocks.end(), [](const BlockLayout& b) { return !b.persistent; }));
+  if (choice.blocks < keepable) {
+    kept_off_ = fmt::format("{} of {} blocks' 16-bit shards are kept from their fetch for the step: this rank's share "
+                            "of the CPU tier's headroom ({} B) holds no more, the others are read from NVMe again",
+                            choice.blocks, keepable, share);
+  }
+  if (choice.blocks == 0) return ok_status();
+  cpu.breakdown.push_back({fmt::format("parameter shards kept for the step: {} blocks' 16-bit shards (Note [The step "
+                                       "keeps backward's parameter shards])", choice.blocks),
+                           choice.bytes});
+  cpu.per_rank_bytes += choice.bytes;
+  cpu.need_bytes += choice.bytes * static_cast<std::uint64_t>(std::max(cpu.ranks_sharing, 1));
+  kept_params_ = std::make_unique<detail::KeptParams>(
+      detail::KeptParamsDeps{.param16 = param16_.get(), .layout = &layout_}, std::move(choice.may));
+  return ok_status();
+}
+
 // The NVMe bytes and busy time the next step report counts start from here.
 void ZeroEngineImpl::reset_io_counters() {
   nvme_traffic_.reset();
@@ -302,6 +336,27 @@ RankAgreement::Settings ZeroEngineImpl::settings_that_must_match() const {
   };
 }
 
+// The optimizer pass (CPU or GPU), with the 16-bit shards it may take from
+// their fetch (Note [The step keeps backward's parameter shards]) and each
+// block's weight-decay segments.
+Status ZeroEngineImpl::make_optimizer() {
+  const Config& c = options_.config;
+  TZ_TRY(make_kept_params());
+  TZ_ASSIGN_OR_RETURN(cpu_opt_, cpu_adam::CpuOptimizer::create({}));
+  param_weight_decay_.resize(layout_.blocks.size());
+  weight_decay_segments_.resize(layout_.blocks.size());
+  optimizer_ = detail::OptimizerPass::make(
+      {.device = device_, .stream = stream_.get(), .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
+       .param16 = param16_.get(), .grad = grad_.get(), .master = master_.get(), .exp_avg = exp_avg_.get(),
+       .exp_avg_sq = exp_avg_sq_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_, .param_type = param_type_,
+       .grad_dtype = acc_type(), .master_format = c.states.master, .moment_dtype = moment_type(),
+       .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
+       .rank = comm_->rank(), .timeline = &timeline_, .weight_decay_segments = &weight_decay_segments_,
+       .kept = kept_params_.get()},
+      gpu_optimizer_);
+  return ok_status();
+}
+
 Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit& init) {
   const Config& c = options_.config;
   stage_ = c.zero.stage;
@@ -321,17 +376,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
   TZ_ASSIGN_OR_RETURN(layout_, ModelLayout::make(model, comm_->size(), persist_below));
   TZ_TRY(make_plan());
   TZ_TRY(make_stores());
-  TZ_ASSIGN_OR_RETURN(cpu_opt_, cpu_adam::CpuOptimizer::create({}));
-  param_weight_decay_.resize(layout_.blocks.size());
-  weight_decay_segments_.resize(layout_.blocks.size());
-  optimizer_ = detail::OptimizerPass::make(
-      {.device = device_, .stream = stream_.get(), .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
-       .param16 = param16_.get(), .grad = grad_.get(), .master = master_.get(), .exp_avg = exp_avg_.get(),
-       .exp_avg_sq = exp_avg_sq_.get(), .cpu_opt = cpu_opt_.get(), .layout = &layout_, .param_type = param_type_,
-       .grad_dtype = acc_type(), .master_format = c.states.master, .moment_dtype = moment_type(),
-       .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
-       .rank = comm_->rank(), .timeline = &timeline_, .weight_decay_segments = &weight_decay_segments_},
-      gpu_optimizer_);
+  TZ_TRY(make_optimizer());
   TZ_ASSIGN_OR_RETURN(d2h_stream_, device_->create_stream());
   TZ_ASSIGN_OR_RETURN(comm_stream_, device_->create_stream());
   comm_thread_ = std::make_unique<detail::TaskThread>("comm");
@@ -373,7 +418,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
                            .comm_stream = comm_stream_.get(),
                            .device_pool = device_pool_.get(), .host_pool = host_pool_.get(),
                            .param16 = param16_.get(), .layout = &layout_, .param_type = param_type_,
-                           .timeline = &timeline_},
+                           .timeline = &timeline_, .kept = kept_params_.get()},
       window);
   TZ_TRY(init_states(init));
   TZ_TRY(grads_->prewarm());

@@ -329,12 +329,16 @@ void add_bytes(std::uint64_t& counter, std::initializer_list<std::uint64_t> fact
 // (param16 off the GPU, for GPU Adam), or in place (param16 where the
 // optimizer runs). The buffer it arrives in is the one the new parameter
 // leaves by, so the staging is the copy-out staging the plan already holds.
+// With the parameters on NVMe and CPU Adam the step copies it instead from
+// the staging the last fetch read it into, for the blocks the CPU headroom
+// holds (add_kept_params, after the placement: Note [The step keeps
+// backward's parameter shards] in engine/src/kept_params.h).
 void add_remainder_reads(const PlanInput& in, const Plan& plan, StepTraffic& t) {
   if (in.states.master != MasterFormat::kRemainder) return;
   const std::uint64_t p = plan.layout.param_numel;
   const std::uint64_t b = in.param_bytes;
   const Tier where = plan.tier_of(StateClass::kParam16);
-  if (where == Tier::kNvme) add_bytes(t.nvme_read_bytes, {b, p});
+  if (where == Tier::kNvme) add_bytes(t.nvme_read_bytes, {b, p - plan.kept_param_numel});  // kept: add_kept_params
   if (plan.tier_of(StateClass::kMaster) == Tier::kGpu) {
     if (where != Tier::kGpu) add_bytes(t.h2d_bytes, {b, p});
     return;
@@ -677,12 +681,49 @@ void add_step_ahead(const PlanInput& in, Plan& plan) {
   if (shadow > 0) add(Tier::kNvme, "steps under backward: a second copy of the master and moments", shadow);
 }
 
+// Note [The step keeps backward's parameter shards] (engine/src/kept_params.h),
+// counted as the engine counts it (make_kept_params) but from the layout:
+// with a remainder master stepped by the CPU optimizer and the 16-bit
+// parameters on NVMe, each non-persistent block's 16-bit shard, from the
+// last block while this rank's share of the CPU headroom holds them; the
+// step's NVMe reads of those shards (Note [Remainder traffic]) leave the
+// traffic. Before the steps under backward take their share, as in the engine.
+void add_kept_params(const PlanInput& in, Plan& plan) {
+  if (!in.keep_fetched_params || in.states.master != MasterFormat::kRemainder ||
+      plan.tier_of(StateClass::kParam16) != Tier::kNvme || plan.tier_of(StateClass::kMaster) == Tier::kGpu) {
+    return;
+  }
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
+  TierUsage& cpu = plan.usage[idx(Tier::kCpu)];
+  const std::int64_t share = cpu.headroom_bytes() / std::max(cpu.ranks_sharing, 1);
+  bool full = false;
+  for (std::size_t b = in.block_numel.size(); b-- > 0;) {
+    const std::uint64_t n = in.block_numel[b];
+    if (in.stage < 3 || n < as_u64(in.persistence_threshold)) continue;  // persistent: gathered whole, not kept
+    ++plan.keepable_param_blocks;
+    const std::uint64_t shard = align_up((n + ranks - 1) / ranks, kShardAlignNumel);
+    if (full || static_cast<std::int64_t>((plan.kept_param_numel + shard) * in.param_bytes) > share) {
+      full = true;
+      continue;
+    }
+    plan.kept_param_numel += shard;
+    ++plan.kept_param_blocks;
+  }
+  if (plan.kept_param_blocks == 0) return;
+  add_item(cpu, fmt::format("parameter shards kept for the step: {} blocks' 16-bit shards", plan.kept_param_blocks),
+           plan.kept_param_numel * in.param_bytes);
+  cpu.need_bytes = sat_mul(cpu.per_rank_bytes, static_cast<std::uint64_t>(std::max(cpu.ranks_sharing, 1)));
+  plan.traffic = step_traffic(in, plan);  // the remainder's reads of these shards leave NVMe (add_remainder_reads)
+  plan.summary = planner_internal::plan_summary(plan);
+}
+
 }  // namespace
 
 Expected<Plan> plan_placement(const PlanInput& input) {
   TZ_TRY(validate(input));
   const PlanLayout layout = compute_layout(input);
   Expected<Plan> plan = input.mode == PlacementMode::kDeepSpeed ? plan_deepspeed(input, layout) : plan_auto(input, layout);
+  if (plan.ok()) add_kept_params(input, *plan);
   if (plan.ok()) add_step_ahead(input, *plan);
   if (plan.ok()) add_grad_window(input, *plan);
   return plan;

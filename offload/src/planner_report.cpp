@@ -230,6 +230,16 @@ void format_step_ahead(std::string& out, const Plan& plan, const PlanInput& in) 
   }
 }
 
+// Note [The step keeps backward's parameter shards] (engine/src/kept_params.h).
+void format_kept_params(std::string& out, const Plan& plan) {
+  if (plan.keepable_param_blocks == 0) return;
+  out += fmt::format("\n16-bit shards the step keeps from their fetch (remainder master): {} of {} blocks{}\n",
+                     plan.kept_param_blocks, plan.keepable_param_blocks,
+                     plan.kept_param_blocks < plan.keepable_param_blocks
+                         ? "; the CPU headroom holds no more, the others are read from NVMe at the step"
+                         : "");
+}
+
 // Note [Accumulating on the device across micro-batches] (engine/src/gradient_path.cpp).
 void format_grad_window(std::string& out, const Plan& plan, const PlanInput& in) {
   if (!in.grads_on_device_across_micro_batches || in.gradient_accumulation_steps < 2 ||
@@ -252,6 +262,7 @@ std::string format_plan(const Plan& plan, const PlanInput& input) {
   format_inputs(out, plan, input);
   format_tables(out, plan);
   format_breakdown(out, plan);
+  format_kept_params(out, plan);
   format_step_ahead(out, plan, input);
   format_grad_window(out, plan, input);
   format_traffic(out, plan, input);

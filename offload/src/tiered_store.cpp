@@ -11,6 +11,7 @@ namespace tz {
 Expected<std::unique_ptr<TieredStore>> TieredStore::create(const TieredStoreArgs& args,
                                                            std::span<const ShardSpec> shards) {
   std::unique_ptr<TieredStore> store(new TieredStore(args));
+  store->versions_ = std::make_unique<std::atomic<std::uint64_t>[]>(shards.size());
   const std::string_view what = state_class_name(args.state);
   for (const ShardSpec& shard : shards) {
     const std::size_t bytes = args.bytes_of ? args.bytes_of(shard.numel) : shard.numel * args.elem_bytes;
@@ -59,6 +60,7 @@ std::uint64_t TieredStore::total_bytes() const {
 
 Status TieredStore::put(std::size_t block, const void* host, Stream& stream) {
   const std::size_t bytes = shard_bytes_[block];
+  if (args_.tier != Tier::kNvme) changed(block);  // NVMe: write() counts it
   switch (args_.tier) {
     case Tier::kGpu:
       TZ_TRY(args_.device->copy_async(memory(block), host, bytes, stream));
@@ -106,6 +108,7 @@ void TieredStore::read(std::size_t block, void* host, nvme::IoCallback done) con
 }
 
 nvme::IoFuture TieredStore::write(std::size_t block, const void* host) const {
+  changed(block);
   args_.traffic->write_bytes += shard_bytes_[block];
   return args_.swap->write(extents_[block], host);
 }
@@ -113,6 +116,7 @@ nvme::IoFuture TieredStore::write(std::size_t block, const void* host) const {
 Status TieredStore::write_back(std::size_t block, const void* host, Stream& stream,
                                std::vector<nvme::IoFuture>& pending) const {
   const std::size_t bytes = shard_bytes_[block];
+  if (args_.tier != Tier::kNvme) changed(block);  // NVMe: write() counts it (in place too: its owner rewrote it)
   switch (args_.tier) {
     case Tier::kGpu:
       return args_.device->copy_async(memory(block), host, bytes, stream);
@@ -148,6 +152,8 @@ Status TieredStore::swap_shard(std::size_t block, TieredStore& other) {
     return invalid_argument("swap_shard: block {} of a {} store on {} cannot trade with one on {}", block,
                             state_class_name(args_.state), tier_name(args_.tier), tier_name(other.args_.tier));
   }
+  changed(block);
+  other.changed(block);
   if (args_.tier == Tier::kNvme) {
     std::swap(extents_[block], other.extents_[block]);
   } else {

@@ -104,10 +104,12 @@ struct StepBytes {
   std::uint64_t read = 0, written = 0;
   std::vector<tz::BlockLayout> blocks;
 };
-tz::Expected<StepBytes> third_step_bytes(tz::StateFormats states, const Placement& placement = kPlacements[3]) {
+tz::Expected<StepBytes> third_step_bytes(tz::StateFormats states, const Placement& placement = kPlacements[3],
+                                         bool keep_fetched_params = true) {
   TempDir nvme;
   TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> engine,
-                      tz::ZeroEngine::create({.config = config_for(nvme.path(), states, 1), .placement = placement},
+                      tz::ZeroEngine::create({.config = config_for(nvme.path(), states, 1), .placement = placement,
+                                              .keep_fetched_params = keep_fetched_params},
                                              tz::mlp::model(kMlp), tz::mlp::init(kMlp)));
   tz::StepReport last;
   for (int step = 0; step < 3; ++step) {
@@ -192,11 +194,15 @@ TEST(RemainderMasters, TheSafetensorsExportIsTheFp32RunsByteForByte) {
 
 // Note [Remainder traffic]: the remainder master moves 2.125 B (padded to
 // whole 4 KiB a shard) each way instead of 4, and the 16-bit parameters on
-// NVMe are read once more by the optimizer: the step report counts exactly that.
+// NVMe are read once more by the optimizer, unless it kept them from
+// backward's fetch (Note [The step keeps backward's parameter shards]): the
+// step report counts exactly that.
 TEST(RemainderMasters, TheStepReportCountsTheRemainderBytes) {
   const auto fp32 = third_step_bytes({});
-  const auto remainder = third_step_bytes({MasterFormat::kRemainder});
-  ASSERT_TRUE(fp32.ok() && remainder.ok()) << (fp32.ok() ? remainder.status() : fp32.status()).to_string();
+  const auto remainder = third_step_bytes({MasterFormat::kRemainder}, kPlacements[3], /*keep_fetched_params=*/false);
+  const auto kept = third_step_bytes({MasterFormat::kRemainder});
+  ASSERT_TRUE(fp32.ok() && remainder.ok() && kept.ok())
+      << (fp32.ok() ? (remainder.ok() ? kept.status() : remainder.status()) : fp32.status()).to_string();
   std::uint64_t param_bytes = 0, master_fp32 = 0, master_rem = 0;
   for (const tz::BlockLayout& b : fp32->blocks) {
     param_bytes += b.shard_numel * 2;
@@ -206,6 +212,8 @@ TEST(RemainderMasters, TheStepReportCountsTheRemainderBytes) {
   // Reads: the master shrinks from 4 B to its stored remainder, and the parameters are read once more.
   EXPECT_EQ(remainder->read, fp32->read - master_fp32 + master_rem + param_bytes);
   EXPECT_EQ(remainder->written, fp32->written - master_fp32 + master_rem);
+  EXPECT_EQ(kept->read, fp32->read - master_fp32 + master_rem);
+  EXPECT_EQ(kept->written, remainder->written);
 }
 
 // Every placement trained in `formats` steps as `base` (the same formats in

@@ -541,6 +541,39 @@ TEST(PlanFormats, NvmeBytesPerParamPerStepOfEachFormat) {
   }
 }
 
+// Note [The step keeps backward's parameter shards] (engine/src/kept_params.h):
+// where the CPU headroom holds the 16-bit shards (2P here), the CPU optimizer
+// takes them from the fetch's copy and the remainder's parameter read leaves
+// NVMe, 16.31 -> 14.31 B per parameter; where it holds some, the last blocks'
+// only; an fp32 master reads no parameter, and keeps none.
+TEST(PlanFormats, KeptShardsTakeTheRemaindersParameterReadOffNvme) {
+  PlanInput in = zero_infinity();  // params and optimizer on NVMe
+  in.gradient_accumulation_steps = 1;
+  in.states = {MasterFormat::kRemainder, MomentFormat::kInt8};
+  const Plan unkept = must_plan(in);
+  in.keep_fetched_params = true;
+  const Plan kept = must_plan(in);
+  EXPECT_EQ(kept.tier, unkept.tier);
+  EXPECT_EQ(unkept.kept_param_blocks + unkept.keepable_param_blocks, 0u);
+  EXPECT_EQ(kept.kept_param_blocks, 4u);
+  EXPECT_EQ(kept.keepable_param_blocks, 4u);
+  EXPECT_EQ(unkept.traffic.nvme_read_bytes - kept.traffic.nvme_read_bytes, 2 * kP1B);
+  EXPECT_EQ(kept.traffic.nvme_write_bytes, unkept.traffic.nvme_write_bytes);
+  const double padding = static_cast<double>(kP1B) / 1e9;
+  EXPECT_DOUBLE_EQ(bytes_per_param(kept.traffic.nvme_read_bytes, kept.layout, 1), (4 + 2.125 + 2.03125) * padding);
+  EXPECT_EQ(kept.usage_of(Tier::kCpu).need_bytes - unkept.usage_of(Tier::kCpu).need_bytes, 2 * kP1B);
+  EXPECT_NE(format_plan(kept, in).find("keeps from their fetch (remainder master): 4 of 4 blocks"), std::string::npos);
+  // Headroom for two blocks' shards (each P / 4 x 2 B): the last two are kept.
+  in.cpu_bytes = unkept.usage_of(Tier::kCpu).need_bytes + kP1B + 1000;
+  const Plan two = must_plan(in);
+  EXPECT_EQ(two.kept_param_blocks, 2u);
+  EXPECT_EQ(unkept.traffic.nvme_read_bytes - two.traffic.nvme_read_bytes, kP1B);
+  EXPECT_NE(format_plan(two, in).find("2 of 4 blocks; the CPU headroom holds no more"), std::string::npos);
+  in.states.master = MasterFormat::kFp32;
+  in.cpu_bytes = 20'000'000'000;
+  EXPECT_EQ(must_plan(in).keepable_param_blocks, 0u);
+}
+
 // Note [Remainder traffic]: where the parameter shard comes from for the
 // rebuild, per placement (pinned with DeepSpeed mode), against the same plan
 // with an fp32 master.

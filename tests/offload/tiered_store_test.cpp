@@ -181,6 +181,43 @@ TEST(TieredStore, ReadIntoBringsAShardFromEveryTier) {
   });
 }
 
+// shard_version counts the changes issued to one shard, whatever the path
+// (put, write, write_back, swap_shard, on both stores), and nothing else:
+// reads and other blocks' changes leave it (Note [The step keeps backward's
+// parameter shards] in engine/src/kept_params.h).
+TEST(TieredStore, EveryChangeOfAShardCountsInItsVersion) {
+  on_every_tier([](Tiers& t, TieredStore& s, Tier tier) {
+    auto copy = TieredStore::create(t.args(tier), kShards);
+    ASSERT_TRUE(copy.ok()) << copy.status().to_string();
+    for (std::size_t b = 0; b < 3; ++b) EXPECT_EQ(s.shard_version(b), 0u);
+    tzt::AlignedBuffer value(s.shard_bytes(1));
+    value.fill_random(5);
+    ASSERT_TRUE(s.put(1, value.data(), *t.stream).ok());
+    EXPECT_EQ(s.shard_version(1), 1u);
+    std::vector<nvme::IoFuture> pending;
+    ASSERT_TRUE(s.write_back(1, value.data(), *t.stream, pending).ok());
+    EXPECT_EQ(s.shard_version(1), 2u);
+    for (nvme::IoFuture& f : pending) ASSERT_TRUE(f.wait().ok());
+    pending.clear();
+    if (tier == Tier::kNvme) {
+      nvme::IoFuture written = s.write(1, value.data());
+      EXPECT_EQ(s.shard_version(1), 3u);
+      ASSERT_TRUE(written.wait().ok());
+    }
+    ASSERT_TRUE(s.settle(*t.stream).ok());
+    const std::uint64_t written = s.shard_version(1);
+    tzt::AlignedBuffer back(s.shard_bytes(1));
+    ASSERT_TRUE(s.get(1, back.data(), *t.stream).ok());
+    ASSERT_TRUE(s.read_into(1, back.data(), *t.stream, pending).ok());
+    for (nvme::IoFuture& f : pending) ASSERT_TRUE(f.wait().ok());
+    EXPECT_EQ(s.shard_version(1), written) << "reads change nothing";
+    EXPECT_EQ(s.shard_version(0) + s.shard_version(2), 0u) << "block 1's changes are block 1's";
+    ASSERT_TRUE(s.swap_shard(2, **copy).ok());
+    EXPECT_EQ(s.shard_version(2), 1u);
+    EXPECT_EQ((*copy)->shard_version(2), 1u);
+  });
+}
+
 // A format that is not a whole number of bytes an element sizes its shards
 // with bytes_of: a remainder master's 2.125 B an element, padded to 4 KiB.
 TEST(TieredStore, BytesOfSizesEachShard) {

@@ -117,6 +117,24 @@ def test_reduce_grads_and_step_train(nvme_dir):
     np.testing.assert_array_equal(np.from_dlpack(g.param(0)), after[0])    # the new params are what fetch gives
 
 
+def test_the_step_report_counts_the_parameter_shards_kept_from_the_fetch(nvme_dir):
+    """Note [The step keeps backward's parameter shards]: with a remainder master and the parameters on NVMe,
+    the step takes each 16-bit shard from the copy the last fetch read; the report says how many and their bytes."""
+    cfg = host_config(nvme_dir, lr=0.1)
+    cfg["bf16"] = {"enabled": True}
+    cfg["tierzero"]["states"] = {"master": "remainder"}
+    init = [[np.ones((8, 16), np.float32), None], [np.ones((4, 8), np.float32)]]
+    eng = tierzero.Engine(cfg, BLOCKS, init=init)
+    for _ in range(2):
+        for b in (0, 1):
+            eng.fetch(b)  # the forward's fetch, given back at once
+        eng.reduce_grads(0, [torch.ones(8, 16, dtype=torch.bfloat16), None])  # bf16: the parameters' type
+        eng.reduce_grads(1, [torch.ones(4, 8, dtype=torch.bfloat16)])
+        report = eng.step()
+    assert report["kept_param_blocks"] == 2 and report["reread_param_blocks"] == 0, report
+    assert report["kept_param_bytes"] == 2 * 2 * 2048  # each block's shard: one 2048-element run of bf16
+
+
 def test_a_none_gradient_is_zero_in_a_reused_buffer(nvme_dir):
     """reduce_grads writes each gradient into an unzeroed pool buffer and zeroes
     the rest: a None after a step that filled the same buffer must still be 0."""

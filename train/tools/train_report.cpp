@@ -137,6 +137,19 @@ void print_redone(const RunInfo& info, const std::vector<StepRecord>& steps) {
               seconds / static_cast<double>(steps.size()), why.c_str());
 }
 
+// Note [The step keeps backward's parameter shards] (engine/src/kept_params.h):
+// the 16-bit shards the step took from their fetch's copy (NVMe reads saved,
+// already out of the NVMe read line) and those it read from NVMe again.
+void print_kept_params(const RunInfo& info, const std::vector<const StepRecord*>& st) {
+  const double kept = mean_of(st, [](const StepRecord& r) { return double(r.report.kept_param_blocks); });
+  const double reread = mean_of(st, [](const StepRecord& r) { return double(r.report.reread_param_blocks); });
+  if (kept + reread == 0) return;
+  const double bytes = mean_of(st, [](const StepRecord& r) { return double(r.report.kept_param_bytes); });
+  std::printf("16-bit shards the step kept from their fetch: %.1f blocks per step (%.2f B/param of NVMe reads "
+              "saved), read again %.1f\n", kept,
+              bytes * info.ranks / static_cast<double>(std::max<std::uint64_t>(info.params, 1)), reread);
+}
+
 void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, const std::vector<EvalRecord>& evals) {
   if (steps.empty()) return;
   const std::vector<const StepRecord*> st = steady(steps);
@@ -204,6 +217,7 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
   std::printf("optimizer under backward: %.3f s per step, %.3f s of it hidden (before step()); blocks kept %.1f, "
               "redone %.1f per step\n", ahead, hidden, kept, redone);
   print_redone(info, steps);
+  print_kept_params(info, st);
   std::uint64_t pg = 0, pc = 0, pn = 0;
   for (const StepRecord& r : steps) {
     pg = std::max(pg, r.report.peak_gpu_bytes), pc = std::max(pc, r.report.peak_cpu_bytes);
@@ -237,7 +251,9 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                   {"ahead_redone_read_bytes", r.report.ahead_redone_read_bytes},
                   {"ahead_redone_write_bytes", r.report.ahead_redone_write_bytes},
                   {"ahead_redone_seconds", r.report.ahead_redone_seconds},
-                  {"ahead_redo_reason", r.report.ahead_redo_reason}});
+                  {"ahead_redo_reason", r.report.ahead_redo_reason},
+                  {"kept_param_blocks", r.report.kept_param_blocks}, {"kept_param_bytes", r.report.kept_param_bytes},
+                  {"reread_param_blocks", r.report.reread_param_blocks}});
   }
   const NvmeRates rates = nvme_rates(steady(steps));
   const NvmeWrites writes = nvme_writes(info, steady(steps));

@@ -115,6 +115,12 @@ struct ZeroOptions {
   // tier's headroom allows. Unset: on CUDA only; true: on the Host backend
   // too (tests); false: never.
   std::optional<bool> grads_on_device_across_micro_batches;
+  // With a remainder master and the 16-bit parameters on NVMe, the CPU
+  // optimizer's step takes each block's parameter shard from the copy its
+  // last fetch read, where the CPU tier's headroom holds it (Note [The step
+  // keeps backward's parameter shards] in engine/src/kept_params.h). false:
+  // it reads every shard from NVMe again (tests compare the two).
+  bool keep_fetched_params = true;
   // Tests only: injects NVMe faults (see tz::nvme::EngineOptions).
   nvme::FaultInjector nvme_fault_injector;
 };
@@ -285,6 +291,13 @@ struct StepReport {
   std::uint64_t ahead_redone_read_bytes = 0, ahead_redone_write_bytes = 0;
   double ahead_redone_seconds = 0;
   std::string ahead_redo_reason;
+  // Note [The step keeps backward's parameter shards] (engine/src/kept_params.h):
+  // with a remainder master and the 16-bit parameters on NVMe, the 16-bit
+  // shards this step took from the copy their last fetch read (and their
+  // bytes: NVMe reads saved, already out of nvme_read_bytes), and those it
+  // read from NVMe (no copy kept: the CPU headroom, or the shard changed since
+  // the fetch). A block stepped under backward and redone counts twice.
+  std::uint64_t kept_param_blocks = 0, kept_param_bytes = 0, reread_param_blocks = 0;
 };
 
 // save_checkpoint's choices beyond the directory (DeepSpeed's save_checkpoint

@@ -148,6 +148,11 @@ struct PlanInput {
   // steps under backward hold (Plan::ahead_blocks). The engine plans with
   // kOff and adds its own count from its shards (engine/src/optimizer_step.cpp).
   StepUnderBackward step_under_backward = StepUnderBackward::kOff;
+  // Note [The step keeps backward's parameter shards] (engine/src/kept_params.h):
+  // the plan counts the 16-bit shards the CPU optimizer keeps from their
+  // fetch for a remainder master (Plan::kept_param_blocks). from_config sets
+  // it; the engine plans without and adds its own count from its shards.
+  bool keep_fetched_params = false;
   // Note [Accumulating on the device across micro-batches] (engine/src/
   // gradient_path.cpp): where true, the plan counts the fp32 accumulators the
   // GPU headroom holds (Plan::grad_window_blocks) and the bytes they save. On
@@ -237,6 +242,12 @@ struct Plan {
   // block may, why (empty when PlanInput::step_under_backward is kOff).
   std::size_t ahead_blocks = 0;
   std::string ahead_off;
+  // Note [The step keeps backward's parameter shards]: the blocks whose 16-bit
+  // shard the step takes from its fetch's copy instead of NVMe (their CPU
+  // memory is in usage's breakdown, the NVMe reads saved are out of traffic),
+  // and of how many it could (0 and 0 where it does not apply).
+  std::size_t kept_param_blocks = 0, keepable_param_blocks = 0;
+  std::uint64_t kept_param_numel = 0;  // the kept blocks' shards, elements per rank
   // Note [Accumulating on the device across micro-batches]: the blocks (the
   // last ones) whose micro-batches add up on the GPU, and their shards' elements.
   std::size_t grad_window_blocks = 0;

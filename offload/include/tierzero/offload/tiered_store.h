@@ -125,13 +125,26 @@ class TieredStore {
   // backward] in engine/src/step_ahead.h). Nothing moves.
   Status swap_shard(std::size_t block, TieredStore& other);
 
+  // How many changes of `block`'s shard have been issued: put, write,
+  // write_back and swap_shard each add one as they start (a memory() shard
+  // written in place by its owner is not counted). The same count at two
+  // points means nothing was issued to change the shard in between, so a copy
+  // read after the first, once landed, still holds its bytes at the second
+  // (Note [The step keeps backward's parameter shards] in
+  // engine/src/kept_params.h). Any thread.
+  std::uint64_t shard_version(std::size_t block) const { return versions_[block].load(std::memory_order_acquire); }
+
  private:
   explicit TieredStore(const TieredStoreArgs& args) : args_(args) {}
+  void changed(std::size_t block) const { versions_[block].fetch_add(1, std::memory_order_acq_rel); }
   TieredStoreArgs args_;
   std::vector<std::string> names_;
   std::vector<std::size_t> shard_bytes_;
   std::vector<PoolBlock> memory_;          // gpu, cpu
   std::vector<nvme::ExtentId> extents_;    // nvme
+  // shard_version's counts, per block. Mutable: write() and write_back() are
+  // const (they move bytes, not the store's shape) and count too.
+  mutable std::unique_ptr<std::atomic<std::uint64_t>[]> versions_;
 };
 
 }  // namespace tz
