@@ -124,6 +124,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -237,6 +238,7 @@ class StepAhead final : public AccumulationObserver {
   enum class Block : std::uint8_t { kNone, kPosted, kStepped, kRedo };
   Status step_block(std::size_t block);
   Status undo_all();  // on the optimizer thread, or with it idle
+  void undo_blocks(std::span<const std::size_t> blocks);  // a failure goes to undo_error_
 
   StepAheadDeps deps_;
   std::vector<bool> may_;
