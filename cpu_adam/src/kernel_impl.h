@@ -565,10 +565,10 @@ void int8_decode(const Int8Code& c, const std::uint8_t* codes, float scale, floa
   for (; i < count; ++i) out[i] = int8_decode_one<O>(c, codes[i], scale);
 }
 
+// The scale's source: the largest finite |x| of the block, exactly (max is
+// order-independent, so every instruction set finds the same value).
 template <class O>
-float int8_encode(const Int8Code& c, const float* in, std::uint8_t* codes, std::size_t count) {
-  // The scale: the largest finite |x| (of sqrt(x) with on_sqrt: the same
-  // element, sqrt being monotone), exactly; max is order-independent.
+float int8_finite_amax(const float* in, std::size_t count) {
   float amax = 0.0f;
   std::size_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -600,21 +600,16 @@ float int8_encode(const Int8Code& c, const float* in, std::uint8_t* codes, std::
     const float ax = __builtin_fabsf(in[i]);
     if (ax <= __FLT_MAX__ && ax > amax) amax = ax;
   }
-  const float scale = c.on_sqrt ? __builtin_sqrtf(amax) : amax;
-  const float divisor = scale > 0.0f ? scale : 1.0f;
-  i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if constexpr (O::kLanes == 16) {
-    if (c.is_signed) {
-      int8_codes_512<true, false>(c, in, codes, count, divisor);
-    } else if (c.on_sqrt) {
-      int8_codes_512<false, true>(c, in, codes, count, divisor);
-    } else {
-      int8_codes_512<false, false>(c, in, codes, count, divisor);
-    }
-    i = count / 16 * 16;
-  }
-#endif
+  return amax;
+}
+
+// AVX2's codes for elements [0, count / 8 * 8): a table lookup of the
+// bucket, then two midpoint comparisons (Note [Int8 codes in registers] has
+// AVX-512's way without gathers). Returns how many elements it coded.
+template <class O>
+std::size_t int8_codes_256(const Int8Code& c, const float* in, std::uint8_t* codes, std::size_t count,
+                           float divisor) {
+  std::size_t i = 0;
 #if defined(__AVX2__)
   if constexpr (O::kLanes == 8) {
     const __m256 div = _mm256_set1_ps(divisor), zero = _mm256_setzero_ps();
@@ -649,7 +644,33 @@ float int8_encode(const Int8Code& c, const float* in, std::uint8_t* codes, std::
       _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
     }
   }
+#else
+  (void)c, (void)in, (void)codes, (void)count, (void)divisor;
 #endif
+  return i;
+}
+
+template <class O>
+float int8_encode(const Int8Code& c, const float* in, std::uint8_t* codes, std::size_t count) {
+  // The scale: the largest finite |x| (of sqrt(x) with on_sqrt: the same
+  // element, sqrt being monotone).
+  const float amax = int8_finite_amax<O>(in, count);
+  const float scale = c.on_sqrt ? __builtin_sqrtf(amax) : amax;
+  const float divisor = scale > 0.0f ? scale : 1.0f;
+  std::size_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (O::kLanes == 16) {
+    if (c.is_signed) {
+      int8_codes_512<true, false>(c, in, codes, count, divisor);
+    } else if (c.on_sqrt) {
+      int8_codes_512<false, true>(c, in, codes, count, divisor);
+    } else {
+      int8_codes_512<false, false>(c, in, codes, count, divisor);
+    }
+    i = count / 16 * 16;
+  }
+#endif
+  if constexpr (O::kLanes == 8) i = int8_codes_256<O>(c, in, codes, count, divisor);
   for (; i < count; ++i) codes[i] = static_cast<std::uint8_t>(int8_code_of<O>(c, in[i], divisor));
   return scale;
 }

@@ -187,7 +187,20 @@ Status ZeroEngineImpl::make_step_ahead() {
     ahead_off_ = fmt::format("{} of {} blocks step under backward: \"auto\" leaves blocks of fewer than {} elements "
                              "per rank to after backward", ahead_blocks_, layout_.blocks.size(), min_numel);
   }
-  // The plan counts it (ZeroEngine.ThePoolsStayWithinThePlan measures it).
+  count_step_ahead_in_plan(need);
+  TZ_ASSIGN_OR_RETURN(ahead_stream_, device_->create_stream());
+  optimizer_->set_ahead_stream(ahead_stream_.get());
+  ahead_ = std::make_unique<detail::StepAhead>(
+      detail::StepAheadDeps{.pass = optimizer_.get(), .grads = grads_.get(), .layout = &layout_, .timeline = &timeline_},
+      std::move(may));
+  grads_->set_observer(ahead_.get());
+  return ok_status();
+}
+
+// Note [Stepping under backward]: what it adds to the plan, `need` B of this
+// rank's CPU memory and the NVMe second copies (ZeroEngine.ThePoolsStayWithinThePlan
+// measures it).
+void ZeroEngineImpl::count_step_ahead_in_plan(std::uint64_t need) {
   TierUsage& usage = plan_.usage[static_cast<std::size_t>(Tier::kCpu)];
   usage.breakdown.push_back({fmt::format("steps under backward: {} blocks' old master + moments and new params, and "
                                          "three blocks' NVMe states as staging (Note [Stepping under backward])", ahead_blocks_),
@@ -201,13 +214,6 @@ Status ZeroEngineImpl::make_step_ahead() {
     nvme.per_rank_bytes += ahead_shadow_bytes_;
     nvme.need_bytes += ahead_shadow_bytes_ * static_cast<std::uint64_t>(std::max(nvme.ranks_sharing, 1));
   }
-  TZ_ASSIGN_OR_RETURN(ahead_stream_, device_->create_stream());
-  optimizer_->set_ahead_stream(ahead_stream_.get());
-  ahead_ = std::make_unique<detail::StepAhead>(
-      detail::StepAheadDeps{.pass = optimizer_.get(), .grads = grads_.get(), .layout = &layout_, .timeline = &timeline_},
-      std::move(may));
-  grads_->set_observer(ahead_.get());
-  return ok_status();
 }
 
 void ZeroEngineImpl::open_step_ahead() {
@@ -244,6 +250,40 @@ void ZeroEngineImpl::end_ahead_window(StepReport& report, const detail::AheadOut
                        ahead_opened_, ahead.why);
   ahead_decided_ = ahead_opened_ = false;
   ahead_why_not_.clear();
+}
+
+// The step report's traffic, waits, pools and I/O since the last stepping
+// report, each counter taken (reset) as it is read.
+void ZeroEngineImpl::fill_counters(StepReport& report) {
+  const detail::StageWaits waits = prefetcher_->take_waits();
+  report.nvme_read_bytes = nvme_traffic_.read_bytes.exchange(0);
+  report.nvme_write_bytes = nvme_traffic_.write_bytes.exchange(0);
+  report.h2d_bytes = waits.h2d_bytes;
+  report.gather_bytes = waits.gather_bytes;
+  report.wait_nvme_seconds = waits.nvme;
+  report.wait_h2d_seconds = waits.h2d;
+  report.wait_gather_seconds = waits.gather;
+  report.fetches = waits.fetches;
+  report.prefetched = waits.prefetched;
+  const PoolStats gpu = device_pool_->stats(), cpu = host_pool_->stats();
+  report.peak_gpu_bytes = gpu.peak_in_use_bytes;
+  report.gpu_budget_bytes = gpu.budget_bytes;
+  report.peak_cpu_bytes = cpu.peak_in_use_bytes;
+  const std::uint64_t allocations = gpu.backend_allocations + cpu.backend_allocations;
+  report.new_allocations = allocations - std::exchange(pool_allocations_seen_, allocations);
+  const std::uint64_t host_waits = device_->host_waits();
+  report.host_waits = host_waits - std::exchange(host_waits_seen_, host_waits);
+  report.blocks_reduced = grads_->take_reduced();
+  report.cpu_budget_bytes = cpu.budget_bytes;
+  device_pool_->reset_peak();
+  host_pool_->reset_peak();
+  std::tie(report.nvme_read_busy_seconds, report.nvme_write_busy_seconds, report.nvme_busy_seconds) =
+      take_io_busy_seconds();
+  if (swap_) {
+    const nvme::SwapStats nvme = swap_->stats();
+    report.peak_nvme_bytes = nvme.peak_used_bytes;
+    report.nvme_capacity_bytes = nvme.capacity_bytes;
+  }
 }
 
 Expected<StepReport> ZeroEngineImpl::step() {
@@ -312,35 +352,7 @@ Expected<StepReport> ZeroEngineImpl::step() {
   end_ahead_window(report, ahead);
   TZ_TRY(prefetcher_->end_micro_batch());
   report.step = step_;
-  const detail::StageWaits waits = prefetcher_->take_waits();
-  report.nvme_read_bytes = nvme_traffic_.read_bytes.exchange(0);
-  report.nvme_write_bytes = nvme_traffic_.write_bytes.exchange(0);
-  report.h2d_bytes = waits.h2d_bytes;
-  report.gather_bytes = waits.gather_bytes;
-  report.wait_nvme_seconds = waits.nvme;
-  report.wait_h2d_seconds = waits.h2d;
-  report.wait_gather_seconds = waits.gather;
-  report.fetches = waits.fetches;
-  report.prefetched = waits.prefetched;
-  const PoolStats gpu = device_pool_->stats(), cpu = host_pool_->stats();
-  report.peak_gpu_bytes = gpu.peak_in_use_bytes;
-  report.gpu_budget_bytes = gpu.budget_bytes;
-  report.peak_cpu_bytes = cpu.peak_in_use_bytes;
-  const std::uint64_t allocations = gpu.backend_allocations + cpu.backend_allocations;
-  report.new_allocations = allocations - std::exchange(pool_allocations_seen_, allocations);
-  const std::uint64_t host_waits = device_->host_waits();
-  report.host_waits = host_waits - std::exchange(host_waits_seen_, host_waits);
-  report.blocks_reduced = grads_->take_reduced();
-  report.cpu_budget_bytes = cpu.budget_bytes;
-  device_pool_->reset_peak();
-  host_pool_->reset_peak();
-  std::tie(report.nvme_read_busy_seconds, report.nvme_write_busy_seconds, report.nvme_busy_seconds) =
-      take_io_busy_seconds();
-  if (swap_) {
-    const nvme::SwapStats nvme = swap_->stats();
-    report.peak_nvme_bytes = nvme.peak_used_bytes;
-    report.nvme_capacity_bytes = nvme.capacity_bytes;
-  }
+  fill_counters(report);
   return report;
 }
 

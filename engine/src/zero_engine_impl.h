@@ -107,6 +107,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   Status make_plan();
   RankAgreement::Settings settings_that_must_match() const;
   Status make_stores();
+  Status make_swap(std::uint64_t nvme_bytes);  // make_stores' NVMe part
   Status init_states(const ParamInit& init);
 
   // --- data movement
@@ -174,9 +175,11 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // window opened on the last micro-batch, and undone before anything else
   // reads or writes the states.
   Status make_step_ahead();
+  void count_step_ahead_in_plan(std::uint64_t need);
   void open_step_ahead();
   Status cancel_step_ahead(detail::AheadRedo why = detail::AheadRedo::kCancel);
   void end_ahead_window(StepReport& report, const detail::AheadOutcome& ahead);
+  void fill_counters(StepReport& report);  // step()'s traffic, waits, pools and I/O since the last report
   cpu_adam::Hyper hyper() const;
 
   ZeroOptions options_;

@@ -102,6 +102,45 @@ Status ZeroEngineImpl::make_plan() {
   return ok_status();
 }
 
+// The NVMe tier: its I/O engine and the swap store over the configured paths,
+// sized for nvme_bytes of shards, plus the second copies of Note [Stepping
+// under backward] where the tier's headroom holds them.
+Status ZeroEngineImpl::make_swap(std::uint64_t nvme_bytes) {
+  const Config& c = options_.config;
+  const std::vector<std::string> paths = c.all_nvme_paths();
+  if (paths.empty()) return invalid_argument("a state class is placed on NVMe, but no NVMe path is configured "
+                                             "(zero_optimization.offload_*.nvme_path or tierzero.tiers.nvme_paths)");
+  nvme::EngineOptions eo = nvme::EngineOptions::from_config(c.aio);
+  eo.fault_injector = options_.nvme_fault_injector;
+  TZ_ASSIGN_OR_RETURN(std::unique_ptr<nvme::IoEngine> io, nvme::IoEngine::create(eo));
+  io_ = std::move(io);
+  // Note [Stepping under backward]: a second copy of the NVMe master and
+  // moments, where the NVMe tier's headroom holds it.
+  if (c.step_under_backward != StepUnderBackward::kOff && !gpu_optimizer_) {
+    std::uint64_t shadow = 0;
+    for (StateClass cls : {StateClass::kMaster, StateClass::kMoments}) {
+      if (plan_.tier_of(cls) == Tier::kNvme) {
+        shadow += state_bytes(cls, layout_.shard_numel, dtype_bytes(param_type_), c.states);
+      }
+    }
+    const TierUsage& usage = plan_.usage_of(Tier::kNvme);
+    const std::int64_t room = usage.headroom_bytes() / std::max(usage.ranks_sharing, 1);
+    if (shadow > 0 && static_cast<std::int64_t>(shadow) <= room) {
+      ahead_shadow_bytes_ = shadow;
+      nvme_bytes += shadow;
+    } else if (shadow > 0) {
+      ahead_off_ = fmt::format("stepping under backward writes the new NVMe master and moments ({} B) beside the "
+                               "old ones, and this rank's share of the NVMe tier's headroom is {} B",
+                               shadow, room);
+    }
+  }
+  // Room for every shard plus per-extent padding (4 KiB each at most).
+  const std::uint64_t capacity = nvme_bytes + 4096 * 8 * layout_.blocks.size() + (std::uint64_t{1} << 20);
+  TZ_ASSIGN_OR_RETURN(swap_, nvme::SwapStore::create({.paths = paths, .capacity_bytes = capacity,
+                                                      .allow_buffered = c.aio.allow_buffered_io}, io_));
+  return ok_status();
+}
+
 Status ZeroEngineImpl::make_stores() {
   const Config& c = options_.config;
   TZ_ASSIGN_OR_RETURN(device_pool_, make_device_pool(*device_, budgets_.gpu_bytes));
@@ -122,39 +161,7 @@ Status ZeroEngineImpl::make_stores() {
     // The parameters are 16-bit, or fp32 when neither bf16 nor fp16 is on.
     nvme_bytes += state_bytes(static_cast<StateClass>(s), layout_.shard_numel, dtype_bytes(param_type_), c.states);
   }
-  if (nvme_bytes > 0) {
-    const std::vector<std::string> paths = c.all_nvme_paths();
-    if (paths.empty()) return invalid_argument("a state class is placed on NVMe, but no NVMe path is configured "
-                                               "(zero_optimization.offload_*.nvme_path or tierzero.tiers.nvme_paths)");
-    nvme::EngineOptions eo = nvme::EngineOptions::from_config(c.aio);
-    eo.fault_injector = options_.nvme_fault_injector;
-    TZ_ASSIGN_OR_RETURN(std::unique_ptr<nvme::IoEngine> io, nvme::IoEngine::create(eo));
-    io_ = std::move(io);
-    // Note [Stepping under backward]: a second copy of the NVMe master and
-    // moments, where the NVMe tier's headroom holds it.
-    if (c.step_under_backward != StepUnderBackward::kOff && !gpu_optimizer_) {
-      std::uint64_t shadow = 0;
-      for (StateClass cls : {StateClass::kMaster, StateClass::kMoments}) {
-        if (plan_.tier_of(cls) == Tier::kNvme) {
-          shadow += state_bytes(cls, layout_.shard_numel, dtype_bytes(param_type_), c.states);
-        }
-      }
-      const TierUsage& usage = plan_.usage_of(Tier::kNvme);
-      const std::int64_t room = usage.headroom_bytes() / std::max(usage.ranks_sharing, 1);
-      if (shadow > 0 && static_cast<std::int64_t>(shadow) <= room) {
-        ahead_shadow_bytes_ = shadow;
-        nvme_bytes += shadow;
-      } else if (shadow > 0) {
-        ahead_off_ = fmt::format("stepping under backward writes the new NVMe master and moments ({} B) beside the "
-                                 "old ones, and this rank's share of the NVMe tier's headroom is {} B",
-                                 shadow, room);
-      }
-    }
-    // Room for every shard plus per-extent padding (4 KiB each at most).
-    const std::uint64_t capacity = nvme_bytes + 4096 * 8 * layout_.blocks.size() + (std::uint64_t{1} << 20);
-    TZ_ASSIGN_OR_RETURN(swap_, nvme::SwapStore::create({.paths = paths, .capacity_bytes = capacity,
-                                                        .allow_buffered = c.aio.allow_buffered_io}, io_));
-  }
+  if (nvme_bytes > 0) TZ_TRY(make_swap(nvme_bytes));
   std::vector<ShardSpec> shards;
   for (const BlockLayout& b : layout_.blocks) shards.push_back({.name = b.name, .numel = b.shard_numel});
   auto store_args = [&](StateClass cls, std::size_t elem_bytes, Colour colour) {

@@ -261,6 +261,8 @@ class Run {
  public:
   explicit Run(Flags f) : f_(std::move(f)) {}
   tz::Status setup();
+  tz::Status check_activations_fit() const;
+  void print_header() const;
   tz::Status train();
   tz::Status finish();
   // Set when a signal stopped the run (this rank's or another's).
@@ -315,21 +317,7 @@ tz::Status Run::setup() {
   }
   TZ_ASSIGN_OR_RETURN(engine_, tz::ZeroEngine::create({.config = config_, .comm = comm_.get()}, tz::train::model(gpt_),
                                                       tz::train::init(gpt_)));
-  // Activations were neither budgeted nor estimated: a large --batch or --seq
-  // ended in std::bad_alloc or the OOM killer. The CPU trainer's are known
-  // exactly (GptConfig::activation_bytes); after the engine's pools are
-  // made, they must fit in what is left.
-  if (engine_->device().kind() == tz::BackendKind::kHost) {
-    TZ_ASSIGN_OR_RETURN(const tz::HostMemoryReading mem, tz::read_host_memory());
-    const std::uint64_t need = gpt_.activation_bytes();
-    if (need > mem.available_bytes) {
-      return tz::out_of_memory("the activations of {} x {} tokens through {} layers x {} hidden (with the trainer's "
-                               "block copies) need {}, but {} of host memory is available after the engine's pools; "
-                               "lower --batch or --seq, or the CPU budget (tierzero.tiers.cpu_bytes)",
-                               gpt_.batch, gpt_.seq, gpt_.layers, gpt_.hidden, tz::format_bytes(need),
-                               tz::format_bytes(mem.available_bytes));
-    }
-  }
+  TZ_TRY(check_activations_fit());
   info_.activation_bytes = gpt_.activation_bytes();
   TZ_ASSIGN_OR_RETURN(trainer_, tz::train::GptTrainer::create(*engine_, gpt_, {.tf32 = f_.tf32}));
   if (!f_.io_log_path.empty()) {  // refused on every rank now, not on rank 0 after step 2
@@ -363,25 +351,49 @@ tz::Status Run::setup() {
   if (leader()) {
     std::error_code ec;
     fs::create_directories(f_.out_dir, ec);
-    std::printf("tierzero-train: GPT %s = %s params; model states %s (16 B/param)", info_.model.c_str(),
-                tz::format_count(static_cast<double>(info_.params)).c_str(),
-                tz::tool::format_bytes_si(static_cast<double>(info_.state_bytes)).c_str());
-    if (info_.gpu_budget_bytes > 0) {
-      std::printf(" = %.1f x the device budget (tierzero.tiers.gpu_bytes = %s)",
-                  static_cast<double>(info_.state_bytes) / static_cast<double>(info_.gpu_budget_bytes),
-                  tz::tool::format_bytes_si(static_cast<double>(info_.gpu_budget_bytes)).c_str());
-    }
-    std::printf("\nconfig %s; data %s; %d x %d tokens per micro-batch, %d micro-batch(es) per step, %d rank(s)\n",
-                f_.config_path.c_str(), info_.corpus.c_str(), gpt_.batch, gpt_.seq, info_.gas, info_.ranks);
-    std::printf("the GPT computes on: %s; activations and its block copies %s per micro-batch\n",
-                trainer_->describe().c_str(), tz::tool::format_bytes_si(static_cast<double>(info_.activation_bytes)).c_str());
-    std::printf("where the states live: %s\n", info_.engine.c_str());
-    std::printf("learning rate: %s\n", warmup_.about.c_str());
-    if (!f_.resume_dir.empty()) std::printf("resumed from %s at step %lld\n", f_.resume_dir.c_str(),
-                                            static_cast<long long>(info_.first_step));
-    std::fflush(stdout);
+    print_header();
   }
   return tz::ok_status();
+}
+
+// Activations were neither budgeted nor estimated: a large --batch or --seq
+// ended in std::bad_alloc or the OOM killer. The CPU trainer's are known
+// exactly (GptConfig::activation_bytes); after the engine's pools are made,
+// they must fit in what is left.
+tz::Status Run::check_activations_fit() const {
+  if (engine_->device().kind() == tz::BackendKind::kHost) {
+    TZ_ASSIGN_OR_RETURN(const tz::HostMemoryReading mem, tz::read_host_memory());
+    const std::uint64_t need = gpt_.activation_bytes();
+    if (need > mem.available_bytes) {
+      return tz::out_of_memory("the activations of {} x {} tokens through {} layers x {} hidden (with the trainer's "
+                               "block copies) need {}, but {} of host memory is available after the engine's pools; "
+                               "lower --batch or --seq, or the CPU budget (tierzero.tiers.cpu_bytes)",
+                               gpt_.batch, gpt_.seq, gpt_.layers, gpt_.hidden, tz::format_bytes(need),
+                               tz::format_bytes(mem.available_bytes));
+    }
+  }
+  return tz::ok_status();
+}
+
+// What runs, where its states live and what it reads: the leader's first lines.
+void Run::print_header() const {
+  std::printf("tierzero-train: GPT %s = %s params; model states %s (16 B/param)", info_.model.c_str(),
+              tz::format_count(static_cast<double>(info_.params)).c_str(),
+              tz::tool::format_bytes_si(static_cast<double>(info_.state_bytes)).c_str());
+  if (info_.gpu_budget_bytes > 0) {
+    std::printf(" = %.1f x the device budget (tierzero.tiers.gpu_bytes = %s)",
+                static_cast<double>(info_.state_bytes) / static_cast<double>(info_.gpu_budget_bytes),
+                tz::tool::format_bytes_si(static_cast<double>(info_.gpu_budget_bytes)).c_str());
+  }
+  std::printf("\nconfig %s; data %s; %d x %d tokens per micro-batch, %d micro-batch(es) per step, %d rank(s)\n",
+              f_.config_path.c_str(), info_.corpus.c_str(), gpt_.batch, gpt_.seq, info_.gas, info_.ranks);
+  std::printf("the GPT computes on: %s; activations and its block copies %s per micro-batch\n",
+              trainer_->describe().c_str(), tz::tool::format_bytes_si(static_cast<double>(info_.activation_bytes)).c_str());
+  std::printf("where the states live: %s\n", info_.engine.c_str());
+  std::printf("learning rate: %s\n", warmup_.about.c_str());
+  if (!f_.resume_dir.empty()) std::printf("resumed from %s at step %lld\n", f_.resume_dir.c_str(),
+                                          static_cast<long long>(info_.first_step));
+  std::fflush(stdout);
 }
 
 tz::Status Run::train_step(std::int64_t step) {

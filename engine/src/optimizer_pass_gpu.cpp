@@ -1,0 +1,195 @@
+// The GPU optimizer pass: Adam on the device-resident shards.
+#include <algorithm>
+#include <chrono>
+
+#include "optimizer_passes.h"
+#include "tierzero/common/state_math.h"
+#include "tierzero/kernels.h"
+
+namespace tz::detail::optimizer_pass_impl {
+namespace {
+
+// Note [GPU optimizer] (gradient_path.cpp): Adam on the device-resident shards.
+class GpuOptimizerPass final : public OptimizerPass {
+ public:
+  explicit GpuOptimizerPass(const OptimizerPassDeps& deps) : deps_(deps) {}
+  Status run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale, const std::vector<bool>& skip) override;
+  std::size_t sub_groups() const override { return 1; }
+
+ private:
+  kernels::AdamCompactTensors compact_tensors(std::size_t b, float* master, std::uint16_t* param16,
+                                              std::int64_t step) const;
+  static kernels::AdamCompactTensors part_from(const kernels::AdamCompactTensors& t, std::uint64_t at);
+  // Note [GPU optimizer copy-out]: the device buffer and the two pinned
+  // buffers the new 16-bit parameters leave through when they live off the
+  // GPU, and each pinned buffer's writes to their tier in flight.
+  struct CopyOut {
+    PoolBlock device;
+    PoolBlock host[2];
+    std::vector<nvme::IoFuture> writes[2];
+  };
+  Status step_block(std::size_t b, const kernels::AdamHyper& h, CopyOut& out);
+  Status launch(std::size_t b, const kernels::AdamCompactTensors& t, const kernels::AdamHyper& h);
+  Status make_copy_out(std::size_t bytes, CopyOut& out) const;
+
+  OptimizerPassDeps deps_;
+};
+
+// Note [Compact states on the GPU optimizer]
+// With tierzero.states.master = "remainder" or moments = "bf16" the GPU
+// tier's stores hold the compact shards (Note [Stored remainder shards]:
+// remainders, then tie bits, beside the bf16 parameter shard), and the pass
+// steps every format with the compact kernel (Note [Compact Adam arithmetic]
+// in kernels/src/adam_math.h), which gives cpu_adam's bits for the same
+// gradient scale: the rounding key and index are spans_of's, the block and
+// rank * shard_numel, so a bf16 second moment rounds as it would in CPU
+// memory. fp32 states take the same kernel, so a remainder run on the GPU is
+// an fp32-master run on the GPU bit for bit, as on the CPU. (The two
+// optimizers' runs still differ where the gradient norm does: the device
+// sums it in another order, Note [Deterministic norms], and clipping scales
+// by it.) A remainder master reads and rewrites the bf16 parameter shard;
+// when the parameters do not live on the GPU it goes up before the step and
+// down after it, as the copy-out does. int8 moments step on the CPU only
+// (creation refuses them here).
+kernels::AdamCompactTensors GpuOptimizerPass::compact_tensors(std::size_t b, float* master, std::uint16_t* param16,
+                                                               std::int64_t step) const {
+  const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
+  const bool remainder = deps_.master_format == MasterFormat::kRemainder;
+  auto* stored = static_cast<std::uint8_t*>(deps_.master->device_memory(b));
+  const std::uint64_t index = static_cast<std::uint64_t>(deps_.rank) * n;  // as spans_of
+  return {.master_format = deps_.master_format,
+          .master = master,
+          .param16 = remainder || deps_.param_type == DType::kBf16 ? param16 : nullptr,
+          .remainder = remainder ? reinterpret_cast<std::int16_t*>(stored) : nullptr,
+          .tie_bits = remainder ? stored + remainder_tie_bits_offset(n) : nullptr,
+          .grad = static_cast<const float*>(deps_.grad->device_memory(b)),
+          .moment_format = deps_.moment_dtype == DType::kBf16 ? MomentFormat::kBf16 : MomentFormat::kFp32,
+          .exp_avg = deps_.exp_avg->device_memory(b),
+          .exp_avg_sq = deps_.exp_avg_sq->device_memory(b),
+          .sr_key = state_math::sr_step_key(b, step, index),
+          .sr_base = static_cast<std::uint32_t>(index)};
+}
+
+// Elements [at, ...) of a call: the tie bits and the rounding index count
+// from the shard's element 0.
+kernels::AdamCompactTensors GpuOptimizerPass::part_from(const kernels::AdamCompactTensors& t, std::uint64_t at) {
+  const std::size_t moment_bytes = t.moment_format == MomentFormat::kBf16 ? 2 : 4;
+  kernels::AdamCompactTensors p = t;
+  if (p.master != nullptr) p.master += at;
+  if (p.param16 != nullptr) p.param16 += at;
+  if (p.remainder != nullptr) p.remainder += at;
+  p.tie_bit_offset = at;
+  p.grad += at;
+  p.exp_avg = static_cast<char*>(p.exp_avg) + at * moment_bytes;
+  p.exp_avg_sq = static_cast<char*>(p.exp_avg_sq) + at * moment_bytes;
+  p.sr_base += static_cast<std::uint32_t>(at);
+  return p;
+}
+
+// Note [GPU optimizer copy-out]
+// With the 16-bit parameters off the GPU (pinned CPU memory or NVMe) the new
+// ones are written into a device buffer, copied down once into a pinned pool
+// block (page-aligned, as O_DIRECT wants) and written to their tier from
+// there: write_back, not put(), which staged them a second time in a pool
+// block of its own (one more host copy of 2 B/param). Two pinned buffers
+// alternate, so block b's NVMe write drains while block b + 1 steps; a buffer
+// is reused only once its last write is done, and run() returns only when
+// every write is. A remainder master's bf16 half is read from its tier into
+// the same buffer (read_into: no staging of its own either) and goes up
+// before the step. Bytes moved per step are unchanged: 2 B/param down over
+// PCIe and to the parameters' tier (and 2 B/param read and up with remainders).
+Status GpuOptimizerPass::make_copy_out(std::size_t bytes, CopyOut& out) const {
+  if (out.device.size_bytes() >= bytes) return ok_status();
+  for (std::vector<nvme::IoFuture>& writes : out.writes) TZ_TRY(wait_all(writes));  // before a buffer goes
+  TZ_ASSIGN_OR_RETURN(out.device, deps_.device_pool->allocate(bytes));
+  for (PoolBlock& host : out.host) {
+    TZ_ASSIGN_OR_RETURN(host, deps_.host_pool->allocate(bytes));
+  }
+  return ok_status();
+}
+
+// One launch per run of one weight decay: the kernel is elementwise, so this
+// is the whole-shard launch with each element's own weight decay.
+Status GpuOptimizerPass::launch(std::size_t b, const kernels::AdamCompactTensors& t, const kernels::AdamHyper& h) {
+  std::uint64_t at = 0;
+  const auto part = [&](std::uint64_t end, double weight_decay) -> Status {
+    if (end <= at) return ok_status();
+    kernels::AdamHyper run = h;
+    run.weight_decay = weight_decay;
+    TZ_TRY_CTX(kernels::adam_step_compact_cuda(part_from(t, at), end - at, run, deps_.stream->native_handle()),
+               "stepping {} on the GPU", deps_.layout->blocks[b].name);
+    at = end;
+    return ok_status();
+  };
+  for (const cpu_adam::WeightDecaySegment& seg : segments_of(deps_, b)) {
+    TZ_TRY(part(seg.begin, h.weight_decay));
+    TZ_TRY(part(seg.end, seg.weight_decay));
+  }
+  return part(deps_.layout->blocks[b].shard_numel, h.weight_decay);
+}
+
+Status GpuOptimizerPass::step_block(std::size_t b, const kernels::AdamHyper& h, CopyOut& out) {
+  Stream& stream = *deps_.stream;
+  TieredStore& param16_store = *deps_.param16;
+  const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
+  const std::size_t bytes = param16_store.shard_bytes(b);
+  const bool params_on_gpu = param16_store.device_memory(0) != nullptr;
+  const bool remainder = deps_.master_format == MasterFormat::kRemainder;
+  auto* master = remainder ? nullptr : static_cast<float*>(deps_.master->device_memory(b));
+  auto* param16 = static_cast<std::uint16_t*>(params_on_gpu ? param16_store.device_memory(b) : nullptr);
+  const std::size_t k = b % 2;
+  if (!params_on_gpu) {
+    TZ_TRY(make_copy_out(bytes, out));
+    TZ_TRY_CTX(wait_all(out.writes[k]), "writing the new parameters of the block before {}", deps_.layout->blocks[b].name);
+    param16 = static_cast<std::uint16_t*>(out.device.data());
+    if (remainder) {  // a remainder master's bf16 half is the parameter: up to the device first
+      std::vector<nvme::IoFuture> reads;
+      TZ_TRY_CTX(param16_store.read_into(b, out.host[k].data(), stream, reads), "reading the parameters of {}",
+                 deps_.layout->blocks[b].name);
+      TZ_TRY_CTX(wait_all(reads), "reading the parameters of {}", deps_.layout->blocks[b].name);
+      TZ_TRY(deps_.device->copy_async(param16, out.host[k].data(), bytes, stream));
+    }
+  }
+  TZ_TRY(launch(b, compact_tensors(b, master, param16, h.step), h));
+  if (deps_.param_type == DType::kFp16) {
+    TZ_TRY(kernels::cast_fp32_to_fp16_cuda(master, param16, n, stream.native_handle()));
+  }
+  if (deps_.param_type == DType::kFp32) TZ_TRY(deps_.device->copy_async(param16, master, n * 4, stream));
+  if (params_on_gpu) return ok_status();
+  TZ_TRY(deps_.device->copy_async(out.host[k].data(), param16, bytes, stream));
+  TZ_TRY(deps_.device->synchronize_stream(stream));  // down before the next block's step rewrites the device buffer
+  TZ_TRY_CTX(param16_store.write_back(b, out.host[k].data(), stream, out.writes[k]), "writing the new parameters of {}",
+             deps_.layout->blocks[b].name);
+  return ok_status();
+}
+
+Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double grad_scale,
+                             const std::vector<bool>& skip) {
+  if (std::find(skip.begin(), skip.end(), true) != skip.end()) {
+    return internal_error("the GPU optimizer pass steps every block (nothing steps under backward on it)");
+  }
+  const kernels::AdamHyper h{.lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps,
+                             .weight_decay = c.weight_decay, .adamw = c.algorithm == cpu_adam::Algorithm::kAdamW,
+                             .step = step, .grad_scale = grad_scale};
+  const auto begin = std::chrono::steady_clock::now();
+  CopyOut out;
+  Status stepped;
+  for (std::size_t b = 0; b < deps_.layout->blocks.size() && stepped.ok(); ++b) stepped = step_block(b, h, out);
+  // Every write lands (or fails) before the pass returns, also after a failure: the buffers go with `out`.
+  Status written = wait_all(out.writes[0]);
+  Status written_odd = wait_all(out.writes[1]);
+  TZ_TRY(stepped);
+  TZ_TRY_CTX(written, "writing the new parameters");
+  TZ_TRY_CTX(written_odd, "writing the new parameters");
+  TZ_TRY(deps_.device->synchronize_stream(*deps_.stream));
+  deps_.timeline->record(Track::kOptimizer, "GPU Adam", begin, std::chrono::steady_clock::now());
+  return ok_status();
+}
+
+}  // namespace
+
+std::unique_ptr<OptimizerPass> make_gpu_pass(const OptimizerPassDeps& deps) {
+  return std::make_unique<GpuOptimizerPass>(deps);
+}
+
+}  // namespace tz::detail::optimizer_pass_impl
