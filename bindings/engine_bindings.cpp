@@ -169,6 +169,8 @@ nb::dict report_dict(const tz::StepReport& r) {
   d["nvme_read_busy_seconds"] = r.nvme_read_busy_seconds;
   d["nvme_write_busy_seconds"] = r.nvme_write_busy_seconds;
   d["h2d_bytes"] = r.h2d_bytes;
+  d["d2h_bytes"] = r.d2h_bytes;
+  d["grad_window_blocks"] = r.grad_window_blocks;
   d["gather_bytes"] = r.gather_bytes;
   d["host_waits"] = r.host_waits;
   d["blocks_reduced"] = r.blocks_reduced;

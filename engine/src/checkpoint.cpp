@@ -264,6 +264,7 @@ Expected<LoadedCheckpoint> ZeroEngineImpl::load_checkpoint(const std::string& pa
   prefetcher_->reset();
   if (!options.weights_only) restore_progress(file.step, file.scaler, file.saved_lr);
   blocks_.end_window();
+  grads_->discard_window();
   micro_ = 0;
   // The puts are agreed before the persistent blocks' gathers: a rank whose
   // put failed must not leave the others alone in those collectives.

@@ -28,7 +28,7 @@ Status GradientPath::wait() {
 // Queued in call order on the comm thread (Note [Collective order]); the
 // device-to-host copy and the fp32 accumulation follow on the grad thread,
 // so backward goes on while gradients drain.
-Status GradientPath::reduce(std::size_t block, PoolBlock whole, bool first) {
+Status GradientPath::reduce(std::size_t block, PoolBlock whole, bool first, bool last) {
   TZ_TRY(error());
   ++reduced_;
   // Backpressure: at most kMaxPendingGrads blocks' gradients in flight.
@@ -53,16 +53,16 @@ Status GradientPath::reduce(std::size_t block, PoolBlock whole, bool first) {
   // straight to the grad thread, saving a thread hand-off and, at stages 2
   // and 3, a device copy of the whole block per reduce_grads.
   if (deps_.comm->size() == 1) {
-    accumulate_later(block, first, held, held->data(), std::move(pending));
+    accumulate_later(block, first, last, held, held->data(), std::move(pending));
     return deps_.grad_thread->error();
   }
-  deps_.comm_thread->post([this, block, first, held, pending]() -> Status {
-    return reduce_on_comm_thread(block, first, held, pending);
+  deps_.comm_thread->post([this, block, first, last, held, pending]() -> Status {
+    return reduce_on_comm_thread(block, first, last, held, pending);
   });
   return ok_status();
 }
 
-Status GradientPath::reduce_on_comm_thread(std::size_t block, bool first, std::shared_ptr<PoolBlock> whole,
+Status GradientPath::reduce_on_comm_thread(std::size_t block, bool first, bool last, std::shared_ptr<PoolBlock> whole,
                                            std::shared_ptr<void> pending) {
   if (Status prior = deps_.comm_thread->error(); !prior.ok()) return prior;  // see Prefetcher::post_gather
   const BlockLayout& b = deps_.layout->blocks[block];
@@ -88,18 +88,20 @@ Status GradientPath::reduce_on_comm_thread(std::size_t block, bool first, std::s
   // The reduced shard lives in d_shard (stages 2-3) or in the whole buffer.
   std::shared_ptr<void> keep = std::make_shared<std::pair<std::shared_ptr<PoolBlock>, std::shared_ptr<PoolBlock>>>(
       std::move(whole), std::move(d_shard));
-  accumulate_later(block, first, std::move(keep), shard, std::move(pending));
+  accumulate_later(block, first, last, std::move(keep), shard, std::move(pending));
   return ok_status();
 }
 
 // The fp32 accumulation of the reduced shard at `shard`, on the grad thread;
 // `keep` holds the memory it lies in until then.
-void GradientPath::accumulate_later(std::size_t block, bool first, std::shared_ptr<void> keep, const void* shard,
-                                    std::shared_ptr<void> pending) {
-  std::function<Status()> task = [this, block, first, keep, shard, pending]() -> Status {
+void GradientPath::accumulate_later(std::size_t block, bool first, bool last, std::shared_ptr<void> keep,
+                                    const void* shard, std::shared_ptr<void> pending) {
+  std::function<Status()> task = [this, block, first, last, keep, shard, pending]() -> Status {
     if (deps_.observer != nullptr) deps_.observer->before_accumulate(block);
     const auto begin = std::chrono::steady_clock::now();
-    Status s = deps_.on_device ? accumulate_on_device(block, shard, first) : accumulate(block, shard, first);
+    Status s = deps_.on_device     ? accumulate_on_device(block, shard, first)
+               : in_window(block) ? accumulate_in_window(block, shard, first, last)
+                                  : accumulate(block, shard, first);
     deps_.timeline->record(Track::kGrad, deps_.layout->blocks[block].name, begin, std::chrono::steady_clock::now());
     if (deps_.observer != nullptr) deps_.observer->after_accumulate(block, s.ok());
     return s;
@@ -127,14 +129,19 @@ bool GradientPath::cheap(std::size_t block) const {
          deps_.grad->resident() && deps_.grad->shard_bytes(block) <= kInlineBytes;
 }
 
-Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool first) {
-  const BlockLayout& b = deps_.layout->blocks[block];
-  TZ_ASSIGN_OR_RETURN(PoolBlock host, deps_.host_pool->allocate(shard_bytes(block), Colour::kArrivingGrad));
-  TZ_TRY(deps_.device->copy_async(host.data(), d_shard, shard_bytes(block), *deps_.d2h_stream));
+// `bytes` of device memory at `src` in a host staging block, counted as gradient bytes down.
+Expected<PoolBlock> GradientPath::copy_down(const void* src, std::size_t bytes) {
+  TZ_ASSIGN_OR_RETURN(PoolBlock host, deps_.host_pool->allocate(bytes, Colour::kArrivingGrad));
+  TZ_TRY(deps_.device->copy_async(host.data(), src, bytes, *deps_.d2h_stream));
   TZ_TRY(deps_.device->synchronize_stream(*deps_.d2h_stream));
-  // The mean over ranks and micro-batches, accumulated on the grad tier in
-  // fp32 or 16 bits (Note [16-bit gradient accumulators]).
-  const double scale = 1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps);
+  d2h_bytes_ += bytes;
+  return host;
+}
+
+// acc = (first ? 0 : acc) + scale * g on the grad tier (read and written back
+// when it is NVMe), with the squared norm of the values stored.
+Status GradientPath::add_to_grad_tier(std::size_t block, const void* g, DType g_type, bool first, double scale) {
+  const BlockLayout& b = deps_.layout->blocks[block];
   TieredStore& grad = *deps_.grad;
   PoolBlock acc_staging;
   void* acc = grad.memory(block);
@@ -143,13 +150,21 @@ Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool fir
     acc = acc_staging.data();
     if (!first) TZ_TRY(grad.read(block, acc).wait());
   }
-  Expected<cpu_adam::GradStats> stats = deps_.cpu_opt->accumulate_grad(acc, deps_.acc_type, host.data(), deps_.grad_type,
-                                                                       b.shard_numel, first, scale);
+  Expected<cpu_adam::GradStats> stats =
+      deps_.cpu_opt->accumulate_grad(acc, deps_.acc_type, g, g_type, b.shard_numel, first, scale);
   TZ_TRY_CTX(stats, "accumulating the gradients of {}", b.name);
   if (!grad.resident()) TZ_TRY(grad.write(block, acc).wait());
   sum_squares_[block] = stats->sum_squares;
   non_finite_[block] = stats->non_finite;
   return ok_status();
+}
+
+Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool first) {
+  TZ_ASSIGN_OR_RETURN(PoolBlock host, copy_down(d_shard, shard_bytes(block)));
+  // The mean over ranks and micro-batches, accumulated on the grad tier in
+  // fp32 or 16 bits (Note [16-bit gradient accumulators]).
+  const double scale = 1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps);
+  return add_to_grad_tier(block, host.data(), deps_.grad_type, first, scale);
 }
 
 // Note [GPU optimizer]
@@ -177,7 +192,74 @@ Status GradientPath::accumulate_on_device(std::size_t block, const void* d_shard
   return deps_.device->synchronize_stream(*deps_.d2h_stream);
 }
 
+// Note [Accumulating on the device across micro-batches]
+// With the optimizer on the CPU and G > 1 micro-batches per step, each
+// micro-batch's reduced shard used to go down (2 B/param in a 16-bit
+// training dtype) and be added into the accumulator on the host: 2G B/param
+// of PCIe and G host passes a step. Where the GPU tier's headroom allows, a
+// block instead keeps an fp32 accumulator on the device (4 B per shard
+// element, blocks backward reaches first taking the room first): each
+// micro-batch's shard is added there by the GPU optimizer's accumulation
+// kernel, and after the window's last micro-batch the sum goes down once
+// (4 B/param) and is stored on the grad tier with its squared norm, as the
+// host would have stored it. So PCIe carries 4 B/param a step instead of
+// 2G (G = 2: the same bytes in one copy instead of two, and one host pass
+// instead of two), and the host's accumulation passes become one store.
+// Exact: the kernel's arithmetic is cpu_adam's fused one, x = g * s on a
+// window's first micro-batch and fma(s, g, acc) after (Note [16-bit gradient
+// accumulators] has the host's), so the sum is the host's bit for bit where
+// cpu_adam fuses multiply-adds (AVX2, AVX-512: every x86-64 host a GPU is
+// in); the store is a copy (cpu_adam's accumulate with scale 1, which also
+// takes the norm of the values stored). fp32 accumulators only: a 16-bit
+// accumulator rounds after every micro-batch, which this would skip.
+// A block that the window's last micro-batch did not reach is brought down
+// by window_norms(), at the step. On the Host backend the "device" is host
+// memory and the kernel its CPU twin; tests force it there
+// (ZeroOptions::grads_on_device_across_micro_batches) to check the plumbing
+// and the twin's arithmetic against cpu_adam's.
+Status GradientPath::allocate_window() {
+  window_acc_.resize(deps_.layout->blocks.size());
+  window_dirty_.assign(deps_.layout->blocks.size(), false);
+  for (std::size_t b = 0; b < deps_.window_on_device.size() && b < window_acc_.size(); ++b) {
+    if (!deps_.window_on_device[b]) continue;
+    const std::uint64_t bytes = deps_.layout->blocks[b].shard_numel * sizeof(float);
+    TZ_ASSIGN_OR_RETURN(window_acc_[b], deps_.device_pool->allocate(bytes));
+    window_bytes_ += window_acc_[b].size_bytes();
+  }
+  return ok_status();
+}
+
+Status GradientPath::accumulate_in_window(std::size_t block, const void* d_shard, bool first, bool last) {
+  const BlockLayout& b = deps_.layout->blocks[block];
+  const float scale =
+      static_cast<float>(1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps));
+  auto* acc = window_acc_[block].as<float>();
+  if (deps_.device->kind() == BackendKind::kHost) {
+    kernels::accumulate_grad_cpu(acc, d_shard, deps_.grad_type, b.shard_numel, first, scale);
+  } else {
+    TZ_TRY_CTX(kernels::accumulate_grad_cuda(acc, d_shard, deps_.grad_type, b.shard_numel, first, scale,
+                                             deps_.d2h_stream->native_handle()),
+               "accumulating the gradients of {} on the device", b.name);
+    TZ_TRY(deps_.device->synchronize_stream(*deps_.d2h_stream));  // before the shard's buffer goes back
+  }
+  window_dirty_[block] = true;
+  return last ? bring_down(block) : ok_status();
+}
+
+// The window's sum of `block` from its device accumulator to the grad tier
+// (fp32: a copy, scale 1), with its norm.
+Status GradientPath::bring_down(std::size_t block) {
+  TZ_ASSIGN_OR_RETURN(PoolBlock host, copy_down(window_acc_[block].data(),
+                                                deps_.layout->blocks[block].shard_numel * sizeof(float)));
+  TZ_TRY(add_to_grad_tier(block, host.data(), DType::kFp32, /*first=*/true, 1.0));
+  window_dirty_[block] = false;
+  return ok_status();
+}
+
 Status GradientPath::window_norms() {
+  for (std::size_t b = 0; b < window_dirty_.size(); ++b) {
+    if (window_dirty_[b]) TZ_TRY(bring_down(b));
+  }
   if (!deps_.on_device) return ok_status();  // accumulate() took each block's norm as it went
   const std::size_t count = deps_.layout->blocks.size();
   std::vector<kernels::TensorRef> shards(count);

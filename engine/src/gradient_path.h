@@ -44,6 +44,7 @@
 // gathers, so every rank issues collectives in one order).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -87,6 +88,10 @@ struct GradientPathDeps {
   int stage = 3;
   int gradient_accumulation_steps = 1;
   bool on_device = false;             // the GPU optimizer's path: accumulate on the GPU
+  // Note [Accumulating on the device across micro-batches]: per block, whether
+  // its micro-batches add up in a device accumulator until the window's last
+  // one (empty: none do). The CPU optimizer's path with fp32 accumulators only.
+  std::vector<bool> window_on_device;
   Timeline* timeline = nullptr;
   AccumulationObserver* observer = nullptr;  // may be nullptr; may be set later (set_observer)
 };
@@ -99,7 +104,9 @@ class GradientPath {
   // memory) through the path; first: the first micro-batch of the window for
   // this block (the accumulator starts from it rather than adding to it).
   // Returns once queued; a failure shows in a later call or in wait().
-  Status reduce(std::size_t block, PoolBlock whole, bool first);
+  // last: the window's last micro-batch (the block's device accumulator, if
+  // it has one, goes down to the grad tier after this one).
+  Status reduce(std::size_t block, PoolBlock whole, bool first, bool last = true);
   // Every reduce() so far done; the first failure, if any.
   Status wait();
   // The comm or grad thread's failure so far.
@@ -107,9 +114,19 @@ class GradientPath {
 
   // At the window's end, after wait() and once every block's accumulator
   // holds its window's gradient (stale ones zeroed): takes the norms the GPU
-  // optimizer's path leaves for then (Note [GPU optimizer]); nothing to do
-  // on the other paths.
+  // optimizer's path leaves for then (Note [GPU optimizer]), and brings down
+  // the device accumulators the window's last micro-batch did not reach
+  // (Note [Accumulating on the device across micro-batches]).
   Status window_norms();
+  // The device accumulators' partial sums are forgotten (a checkpoint load
+  // starts a new window).
+  void discard_window() { std::fill(window_dirty_.begin(), window_dirty_.end(), false); }
+  // Device memory the device accumulators take (allocate_window() made them).
+  std::uint64_t window_bytes() const { return window_bytes_; }
+  // Makes the device accumulators of deps.window_on_device; at creation.
+  Status allocate_window();
+  // Gradient bytes copied from the device to the host since the last take.
+  std::uint64_t take_d2h_bytes() { return d2h_bytes_.exchange(0); }
   // Of the accumulated shard of `block` (loss-scaled), after wait() (GPU
   // optimizer: after window_norms()).
   double sum_squares(std::size_t block) const { return sum_squares_[block]; }
@@ -131,13 +148,18 @@ class GradientPath {
   Status prewarm();
 
  private:
-  void accumulate_later(std::size_t block, bool first, std::shared_ptr<void> keep, const void* shard,
+  void accumulate_later(std::size_t block, bool first, bool last, std::shared_ptr<void> keep, const void* shard,
                         std::shared_ptr<void> pending);
-  Status reduce_on_comm_thread(std::size_t block, bool first, std::shared_ptr<PoolBlock> whole,
+  Status reduce_on_comm_thread(std::size_t block, bool first, bool last, std::shared_ptr<PoolBlock> whole,
                                std::shared_ptr<void> pending);
   bool cheap(std::size_t block) const;
   Status accumulate(std::size_t block, const void* d_shard, bool first);
   Status accumulate_on_device(std::size_t block, const void* d_shard, bool first);
+  Status accumulate_in_window(std::size_t block, const void* d_shard, bool first, bool last);
+  Status bring_down(std::size_t block);
+  Expected<PoolBlock> copy_down(const void* src, std::size_t bytes);
+  Status add_to_grad_tier(std::size_t block, const void* g, DType g_type, bool first, double scale);
+  bool in_window(std::size_t block) const { return block < window_acc_.size() && window_acc_[block].valid(); }
   std::size_t shard_bytes(std::size_t block) const;
 
   GradientPathDeps deps_;
@@ -147,6 +169,10 @@ class GradientPath {
   std::condition_variable cv_;
   int pending_ = 0;  // guarded by mu_
   std::atomic<std::uint64_t> reduced_{0};
+  std::atomic<std::uint64_t> d2h_bytes_{0};
+  std::vector<PoolBlock> window_acc_;  // per block: its device accumulator, or empty
+  std::vector<bool> window_dirty_;     // holds sums not yet brought down (grad thread; read after wait())
+  std::uint64_t window_bytes_ = 0;
 };
 
 }  // namespace tz::detail

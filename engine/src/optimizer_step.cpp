@@ -259,6 +259,8 @@ void ZeroEngineImpl::fill_counters(StepReport& report) {
   report.nvme_read_bytes = nvme_traffic_.read_bytes.exchange(0);
   report.nvme_write_bytes = nvme_traffic_.write_bytes.exchange(0);
   report.h2d_bytes = waits.h2d_bytes;
+  report.d2h_bytes = grads_->take_d2h_bytes();
+  report.grad_window_blocks = grad_window_blocks_;
   report.gather_bytes = waits.gather_bytes;
   report.wait_nvme_seconds = waits.nvme;
   report.wait_h2d_seconds = waits.h2d;

@@ -286,7 +286,7 @@ Status ZeroEngineImpl::reduce_grads(GradBlock grads) {
   const std::size_t block = grads.block();
   TZ_ASSIGN_OR_RETURN(const bool first, blocks_.reduce(block, "reduce_grads"));  // Note [Block states]
   if (micro_ + 1 == gas_) open_step_ahead();  // the window's last micro-batch
-  return grads_->reduce(block, std::move(grads.buffer_), first);  // gradient_path.h
+  return grads_->reduce(block, std::move(grads.buffer_), first, micro_ + 1 == gas_);  // gradient_path.h
 }
 
 Expected<std::vector<float>> ZeroEngineImpl::gather_master(std::size_t block) {

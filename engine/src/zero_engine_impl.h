@@ -108,6 +108,9 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   RankAgreement::Settings settings_that_must_match() const;
   Status make_stores();
   Status make_swap(std::uint64_t nvme_bytes);  // make_stores' NVMe part
+  // Note [Accumulating on the device across micro-batches]: which blocks do, and the plan counts them.
+  std::vector<bool> grad_window_blocks() const;
+  Status make_grad_window();
   Status init_states(const ParamInit& init);
 
   // --- data movement
@@ -257,6 +260,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   std::unique_ptr<Stream> ahead_stream_;
   std::string ahead_off_;
   std::size_t ahead_blocks_ = 0;
+  std::size_t grad_window_blocks_ = 0;  // Note [Accumulating on the device across micro-batches]
   // Note [When to speculate]: whether each window speculates; this window's
   // decision (made at its first reduce_grads), and why not.
   detail::AheadPolicy ahead_policy_{false};

@@ -102,6 +102,40 @@ Status ZeroEngineImpl::make_plan() {
   return ok_status();
 }
 
+// Note [Accumulating on the device across micro-batches] (gradient_path.cpp):
+// the blocks backward reaches first, while this rank's share of the GPU
+// tier's headroom holds their fp32 accumulators.
+std::vector<bool> ZeroEngineImpl::grad_window_blocks() const {
+  std::vector<bool> on(layout_.blocks.size(), false);
+  const std::optional<bool> wanted = options_.grads_on_device_across_micro_batches;
+  const bool allowed = wanted.has_value() ? *wanted : device_->kind() == BackendKind::kCuda;
+  if (!allowed || gpu_optimizer_ || gas_ < 2 || acc_type() != DType::kFp32) return on;
+  const TierUsage& gpu = plan_.usage_of(Tier::kGpu);
+  std::int64_t room = gpu.headroom_bytes() / std::max(gpu.ranks_sharing, 1);
+  for (std::size_t b = layout_.blocks.size(); b-- > 0;) {
+    const auto bytes = static_cast<std::int64_t>(layout_.blocks[b].shard_numel * sizeof(float));
+    if (bytes > room) break;
+    room -= bytes;
+    on[b] = true;
+  }
+  return on;
+}
+
+Status ZeroEngineImpl::make_grad_window() {
+  TZ_TRY_CTX(grads_->allocate_window(), "the gradient accumulators on the device");
+  const std::uint64_t bytes = grads_->window_bytes();
+  if (bytes == 0) return ok_status();
+  for (bool on : grad_window_blocks()) grad_window_blocks_ += on ? 1 : 0;
+  TierUsage& usage = plan_.usage[static_cast<std::size_t>(Tier::kGpu)];
+  usage.breakdown.push_back({fmt::format("fp32 gradient accumulators across micro-batches, {} of {} blocks (Note "
+                                         "[Accumulating on the device across micro-batches])",
+                                         grad_window_blocks_, layout_.blocks.size()),
+                             bytes});
+  usage.per_rank_bytes += bytes;
+  usage.need_bytes += bytes * static_cast<std::uint64_t>(std::max(usage.ranks_sharing, 1));
+  return ok_status();
+}
+
 // The NVMe tier: its I/O engine and the swap store over the configured paths,
 // sized for nvme_bytes of shards, plus the second copies of Note [Stepping
 // under backward] where the tier's headroom holds them.
@@ -307,7 +341,8 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       .comm_stream = comm_stream_.get(), .d2h_stream = d2h_stream_.get(), .device_pool = device_pool_.get(),
       .host_pool = host_pool_.get(), .grad = grad_.get(), .acc_type = acc_type(), .cpu_opt = cpu_opt_.get(),
       .layout = &layout_, .grad_type = grad_type_, .stage = stage_, .gradient_accumulation_steps = gas_, .on_device = gpu_optimizer_,
-      .timeline = &timeline_});
+      .window_on_device = grad_window_blocks(), .timeline = &timeline_});
+  TZ_TRY(make_grad_window());
   TZ_TRY(make_step_ahead());  // Note [Stepping under backward]
   ranks_ = std::make_unique<RankAgreement>(*comm_, *device_, *device_pool_, [this](const std::function<Status()>& f) {
     return comm_thread_->run(f);

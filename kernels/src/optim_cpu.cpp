@@ -61,7 +61,7 @@ void accumulate_grad_cpu(float* acc, const void* grad, DType format, std::size_t
     const float g = format == DType::kFp32   ? static_cast<const float*>(grad)[i]
                     : format == DType::kBf16 ? bf16_to_fp32(g16[i])
                                                   : fp16_to_fp32(g16[i]);
-    acc[i] = std::fma(scale, g, overwrite ? 0.0F : acc[i]);
+    acc[i] = overwrite ? scale * g : std::fma(scale, g, acc[i]);  // cpu_adam's: -0 stays -0 on overwrite
   }
 }
 

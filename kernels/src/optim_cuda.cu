@@ -126,7 +126,7 @@ __global__ void accumulate_kernel(float* __restrict__ acc, const T* __restrict__
                                   float scale) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    acc[i] = fmaf(scale, grad_value(g, i), overwrite ? 0.0F : acc[i]);
+    acc[i] = overwrite ? scale * grad_value(g, i) : fmaf(scale, grad_value(g, i), acc[i]);  // as the CPU twin
   }
 }
 

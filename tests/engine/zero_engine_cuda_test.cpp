@@ -189,17 +189,6 @@ std::string first_master_difference(RunBits a, RunBits b) {
   return first_difference(a, b);
 }
 
-// Note [Compact Adam arithmetic]: the GPU kernel fuses its multiply-adds as
-// cpu_adam's AVX2 and AVX-512 kernels do; on a CPU with neither the two
-// optimizers differ in the last bit by design.
-#define TZ_REQUIRE_FUSED_CPU_ADAM()                                                                           \
-  do {                                                                                                        \
-    const tz::cpu_adam::Simd simd_ = tz::cpu_adam::best_supported();                                           \
-    if (simd_ != tz::cpu_adam::Simd::kAvx2 && simd_ != tz::cpu_adam::Simd::kAvx512) {                         \
-      GTEST_SKIP() << "cpu_adam runs " << tz::cpu_adam::simd_name(simd_) << ", which does not fuse multiply-adds"; \
-    }                                                                                                         \
-  } while (0)
-
 const tz::StateFormats kGpuFormats[] = {{MasterFormat::kRemainder, MomentFormat::kFp32},
                                         {MasterFormat::kFp32, MomentFormat::kBf16},
                                         {MasterFormat::kRemainder, MomentFormat::kBf16}};

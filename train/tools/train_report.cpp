@@ -173,11 +173,16 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
                 "write in flight)\n", "NVMe rates achieved", rates.read_gbps, rates.read_busy_s, rates.write_gbps,
                 rates.write_busy_s);
   }
-  // PCIe upward, per parameter as the NVMe lines (device-to-host is not counted yet: issue #22).
+  // PCIe both ways, per parameter as the NVMe lines: the parameters up, the gradients down.
   const double h2d = mean_of(st, [](const StepRecord& r) { return double(r.h2d_bytes); });
   std::printf("  %-28s %12s  (%.2f B/param)\n", "host-to-device",
               per_step([](const StepRecord& r) { return double(r.h2d_bytes); }).c_str(),
               h2d * info.ranks / static_cast<double>(std::max<std::uint64_t>(info.params, 1)));
+  const double d2h = mean_of(st, [](const StepRecord& r) { return double(r.report.d2h_bytes); });
+  std::printf("  %-28s %12s  (%.2f B/param; %llu block(s) accumulate on the device across micro-batches)\n",
+              "device-to-host (gradients)", per_step([](const StepRecord& r) { return double(r.report.d2h_bytes); }).c_str(),
+              d2h * info.ranks / static_cast<double>(std::max<std::uint64_t>(info.params, 1)),
+              static_cast<unsigned long long>(st.empty() ? 0 : st.back()->report.grad_window_blocks));
   std::printf("  %-28s %12s\n", "all-gather (received)", per_step([](const StepRecord& r) { return double(r.gather_bytes); }).c_str());
   const double waits = mean_of(st, [](const StepRecord& r) { return double(r.report.host_waits); });
   const double reduced = mean_of(st, [](const StepRecord& r) { return double(r.report.blocks_reduced); });
@@ -220,7 +225,7 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                   {"tokens_per_second", static_cast<double>(r.tokens) / r.seconds},
                   {"tflops", static_cast<double>(r.tokens) / r.seconds * info.flops_per_token / 1e12},
                   {"grad_norm", r.report.grad_norm}, {"lr", r.report.lr}, {"nvme_read_bytes", r.nvme_read_bytes},
-                  {"nvme_write_bytes", r.nvme_write_bytes}, {"h2d_bytes", r.h2d_bytes}, {"gather_bytes", r.gather_bytes},
+                  {"nvme_write_bytes", r.nvme_write_bytes}, {"h2d_bytes", r.h2d_bytes}, {"d2h_bytes", r.report.d2h_bytes}, {"gather_bytes", r.gather_bytes},
                   {"wait_nvme_seconds", r.wait_nvme_seconds}, {"wait_h2d_seconds", r.wait_h2d_seconds},
                   {"wait_gather_seconds", r.wait_gather_seconds},
                   {"nvme_read_busy_seconds", r.nvme_read_busy_seconds},

@@ -110,6 +110,12 @@ struct ZeroOptions {
   // whatever this says.
   std::uint64_t auto_ahead_min_block_numel = kAutoAheadMinBlockNumel;
   static constexpr std::uint64_t kAutoAheadMinBlockNumel = std::uint64_t{1} << 20;
+  // Note [Accumulating on the device across micro-batches] (gradient_path.cpp):
+  // with the CPU optimizer, fp32 accumulators and gradient_accumulation_steps
+  // > 1, blocks keep a device accumulator across the window where the GPU
+  // tier's headroom allows. Unset: on CUDA only; true: on the Host backend
+  // too (tests); false: never.
+  std::optional<bool> grads_on_device_across_micro_batches;
   // Tests only: injects NVMe faults (see tz::nvme::EngineOptions).
   nvme::FaultInjector nvme_fault_injector;
 };
@@ -240,6 +246,9 @@ struct StepReport {
   double nvme_read_busy_seconds = 0, nvme_write_busy_seconds = 0;
   double nvme_busy_seconds = 0;  // with a read or a write in flight: the drives' busy time
   std::uint64_t h2d_bytes = 0;         // 16-bit shards copied up from the host for gathering (0: params on the GPU)
+  std::uint64_t d2h_bytes = 0;         // gradients copied down to the host accumulator (Note [Accumulating on the
+                                       // device across micro-batches]); 0 with the GPU optimizer
+  std::uint64_t grad_window_blocks = 0;  // blocks accumulating on the device across micro-batches
   std::uint64_t gather_bytes = 0;      // received by all-gathers
   // Seconds fetch() waited on each stage since the last report (the stage
   // still running when the wait ended owns that part of the wait).

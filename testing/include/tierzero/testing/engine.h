@@ -14,8 +14,22 @@
 #include <string>
 #include <vector>
 
+#include "tierzero/cpu_adam.h"
 #include "tierzero/engine.h"
 #include "tierzero/testing/mlp.h"
+
+// For runs compared bit for bit with a device kernel's arithmetic (the GPU
+// optimizer, the gradient accumulation kernel and its CPU twin): they fuse
+// multiply-adds as cpu_adam's AVX2 and AVX-512 kernels do, and cpu_adam's
+// scalar and SSE4.2 kernels do not, so on a CPU with neither the two differ
+// in the last bit by design (Note [Compact Adam arithmetic]). Skips, saying so.
+#define TZ_REQUIRE_FUSED_CPU_ADAM()                                                                               \
+  do {                                                                                                            \
+    const tz::cpu_adam::Simd simd_ = tz::cpu_adam::best_supported();                                             \
+    if (simd_ != tz::cpu_adam::Simd::kAvx2 && simd_ != tz::cpu_adam::Simd::kAvx512) {                             \
+      GTEST_SKIP() << "cpu_adam runs " << tz::cpu_adam::simd_name(simd_) << ", which does not fuse multiply-adds"; \
+    }                                                                                                             \
+  } while (0)
 
 namespace tzt {
 
