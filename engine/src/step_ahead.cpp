@@ -162,7 +162,7 @@ Status StepAhead::undo_all() {
   return ok_status();  // undo_error_ is reported by finish() / cancel()
 }
 
-// Note [Committing steps under backward] (optimizer_pass.cpp): together.
+// Note [Committing steps under backward] (optimizer_pass_ahead.cpp): together.
 void StepAhead::undo_blocks(std::span<const std::size_t> blocks) {
   if (blocks.empty()) return;
   Status s = deps_.pass->undo_ahead(blocks, slots_);
