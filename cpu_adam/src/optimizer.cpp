@@ -285,6 +285,11 @@ Status encode_int8_moment(Int8Moment which, const float* x, std::size_t n, std::
   return ok_status();
 }
 
+Int8CodeTables int8_code_tables(Int8Moment which) {
+  const detail::Int8Code& c = int8_code(which);
+  return {c.decode, c.mid};
+}
+
 Status decode_int8_moment(Int8Moment which, const std::uint8_t* codes, const float* scales, std::size_t n, float* x) {
   TZ_TRY_CTX(detail::validate_int8_arrays(x, codes, scales, n), "cpu_adam decode_int8_moment");
   const detail::KernelTable& table = detail::kernel_table(best_supported());

@@ -177,8 +177,8 @@ Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool fir
 // sum is the same whether it is reduced alone or with others, so this is the
 // per-block norm the path used to take after each accumulation, bit for
 // bit). step() runs the Adam kernel over each block's shard with the 16-bit
-// copy-out, in any state format but int8 moments (Note [Compact states on the
-// GPU optimizer] in optimizer_pass.cpp). The arithmetic is the CPU
+// copy-out, in every state format (Note [Compact states on the GPU optimizer]
+// in optimizer_pass_gpu.cpp). The arithmetic is the CPU
 // optimizer's (one fma per accumulated element, Adam as cpu_adam's fused
 // kernels compute it), so the engine matches the same in-memory reference on
 // either path.

@@ -43,8 +43,7 @@ struct OptimizerPassDeps {
   DType param_type = DType::kBf16;
   DType grad_dtype = DType::kFp32;                   // the accumulator's (Note [16-bit gradient accumulators])
   MasterFormat master_format = MasterFormat::kFp32;  // fp32 | remainder (Note [Compact states on the GPU optimizer])
-  DType moment_dtype = DType::kFp32;                 // fp32 | bf16 | uint8 (int8 codes + scales; tierzero.states.moments):
-                                                     // int8 on the CPU variant only
+  DType moment_dtype = DType::kFp32;                 // fp32 | bf16 | uint8 (int8 codes + scales; tierzero.states.moments)
   std::uint64_t sub_group_size = 1;      // zero_optimization.sub_group_size: elements stepped together (CPU)
   int rank = 0;                          // this rank's shard of each block starts at rank * shard_numel
   Timeline* timeline = nullptr;

@@ -1,6 +1,7 @@
 // The GPU optimizer pass: Adam on the device-resident shards.
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "optimizer_passes.h"
 #include "tierzero/common/state_math.h"
@@ -19,7 +20,7 @@ class GpuOptimizerPass final : public OptimizerPass {
  private:
   kernels::AdamCompactTensors compact_tensors(std::size_t b, float* master, std::uint16_t* param16,
                                               std::int64_t step) const;
-  static kernels::AdamCompactTensors part_from(const kernels::AdamCompactTensors& t, std::uint64_t at);
+  Status upload_int8_tables();
   // Note [GPU optimizer copy-out]: the device buffer and the two pinned
   // buffers the new 16-bit parameters leave through when they live off the
   // GPU, and each pinned buffer's writes to their tier in flight.
@@ -33,57 +34,87 @@ class GpuOptimizerPass final : public OptimizerPass {
   Status make_copy_out(std::size_t bytes, CopyOut& out) const;
 
   OptimizerPassDeps deps_;
+  // Note [Int8 moments on the GPU optimizer]: cpu_adam's code tables in device
+  // memory, exp_avg's decode and mid then exp_avg_sq's (4 x 256 fp32).
+  PoolBlock int8_tables_;
 };
 
 // Note [Compact states on the GPU optimizer]
-// With tierzero.states.master = "remainder" or moments = "bf16" the GPU
-// tier's stores hold the compact shards (Note [Stored remainder shards]:
-// remainders, then tie bits, beside the bf16 parameter shard), and the pass
-// steps every format with the compact kernel (Note [Compact Adam arithmetic]
-// in kernels/src/adam_math.h), which gives cpu_adam's bits for the same
+// With tierzero.states.master = "remainder" or moments = "bf16" or "int8" the
+// GPU tier's stores hold the compact shards (Note [Stored remainder shards]:
+// remainders, then tie bits, beside the bf16 parameter shard; Note [Stored
+// int8 moment shards]: codes, then block scales), and the pass steps every
+// format with the compact kernel (Note [Compact Adam arithmetic] in
+// kernels/src/adam_math.h), which gives cpu_adam's bits for the same
 // gradient scale: the rounding key and index are spans_of's, the block and
 // rank * shard_numel, so a bf16 second moment rounds as it would in CPU
-// memory. fp32 states take the same kernel, so a remainder run on the GPU is
-// an fp32-master run on the GPU bit for bit, as on the CPU. (The two
-// optimizers' runs still differ where the gradient norm does: the device
-// sums it in another order, Note [Deterministic norms], and clipping scales
-// by it.) A remainder master reads and rewrites the bf16 parameter shard;
-// when the parameters do not live on the GPU it goes up before the step and
-// down after it, as the copy-out does. int8 moments step on the CPU only
-// (creation refuses them here).
+// memory; int8 moments decode, step and encode per 256-element block with
+// cpu_adam's tables (Note [Int8 moments on the GPU optimizer]). fp32 states
+// take the same kernel, so a remainder run on the GPU is an fp32-master run
+// on the GPU bit for bit, as on the CPU. (The two optimizers' runs still
+// differ where the gradient norm does: the device sums it in another order,
+// Note [Deterministic norms], and clipping scales by it.) A remainder master
+// reads and rewrites the bf16 parameter shard; when the parameters do not
+// live on the GPU it goes up before the step and down after it, as the
+// copy-out does.
+//
+// Note [Int8 moments on the GPU optimizer]
+// An int8 block's scale is of all its 256 elements after the step, so a
+// block must step in one call, and a weight-decay segment (a bias, a norm)
+// may begin or end inside one. So the pass launches once per shard and hands
+// the kernel the segments as weight-decay runs (every element finds its own
+// weight decay; kernels.h AdamCompactTensors::weight_decay_runs), for every
+// format: one launch per block instead of one per segment. A shard starts a
+// quantization block (its codes and scales are its own, Note [Stored int8
+// moment shards]) and its tie bits start a byte, as the int8 kernel needs.
+// The code tables (cpu_adam::int8_code_tables, 4 KiB) go up once, on the
+// first step, through a pinned block; cpu_adam builds the same ones, so both
+// optimizers write the same codes (Note [Int8 moments on the GPU] in
+// kernels/src/int8_math.h) and a checkpoint moves between them as it is.
+Status GpuOptimizerPass::upload_int8_tables() {
+  if (deps_.moment_dtype != DType::kUint8 || int8_tables_.data() != nullptr) return ok_status();
+  constexpr std::size_t kTable = 256 * sizeof(float);
+  TZ_ASSIGN_OR_RETURN(PoolBlock host, deps_.host_pool->allocate(4 * kTable));
+  auto* out = static_cast<char*>(host.data());
+  for (cpu_adam::Int8Moment which : {cpu_adam::Int8Moment::kExpAvg, cpu_adam::Int8Moment::kExpAvgSq}) {
+    const cpu_adam::Int8CodeTables t = cpu_adam::int8_code_tables(which);
+    std::memcpy(out, t.decode, kTable);
+    std::memcpy(out + kTable, t.mid, kTable);
+    out += 2 * kTable;
+  }
+  TZ_ASSIGN_OR_RETURN(int8_tables_, deps_.device_pool->allocate(4 * kTable));
+  TZ_TRY(deps_.device->copy_async(int8_tables_.data(), host.data(), 4 * kTable, *deps_.stream));
+  return deps_.device->synchronize_stream(*deps_.stream);  // before `host` goes back to its pool
+}
+
 kernels::AdamCompactTensors GpuOptimizerPass::compact_tensors(std::size_t b, float* master, std::uint16_t* param16,
                                                                std::int64_t step) const {
   const std::uint64_t n = deps_.layout->blocks[b].shard_numel;
   const bool remainder = deps_.master_format == MasterFormat::kRemainder;
+  const bool int8 = deps_.moment_dtype == DType::kUint8;
   auto* stored = static_cast<std::uint8_t*>(deps_.master->device_memory(b));
   const std::uint64_t index = static_cast<std::uint64_t>(deps_.rank) * n;  // as spans_of
+  const auto scales = [&](void* codes) {  // Note [Stored int8 moment shards]
+    return int8 ? reinterpret_cast<float*>(static_cast<std::uint8_t*>(codes) + int8_moment_scales_offset(n)) : nullptr;
+  };
+  const auto* tables = static_cast<const float*>(int8_tables_.data());  // null without int8 moments
   return {.master_format = deps_.master_format,
           .master = master,
           .param16 = remainder || deps_.param_type == DType::kBf16 ? param16 : nullptr,
           .remainder = remainder ? reinterpret_cast<std::int16_t*>(stored) : nullptr,
           .tie_bits = remainder ? stored + remainder_tie_bits_offset(n) : nullptr,
           .grad = static_cast<const float*>(deps_.grad->device_memory(b)),
-          .moment_format = deps_.moment_dtype == DType::kBf16 ? MomentFormat::kBf16 : MomentFormat::kFp32,
+          .moment_format = int8                                   ? MomentFormat::kInt8
+                           : deps_.moment_dtype == DType::kBf16 ? MomentFormat::kBf16
+                                                                : MomentFormat::kFp32,
           .exp_avg = deps_.exp_avg->device_memory(b),
           .exp_avg_sq = deps_.exp_avg_sq->device_memory(b),
           .sr_key = state_math::sr_step_key(b, step, index),
-          .sr_base = static_cast<std::uint32_t>(index)};
-}
-
-// Elements [at, ...) of a call: the tie bits and the rounding index count
-// from the shard's element 0.
-kernels::AdamCompactTensors GpuOptimizerPass::part_from(const kernels::AdamCompactTensors& t, std::uint64_t at) {
-  const std::size_t moment_bytes = t.moment_format == MomentFormat::kBf16 ? 2 : 4;
-  kernels::AdamCompactTensors p = t;
-  if (p.master != nullptr) p.master += at;
-  if (p.param16 != nullptr) p.param16 += at;
-  if (p.remainder != nullptr) p.remainder += at;
-  p.tie_bit_offset = at;
-  p.grad += at;
-  p.exp_avg = static_cast<char*>(p.exp_avg) + at * moment_bytes;
-  p.exp_avg_sq = static_cast<char*>(p.exp_avg_sq) + at * moment_bytes;
-  p.sr_base += static_cast<std::uint32_t>(at);
-  return p;
+          .sr_base = static_cast<std::uint32_t>(index),
+          .exp_avg_scale = scales(deps_.exp_avg->device_memory(b)),
+          .exp_avg_sq_scale = scales(deps_.exp_avg_sq->device_memory(b)),
+          .exp_avg_code = {tables, tables == nullptr ? nullptr : tables + 256},
+          .exp_avg_sq_code = {tables == nullptr ? nullptr : tables + 512, tables == nullptr ? nullptr : tables + 768}};
 }
 
 // Note [GPU optimizer copy-out]
@@ -108,24 +139,20 @@ Status GpuOptimizerPass::make_copy_out(std::size_t bytes, CopyOut& out) const {
   return ok_status();
 }
 
-// One launch per run of one weight decay: the kernel is elementwise, so this
-// is the whole-shard launch with each element's own weight decay.
+// One launch per shard, its weight-decay segments as runs (Note [Int8
+// moments on the GPU optimizer]).
 Status GpuOptimizerPass::launch(std::size_t b, const kernels::AdamCompactTensors& t, const kernels::AdamHyper& h) {
-  std::uint64_t at = 0;
-  const auto part = [&](std::uint64_t end, double weight_decay) -> Status {
-    if (end <= at) return ok_status();
-    kernels::AdamHyper run = h;
-    run.weight_decay = weight_decay;
-    TZ_TRY_CTX(kernels::adam_step_compact_cuda(part_from(t, at), end - at, run, deps_.stream->native_handle()),
-               "stepping {} on the GPU", deps_.layout->blocks[b].name);
-    at = end;
-    return ok_status();
-  };
+  std::vector<kernels::WeightDecayRun> runs;
   for (const cpu_adam::WeightDecaySegment& seg : segments_of(deps_, b)) {
-    TZ_TRY(part(seg.begin, h.weight_decay));
-    TZ_TRY(part(seg.end, seg.weight_decay));
+    runs.push_back({seg.begin, seg.end, seg.weight_decay});
   }
-  return part(deps_.layout->blocks[b].shard_numel, h.weight_decay);
+  kernels::AdamCompactTensors call = t;
+  call.weight_decay_runs = runs.data();
+  call.weight_decay_run_count = runs.size();
+  TZ_TRY_CTX(kernels::adam_step_compact_cuda(call, deps_.layout->blocks[b].shard_numel, h,
+                                             deps_.stream->native_handle()),
+             "stepping {} on the GPU", deps_.layout->blocks[b].name);
+  return ok_status();
 }
 
 Status GpuOptimizerPass::step_block(std::size_t b, const kernels::AdamHyper& h, CopyOut& out) {
@@ -172,6 +199,7 @@ Status GpuOptimizerPass::run(const cpu_adam::Hyper& c, std::int64_t step, double
                              .weight_decay = c.weight_decay, .adamw = c.algorithm == cpu_adam::Algorithm::kAdamW,
                              .step = step, .grad_scale = grad_scale};
   const auto begin = std::chrono::steady_clock::now();
+  TZ_TRY_CTX(upload_int8_tables(), "uploading the int8 moment code tables");
   CopyOut out;
   Status stepped;
   for (std::size_t b = 0; b < deps_.layout->blocks.size() && stepped.ok(); ++b) stepped = step_block(b, h, out);

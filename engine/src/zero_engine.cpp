@@ -128,8 +128,9 @@ Status ZeroEngineImpl::put_weights(std::size_t block, const float* shard) {
 //
 // Note [Int8 moments in the engine]
 // With "int8" each moment's shard holds its codes and block scales (Note
-// [Stored int8 moment shards]), stepped by cpu_adam block by block (Note
-// [Int8 moments] in cpu_adam/src/int8_codes.h). Checkpoints hold them decoded
+// [Stored int8 moment shards]), stepped block by block by cpu_adam (Note
+// [Int8 moments] in cpu_adam/src/int8_codes.h) or on the GPU with the same
+// codes (Note [Int8 moments on the GPU optimizer]). Checkpoints hold them decoded
 // to fp32 ("dtype": "fp32" as every format): an int8 run resumes bit for bit
 // (decoded values encode to the same codes and scales), and an fp32 or bf16
 // checkpoint loads into an int8 run encoded as the step would encode it.

@@ -57,6 +57,7 @@ Status ZeroEngineImpl::make_plan() {
   // from the shards as stored and the pool's pages (the planner's is the
   // same count from the layout, for tierzero-estimate).
   input.step_under_backward = StepUnderBackward::kOff;
+  input.grads_on_device_across_micro_batches = false;  // the engine counts its own (make_grad_window)
   Expected<Plan> plan = plan_placement(input);
   if (!plan.ok() && !options_.placement) {
     const Status refused = std::move(plan).status().with_context("placing the model states");
@@ -84,12 +85,6 @@ Status ZeroEngineImpl::make_plan() {
                            "only; offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or "
                            "\"nvme\") to accumulate in 16 bits, or remove the key",
                            grad_format_name(c.states.grads));
-      }
-      // Note [Compact states on the GPU optimizer] (optimizer_pass.cpp).
-      if (c.states.moments == MomentFormat::kInt8) {
-        return unavailable("tierzero.states.moments = \"int8\": the GPU optimizer steps fp32 and bf16 moments; "
-                           "offload the optimizer (zero_optimization.offload_optimizer.device \"cpu\" or \"nvme\") "
-                           "to step int8 moments with cpu_adam, or keep \"bf16\" or \"fp32\" moments on the GPU");
       }
       if (c.optimizer.type != "Adam" && c.optimizer.type != "AdamW") {
         return unavailable("optimizer.type = \"{}\": the GPU optimizer steps Adam and AdamW; offload the optimizer "
@@ -123,9 +118,14 @@ std::vector<bool> ZeroEngineImpl::grad_window_blocks() const {
 
 Status ZeroEngineImpl::make_grad_window() {
   TZ_TRY_CTX(grads_->allocate_window(), "the gradient accumulators on the device");
-  const std::uint64_t bytes = grads_->window_bytes();
-  if (bytes == 0) return ok_status();
-  for (bool on : grad_window_blocks()) grad_window_blocks_ += on ? 1 : 0;
+  if (grads_->window_bytes() == 0) return ok_status();
+  std::uint64_t bytes = 0;  // as the planner counts them (add_grad_window): 4 B per shard element
+  const std::vector<bool> on = grad_window_blocks();
+  for (std::size_t b = 0; b < on.size(); ++b) {
+    if (!on[b]) continue;
+    ++grad_window_blocks_;
+    bytes += layout_.blocks[b].shard_numel * sizeof(float);
+  }
   TierUsage& usage = plan_.usage[static_cast<std::size_t>(Tier::kGpu)];
   usage.breakdown.push_back({fmt::format("fp32 gradient accumulators across micro-batches, {} of {} blocks (Note "
                                          "[Accumulating on the device across micro-batches])",

@@ -87,6 +87,22 @@ TZ_HOST_DEVICE inline float sqrt_rn(float a) {
 #endif
 }
 
+// The int8 codes' tables of one moment (Note [Int8 moments] in
+// cpu_adam/src/int8_codes.h; cpu_adam builds them, the caller passes them).
+struct Int8Table {
+  const float* decode = nullptr;  // (256,) the value of each code byte in units of the scale (NaN: the NaN code)
+  const float* mid = nullptr;     // (256,) mid[k] between magnitudes k and k + 1; +inf past the last
+  bool is_signed = false;         // exp_avg's code; exp_avg_sq's is unsigned, on sqrt(v)
+};
+
+// A run of elements [begin, end) of a call with its own weight decay: the
+// AdamCoef fields that weight decay sets (adam_coef with that weight decay).
+struct DecayRun {
+  std::uint64_t begin = 0, end = 0;
+  float decay = 1, weight_decay = 0;
+  bool l2 = false;
+};
+
 // One call of the compact step: base pointers (element i is base + i) and
 // what each format needs. A plain struct, passed to the CUDA kernel by value.
 struct CompactStep {
@@ -94,29 +110,55 @@ struct CompactStep {
   bool fused = true;               // Note [Compact Adam arithmetic]
   bool remainder_master = false;   // master as param16 + remainder + tie bits
   bool bf16_moments = false;
+  bool int8_moments = false;       // exp_avg, exp_avg_sq: codes; element 0 starts a 256-element block
   float* master = nullptr;         // (n,) fp32, !remainder_master
   std::uint16_t* param16 = nullptr;  // (n,) bf16: the copy-out (or null), or the master's bf16 half
   std::int16_t* remainder = nullptr; // (n,) remainder_master
   std::uint8_t* tie_bits = nullptr;  // element i's tie: bit (tie_bit_offset + i) of this array
   std::uint64_t tie_bit_offset = 0;
   const float* grad = nullptr;     // (n,) fp32
-  void* exp_avg = nullptr;         // (n,) fp32 or bf16
-  void* exp_avg_sq = nullptr;      // (n,) fp32 or bf16 (stochastic rounding)
+  void* exp_avg = nullptr;         // (n,) fp32, bf16 or int8 codes
+  void* exp_avg_sq = nullptr;      // (n,) fp32, bf16 (stochastic rounding) or int8 codes
   std::uint32_t sr_key = 0, sr_base = 0;  // element i's random bits: sr_hash(sr_base + i, sr_key) >> 16
+  float* exp_avg_scale = nullptr;     // (ceil(n / 256),) int8 moments' block scales
+  float* exp_avg_sq_scale = nullptr;
+  Int8Table exp_avg_code, exp_avg_sq_code;
+  const DecayRun* runs = nullptr;  // sorted, disjoint; host memory for the twin, device memory in the kernel
+  std::uint32_t run_count = 0;
 };
+
+// Element i's coefficients: the call's, or its weight-decay run's.
+TZ_HOST_DEVICE inline AdamCoef coef_at(const CompactStep& s, std::uint64_t i) {
+  AdamCoef c = s.coef;
+  std::uint32_t lo = 0, hi = s.run_count;  // the first run that ends after i
+  while (lo < hi) {
+    const std::uint32_t mid = (lo + hi) / 2;
+    if (s.runs[mid].end <= i) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  if (lo < s.run_count && s.runs[lo].begin <= i) {
+    c.decay = s.runs[lo].decay;
+    c.weight_decay = s.runs[lo].weight_decay;
+    c.l2 = s.runs[lo].l2;
+  }
+  return c;
+}
 
 TZ_HOST_DEVICE inline float load_moment(const void* base, std::size_t i, bool bf16) {
   return bf16 ? state_math::bf16_to_float(static_cast<const std::uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
 }
 
-// Steps element i. `tie` is its tie bit (remainder masters; false otherwise);
-// returns the new one. The caller reads and writes the packed tie bits.
-TZ_HOST_DEVICE inline bool adam_compact_element(const CompactStep& s, std::size_t i, bool tie) {
+// Steps element i's master with its moments m and v (updated in place, in
+// fp32: the caller loads and stores them in their format). `tie` is its tie
+// bit (remainder masters; false otherwise); returns the new one. The caller
+// reads and writes the packed tie bits.
+TZ_HOST_DEVICE inline bool adam_compact_update(const CompactStep& s, std::size_t i, float& m, float& v, bool tie) {
   namespace sm = state_math;
-  const AdamCoef& c = s.coef;
+  const AdamCoef c = coef_at(s, i);
   float p = s.remainder_master ? sm::join_master(s.param16[i], s.remainder[i], tie) : s.master[i];
-  float m = load_moment(s.exp_avg, i, s.bf16_moments);
-  float v = load_moment(s.exp_avg_sq, i, s.bf16_moments);
   float g = mul_rn(s.grad[i], c.grad_scale);
   if (c.l2) {
     g = madd(c.weight_decay, p, g, s.fused);
@@ -127,14 +169,6 @@ TZ_HOST_DEVICE inline bool adam_compact_element(const CompactStep& s, std::size_
   v = madd(c.beta2, v, mul_rn(mul_rn(c.one_minus_beta2, g), g), s.fused);
   const float denom = madd(sqrt_rn(v), c.inv_sqrt_bc2, c.eps, s.fused);
   p = madd(-c.step_size, div_rn(m, denom), p, s.fused);
-  if (s.bf16_moments) {
-    static_cast<std::uint16_t*>(s.exp_avg)[i] = sm::float_to_bf16(m);
-    static_cast<std::uint16_t*>(s.exp_avg_sq)[i] =
-        sm::float_to_bf16_stochastic(v, sm::sr_hash(s.sr_base + static_cast<std::uint32_t>(i), s.sr_key) >> 16);
-  } else {
-    static_cast<float*>(s.exp_avg)[i] = m;
-    static_cast<float*>(s.exp_avg_sq)[i] = v;
-  }
   if (s.remainder_master) {
     const sm::SplitMaster split = sm::split_master(p);
     s.param16[i] = split.bf16;
@@ -144,6 +178,24 @@ TZ_HOST_DEVICE inline bool adam_compact_element(const CompactStep& s, std::size_
   s.master[i] = p;
   if (s.param16 != nullptr) s.param16[i] = sm::float_to_bf16(p);
   return false;
+}
+
+// Steps element i with fp32 or bf16 moments (int8 moments step by block:
+// int8_math.h).
+TZ_HOST_DEVICE inline bool adam_compact_element(const CompactStep& s, std::size_t i, bool tie) {
+  namespace sm = state_math;
+  float m = load_moment(s.exp_avg, i, s.bf16_moments);
+  float v = load_moment(s.exp_avg_sq, i, s.bf16_moments);
+  tie = adam_compact_update(s, i, m, v, tie);
+  if (s.bf16_moments) {
+    static_cast<std::uint16_t*>(s.exp_avg)[i] = sm::float_to_bf16(m);
+    static_cast<std::uint16_t*>(s.exp_avg_sq)[i] =
+        sm::float_to_bf16_stochastic(v, sm::sr_hash(s.sr_base + static_cast<std::uint32_t>(i), s.sr_key) >> 16);
+  } else {
+    static_cast<float*>(s.exp_avg)[i] = m;
+    static_cast<float*>(s.exp_avg_sq)[i] = v;
+  }
+  return tie;
 }
 
 }  // namespace tz::kernels::detail

@@ -26,7 +26,8 @@ cudaError_t squared_norms(const Tensor* tensors, std::size_t count, double* d_ou
 cudaError_t adam_step(float* d_param, const float* d_grad, float* d_m, float* d_v, std::uint16_t* d_param16,
                       std::size_t n, const detail::AdamCoef& coef, cudaStream_t stream);
 
-// Note [Compact Adam arithmetic]; always fused.
+// Note [Compact Adam arithmetic]; always fused. s.runs is a host array (the
+// launcher copies it to the device); int8 moments: Note [Int8 moments on the GPU].
 cudaError_t adam_step_compact(const detail::CompactStep& s, std::size_t n, cudaStream_t stream);
 
 // format: 0 fp32, 1 bf16, 2 fp16 (tz::DType).

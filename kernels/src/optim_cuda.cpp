@@ -32,7 +32,8 @@ Status adam_step_cuda(const AdamTensors& d_t, std::size_t n, const AdamHyper& h,
 }
 
 Status adam_step_compact_cuda(const AdamCompactTensors& d_t, std::size_t n, const AdamHyper& h, void* cuda_stream) {
-  TZ_ASSIGN_OR_RETURN(detail::CompactStep s, detail::compact_step_of(d_t, n, h, true));
+  std::vector<detail::DecayRun> runs;  // host memory; the launcher uploads them
+  TZ_ASSIGN_OR_RETURN(detail::CompactStep s, detail::compact_step_of(d_t, n, h, true, runs));
   TZ_CUDA_CHECK(launch::adam_step_compact(s, n, static_cast<cudaStream_t>(cuda_stream)));
   return ok_status();
 }

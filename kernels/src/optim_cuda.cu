@@ -1,5 +1,6 @@
 // CUDA optimizer kernels (tierzero/kernels.h): unscale with an inf/NaN flag,
-// multi-tensor squared norms, Adam/AdamW with the bf16 copy-out.
+// multi-tensor squared norms, Adam/AdamW with the bf16 copy-out, and Adam on
+// the compact formats (int8 moments by block: Note [Int8 moments on the GPU]).
 //
 // Note [Deterministic norms]
 // The squared norms cut every tensor into chunks of kNormChunk elements; one
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "cuda_launch.h"
+#include "int8_math.h"
 
 namespace tz::kernels::launch {
 namespace {
@@ -112,6 +114,70 @@ __global__ void adam_compact_kernel(detail::CompactStep s, std::size_t n) {
   }
 }
 
+// Note [Int8 moments on the GPU] (int8_math.h): one thread block per
+// 256-element block of the codes, one thread per element. Each thread decodes
+// and steps its element; the block's largest finite |m| and |v| are found by
+// warp shuffles, then across the eight warps through shared memory (max is
+// exact, so the tree's order does not matter); every thread then encodes its
+// element with the new scales. Tie bits as in Note [Tie bits across threads]:
+// a call starts at a block and tie_bit_offset is a multiple of 8, so each
+// warp's four bytes are its own.
+__global__ void adam_compact_int8_kernel(detail::CompactStep s, std::size_t n) {
+  static_assert(kThreads == detail::kInt8BlockNumel, "one thread per element of an int8 block");
+  __shared__ float warp_max[2][kThreads / 32];
+  std::uint8_t* ties = s.remainder_master ? s.tie_bits + s.tie_bit_offset / 8 : nullptr;
+  auto* m_codes = static_cast<std::uint8_t*>(s.exp_avg);
+  auto* v_codes = static_cast<std::uint8_t*>(s.exp_avg_sq);
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::size_t blocks = (n + kThreads - 1) / kThreads;
+  for (std::size_t q = blockIdx.x; q < blocks; q += gridDim.x) {  // uniform over the thread block
+    const std::size_t i = q * kThreads + threadIdx.x;
+    const bool active = i < n;
+    float m = 0.0F, v = 0.0F;
+    bool tie = false;
+    if (active) {
+      m = detail::int8_decode(s.exp_avg_code, m_codes[i], s.exp_avg_scale[q]);
+      v = detail::int8_decode(s.exp_avg_sq_code, v_codes[i], s.exp_avg_sq_scale[q]);
+      if (ties != nullptr) tie = ((ties[i / 8] >> (i % 8)) & 1U) != 0;
+      tie = detail::adam_compact_update(s, i, m, v, tie);
+    }
+    float m_max = active ? detail::int8_finite_abs(m) : 0.0F;
+    float v_max = active ? detail::int8_finite_abs(v) : 0.0F;
+    for (int offset = 16; offset > 0; offset /= 2) {
+      m_max = detail::int8_max(m_max, __shfl_xor_sync(0xffffffffU, m_max, offset));
+      v_max = detail::int8_max(v_max, __shfl_xor_sync(0xffffffffU, v_max, offset));
+    }
+    if (lane == 0) {
+      warp_max[0][warp] = m_max;
+      warp_max[1][warp] = v_max;
+    }
+    if (ties != nullptr) {  // uniform over the launch
+      const unsigned bits = __ballot_sync(0xffffffffU, tie);
+      const unsigned live = __ballot_sync(0xffffffffU, active);
+      const unsigned mask = (live >> lane) & 0xffU;
+      if (lane % 8 == 0 && mask != 0) {
+        ties[i / 8] = static_cast<std::uint8_t>((ties[i / 8] & ~mask) | ((bits >> lane) & mask));
+      }
+    }
+    __syncthreads();
+    for (int w = 0; w < kThreads / 32; ++w) {
+      m_max = detail::int8_max(m_max, warp_max[0][w]);
+      v_max = detail::int8_max(v_max, warp_max[1][w]);
+    }
+    const float m_scale = detail::int8_scale(s.exp_avg_code, m_max);
+    const float v_scale = detail::int8_scale(s.exp_avg_sq_code, v_max);
+    if (active) {
+      m_codes[i] = detail::int8_encode(s.exp_avg_code, m, m_scale);
+      v_codes[i] = detail::int8_encode(s.exp_avg_sq_code, v, v_scale);
+    }
+    if (threadIdx.x == 0) {
+      s.exp_avg_scale[q] = m_scale;
+      s.exp_avg_sq_scale[q] = v_scale;
+    }
+    __syncthreads();  // warp_max is read before the next block's writes
+  }
+}
+
 template <typename T>
 __device__ float grad_value(const T* g, std::size_t i);
 template <>
@@ -132,12 +198,34 @@ __global__ void accumulate_kernel(float* __restrict__ acc, const T* __restrict__
 
 }  // namespace
 
+// s.runs is a host array: its copy goes up on the stream (staged before
+// cudaMemcpyAsync returns, pageable memory) and is freed after the kernel.
 cudaError_t adam_step_compact(const detail::CompactStep& s, std::size_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const std::size_t shift = s.remainder_master ? s.tie_bit_offset % 8 : 0;
+  detail::CompactStep d = s;
+  const std::size_t run_bytes = s.run_count * sizeof(detail::DecayRun);
+  cudaError_t err = cudaSuccess;
+  if (run_bytes > 0) {
+    void* d_runs = nullptr;
+    err = cudaMallocAsync(&d_runs, run_bytes, stream);
+    if (err != cudaSuccess) return err;
+    d.runs = static_cast<const detail::DecayRun*>(d_runs);
+    err = cudaMemcpyAsync(d_runs, s.runs, run_bytes, cudaMemcpyHostToDevice, stream);
+  }
   static_assert(kThreads % 32 == 0, "Note [Tie bits across threads]: blocks of whole warps");
-  adam_compact_kernel<<<grid_for(n + shift), kThreads, 0, stream>>>(s, n);
-  return cudaGetLastError();
+  if (err == cudaSuccess && s.int8_moments) {
+    adam_compact_int8_kernel<<<grid_for(n), kThreads, 0, stream>>>(d, n);
+    err = cudaGetLastError();
+  } else if (err == cudaSuccess) {
+    const std::size_t shift = s.remainder_master ? s.tie_bit_offset % 8 : 0;
+    adam_compact_kernel<<<grid_for(n + shift), kThreads, 0, stream>>>(d, n);
+    err = cudaGetLastError();
+  }
+  if (run_bytes > 0) {
+    const cudaError_t freed = cudaFreeAsync(const_cast<detail::DecayRun*>(d.runs), stream);
+    if (err == cudaSuccess) err = freed;
+  }
+  return err;
 }
 
 cudaError_t accumulate_grad(float* d_acc, const void* d_grad, int format, std::size_t n, bool overwrite, float scale,

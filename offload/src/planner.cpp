@@ -386,14 +386,22 @@ StepTraffic step_traffic(const PlanInput& in, const Plan& plan) {
   const std::uint64_t grad = plan.layout.grad_numel;
   const std::uint64_t opt = plan.layout.optimizer_numel;
   // The gradient leaves the GPU in the parameters' type; the host accumulates
-  // it in fp32, or 16 bits (data_types.grad_accum_dtype).
-  if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) add_bytes(t.d2h_bytes, {in.param_bytes, grad, g});
+  // it in fp32, or 16 bits (data_types.grad_accum_dtype). The blocks that
+  // accumulate on the device (Note [Accumulating on the device across
+  // micro-batches]) send their fp32 sum down once and store it once.
+  const std::uint64_t window = std::min(plan.grad_window_numel, grad);
+  if (plan.tier_of(StateClass::kGrad) != Tier::kGpu) {
+    add_bytes(t.d2h_bytes, {in.param_bytes, grad - window, g});
+    add_bytes(t.d2h_bytes, {4, window});
+  }
   if (plan.tier_of(StateClass::kGrad) == Tier::kNvme) {
     // Each micro-batch writes its accumulated grads; every one but the
     // first reads them back to accumulate, and the step reads them once.
     const std::uint64_t acc = grad_bytes_per_elem(in.states.grads);
-    add_bytes(t.nvme_write_bytes, {acc, grad, g});
-    add_bytes(t.nvme_read_bytes, {acc, grad, g});
+    add_bytes(t.nvme_write_bytes, {acc, grad - window, g});
+    add_bytes(t.nvme_read_bytes, {acc, grad - window, g});
+    add_bytes(t.nvme_write_bytes, {acc, window});
+    add_bytes(t.nvme_read_bytes, {acc, window});
   }
   for (StateClass s : {StateClass::kMaster, StateClass::kMoments}) {
     if (plan.tier_of(s) != Tier::kNvme) continue;
@@ -414,12 +422,10 @@ std::vector<Placement> candidate_placements(const PlanInput& in) {
   if (in.stage == 3) param_tiers = {Tier::kGpu, Tier::kCpu, Tier::kNvme};
   std::vector<Placement> out;
   for (Tier param : param_tiers) {
-    // The GPU optimizer steps fp32 or remainder masters and fp32 or bf16
-    // moments (Note [Compact states on the GPU optimizer] in
-    // engine/src/optimizer_pass.cpp); with int8 moments the optimizer's
-    // states are placed off the GPU, where cpu_adam steps them.
-    // It accumulates gradients in fp32 only (data_types.grad_accum_dtype).
-    if (in.states.moments != MomentFormat::kInt8 && in.states.grads == GradFormat::kFp32) {
+    // The GPU optimizer steps every master and moment format (Note [Compact
+    // states on the GPU optimizer] in engine/src/optimizer_pass_gpu.cpp), and
+    // accumulates gradients in fp32 only (data_types.grad_accum_dtype).
+    if (in.states.grads == GradFormat::kFp32) {
       out.push_back({param, Tier::kGpu, Tier::kGpu, Tier::kGpu});
     }
     for (Tier master : {Tier::kCpu, Tier::kNvme}) {
@@ -487,13 +493,6 @@ Expected<Plan> plan_deepspeed(const PlanInput& in, const PlanLayout& layout) {
   if (in.offload_param != OffloadDevice::kNone && in.stage != 3) {
     return invalid_argument("zero_optimization.offload_param.device \"{}\" needs ZeRO stage 3, but stage is {}",
                             offload_device_name(in.offload_param), in.stage);
-  }
-  if (in.offload_optimizer == OffloadDevice::kNone && in.states.moments == MomentFormat::kInt8) {
-    // The engine refuses it too (Note [Compact states on the GPU optimizer]).
-    return invalid_argument(
-        "tierzero.states.moments \"int8\" with zero_optimization.offload_optimizer.device \"none\": the GPU "
-        "optimizer steps fp32 or bf16 moments; offload the optimizer (\"cpu\" or \"nvme\") to step int8 moments "
-        "with cpu_adam, or use moments \"bf16\" on the GPU");
   }
   const Tier param = device_tier(in.offload_param);
   Placement p = {param, Tier::kGpu, Tier::kGpu, Tier::kGpu};
@@ -585,6 +584,36 @@ Plan planner_internal::evaluate_placement(const PlanInput& in, const PlanLayout&
 
 namespace {
 
+// Note [Accumulating on the device across micro-batches] (engine/src/
+// gradient_path.cpp), counted as the engine counts it (grad_window_blocks in
+// zero_engine_setup.cpp): with the CPU optimizer, fp32 accumulators and G >= 2,
+// an fp32 accumulator per block from the last (backward reaches it first)
+// while this rank's share of the GPU headroom holds it; after the placement
+// is chosen, as the engine decides, and the traffic follows.
+void add_grad_window(const PlanInput& in, Plan& plan) {
+  if (!in.grads_on_device_across_micro_batches || in.gradient_accumulation_steps < 2 ||
+      plan.tier_of(StateClass::kMaster) == Tier::kGpu || in.states.grads != GradFormat::kFp32) {
+    return;
+  }
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
+  TierUsage& gpu = plan.usage[idx(Tier::kGpu)];
+  std::int64_t room = gpu.headroom_bytes() / std::max(gpu.ranks_sharing, 1);
+  for (std::size_t b = in.block_numel.size(); b-- > 0;) {
+    const std::uint64_t shard = align_up((in.block_numel[b] + ranks - 1) / ranks, kShardAlignNumel);
+    if (static_cast<std::int64_t>(shard * 4) > room) break;
+    room -= static_cast<std::int64_t>(shard * 4);
+    plan.grad_window_numel += shard;
+    ++plan.grad_window_blocks;
+  }
+  if (plan.grad_window_blocks == 0) return;
+  add_item(gpu, fmt::format("fp32 gradient accumulators across micro-batches, {} of {} blocks (Note [Accumulating "
+                            "on the device across micro-batches])", plan.grad_window_blocks, in.block_numel.size()),
+           plan.grad_window_numel * 4);
+  gpu.need_bytes = sat_mul(gpu.per_rank_bytes, static_cast<std::uint64_t>(std::max(gpu.ranks_sharing, 1)));
+  plan.traffic = step_traffic(in, plan);
+  plan.summary = planner_internal::plan_summary(plan);
+}
+
 // Note [Stepping under backward] (engine/src/step_ahead.h), "Cost, per
 // rank", counted as the engine counts it (make_stores, make_step_ahead) but
 // from the layout: a second NVMe copy of the NVMe master and moments where
@@ -655,6 +684,7 @@ Expected<Plan> plan_placement(const PlanInput& input) {
   const PlanLayout layout = compute_layout(input);
   Expected<Plan> plan = input.mode == PlacementMode::kDeepSpeed ? plan_deepspeed(input, layout) : plan_auto(input, layout);
   if (plan.ok()) add_step_ahead(input, *plan);
+  if (plan.ok()) add_grad_window(input, *plan);
   return plan;
 }
 

@@ -108,6 +108,7 @@ PlanInput PlanInput::from_config(const Config& config, std::vector<std::uint64_t
   in.prefetch_bucket_size = config.zero.stage3_prefetch_bucket_size;
   in.sub_group_size = config.zero.sub_group_size;
   in.step_under_backward = config.step_under_backward;
+  in.grads_on_device_across_micro_batches = config.backend != BackendChoice::kHost;
   return in;
 }
 

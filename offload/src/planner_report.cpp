@@ -230,12 +230,30 @@ void format_step_ahead(std::string& out, const Plan& plan, const PlanInput& in) 
   }
 }
 
+// Note [Accumulating on the device across micro-batches] (engine/src/gradient_path.cpp).
+void format_grad_window(std::string& out, const Plan& plan, const PlanInput& in) {
+  if (!in.grads_on_device_across_micro_batches || in.gradient_accumulation_steps < 2 ||
+      plan.tier_of(StateClass::kMaster) == Tier::kGpu) {
+    return;
+  }
+  out += fmt::format("gradients across {} micro-batches: ", in.gradient_accumulation_steps);
+  if (in.states.grads != GradFormat::kFp32) {
+    out += "on the host (16-bit accumulators round after every micro-batch)\n";
+  } else if (plan.grad_window_blocks == 0) {
+    out += "on the host (the GPU headroom holds no block's fp32 accumulator)\n";
+  } else {
+    out += fmt::format("{} of {} blocks add up on the GPU and go down once (the GPU breakdown's \"gradient "
+                       "accumulators\" item)\n", plan.grad_window_blocks, plan.layout.blocks);
+  }
+}
+
 std::string format_plan(const Plan& plan, const PlanInput& input) {
   std::string out;
   format_inputs(out, plan, input);
   format_tables(out, plan);
   format_breakdown(out, plan);
   format_step_ahead(out, plan, input);
+  format_grad_window(out, plan, input);
   format_traffic(out, plan, input);
   return out;
 }

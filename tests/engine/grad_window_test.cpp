@@ -162,6 +162,54 @@ TEST(GradWindow, OnlyTheBlocksTheGpuBudgetHoldsAccumulateOnTheDevice) {
   EXPECT_EQ(first_difference(host->bits, some->bits), "");
 }
 
+// The planner (tierzero-estimate) counts what the engine adds to its plan:
+// the same blocks, the same bytes, and the traffic it saves. A config on the
+// Host backend turns the planner's count off, as the engine's "unset".
+TEST(GradWindow, ThePlannerCountsWhatTheEngineAddsToItsPlan) {
+  TempDir nvme;
+  // The config's own placement (the plan's numbers are its): params and optimizer on NVMe.
+  tz::Config config = config_for(nvme.path(), 3);
+  config.placement = tz::PlacementMode::kDeepSpeed;
+  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
+  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
+  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme.path();
+  auto e = tz::ZeroEngine::create({.config = config, .grads_on_device_across_micro_batches = true},
+                                  tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  const tz::Plan& engine_plan = (*e)->plan();
+  const tz::ResolvedBudgets budgets{.gpu_bytes = engine_plan.usage_of(Tier::kGpu).budget_bytes,
+                                    .cpu_bytes = engine_plan.usage_of(Tier::kCpu).budget_bytes,
+                                    .nvme_bytes = engine_plan.usage_of(Tier::kNvme).budget_bytes};
+  const auto plan_with = [&](bool window) {
+    tz::PlanInput in = tz::PlanInput::from_config(config, (*e)->layout().block_numel(), 1, 0, budgets);
+    in.grads_on_device_across_micro_batches = window;
+    return tz::plan_placement(in);
+  };
+  const auto planned = plan_with(true), without = plan_with(false);
+  ASSERT_TRUE(planned.ok() && without.ok()) << (planned.ok() ? without.status() : planned.status()).to_string();
+  ASSERT_EQ(planned->tier, engine_plan.tier);
+  const auto item = [](const tz::Plan& plan) -> std::uint64_t {
+    for (const tz::NeedItem& i : plan.usage_of(Tier::kGpu).breakdown) {
+      if (i.what.find("gradient accumulators across micro-batches") != std::string::npos) return i.bytes;
+    }
+    return 0;
+  };
+  EXPECT_EQ(planned->grad_window_blocks, 3U);
+  EXPECT_GT(item(*planned), 0U);
+  EXPECT_EQ(item(*planned), item(engine_plan));
+  EXPECT_EQ(item(*without), 0U);
+  // bf16 gradients, G = 3: D2H 2 B x 3 -> 4 B per element (grads on NVMe would
+  // also be written and read once instead of three times: GradWindow.Every* measures it).
+  const std::uint64_t n = planned->grad_window_numel;
+  EXPECT_EQ(n, shard_numel(**e));
+  EXPECT_EQ(without->traffic.d2h_bytes - planned->traffic.d2h_bytes, 2 * n);
+  EXPECT_EQ(without->traffic.nvme_read_bytes - planned->traffic.nvme_read_bytes,
+            planned->tier_of(tz::StateClass::kGrad) == Tier::kNvme ? 8 * n : 0);
+  config.backend = tz::BackendChoice::kHost;
+  EXPECT_FALSE(tz::PlanInput::from_config(config, (*e)->layout().block_numel(), 1, 0, budgets)
+                   .grads_on_device_across_micro_batches);
+}
+
 // Windows by hand (2 micro-batches). A micro-batch through the MLP, then a
 // checkpoint load (from before it): its partial sums must be forgotten.
 // Window A reduces only block 0, in both micro-batches: blocks 1 and 2 have

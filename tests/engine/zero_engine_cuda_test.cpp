@@ -158,7 +158,7 @@ TEST(ZeroEngineCuda, A16BitGradAccumulatorWithTheGpuOptimizerIsRefusedNamingTheK
 
 // ---------------------------------------------------------------- compact states on the GPU optimizer
 // Note [Compact states on the GPU optimizer]: the GPU optimizer steps
-// remainder masters and bf16 moments with cpu_adam's arithmetic.
+// remainder masters and bf16 and int8 moments with cpu_adam's arithmetic.
 
 using tz::MasterFormat;
 using tz::MomentFormat;
@@ -191,7 +191,9 @@ std::string first_master_difference(RunBits a, RunBits b) {
 
 const tz::StateFormats kGpuFormats[] = {{MasterFormat::kRemainder, MomentFormat::kFp32},
                                         {MasterFormat::kFp32, MomentFormat::kBf16},
-                                        {MasterFormat::kRemainder, MomentFormat::kBf16}};
+                                        {MasterFormat::kRemainder, MomentFormat::kBf16},
+                                        {MasterFormat::kFp32, MomentFormat::kInt8},
+                                        {MasterFormat::kRemainder, MomentFormat::kInt8}};
 
 std::string formats_name(tz::StateFormats f) {
   return fmt::format("master {}, moments {}", tz::master_format_name(f.master), tz::moment_format_name(f.moments));
@@ -236,11 +238,14 @@ TEST(ZeroEngineCuda, CompactStatesOnTheGpuOptimizerStepAsInCpuMemoryBitForBit) {
       EXPECT_NEAR(gpu->grad_norms[s], cpu->grad_norms[s], 1e-6 * cpu->grad_norms[s]) << "step " << s + 1;
     }
   }
-  // The control: bf16 moments are in effect on the GPU (an fp32-moment run differs).
+  // The controls: bf16 moments are in effect on the GPU (an fp32-moment run
+  // differs), and so are int8 moments (a bf16-moment run differs).
   const auto fp32 = run_formats({}, kCases[0].placement, 0.0);
   const auto bf16 = run_formats(kGpuFormats[1], kCases[0].placement, 0.0);
-  ASSERT_TRUE(fp32.ok() && bf16.ok());
+  const auto int8 = run_formats(kGpuFormats[3], kCases[0].placement, 0.0);
+  ASSERT_TRUE(fp32.ok() && bf16.ok() && int8.ok());
   EXPECT_NE(first_master_difference(*fp32, *bf16), "");
+  EXPECT_NE(first_master_difference(*bf16, *int8), "");
 }
 
 // A checkpoint of compact states saved by either optimizer loads into the
@@ -248,27 +253,28 @@ TEST(ZeroEngineCuda, CompactStatesOnTheGpuOptimizerStepAsInCpuMemoryBitForBit) {
 TEST(ZeroEngineCuda, CompactCheckpointsMoveBetweenTheGpuAndCpuOptimizersBitForBit) {
   TZ_REQUIRE_CUDA_DEVICE();
   TZ_REQUIRE_FUSED_CPU_ADAM();
-  const tz::StateFormats f = kGpuFormats[2];
   const Placement gpu = kCases[0].placement, cpu = kCases[1].placement;
-  for (bool from_gpu : {true, false}) {
-    SCOPED_TRACE(from_gpu ? "saved on the GPU optimizer" : "saved on the CPU optimizer");
-    TempDir nvme, ckpt;
-    auto make = [&](const Placement& p) {
-      return tz::ZeroEngine::create({.config = compact_config(nvme.path(), f, 0.0), .placement = p},
-                                    tz::mlp::model(kMlp), tz::mlp::init(kMlp));
-    };
-    auto a = make(from_gpu ? gpu : cpu);
-    ASSERT_TRUE(a.ok()) << a.status().to_string();
-    ASSERT_TRUE(train_for_bits(**a, kMlp, 3, 2).ok());
-    ASSERT_TRUE((*a)->save_checkpoint(ckpt.path()).ok());
-    auto b = make(from_gpu ? cpu : gpu);
-    ASSERT_TRUE(b.ok()) << b.status().to_string();
-    const tz::Status loaded = (*b)->load_checkpoint(ckpt.path());
-    ASSERT_TRUE(loaded.ok()) << loaded.to_string();
-    const auto going_on = train_for_bits(**a, kMlp, 4, 2);
-    const auto resumed = train_for_bits(**b, kMlp, 4, 2);
-    ASSERT_TRUE(going_on.ok() && resumed.ok());
-    EXPECT_EQ(first_master_difference(*going_on, *resumed), "");
+  for (const tz::StateFormats& f : {kGpuFormats[2], kGpuFormats[4]}) {  // bf16 and int8 moments
+    for (bool from_gpu : {true, false}) {
+      SCOPED_TRACE(fmt::format("{}, saved on the {} optimizer", formats_name(f), from_gpu ? "GPU" : "CPU"));
+      TempDir nvme, ckpt;
+      auto make = [&](const Placement& p) {
+        return tz::ZeroEngine::create({.config = compact_config(nvme.path(), f, 0.0), .placement = p},
+                                      tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+      };
+      auto a = make(from_gpu ? gpu : cpu);
+      ASSERT_TRUE(a.ok()) << a.status().to_string();
+      ASSERT_TRUE(train_for_bits(**a, kMlp, 3, 2).ok());
+      ASSERT_TRUE((*a)->save_checkpoint(ckpt.path()).ok());
+      auto b = make(from_gpu ? cpu : gpu);
+      ASSERT_TRUE(b.ok()) << b.status().to_string();
+      const tz::Status loaded = (*b)->load_checkpoint(ckpt.path());
+      ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+      const auto going_on = train_for_bits(**a, kMlp, 4, 2);
+      const auto resumed = train_for_bits(**b, kMlp, 4, 2);
+      ASSERT_TRUE(going_on.ok() && resumed.ok());
+      EXPECT_EQ(first_master_difference(*going_on, *resumed), "");
+    }
   }
 }
 
@@ -289,16 +295,65 @@ TEST(ZeroEngineCuda, TheExportOfGpuRemainderMastersIsTheFp32RunsByteForByte) {
   EXPECT_TRUE(files[0] == files[1]);
 }
 
-TEST(ZeroEngineCuda, Int8MomentsOnTheGpuOptimizerAreRefusedNamingInt8) {
+// Int8 moments train on the GPU optimizer (Note [Int8 moments on the GPU
+// optimizer]) with the parameters in GPU memory, CPU memory or on NVMe, with
+// clipping on: the optimizer's arithmetic does not depend on where the
+// parameters live, so the three runs are one run, bit for bit, and it moves.
+TEST(ZeroEngineCuda, Int8MomentsOnTheGpuOptimizerTrainAlikeWhereverTheParametersLive) {
   TZ_REQUIRE_CUDA_DEVICE();
-  TempDir nvme;
-  auto engine = tz::ZeroEngine::create(
-      {.config = compact_config(nvme.path(), {MasterFormat::kRemainder, MomentFormat::kInt8}, kClip),
-       .placement = kCases[0].placement},
-      tz::mlp::model(kMlp), tz::mlp::init(kMlp));
-  ASSERT_FALSE(engine.ok());
-  EXPECT_NE(engine.status().message().find("moments = \"int8\""), std::string::npos) << engine.status().to_string();
-  EXPECT_EQ(engine.status().message().find("remainder"), std::string::npos) << engine.status().to_string();
+  const tz::StateFormats f{MasterFormat::kRemainder, MomentFormat::kInt8};
+  const auto on_gpu = run_formats(f, kCases[0].placement, kClip);
+  ASSERT_TRUE(on_gpu.ok()) << on_gpu.status().to_string();
+  EXPECT_NE(on_gpu->masters[kCompactSteps - 1], on_gpu->masters[kCompactSteps - 2]);
+  for (const Placement& p : {kCases[4].placement, kCases[5].placement}) {
+    SCOPED_TRACE(placement_name(p));
+    const auto run = run_formats(f, p, kClip);
+    ASSERT_TRUE(run.ok()) << run.status().to_string();
+    EXPECT_EQ(first_difference(*on_gpu, *run), "");
+  }
+}
+
+// ---------------------------------------------------------------- gradients across micro-batches on the GPU
+// Note [Accumulating on the device across micro-batches]: with the CPU
+// optimizer and 3 micro-batches a step, the default on CUDA keeps every
+// block's fp32 accumulator on the GPU (the test budget holds them) and brings
+// the sum down once; the run is the host path's (the switch off) bit for bit,
+// norms included, and the gradients move 4 B an element down instead of 6.
+TEST(ZeroEngineCuda, GradientsAccumulatedOnTheGpuAcrossMicroBatchesTrainAsOnTheHostBitForBit) {
+  TZ_REQUIRE_CUDA_DEVICE();
+  TZ_REQUIRE_FUSED_CPU_ADAM();
+  constexpr int kGas = 3;
+  for (const Case& c : {kCases[1], kCases[2], kCases[3]}) {
+    SCOPED_TRACE(c.what);
+    struct Arm {
+      RunBits bits;
+      tz::StepReport last;
+      std::uint64_t numel = 0;
+    };
+    const auto arm = [&](std::optional<bool> window) -> tz::Expected<Arm> {
+      TempDir nvme;
+      tz::Config config = test_config(nvme.path(), 3, kGas, "bf16", "cuda");
+      config.gradient_clipping = kClip;
+      TZ_ASSIGN_OR_RETURN(std::unique_ptr<tz::ZeroEngine> engine,
+                          tz::ZeroEngine::create({.config = config, .placement = c.placement,
+                                                  .grads_on_device_across_micro_batches = window},
+                                                 tz::mlp::model(kMlp), tz::mlp::init(kMlp)));
+      Arm a;
+      TZ_ASSIGN_OR_RETURN(a.bits, train_for_bits(*engine, kMlp, kCompactSteps, kGas));
+      for (int micro = 0; micro < kGas; ++micro) {
+        TZ_TRY(tz::mlp::train_micro_batch(*engine, kMlp, tz::mlp::make_batch(kMlp, 0, micro, kCompactSteps)).status());
+        TZ_ASSIGN_OR_RETURN(a.last, engine->step());
+      }
+      for (const tz::BlockLayout& b : engine->layout().blocks) a.numel += b.shard_numel;
+      return a;
+    };
+    const auto host = arm(false), device = arm(std::nullopt);
+    ASSERT_TRUE(host.ok() && device.ok()) << (host.ok() ? device.status() : host.status()).to_string();
+    EXPECT_EQ(device->last.grad_window_blocks, 3U) << "on CUDA by default, where the budget allows";
+    EXPECT_EQ(first_difference(host->bits, device->bits), "");
+    EXPECT_EQ(host->last.d2h_bytes, 2 * kGas * host->numel);
+    EXPECT_EQ(device->last.d2h_bytes, 4 * device->numel);
+  }
 }
 
 }  // namespace

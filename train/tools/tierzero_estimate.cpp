@@ -348,6 +348,7 @@ nlohmann::json plan_json(const tz::Plan& plan, const tz::PlanInput& in, const tz
                    {"nvme_bytes_per_param", per_param(t.nvme_read_bytes) + per_param(t.nvme_write_bytes)},
                    {"pcie_bytes_per_param", per_param(t.h2d_bytes) + per_param(t.d2h_bytes)}}},
       {"step_under_backward", {{"blocks", plan.ahead_blocks}, {"off", plan.ahead_off}}},
+      {"grads_on_device_across_micro_batches", {{"blocks", plan.grad_window_blocks}, {"numel", plan.grad_window_numel}}},
       {"candidates", plan.candidates},
       {"feasible_candidates", plan.feasible_candidates},
       {"summary", plan.summary}};

@@ -222,6 +222,17 @@ enum class Int8Moment : std::uint8_t { kExpAvg, kExpAvgSq };
 // Errors: InvalidArgument naming a null, misaligned or overlapping array.
 Status encode_int8_moment(Int8Moment which, const float* x, std::size_t n, std::uint8_t* codes, float* scales);
 Status decode_int8_moment(Int8Moment which, const std::uint8_t* codes, const float* scales, std::size_t n, float* x);
+// A code's tables, for an optimizer elsewhere (the GPU's, tz::kernels) that
+// must write the same codes: decode[c], the value of code byte c in units of
+// the block's scale (its square for exp_avg_sq; NaN for the NaN code), and
+// mid[k], the fp32 midpoint between magnitudes k and k + 1 (+inf past the
+// last); a value's magnitude is the number of midpoints below it. 256 floats
+// each, built on first use, valid for the life of the process.
+struct Int8CodeTables {
+  const float* decode = nullptr;
+  const float* mid = nullptr;
+};
+Int8CodeTables int8_code_tables(Int8Moment which);
 
 // Conversions between the master formats, for checkpoints and exports; the
 // bits are the step's (bf16 = round to nearest even, NaN as the copy-out).

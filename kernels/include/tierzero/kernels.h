@@ -109,13 +109,34 @@ Status adam_step_cuda(const AdamTensors& d_t, std::size_t n, const AdamHyper& h,
 // Every element gets cpu_adam's arithmetic, so the results are cpu_adam's
 // bits (Note [Compact Adam arithmetic] in kernels/src/adam_math.h: the CUDA
 // kernel matches cpu_adam's fused-multiply-add variants, AVX2 and AVX-512).
-// int8 moments are refused (InvalidArgument): they step on the CPU only.
+// int8 moments (codes and one fp32 scale per 256 elements, Note [Int8
+// moments] in cpu_adam/src/int8_codes.h) step block by block, decoded,
+// stepped in fp32 and encoded as cpu_adam does (Note [Int8 moments on the
+// GPU] in kernels/src/int8_math.h), with cpu_adam's code tables passed in:
+// element 0 of an int8 call starts a 256-element block (its scales are
+// exp_avg_scale[0], ...), and a remainder master's tie_bit_offset is a
+// multiple of 8. A block's elements must step in one call (its scale is of
+// all of them): weight_decay_runs give parts of a call their own weight
+// decay, so a weight-decay segment needs no launch of its own.
 //
 //   AdamCompactTensors t{.master_format = MasterFormat::kRemainder, .param16 = d_bf16, .remainder = d_rem,
 //                        .tie_bits = d_ties, .grad = d_grad, .moment_format = MomentFormat::kBf16,
 //                        .exp_avg = d_m, .exp_avg_sq = d_v,
 //                        .sr_key = state_math::sr_step_key(key, step, index), .sr_base = uint32_t(index)};
 //   TZ_TRY(tz::kernels::adam_step_compact_cuda(t, n, hyper, stream));
+// Elements [begin, end) of a call (indices from the call's element 0) step
+// with this weight decay instead of AdamHyper::weight_decay (and Adam's L2
+// term or AdamW's decay as that weight decay gives them).
+struct WeightDecayRun {
+  std::uint64_t begin = 0, end = 0;
+  double weight_decay = 0;
+};
+// One int8 code's tables (tz::cpu_adam::int8_code_tables): 256 fp32 each,
+// host memory for the CPU twin, device memory for CUDA.
+struct Int8CodeTables {
+  const float* decode = nullptr;  // the value of each code byte, in units of the block's scale
+  const float* mid = nullptr;     // midpoints between the levels, +inf past the last
+};
 struct AdamCompactTensors {
   MasterFormat master_format = MasterFormat::kFp32;
   float* master = nullptr;            // (n,) fp32 master (kFp32), updated
@@ -127,20 +148,30 @@ struct AdamCompactTensors {
   std::uint64_t tie_bit_offset = 0;
   const float* grad = nullptr;        // (n,) fp32
   MomentFormat moment_format = MomentFormat::kFp32;
-  void* exp_avg = nullptr;            // (n,) fp32 or bf16, updated
-  void* exp_avg_sq = nullptr;         // (n,) fp32 or bf16, updated
+  void* exp_avg = nullptr;            // (n,) fp32, bf16 or int8 codes (uint8), updated
+  void* exp_avg_sq = nullptr;         // (n,) fp32, bf16 or int8 codes (uint8), updated
   // bf16 moments: element i's exp_avg_sq rounds with the random bits
   // state_math::sr_hash(sr_base + i, sr_key) >> 16 (uint32, wrapping).
   std::uint32_t sr_key = 0;
   std::uint32_t sr_base = 0;
+  // int8 moments: the block scales, (ceil(n / 256),) fp32 each, updated, and the codes' tables.
+  float* exp_avg_scale = nullptr;
+  float* exp_avg_sq_scale = nullptr;
+  Int8CodeTables exp_avg_code, exp_avg_sq_code;
+  // Sorted, disjoint, inside [0, n); a host array for both twins (the CUDA
+  // call copies what it needs to the device, stream-ordered).
+  const WeightDecayRun* weight_decay_runs = nullptr;
+  std::size_t weight_decay_run_count = 0;
 };
 struct AdamCompactCpuOptions {
   // Note [Compact Adam arithmetic]: true (the CUDA kernel's) matches
   // cpu_adam's AVX2/AVX-512 kernels; false its scalar and SSE4.2 kernels.
   bool fused_multiply_add = true;
 };
-// Errors: InvalidArgument for int8 moments, a missing array of the chosen
-// formats, or the hyper-parameters adam_step_cpu refuses.
+// Errors: InvalidArgument for a missing array of the chosen formats (the
+// scales and tables of int8 moments included), an int8 call with tie bits not
+// starting a byte, weight-decay runs unsorted, overlapping or past n, or the
+// hyper-parameters adam_step_cpu refuses.
 Status adam_step_compact_cpu(const AdamCompactTensors& t, std::size_t n, const AdamHyper& h,
                              const AdamCompactCpuOptions& options = {});
 Status adam_step_compact_cuda(const AdamCompactTensors& d_t, std::size_t n, const AdamHyper& h, void* cuda_stream);

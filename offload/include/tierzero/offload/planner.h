@@ -148,6 +148,12 @@ struct PlanInput {
   // steps under backward hold (Plan::ahead_blocks). The engine plans with
   // kOff and adds its own count from its shards (engine/src/optimizer_step.cpp).
   StepUnderBackward step_under_backward = StepUnderBackward::kOff;
+  // Note [Accumulating on the device across micro-batches] (engine/src/
+  // gradient_path.cpp): where true, the plan counts the fp32 accumulators the
+  // GPU headroom holds (Plan::grad_window_blocks) and the bytes they save. On
+  // for a CUDA backend ("auto" or "cuda"); the engine plans with false and
+  // adds its own count from its shards (zero_engine_setup.cpp).
+  bool grads_on_device_across_micro_batches = false;
   LinkSpeeds links;
 
   // Stage, accumulation, precision, state formats, mode, offload devices, thresholds and
@@ -231,6 +237,10 @@ struct Plan {
   // block may, why (empty when PlanInput::step_under_backward is kOff).
   std::size_t ahead_blocks = 0;
   std::string ahead_off;
+  // Note [Accumulating on the device across micro-batches]: the blocks (the
+  // last ones) whose micro-batches add up on the GPU, and their shards' elements.
+  std::size_t grad_window_blocks = 0;
+  std::uint64_t grad_window_numel = 0;
 
   Tier tier_of(StateClass state) const { return tier[static_cast<std::size_t>(state)]; }
   std::uint64_t bytes_of(StateClass state) const { return class_bytes[static_cast<std::size_t>(state)]; }
