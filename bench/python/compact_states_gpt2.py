@@ -22,7 +22,10 @@ The bound the issue sets is 2% of the fp32 reference's final validation loss.
 --step-under-backward off,on,auto runs each tierzero way once per value of
 tierzero.step_under_backward (false, true, "auto"), in that order, and prints
 what the steps under backward kept and redid (issue #22: Note [What a redo
-costs] and Note [When to speculate] in engine/src/step_ahead.h).
+costs] and Note [When to speculate] in engine/src/step_ahead.h). With
+--interleave the arms run step by step in turn (off step 1, on step 1, ...),
+each its own engine, so a loaded machine slows them alike and their step
+times compare.
 
     python3 bench/python/compact_states_gpt2.py --steps 200 --json out.json
 """
@@ -115,6 +118,24 @@ SWITCH = {"off": False, "on": True, "auto": "auto"}
 
 
 def run_tierzero(args, train, val, fmt: str, ahead: str) -> dict:
+    """One arm alone: runs tierzero_arm to its end."""
+    arm = tierzero_arm(args, train, val, fmt, ahead)
+    for _ in train:
+        next(arm)
+    return next(arm)
+
+
+def interleaved(arms: list) -> list[dict]:
+    """Arms (tierzero_arm generators) step by step in turn, so each arm's step times come from the same
+    stretch of the machine's load (--interleave); each arm's result, in order."""
+    while True:
+        out = [next(arm) for arm in arms]
+        if all(isinstance(o, dict) for o in out):
+            return out
+
+
+def tierzero_arm(args, train, val, fmt: str, ahead: str):
+    """Yields None after each training step, then the arm's result (a dict)."""
     nvme = tempfile.mkdtemp(prefix="tz-compact-gpt2-", dir=args.nvme_path)
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
@@ -132,7 +153,7 @@ def run_tierzero(args, train, val, fmt: str, ahead: str) -> dict:
     engine, optimizer, *_ = tzt.initialize(model, config)
     losses, nvme_bytes, params = [], [], sum(p.numel() for p in make_model(args).parameters())
     steps = []  # per step: what the report says of the optimizer under backward, and the step's seconds
-    start = time.perf_counter()
+    seconds = 0.0  # this arm's own (interleaved arms' steps in between are not counted)
     try:
         for i, x in enumerate(train):
             optimizer.param_groups[0]["lr"] = lr_at(i, args)
@@ -147,7 +168,8 @@ def run_tierzero(args, train, val, fmt: str, ahead: str) -> dict:
                           **{k: report.get(k) for k in ("grad_norm", "clip_coef", "ahead_blocks", "ahead_redone",
                                                         "ahead_redone_read_bytes", "ahead_redone_write_bytes",
                                                         "ahead_redone_seconds", "ahead_redo_reason", "ahead_off")}})
-        seconds = time.perf_counter() - start
+            seconds += time.perf_counter() - began
+            yield None
         engine.eval()
         val_loss = evaluate(lambda x: engine(input_ids=x, labels=x), val)
     finally:
@@ -159,12 +181,12 @@ def run_tierzero(args, train, val, fmt: str, ahead: str) -> dict:
         if s["ahead_redo_reason"]:
             reasons[s["ahead_redo_reason"]] = reasons.get(s["ahead_redo_reason"], 0) + 1
     times = sorted(s["seconds"] for s in steps[1:]) or [seconds]
-    return {"losses": losses, "val_loss": val_loss, "seconds": seconds, "nvme_bytes_per_param": steady / params,
-            "nvme_bytes_per_param_mean": sum(nvme_bytes[1:]) / max(1, len(nvme_bytes) - 1) / params,
-            "redone_bytes_per_param_mean": sum(redone) / len(redone) / params,
-            "windows_kept": sum(1 for s in steps if (s["ahead_blocks"] or 0) > 0),
-            "windows_redone": sum(1 for s in steps if (s["ahead_redone"] or 0) > 0),
-            "redo_reasons": reasons, "step_seconds_median": times[len(times) // 2], "steps": steps}
+    yield {"losses": losses, "val_loss": val_loss, "seconds": seconds, "nvme_bytes_per_param": steady / params,
+           "nvme_bytes_per_param_mean": sum(nvme_bytes[1:]) / max(1, len(nvme_bytes) - 1) / params,
+           "redone_bytes_per_param_mean": sum(redone) / len(redone) / params,
+           "windows_kept": sum(1 for s in steps if (s["ahead_blocks"] or 0) > 0),
+           "windows_redone": sum(1 for s in steps if (s["ahead_redone"] or 0) > 0),
+           "redo_reasons": reasons, "step_seconds_median": times[len(times) // 2], "steps": steps}
 
 
 def main() -> None:
@@ -183,6 +205,9 @@ def main() -> None:
                     help="tierzero.step_under_backward: off (false), on (true), auto (the engine's default); a "
                          "comma-separated list runs each tierzero way once per value")
     ap.add_argument("--nvme-path", default=os.environ.get("TMPDIR", "/var/tmp"))
+    ap.add_argument("--interleave", action="store_true",
+                    help="run a way's --step-under-backward arms step by step in turn (arm 1 step 1, arm 2 step 1, "
+                         "...), so their step times are measured side by side under the same load")
     ap.add_argument("--json")
     args = ap.parse_args()
     tierzero.set_log_level("warn")
@@ -200,8 +225,14 @@ def main() -> None:
     for way in args.ways.split(","):
         if way != "torch" and way not in FORMATS:
             raise SystemExit(f"--ways: unknown way {way!r}; expected torch or one of {', '.join(FORMATS)}")
+        names = {ahead: way if way == "torch" or len(switches) == 1 else f"{way} ({ahead})" for ahead in switches}
+        if way != "torch" and args.interleave:
+            results = interleaved([tierzero_arm(args, train, val, way, ahead) for ahead in switches])
+            rows.update({names[ahead]: r for ahead, r in zip(switches, results)})
+            print(f"  {way}: {len(switches)} arms interleaved, done", flush=True)
+            continue
         for ahead in ["-"] if way == "torch" else switches:
-            name = way if way == "torch" or len(switches) == 1 else f"{way} ({ahead})"
+            name = way if way == "torch" else names[ahead]
             rows[name] = run_torch(args, train, val) if way == "torch" else run_tierzero(args, train, val, way, ahead)
             print(f"  {name}: done in {rows[name]['seconds']:.1f} s", flush=True)
     ref_name = "fp32" if "fp32" in rows else ("torch" if "torch" in rows else next(iter(rows)))

@@ -235,10 +235,10 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
 Status OptimizerPass::step_ahead(std::size_t, std::size_t, const cpu_adam::Hyper&, std::int64_t, double, AheadSlot&) {
   return internal_error("this optimizer pass does not step under backward");
 }
-Status OptimizerPass::commit_ahead(std::size_t, AheadSlot&) {
+Status OptimizerPass::commit_ahead(std::span<const std::size_t>, std::vector<AheadSlot>&) {
   return internal_error("this optimizer pass does not step under backward");
 }
-Status OptimizerPass::undo_ahead(std::size_t, AheadSlot&) {
+Status OptimizerPass::undo_ahead(std::span<const std::size_t>, std::vector<AheadSlot>&) {
   return internal_error("this optimizer pass does not step under backward");
 }
 

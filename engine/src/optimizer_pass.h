@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kept_params.h"
@@ -93,9 +94,10 @@ class OptimizerPass {
   // Note [Stepping under backward] (step_ahead.h); the CPU variant only.
   // step_ahead: `block`'s step as run() takes it, its old master and moments
   // kept in `slot` and its new parameters held there; commit_ahead: those
-  // parameters to their tier; undo_ahead: the old states back on their tier
-  // (both after ahead_flush()). One block at a time, from one thread; never
-  // while run() runs.
+  // parameters of every block in `blocks` to their tier, together (Note
+  // [Committing steps under backward]); undo_ahead: their old states back on
+  // their tier, likewise (both after ahead_flush(); `slots` is indexed by
+  // block). From one thread; never while run() runs.
   virtual bool can_step_ahead() const { return false; }
   void set_ahead_stream(Stream* stream) { ahead_stream_ = stream; }
   // A second copy of an NVMe state store (same shards, its own extents):
@@ -114,8 +116,8 @@ class OptimizerPass {
   // take (a hinted read of a block that never stepped counts too), zeroed.
   virtual AheadIo take_ahead_io(std::size_t /*block*/) { return {}; }
   virtual std::vector<std::size_t> take_failed_ahead() { return {}; }
-  virtual Status commit_ahead(std::size_t block, AheadSlot& slot);
-  virtual Status undo_ahead(std::size_t block, AheadSlot& slot);
+  virtual Status commit_ahead(std::span<const std::size_t> blocks, std::vector<AheadSlot>& slots);
+  virtual Status undo_ahead(std::span<const std::size_t> blocks, std::vector<AheadSlot>& slots);
   // CPU memory a step under backward holds for `block` until the commit, and
   // the staging it shares between blocks (the largest block's NVMe states).
   virtual std::uint64_t ahead_bytes(std::size_t /*block*/) const { return 0; }

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "optimizer_passes.h"
 #include "tierzero/common/state_math.h"
@@ -186,33 +187,76 @@ AheadIo CpuOptimizerPass::take_ahead_io(std::size_t block) {
   return block < ahead_io_.size() ? std::exchange(ahead_io_[block], {}) : AheadIo{};
 }
 
-Status CpuOptimizerPass::commit_ahead(std::size_t block, AheadSlot& slot) {
-  std::vector<nvme::IoFuture> writes;
-  Status s = deps_.param16->write_back(block, slot.param16.data(), *deps_.stream, writes);
-  if (s.ok()) s = deps_.param16->settle(*deps_.stream);
-  Status waited = wait_all(writes);
-  TZ_TRY(s);
-  TZ_TRY(waited);
-  for (TieredStore* store : stepped_states()) {
-    if (store != nullptr && shadow_of(store) != nullptr) TZ_TRY(store->swap_shard(block, *shadow_of(store)));
+// Note [Committing steps under backward]
+// A kept window's blocks commit together: every block's new 16-bit shard is
+// issued to its tier (NVMe writes, copies queued on the stream) before one
+// settle and the waits, then each block's second copy (the shadow extents)
+// becomes its master and moments. A write and a wait per block cost a
+// drive round trip per block after backward, which step() waits out: with
+// 32 blocks of 66K-263K elements the batch halved the time step() spent
+// after backward (bench/RESULTS.md, "Batched commits and the floor"). A
+// block whose parameter write failed still takes its new master and
+// moments: what it reads afterwards is the step's states, or an error where
+// the parameters are (the swap store refuses an extent whose last write
+// failed), never the old parameters beside a new master nor the old master
+// beside a step that counted. The error names every such block; the others
+// are committed. An undo likewise issues every block's restoring writes
+// before waiting.
+Status CpuOptimizerPass::commit_ahead(std::span<const std::size_t> blocks, std::vector<AheadSlot>& slots) {
+  const TieredStore& param16 = *deps_.param16;
+  std::vector<std::vector<nvme::IoFuture>> writes(blocks.size());
+  std::vector<Status> failed(blocks.size());
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    failed[i] = param16.write_back(blocks[i], slots[blocks[i]].param16.data(), *deps_.stream, writes[i]);
   }
-  slot.changed = false;
+  const Status settled = param16.settle(*deps_.stream);  // every copy to the GPU tier at once
+  std::vector<std::string> names;
+  Status first;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const std::size_t b = blocks[i];
+    Status s = wait_all(writes[i]);
+    if (s.ok()) s = std::move(failed[i]);
+    if (s.ok()) s = settled;
+    if (!s.ok()) {
+      names.push_back(deps_.layout->blocks[b].name);
+      if (first.ok()) first = std::move(s);
+    }
+    for (TieredStore* store : stepped_states()) {
+      if (store != nullptr && shadow_of(store) != nullptr) TZ_TRY(store->swap_shard(b, *shadow_of(store)));
+    }
+    slots[b].changed = false;
+  }
+  TZ_TRY_CTX(first, "writing the new parameters of {} of {} blocks stepped under backward ({})", names.size(),
+             blocks.size(), fmt::join(names, ", "));
   return ok_status();
 }
 
-Status CpuOptimizerPass::undo_ahead(std::size_t block, AheadSlot& slot) {
-  if (!slot.changed) return ok_status();
-  std::vector<nvme::IoFuture> writes;
-  for (TieredStore* store : stepped_states()) {
-    if (store == nullptr || shadow_of(store) != nullptr) continue;  // its own extent still holds the old values
-    if (store->resident()) {
-      std::memcpy(store->memory(block), slot.old.at(store).data(), store->shard_bytes(block));
-    } else {
-      writes.push_back(store->write(block, slot.old.at(store).data()));
+Status CpuOptimizerPass::undo_ahead(std::span<const std::size_t> blocks, std::vector<AheadSlot>& slots) {
+  std::vector<std::vector<nvme::IoFuture>> writes(blocks.size());
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const std::size_t b = blocks[i];
+    if (!slots[b].changed) continue;
+    for (TieredStore* store : stepped_states()) {
+      if (store == nullptr || shadow_of(store) != nullptr) continue;  // its own extent still holds the old values
+      if (store->resident()) {
+        std::memcpy(store->memory(b), slots[b].old.at(store).data(), store->shard_bytes(b));
+      } else {
+        writes[i].push_back(store->write(b, slots[b].old.at(store).data()));
+      }
     }
   }
-  TZ_TRY_CTX(wait_all(writes), "restoring the states of {} stepped under backward", deps_.layout->blocks[block].name);
-  slot.changed = false;
+  std::vector<std::string> names;
+  Status first;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    Status s = wait_all(writes[i]);
+    if (s.ok()) {
+      slots[blocks[i]].changed = false;  // still changed where it failed: a later undo tries again
+      continue;
+    }
+    names.push_back(deps_.layout->blocks[blocks[i]].name);
+    if (first.ok()) first = std::move(s);
+  }
+  TZ_TRY_CTX(first, "restoring the states of {} stepped under backward", fmt::join(names, ", "));
   return ok_status();
 }
 

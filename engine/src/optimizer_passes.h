@@ -41,8 +41,8 @@ class CpuOptimizerPass final : public OptimizerPass {
   Status ahead_flush() override;
   AheadIo take_ahead_io(std::size_t block) override;
   std::vector<std::size_t> take_failed_ahead() override;
-  Status commit_ahead(std::size_t block, AheadSlot& slot) override;
-  Status undo_ahead(std::size_t block, AheadSlot& slot) override;
+  Status commit_ahead(std::span<const std::size_t> blocks, std::vector<AheadSlot>& slots) override;
+  Status undo_ahead(std::span<const std::size_t> blocks, std::vector<AheadSlot>& slots) override;
   std::uint64_t ahead_bytes(std::size_t block) const override;
   std::uint64_t ahead_staging_bytes() const override;
 

@@ -152,14 +152,22 @@ Status StepAhead::step_block(std::size_t block) {
 Status StepAhead::undo_all() {
   (void)deps_.pass->ahead_flush();  // a failed write is named below; its block is undone like the rest
   (void)deps_.pass->take_failed_ahead();
+  std::vector<std::size_t> undo;
   for (std::size_t b = 0; b < slots_.size(); ++b) {
     if (!slots_[b].changed) continue;
-    Status s = deps_.pass->undo_ahead(b, slots_[b]);
-    if (!s.ok() && undo_error_.ok()) undo_error_ = std::move(s);
-    ++undone_;
+    undo.push_back(b);
     if (state_[b] == Block::kStepped) state_[b] = Block::kRedo;
   }
+  undo_blocks(undo);
   return ok_status();  // undo_error_ is reported by finish() / cancel()
+}
+
+// Note [Committing steps under backward] (optimizer_pass_ahead.cpp): together.
+void StepAhead::undo_blocks(std::span<const std::size_t> blocks) {
+  if (blocks.empty()) return;
+  Status s = deps_.pass->undo_ahead(blocks, slots_);
+  if (!s.ok() && undo_error_.ok()) undo_error_ = std::move(s);
+  undone_ += blocks.size();
 }
 
 Status StepAhead::finish(AheadRedo verdict, std::vector<bool>& done, std::chrono::steady_clock::time_point step_began,
@@ -176,25 +184,21 @@ Status StepAhead::finish(AheadRedo verdict, std::vector<bool>& done, std::chrono
     // whose write failed is undone and redone.
     (void)deps_.pass->ahead_flush();
     for (std::size_t b : deps_.pass->take_failed_ahead()) state_[b] = Block::kRedo;
+    // Undone: the blocks marked redone after their step, and where the step
+    // is not the one speculated, every stepped block; the rest commit.
+    std::vector<std::size_t> undo, keep;
     for (std::size_t b = 0; b < slots_.size(); ++b) {
-      if (!slots_[b].changed || state_[b] == Block::kStepped) continue;
-      Status u = deps_.pass->undo_ahead(b, slots_[b]);  // a block marked redone after its step
-      if (!u.ok() && undo_error_.ok()) undo_error_ = std::move(u);
-      ++undone_;
-    }
-    for (std::size_t b = 0; b < slots_.size(); ++b) {
-      if (state_[b] != Block::kStepped) continue;
-      if (commit) {
-        Status c = deps_.pass->commit_ahead(b, slots_[b]);
-        if (!c.ok() && s.ok()) s = std::move(c);
-        done[b] = true;
-        ++outcome.committed;
-      } else {
-        Status u = deps_.pass->undo_ahead(b, slots_[b]);
-        if (!u.ok() && undo_error_.ok()) undo_error_ = std::move(u);
-        ++undone_;
+      if (state_[b] == Block::kStepped) {
+        (commit ? keep : undo).push_back(b);
+      } else if (slots_[b].changed) {
+        undo.push_back(b);
       }
     }
+    undo_blocks(undo);
+    Status c = keep.empty() ? ok_status() : deps_.pass->commit_ahead(keep, slots_);
+    if (!c.ok() && s.ok()) s = std::move(c);
+    for (std::size_t b : keep) done[b] = true;
+    outcome.committed = keep.size();
   }
   outcome.redone = undone_;
   // Note [What a redo costs]: whatever was read, stepped or written for a

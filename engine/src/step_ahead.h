@@ -95,12 +95,20 @@
 //   step after each crossing;
 // - large blocks only: "auto" leaves blocks whose shard has fewer than
 //   ZeroOptions::auto_ahead_min_block_numel (2^20) elements to run(). Each
-//   block stepped ahead pays its own reads, waits, step and a waited commit;
-//   on the GPT-2-shaped bench (27 blocks of at most ~0.2M elements, NVMe)
-//   kept speculation made the median step 2.6-3x longer than none, while on
-//   the overlap bench (16.8M-element blocks) it shortened the step 15%. The
-//   floor lies between the two measured sizes; where exactly it pays was not
-//   measured;
+//   block stepped ahead pays its own staging claim, reads and their wait, step
+//   and writes on the optimizer thread (the commit is one batch for the whole
+//   window: Note [Committing steps under backward]), where run() moves a
+//   sub-group of blocks per round trip. Measured (bench/RESULTS.md, "Batched
+//   commits and the floor"), tierzero-overlap-bench, NVMe, every block kept,
+//   whole step on / off side by side: where compute leaves the CPU free (a
+//   sleep, as a GPU's would) speculation paid at every size from 66K
+//   elements (0.89 at 66K, 0.80 at 263K, 0.73 at 1.05M, 0.87 at 4.2M) and
+//   broke even at 16.5K (0.96); where compute is the CPU's own (the MLP's
+//   arithmetic on a core of the 2-core VM, as the Host backend's and the
+//   GPT-2 bench's is) it cost 11% at 66K and 3% at 263K and paid from 1.05M
+//   (0.69). 2^20 is the smallest measured size that pays in both; a lower
+//   floor where compute runs on a GPU is likely (the sleep runs) but not
+//   measured on one;
 // - back-off: a window whose speculation was undone anyway (for any reason
 //   but a cancel) makes the next 2^k - 1 windows step after backward, k the
 //   failures in a row (at most kMaxBackoffShift); a kept window resets k. A
@@ -124,6 +132,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -237,6 +246,7 @@ class StepAhead final : public AccumulationObserver {
   enum class Block : std::uint8_t { kNone, kPosted, kStepped, kRedo };
   Status step_block(std::size_t block);
   Status undo_all();  // on the optimizer thread, or with it idle
+  void undo_blocks(std::span<const std::size_t> blocks);  // a failure goes to undo_error_
 
   StepAheadDeps deps_;
   std::vector<bool> may_;

@@ -28,6 +28,7 @@ constexpr int kSteps = 22;
 constexpr float kLoud = 30;
 constexpr auto kAuto = tz::StepUnderBackward::kAuto;
 constexpr auto kAlways = tz::StepUnderBackward::kAlways;
+constexpr std::size_t kNoBlockFound = static_cast<std::size_t>(-1);
 
 const Placement kPlacements[] = {
     {Tier::kGpu, Tier::kGpu, Tier::kGpu, Tier::kGpu},      // the Host backend's "device" memory: the CPU pass
@@ -283,6 +284,104 @@ TEST(StepAhead, AnNvmeWriteFailingUnderBackwardIsRedoneAfterIt) {
   EXPECT_EQ(ahead->reports[3].ahead_blocks, 0U);
   EXPECT_GE(ahead->reports[3].ahead_redone, 1U);
   EXPECT_EQ(ahead->reports[4].ahead_blocks, static_cast<std::uint64_t>(kMlp.layers));
+}
+
+// Note [Committing steps under backward] (engine/src/optimizer_pass.cpp): a
+// kept window's blocks commit together. With the 16-bit parameters on the
+// (Host backend's) GPU tier, the commit's copies settle with one host wait,
+// as run() settles its one sub-group's, so a kept step waits as often as
+// the switch-off engine's (a wait per block before: 3 more here); on NVMe
+// it writes the bytes the switch-off engine writes. Bits equal.
+TEST(StepAhead, AKeptWindowCommitsItsBlocksTogetherAndWritesWhatStepsAfterBackwardWrite) {
+  for (const Placement& placement : {kPlacements[1], kInfinity}) {
+    SCOPED_TRACE(placement_name(placement));
+    TempDir nvme;
+    tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+    config.gradient_clipping = 0;
+    const Options o{.steps = 6};
+    auto before = train_new(config, placement, false, o);
+    ASSERT_TRUE(before.ok()) << before.status().to_string();
+    auto ahead = train_new(config, placement, true, o);
+    ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
+    EXPECT_EQ(first_difference(before->bits, ahead->bits), "");
+    std::vector<std::int64_t> more_waits;  // per step, on's host waits less off's
+    for (int step = 1; step < o.steps; ++step) {  // step 0's report has the first fetches' waits
+      const tz::StepReport &off = before->reports[step], &on = ahead->reports[step];
+      ASSERT_EQ(on.ahead_blocks, static_cast<std::uint64_t>(kMlp.layers)) << "step " << step;
+      EXPECT_EQ(on.nvme_write_bytes, off.nvme_write_bytes) << "step " << step;
+      more_waits.push_back(static_cast<std::int64_t>(on.host_waits) - static_cast<std::int64_t>(off.host_waits));
+    }
+    // A fetch may wait once more or less where a prefetch is late (a loaded
+    // machine), so the median step's count is the commit's.
+    if (placement[0] != Tier::kGpu) continue;
+    std::nth_element(more_waits.begin(), more_waits.begin() + more_waits.size() / 2, more_waits.end());
+    EXPECT_EQ(more_waits[more_waits.size() / 2], 0) << "host waits a kept step adds to the switch-off engine's";
+  }
+}
+
+// An NVMe write of the 16-bit parameters failing in a kept window's commit:
+// step() fails naming the block; the other blocks are committed (the
+// switch-off engine's bits after the step), and the failed block's new
+// master and moments are taken with them, so what reads is the step's and
+// its parameters read as an error, not as the old ones beside a new master.
+TEST(StepAhead, AParameterWriteFailingInTheCommitIsReportedAndReadsAsAnError) {
+  TempDir nvme;
+  tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
+  config.gradient_clipping = 0;
+  constexpr int kFailStep = 3;
+  auto before = train_new(config, kInfinity, false, {.steps = kFailStep + 1});
+  ASSERT_TRUE(before.ok()) << before.status().to_string();
+  std::atomic<bool> armed{false};
+  std::atomic<int> failed{0};
+  std::uint64_t shard_numel = 0;  // the MLP's blocks are alike
+  auto faults = [&](const tz::nvme::PieceInfo& p) {
+    // A 16-bit shard's write (shorter than an fp32 master's), once armed.
+    const bool param16 = p.length >= shard_numel * 2 && p.length < shard_numel * 4;
+    if (p.op != tz::nvme::IoOp::kWrite || !param16 || !armed.exchange(false)) return tz::nvme::Fault{};
+    ++failed;
+    return tz::nvme::Fault{.error = EIO};
+  };
+  auto e = make(config, kInfinity, true, nullptr, faults);
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  tz::ZeroEngine& engine = **e;
+  shard_numel = engine.layout().blocks[0].shard_numel;
+  auto first = train(engine, {.steps = kFailStep});
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  ASSERT_TRUE(tz::mlp::train_micro_batch(engine, kMlp, tz::mlp::make_batch(kMlp, 0, 0, kFailStep)).ok());
+  armed = true;  // backward's writes are the master's and moments'; the commit's are the parameters'
+  auto r = engine.step();
+  ASSERT_FALSE(r.ok()) << "the step must fail";
+  EXPECT_EQ(failed.load(), 1);
+  EXPECT_EQ(r.status().code(), tz::ErrorCode::kIoError) << r.status().to_string();
+  const std::string message = r.status().message();
+  EXPECT_NE(message.find(fmt::format("1 of {} blocks stepped under backward", kMlp.layers)), std::string::npos)
+      << message;
+  std::size_t bad = kNoBlockFound;
+  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+    if (message.find("(" + engine.layout().blocks[b].name + ")") != std::string::npos) bad = b;
+  }
+  ASSERT_NE(bad, kNoBlockFound) << "names the block: " << message;
+  std::printf("[ commit ] %s\n", message.c_str());
+  const std::vector<std::uint32_t>& want = before->bits.masters[kFailStep];
+  std::size_t at = 0;
+  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+    SCOPED_TRACE(engine.layout().blocks[b].name);
+    auto master = engine.gather_master(b);
+    ASSERT_TRUE(master.ok()) << master.status().to_string();
+    EXPECT_EQ(std::memcmp(master->data(), want.data() + at, master->size() * 4), 0) << "the step's master";
+    at += master->size();
+  }
+  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+    if (b == bad) continue;  // last: a failed fetch is the engine's failure from then on
+    SCOPED_TRACE(engine.layout().blocks[b].name);
+    auto params = engine.fetch(b, tz::FetchFor::kEvaluation);
+    ASSERT_TRUE(params.ok()) << params.status().to_string();
+    const std::vector<std::uint8_t>& bits = before->bits.params[b];
+    EXPECT_EQ(std::memcmp(params->data(), bits.data(), bits.size()), 0) << "the step's parameters";
+  }
+  auto params = engine.fetch(bad, tz::FetchFor::kEvaluation);
+  ASSERT_FALSE(params.ok()) << "the failed write's parameters read as an error";
+  EXPECT_NE(params.status().message().find("last write failed"), std::string::npos) << params.status().to_string();
 }
 
 // A checkpoint saved between backward and step holds the states before the
