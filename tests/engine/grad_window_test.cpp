@@ -109,13 +109,9 @@ TEST(GradWindow, TwoRanksTrainBitForBitAsTheHostPath) {
   TZ_REQUIRE_FUSED_CPU_ADAM();
   for (const Placement& placement : {kPlacements[1], kPlacements[3]}) {
     TempDir dir;
-    const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
-      const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
-      std::filesystem::create_directories(nvme);
-      auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-      if (!comm.ok()) return 1;
-      const auto host = run(nvme, placement, false, 3, comm->get());
-      const auto device = run(nvme, placement, true, 3, comm->get());
+    const auto codes = run_engine_ranks(2, dir.path(), [&](const tz::RankInfo& info, tz::Communicator* comm, const std::string& nvme) {
+      const auto host = run(nvme, placement, false, 3, comm);
+      const auto device = run(nvme, placement, true, 3, comm);
       if (!host.ok() || !device.ok()) {
         std::fprintf(stderr, "rank %d: %s\n", info.rank, (host.ok() ? device.status() : host.status()).to_string().c_str());
         return 1;

@@ -241,18 +241,14 @@ TEST(KeptParams, TrainingIsBitForBitAsReadingTheShardsAgainAndReadsLess) {
 
 TEST(KeptParams, TwoRanksTrainBitForBitAsReadingTheShardsAgain) {
   TempDir dir;
-  const std::vector<int> codes = run_ranks(2, dir.path() + "/rendezvous", [&](const tz::RankInfo& info) {
-    const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
-    std::filesystem::create_directories(nvme);
-    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-    if (!comm.ok()) return 1;
+  const std::vector<int> codes = run_engine_ranks(2, dir.path(), [&](const tz::RankInfo& info, tz::Communicator* comm, const std::string& nvme) {
     int code = 0;
     for (const Arm& unclipped : {Arm{kNvmeParams[0], 2}, Arm{kNvmeParams[1], 1, tz::StepUnderBackward::kAlways}}) {
-      const auto clipping = clipping_half(unclipped, comm->get());
+      const auto clipping = clipping_half(unclipped, comm);
       if (!clipping.ok()) return 1;
       const Arm& a = *clipping;
-      const auto kept = train(nvme, a, true, comm->get());
-      const auto again = train(nvme, a, false, comm->get());
+      const auto kept = train(nvme, a, true, comm);
+      const auto again = train(nvme, a, false, comm);
       if (!kept.ok() || !again.ok()) {
         std::fprintf(stderr, "rank %d: %s\n", info.rank, (kept.ok() ? again.status() : kept.status()).to_string().c_str());
         return 1;

@@ -77,13 +77,9 @@ struct Arm {
 // scale at least half of a's steps.
 void expect_two_ranks_train_alike(const Arm& a, const Arm& b, int gas, bool clipping_bites) {
   TempDir dir;
-  const auto codes = run_ranks(2, dir.path(), [&](const tz::RankInfo& info) {
-    const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
-    std::filesystem::create_directories(nvme);
-    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-    if (!comm.ok()) return 1;
-    const auto ra = run(nvme, a.states, a.placement, comm->get(), gas);
-    const auto rb = run(nvme, b.states, b.placement, comm->get(), gas);
+  const auto codes = run_engine_ranks(2, dir.path(), [&](const tz::RankInfo& info, tz::Communicator* comm, const std::string& nvme) {
+    const auto ra = run(nvme, a.states, a.placement, comm, gas);
+    const auto rb = run(nvme, b.states, b.placement, comm, gas);
     if (!ra.ok() || !rb.ok()) {
       std::fprintf(stderr, "rank %d: %s\n", info.rank, (ra.ok() ? rb.status() : ra.status()).to_string().c_str());
       return 1;

@@ -518,18 +518,14 @@ TEST(StepAhead, ThePlannerCountsWhatTheEngineAddsToItsPlan) {
 // decides for both. A run with the switch off first, then on, in each rank.
 TEST(StepAhead, TwoRanksAreBitIdenticalToSteppingAfterBackward) {
   TempDir dir;
-  const std::vector<int> codes = run_ranks(2, dir.path() + "/rendezvous", [&](const tz::RankInfo& info) {
-    const std::string nvme = dir.path() + "/rank" + std::to_string(info.rank);
-    std::filesystem::create_directories(nvme);
-    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
-    if (!comm.ok()) return 1;
+  const std::vector<int> codes = run_engine_ranks(2, dir.path(), [&](const tz::RankInfo& info, tz::Communicator* comm, const std::string& nvme) {
     int code = 0;
     for (const std::string precision : {"bf16", "fp16"}) {
       tz::Config config = test_config(nvme, 3, 2, precision);
-      config.gradient_clipping = median_norm(config, comm->get());
+      config.gradient_clipping = median_norm(config, comm);
       for (const Placement& placement : {kPlacements[1], kInfinity}) {
-        auto before = train_new(config, placement, false, {.gas = 2}, comm->get());
-        auto ahead = train_new(config, placement, true, {.gas = 2}, comm->get());
+        auto before = train_new(config, placement, false, {.gas = 2}, comm);
+        auto ahead = train_new(config, placement, true, {.gas = 2}, comm);
         if (!before.ok() || !ahead.ok()) {
           std::fprintf(stderr, "rank %d: %s %s\n", info.rank, before.status().to_string().c_str(),
                        ahead.status().to_string().c_str());

@@ -230,6 +230,21 @@ inline std::vector<int> run_ranks(int world, const std::string& rendezvous_dir,
   return codes;
 }
 
+// run_ranks with what each engine test's rank does first: its own NVMe
+// directory, `dir`/rank<r>, and a communicator (60 s timeout); a rank that
+// cannot make one exits 1.
+inline std::vector<int> run_engine_ranks(
+    int world, const std::string& dir,
+    const std::function<int(const tz::RankInfo&, tz::Communicator* comm, const std::string& nvme)>& body) {
+  return run_ranks(world, dir + "/rendezvous", [&](const tz::RankInfo& info) {
+    const std::string nvme = dir + "/rank" + std::to_string(info.rank);
+    std::filesystem::create_directories(nvme);
+    auto comm = tz::create_communicator({.ranks = info, .timeout = std::chrono::seconds(60)});
+    if (!comm.ok()) return 1;
+    return body(info, comm->get(), nvme);
+  });
+}
+
 }  // namespace tzt
 
 #include <algorithm>
