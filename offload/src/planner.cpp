@@ -655,8 +655,13 @@ void add_step_ahead(const PlanInput& in, Plan& plan) {
     if (plan.tier_of(s) == Tier::kNvme) staging += std::uint64_t{kAheadStagingBlocks} * state_bytes(s, largest, in.param_bytes, in.states);
   }
   std::uint64_t need = staging;
+  // "auto" leaves small blocks to after backward, as the engine does (make_step_ahead).
+  const std::uint64_t min_numel = in.step_under_backward == StepUnderBackward::kAuto ? kAutoAheadMinBlockNumel : 0;
+  std::size_t large = 0;
   for (std::size_t b = in.block_numel.size(); b-- > 0;) {
     const std::uint64_t shard = shard_of(in.block_numel[b]);
+    if (shard < min_numel) continue;
+    ++large;
     std::uint64_t slot = shard * in.param_bytes;
     for (StateClass s : {StateClass::kMaster, StateClass::kMoments}) {
       if (plan.tier_of(s) != Tier::kNvme) slot += state_bytes(s, shard, in.param_bytes, in.states);
@@ -665,14 +670,22 @@ void add_step_ahead(const PlanInput& in, Plan& plan) {
     need += slot;
     ++plan.ahead_blocks;
   }
+  if (large == 0) {
+    plan.ahead_off = fmt::format("\"auto\" steps blocks of at least {} elements per rank under backward and this "
+                                 "model's are smaller", min_numel);
+    return;
+  }
   if (plan.ahead_blocks == 0) {
     plan.ahead_off = fmt::format("stepping under backward needs more CPU memory than this rank's share of the CPU "
                                  "headroom ({}) for its first block", format_bytes(as_u64(share(Tier::kCpu))));
     return;
   }
-  if (plan.ahead_blocks < in.block_numel.size()) {
+  if (plan.ahead_blocks < large) {
     plan.ahead_off = fmt::format("{} of {} blocks step under backward: the CPU headroom holds no more", plan.ahead_blocks,
                                  in.block_numel.size());
+  } else if (plan.ahead_blocks < in.block_numel.size()) {
+    plan.ahead_off = fmt::format("{} of {} blocks step under backward: \"auto\" leaves blocks of fewer than {} "
+                                 "elements per rank to after backward", plan.ahead_blocks, in.block_numel.size(), min_numel);
   }
   add(Tier::kCpu,
       fmt::format("steps under backward: {} blocks' old master + moments and new params, and three blocks' NVMe states "

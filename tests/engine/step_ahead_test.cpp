@@ -512,6 +512,15 @@ TEST(StepAhead, ThePlannerCountsWhatTheEngineAddsToItsPlan) {
   auto off = tz::plan_placement(tz::PlanInput::from_config(config, (*e)->layout().block_numel(), 1, 0, budgets));
   ASSERT_TRUE(off.ok());
   EXPECT_EQ(item(*off, Tier::kCpu) + item(*off, Tier::kNvme), 0U);
+  // "auto" on this model, whose blocks are all under its floor: neither counts it either.
+  config.step_under_backward = tz::StepUnderBackward::kAuto;
+  auto e_auto = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  auto planned_auto = tz::plan_placement(tz::PlanInput::from_config(config, (*e)->layout().block_numel(), 1, 0, budgets));
+  ASSERT_TRUE(e_auto.ok() && planned_auto.ok());
+  EXPECT_EQ(planned_auto->ahead_blocks, 0U);
+  EXPECT_NE(planned_auto->ahead_off.find("\"auto\""), std::string::npos) << planned_auto->ahead_off;
+  EXPECT_EQ(item(*planned_auto, Tier::kCpu) + item(*planned_auto, Tier::kNvme), 0U);
+  EXPECT_EQ(item((*e_auto)->plan(), Tier::kCpu) + item((*e_auto)->plan(), Tier::kNvme), 0U);
 }
 
 // 2 ranks (processes): each steps its shards under backward; the global norm

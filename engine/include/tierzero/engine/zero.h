@@ -109,7 +109,7 @@ struct ZeroOptions {
   // under 2^20 elements cost more than they hid). true steps every block
   // whatever this says.
   std::uint64_t auto_ahead_min_block_numel = kAutoAheadMinBlockNumel;
-  static constexpr std::uint64_t kAutoAheadMinBlockNumel = std::uint64_t{1} << 20;
+  static constexpr std::uint64_t kAutoAheadMinBlockNumel = tz::kAutoAheadMinBlockNumel;  // offload/planner.h
   // Note [Accumulating on the device across micro-batches] (gradient_path.cpp):
   // with the CPU optimizer, fp32 accumulators and gradient_accumulation_steps
   // > 1, blocks keep a device accumulator across the window where the GPU

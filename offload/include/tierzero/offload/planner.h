@@ -77,6 +77,11 @@ inline constexpr int kStagingSets = 3;
 // Blocks' NVMe states staged at once by the steps under backward (Note
 // [Pipelined steps under backward]): the next block's read, this one's step, the last one's write.
 inline constexpr int kAheadStagingBlocks = 3;
+// tierzero.step_under_backward "auto" steps under backward only blocks whose
+// shard holds at least this many elements per rank (Note [When to
+// speculate], engine/src/step_ahead.h, has the measurements); the engine's
+// default (ZeroOptions::auto_ahead_min_block_numel) and the planner's count.
+inline constexpr std::uint64_t kAutoAheadMinBlockNumel = std::uint64_t{1} << 20;
 
 inline constexpr std::size_t kNumTiers = 3;
 enum class StateClass : std::uint8_t { kParam16, kGrad, kMaster, kMoments };
