@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 
@@ -174,6 +175,7 @@ def tierzero_arm(args, train, val, fmt: str, ahead: str):
         val_loss = evaluate(lambda x: engine(input_ids=x, labels=x), val)
     finally:
         engine.close()
+        shutil.rmtree(nvme, ignore_errors=True)  # the engine removed its swap files; the directory is the bench's
     steady = sorted(nvme_bytes[1:])[len(nvme_bytes[1:]) // 2] if len(nvme_bytes) > 1 else nvme_bytes[0]
     redone = [(s["ahead_redone_read_bytes"] or 0) + (s["ahead_redone_write_bytes"] or 0) for s in steps]
     reasons: dict = {}
