@@ -163,8 +163,7 @@ Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool fir
   TZ_ASSIGN_OR_RETURN(PoolBlock host, copy_down(d_shard, shard_bytes(block)));
   // The mean over ranks and micro-batches, accumulated on the grad tier in
   // fp32 or 16 bits (Note [16-bit gradient accumulators]).
-  const double scale = 1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps);
-  return add_to_grad_tier(block, host.data(), deps_.grad_type, first, scale);
+  return add_to_grad_tier(block, host.data(), deps_.grad_type, first, mean_scale());
 }
 
 // Note [GPU optimizer]
@@ -184,7 +183,7 @@ Status GradientPath::accumulate(std::size_t block, const void* d_shard, bool fir
 // either path.
 Status GradientPath::accumulate_on_device(std::size_t block, const void* d_shard, bool first) {
   const BlockLayout& b = deps_.layout->blocks[block];
-  const double scale = 1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps);
+  const double scale = mean_scale();
   auto* acc = static_cast<float*>(deps_.grad->memory(block));
   void* stream = deps_.d2h_stream->native_handle();
   TZ_TRY_CTX(kernels::accumulate_grad_cuda(acc, d_shard, deps_.grad_type, b.shard_numel, first, static_cast<float>(scale), stream),
@@ -217,22 +216,19 @@ Status GradientPath::accumulate_on_device(std::size_t block, const void* d_shard
 // memory and the kernel its CPU twin; tests force it there
 // (ZeroOptions::grads_on_device_across_micro_batches) to check the plumbing
 // and the twin's arithmetic against cpu_adam's.
-Status GradientPath::allocate_window() {
+Status GradientPath::allocate_window(const std::vector<bool>& on) {
   window_acc_.resize(deps_.layout->blocks.size());
   window_dirty_.assign(deps_.layout->blocks.size(), false);
-  for (std::size_t b = 0; b < deps_.window_on_device.size() && b < window_acc_.size(); ++b) {
-    if (!deps_.window_on_device[b]) continue;
-    const std::uint64_t bytes = deps_.layout->blocks[b].shard_numel * sizeof(float);
-    TZ_ASSIGN_OR_RETURN(window_acc_[b], deps_.device_pool->allocate(bytes));
-    window_bytes_ += window_acc_[b].size_bytes();
+  for (std::size_t b = 0; b < on.size() && b < window_acc_.size(); ++b) {
+    if (!on[b]) continue;
+    TZ_ASSIGN_OR_RETURN(window_acc_[b], deps_.device_pool->allocate(deps_.layout->blocks[b].shard_numel * sizeof(float)));
   }
   return ok_status();
 }
 
 Status GradientPath::accumulate_in_window(std::size_t block, const void* d_shard, bool first, bool last) {
   const BlockLayout& b = deps_.layout->blocks[block];
-  const float scale =
-      static_cast<float>(1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps));
+  const auto scale = static_cast<float>(mean_scale());
   auto* acc = window_acc_[block].as<float>();
   if (deps_.device->kind() == BackendKind::kHost) {
     kernels::accumulate_grad_cpu(acc, d_shard, deps_.grad_type, b.shard_numel, first, scale);

@@ -88,10 +88,6 @@ struct GradientPathDeps {
   int stage = 3;
   int gradient_accumulation_steps = 1;
   bool on_device = false;             // the GPU optimizer's path: accumulate on the GPU
-  // Note [Accumulating on the device across micro-batches]: per block, whether
-  // its micro-batches add up in a device accumulator until the window's last
-  // one (empty: none do). The CPU optimizer's path with fp32 accumulators only.
-  std::vector<bool> window_on_device;
   Timeline* timeline = nullptr;
   AccumulationObserver* observer = nullptr;  // may be nullptr; may be set later (set_observer)
 };
@@ -121,10 +117,11 @@ class GradientPath {
   // The device accumulators' partial sums are forgotten (a checkpoint load
   // starts a new window).
   void discard_window() { std::fill(window_dirty_.begin(), window_dirty_.end(), false); }
-  // Device memory the device accumulators take (allocate_window() made them).
-  std::uint64_t window_bytes() const { return window_bytes_; }
-  // Makes the device accumulators of deps.window_on_device; at creation.
-  Status allocate_window();
+  // Note [Accumulating on the device across micro-batches]: makes a device
+  // accumulator for each block where on[b], whose micro-batches then add up
+  // there until the window's last one. At creation, before any reduce(); the
+  // CPU optimizer's path with fp32 accumulators only.
+  Status allocate_window(const std::vector<bool>& on);
   // Gradient bytes copied from the device to the host since the last take.
   std::uint64_t take_d2h_bytes() { return d2h_bytes_.exchange(0); }
   // Of the accumulated shard of `block` (loss-scaled), after wait() (GPU
@@ -161,6 +158,10 @@ class GradientPath {
   Status add_to_grad_tier(std::size_t block, const void* g, DType g_type, bool first, double scale);
   bool in_window(std::size_t block) const { return block < window_acc_.size() && window_acc_[block].valid(); }
   std::size_t shard_bytes(std::size_t block) const;
+  // The factor each micro-batch's reduced sum is added with: the mean over ranks and micro-batches.
+  double mean_scale() const {
+    return 1.0 / (static_cast<double>(deps_.comm->size()) * deps_.gradient_accumulation_steps);
+  }
 
   GradientPathDeps deps_;
   std::vector<double> sum_squares_;
@@ -172,7 +173,6 @@ class GradientPath {
   std::atomic<std::uint64_t> d2h_bytes_{0};
   std::vector<PoolBlock> window_acc_;  // per block: its device accumulator, or empty
   std::vector<bool> window_dirty_;     // holds sums not yet brought down (grad thread; read after wait())
-  std::uint64_t window_bytes_ = 0;
 };
 
 }  // namespace tz::detail

@@ -118,15 +118,15 @@ std::vector<bool> ZeroEngineImpl::grad_window_blocks() const {
 }
 
 Status ZeroEngineImpl::make_grad_window() {
-  TZ_TRY_CTX(grads_->allocate_window(), "the gradient accumulators on the device");
-  if (grads_->window_bytes() == 0) return ok_status();
-  std::uint64_t bytes = 0;  // as the planner counts them (add_grad_window): 4 B per shard element
   const std::vector<bool> on = grad_window_blocks();
+  TZ_TRY_CTX(grads_->allocate_window(on), "the gradient accumulators on the device");
+  std::uint64_t bytes = 0;  // as the planner counts them (add_grad_window): 4 B per shard element
   for (std::size_t b = 0; b < on.size(); ++b) {
     if (!on[b]) continue;
     ++grad_window_blocks_;
     bytes += layout_.blocks[b].shard_numel * sizeof(float);
   }
+  if (bytes == 0) return ok_status();
   TierUsage& usage = plan_.usage[static_cast<std::size_t>(Tier::kGpu)];
   usage.breakdown.push_back({fmt::format("fp32 gradient accumulators across micro-batches, {} of {} blocks (Note "
                                          "[Accumulating on the device across micro-batches])",
@@ -386,7 +386,7 @@ Status ZeroEngineImpl::init(const std::vector<BlockSpec>& model, const ParamInit
       .comm_stream = comm_stream_.get(), .d2h_stream = d2h_stream_.get(), .device_pool = device_pool_.get(),
       .host_pool = host_pool_.get(), .grad = grad_.get(), .acc_type = acc_type(), .cpu_opt = cpu_opt_.get(),
       .layout = &layout_, .grad_type = grad_type_, .stage = stage_, .gradient_accumulation_steps = gas_, .on_device = gpu_optimizer_,
-      .window_on_device = grad_window_blocks(), .timeline = &timeline_});
+      .timeline = &timeline_});
   TZ_TRY(make_grad_window());
   TZ_TRY(make_step_ahead());  // Note [Stepping under backward]
   ranks_ = std::make_unique<RankAgreement>(*comm_, *device_, *device_pool_, [this](const std::function<Status()>& f) {

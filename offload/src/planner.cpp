@@ -588,6 +588,26 @@ Plan planner_internal::evaluate_placement(const PlanInput& in, const PlanLayout&
 
 namespace {
 
+// What the passes after the placement share (add_kept_params,
+// add_step_ahead, add_grad_window: each counts what the engine adds to its
+// own plan): a block's shard on one rank, as compute_layout pads it; this
+// rank's share of a tier's headroom; and a need added to a tier.
+std::uint64_t rank_shard_numel(const PlanInput& in, std::uint64_t numel) {
+  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
+  return align_up((numel + ranks - 1) / ranks, kShardAlignNumel);
+}
+
+std::int64_t rank_headroom(const Plan& plan, Tier t) {
+  const TierUsage& u = plan.usage_of(t);
+  return u.headroom_bytes() / std::max(u.ranks_sharing, 1);
+}
+
+void add_need(Plan& plan, Tier t, std::string what, std::uint64_t bytes) {
+  TierUsage& u = plan.usage[idx(t)];
+  add_item(u, std::move(what), bytes);
+  u.need_bytes = sat_mul(u.per_rank_bytes, static_cast<std::uint64_t>(std::max(u.ranks_sharing, 1)));
+}
+
 // Note [Accumulating on the device across micro-batches] (engine/src/
 // gradient_path.cpp), counted as the engine counts it (grad_window_blocks in
 // zero_engine_setup.cpp): with the CPU optimizer, fp32 accumulators and G >= 2,
@@ -599,21 +619,19 @@ void add_grad_window(const PlanInput& in, Plan& plan) {
       plan.tier_of(StateClass::kMaster) == Tier::kGpu || in.states.grads != GradFormat::kFp32) {
     return;
   }
-  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
-  TierUsage& gpu = plan.usage[idx(Tier::kGpu)];
-  std::int64_t room = gpu.headroom_bytes() / std::max(gpu.ranks_sharing, 1);
+  std::int64_t room = rank_headroom(plan, Tier::kGpu);
   for (std::size_t b = in.block_numel.size(); b-- > 0;) {
-    const std::uint64_t shard = align_up((in.block_numel[b] + ranks - 1) / ranks, kShardAlignNumel);
+    const std::uint64_t shard = rank_shard_numel(in, in.block_numel[b]);
     if (static_cast<std::int64_t>(shard * 4) > room) break;
     room -= static_cast<std::int64_t>(shard * 4);
     plan.grad_window_numel += shard;
     ++plan.grad_window_blocks;
   }
   if (plan.grad_window_blocks == 0) return;
-  add_item(gpu, fmt::format("fp32 gradient accumulators across micro-batches, {} of {} blocks (Note [Accumulating "
-                            "on the device across micro-batches])", plan.grad_window_blocks, in.block_numel.size()),
+  add_need(plan, Tier::kGpu,
+           fmt::format("fp32 gradient accumulators across micro-batches, {} of {} blocks (Note [Accumulating on the "
+                       "device across micro-batches])", plan.grad_window_blocks, in.block_numel.size()),
            plan.grad_window_numel * 4);
-  gpu.need_bytes = sat_mul(gpu.per_rank_bytes, static_cast<std::uint64_t>(std::max(gpu.ranks_sharing, 1)));
   plan.traffic = step_traffic(in, plan);
   plan.summary = planner_internal::plan_summary(plan);
 }
@@ -628,17 +646,9 @@ void add_grad_window(const PlanInput& in, Plan& plan) {
 // the speculation off (or shortens it), never the placement.
 void add_step_ahead(const PlanInput& in, Plan& plan) {
   if (in.step_under_backward == StepUnderBackward::kOff || plan.tier_of(StateClass::kMaster) == Tier::kGpu) return;
-  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
-  const auto shard_of = [&](std::uint64_t numel) { return align_up((numel + ranks - 1) / ranks, kShardAlignNumel); };
-  const auto add = [&](Tier t, std::string what, std::uint64_t bytes) {
-    TierUsage& u = plan.usage[idx(t)];
-    add_item(u, std::move(what), bytes);
-    u.need_bytes = sat_mul(u.per_rank_bytes, static_cast<std::uint64_t>(std::max(u.ranks_sharing, 1)));
-  };
-  const auto share = [&](Tier t) {
-    const TierUsage& u = plan.usage_of(t);
-    return u.headroom_bytes() / std::max(u.ranks_sharing, 1);
-  };
+  const auto shard_of = [&](std::uint64_t numel) { return rank_shard_numel(in, numel); };
+  const auto add = [&](Tier t, std::string what, std::uint64_t bytes) { add_need(plan, t, std::move(what), bytes); };
+  const auto share = [&](Tier t) { return rank_headroom(plan, t); };
   std::uint64_t shadow = 0;
   for (StateClass s : {StateClass::kMaster, StateClass::kMoments}) {
     if (plan.tier_of(s) == Tier::kNvme) shadow += plan.bytes_of(s);
@@ -706,15 +716,13 @@ void add_kept_params(const PlanInput& in, Plan& plan) {
       plan.tier_of(StateClass::kParam16) != Tier::kNvme || plan.tier_of(StateClass::kMaster) == Tier::kGpu) {
     return;
   }
-  const std::uint64_t ranks = static_cast<std::uint64_t>(std::max(in.ranks, 1));
-  TierUsage& cpu = plan.usage[idx(Tier::kCpu)];
-  const std::int64_t share = cpu.headroom_bytes() / std::max(cpu.ranks_sharing, 1);
+  const std::int64_t share = rank_headroom(plan, Tier::kCpu);
   bool full = false;
   for (std::size_t b = in.block_numel.size(); b-- > 0;) {
     const std::uint64_t n = in.block_numel[b];
     if (in.stage < 3 || n < as_u64(in.persistence_threshold)) continue;  // persistent: gathered whole, not kept
     ++plan.keepable_param_blocks;
-    const std::uint64_t shard = align_up((n + ranks - 1) / ranks, kShardAlignNumel);
+    const std::uint64_t shard = rank_shard_numel(in, n);
     if (full || static_cast<std::int64_t>((plan.kept_param_numel + shard) * in.param_bytes) > share) {
       full = true;
       continue;
@@ -723,9 +731,8 @@ void add_kept_params(const PlanInput& in, Plan& plan) {
     ++plan.kept_param_blocks;
   }
   if (plan.kept_param_blocks == 0) return;
-  add_item(cpu, fmt::format("parameter shards kept for the step: {} blocks' 16-bit shards", plan.kept_param_blocks),
+  add_need(plan, Tier::kCpu, fmt::format("parameter shards kept for the step: {} blocks' 16-bit shards", plan.kept_param_blocks),
            plan.kept_param_numel * in.param_bytes);
-  cpu.need_bytes = sat_mul(cpu.per_rank_bytes, static_cast<std::uint64_t>(std::max(cpu.ranks_sharing, 1)));
   plan.traffic = step_traffic(in, plan);  // the remainder's reads of these shards leave NVMe (add_remainder_reads)
   plan.summary = planner_internal::plan_summary(plan);
 }

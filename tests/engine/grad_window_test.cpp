@@ -164,18 +164,13 @@ TEST(GradWindow, OnlyTheBlocksTheGpuBudgetHoldsAccumulateOnTheDevice) {
 TEST(GradWindow, ThePlannerCountsWhatTheEngineAddsToItsPlan) {
   TempDir nvme;
   // The config's own placement (the plan's numbers are its): params and optimizer on NVMe.
-  tz::Config config = config_for(nvme.path(), 3);
-  config.placement = tz::PlacementMode::kDeepSpeed;
-  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
-  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
-  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme.path();
+  tz::Config config = deepspeed_nvme_config(nvme.path(), 3);
+  config.gradient_clipping = kClip;
   auto e = tz::ZeroEngine::create({.config = config, .grads_on_device_across_micro_batches = true},
                                   tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   ASSERT_TRUE(e.ok()) << e.status().to_string();
   const tz::Plan& engine_plan = (*e)->plan();
-  const tz::ResolvedBudgets budgets{.gpu_bytes = engine_plan.usage_of(Tier::kGpu).budget_bytes,
-                                    .cpu_bytes = engine_plan.usage_of(Tier::kCpu).budget_bytes,
-                                    .nvme_bytes = engine_plan.usage_of(Tier::kNvme).budget_bytes};
+  const tz::ResolvedBudgets budgets = budgets_of(engine_plan);
   const auto plan_with = [&](bool window) {
     tz::PlanInput in = tz::PlanInput::from_config(config, (*e)->layout().block_numel(), 1, 0, budgets);
     in.grads_on_device_across_micro_batches = window;
@@ -238,14 +233,7 @@ tz::Expected<std::vector<std::uint32_t>> hand_windows(bool window, const std::st
   TZ_TRY(tz::mlp::train_micro_batch(*engine, kMlp, tz::mlp::make_batch(kMlp, 0, 0, 3)).status());  // window B
   TZ_TRY(engine->step().status());
   TZ_TRY(reduce_block0(*engine, 4));
-  std::vector<std::uint32_t> bits;
-  for (std::size_t b = 0; b < engine->layout().blocks.size(); ++b) {
-    TZ_ASSIGN_OR_RETURN(std::vector<float> master, engine->gather_master(b));
-    const std::size_t at = bits.size();
-    bits.resize(at + master.size());
-    std::memcpy(bits.data() + at, master.data(), master.size() * 4);
-  }
-  return bits;
+  return master_bits(*engine);
 }
 
 TEST(GradWindow, BlocksTheLastMicroBatchSkipsAndALoadMidWindowStepAsTheHostPath) {

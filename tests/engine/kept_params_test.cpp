@@ -263,14 +263,10 @@ TEST(KeptParams, TwoRanksTrainBitForBitAsReadingTheShardsAgain) {
   EXPECT_EQ(codes, (std::vector<int>{0, 0}));
 }
 
-// DeepSpeed's offload keys placing params and optimizer states on NVMe (the
-// main job's placement), with a remainder master: the plan is the config's.
-tz::Config deepspeed_nvme_config(const std::string& nvme) {
-  tz::Config config = test_config(nvme, 3, 1, "bf16");
-  config.placement = tz::PlacementMode::kDeepSpeed;
-  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
-  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
-  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme;
+// deepspeed_nvme_config (the main job's placement) with a remainder master
+// and the steps under backward off.
+tz::Config remainder_nvme_config(const std::string& nvme) {
+  tz::Config config = deepspeed_nvme_config(nvme);
   config.states.master = MasterFormat::kRemainder;
   config.step_under_backward = tz::StepUnderBackward::kOff;
   return config;
@@ -287,7 +283,7 @@ std::uint64_t kept_item(const tz::Plan& plan) {
 // last two), the others read again; the bits do not change.
 TEST(KeptParams, WhereTheBudgetHoldsSomeBlocksOnlyThoseAreKept) {
   TempDir nvme;
-  tz::Config config = deepspeed_nvme_config(nvme.path());
+  tz::Config config = remainder_nvme_config(nvme.path());
   auto create = [&](bool keep) {
     return tz::ZeroEngine::create({.config = config, .keep_fetched_params = keep}, tz::mlp::model(kMlp),
                                   tz::mlp::init(kMlp));
@@ -324,13 +320,11 @@ TEST(KeptParams, WhereTheBudgetHoldsSomeBlocksOnlyThoseAreKept) {
 // the step's NVMe reads of those shards out of the traffic.
 TEST(KeptParams, ThePlannerCountsWhatTheEngineAddsToItsPlan) {
   TempDir nvme;
-  const tz::Config config = deepspeed_nvme_config(nvme.path());
+  const tz::Config config = remainder_nvme_config(nvme.path());
   auto e = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   ASSERT_TRUE(e.ok()) << e.status().to_string();
   const tz::Plan& engine_plan = (*e)->plan();
-  const tz::ResolvedBudgets budgets{.gpu_bytes = engine_plan.usage_of(Tier::kGpu).budget_bytes,
-                                    .cpu_bytes = engine_plan.usage_of(Tier::kCpu).budget_bytes,
-                                    .nvme_bytes = engine_plan.usage_of(Tier::kNvme).budget_bytes};
+  const tz::ResolvedBudgets budgets = budgets_of(engine_plan);
   const auto plan = [&](bool keep) {
     tz::PlanInput in = tz::PlanInput::from_config(config, (*e)->layout().block_numel(), 1, 0, budgets);
     in.keep_fetched_params = keep;

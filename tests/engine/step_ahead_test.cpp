@@ -436,15 +436,6 @@ TEST(StepAhead, ARunStoppedUnderBackwardResumesFromItsCheckpointsBitForBit) {
   }
 }
 
-// DeepSpeed's offload keys placing params and optimizer states on NVMe.
-tz::Config deepspeed_nvme_config(const std::string& nvme) {
-  tz::Config config = test_config(nvme, 3, 1, "bf16");
-  config.placement = tz::PlacementMode::kDeepSpeed;
-  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
-  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
-  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme;
-  return config;
-}
 
 // Where the CPU tier's headroom holds no slot, the step runs after backward
 // and the report says why, with the numbers.
@@ -487,9 +478,7 @@ TEST(StepAhead, ThePlannerCountsWhatTheEngineAddsToItsPlan) {
   auto e = tz::ZeroEngine::create({.config = config}, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   ASSERT_TRUE(e.ok()) << e.status().to_string();
   const tz::Plan& engine_plan = (*e)->plan();
-  const tz::ResolvedBudgets budgets{.gpu_bytes = engine_plan.usage_of(Tier::kGpu).budget_bytes,
-                                    .cpu_bytes = engine_plan.usage_of(Tier::kCpu).budget_bytes,
-                                    .nvme_bytes = engine_plan.usage_of(Tier::kNvme).budget_bytes};
+  const tz::ResolvedBudgets budgets = budgets_of(engine_plan);
   auto planned = tz::plan_placement(tz::PlanInput::from_config(config, (*e)->layout().block_numel(), 1, 0, budgets));
   ASSERT_TRUE(planned.ok()) << planned.status().to_string();
   EXPECT_EQ(planned->tier, engine_plan.tier);

@@ -59,6 +59,25 @@ inline tz::Config test_config(const std::string& nvme_dir, int stage = 3, int ga
   return config.ok() ? *config : tz::Config{};
 }
 
+// test_config with DeepSpeed's offload keys placing params and optimizer
+// states on NVMe (the main job's placement): the plan is the config's.
+inline tz::Config deepspeed_nvme_config(const std::string& nvme_dir, int gas = 1) {
+  tz::Config config = test_config(nvme_dir, 3, gas, "bf16");
+  config.placement = tz::PlacementMode::kDeepSpeed;
+  config.zero.has_offload_param = config.zero.has_offload_optimizer = true;
+  config.zero.offload_param.device = config.zero.offload_optimizer.device = tz::OffloadDevice::kNvme;
+  config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = nvme_dir;
+  return config;
+}
+
+// The budgets an engine planned with, for planning the same model again
+// (the planner-counts-what-the-engine-adds tests).
+inline tz::ResolvedBudgets budgets_of(const tz::Plan& plan) {
+  return {.gpu_bytes = plan.usage_of(tz::Tier::kGpu).budget_bytes,
+          .cpu_bytes = plan.usage_of(tz::Tier::kCpu).budget_bytes,
+          .nvme_bytes = plan.usage_of(tz::Tier::kNvme).budget_bytes};
+}
+
 using Placement = std::array<tz::Tier, tz::kNumStateClasses>;  // param16, grad, master, moments
 
 inline std::string placement_name(const Placement& p) {
@@ -127,6 +146,18 @@ struct RunBits {
   std::vector<double> grad_norms;
 };
 
+// Every block's gathered fp32 master as bits, blocks one after another.
+inline tz::Expected<std::vector<std::uint32_t>> master_bits(tz::ZeroEngine& engine) {
+  std::vector<std::uint32_t> bits;
+  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+    TZ_ASSIGN_OR_RETURN(std::vector<float> master, engine.gather_master(b));
+    const std::size_t at = bits.size();
+    bits.resize(at + master.size());
+    std::memcpy(bits.data() + at, master.data(), master.size() * 4);
+  }
+  return bits;
+}
+
 inline tz::Expected<RunBits> train_for_bits(tz::ZeroEngine& engine, const tz::mlp::MlpConfig& mlp, int steps,
                                             int gas) {
   RunBits run;
@@ -136,13 +167,7 @@ inline tz::Expected<RunBits> train_for_bits(tz::ZeroEngine& engine, const tz::ml
       TZ_ASSIGN_OR_RETURN(tz::StepReport report, engine.step());
       if (report.stepped) run.grad_norms.push_back(report.grad_norm);
     }
-    std::vector<std::uint32_t>& bits = run.masters.emplace_back();
-    for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
-      TZ_ASSIGN_OR_RETURN(std::vector<float> master, engine.gather_master(b));
-      const std::size_t at = bits.size();
-      bits.resize(at + master.size());
-      std::memcpy(bits.data() + at, master.data(), master.size() * 4);
-    }
+    TZ_ASSIGN_OR_RETURN(run.masters.emplace_back(), master_bits(engine));
   }
   for (std::size_t b = 0; engine.device().kind() == tz::BackendKind::kHost && b < engine.layout().blocks.size(); ++b) {
     TZ_ASSIGN_OR_RETURN(tz::GatheredBlock gathered, engine.fetch(b, tz::FetchFor::kEvaluation));
