@@ -19,6 +19,9 @@
 // is timed on the same sizes and thread counts and the ratio printed
 // (adam_bench_torch.cpp).
 //
+// The remainder-master conversions (fp32 <-> bf16 + remainder + tie bit) are
+// timed once per size on one thread (adam_bench_conversions.cpp).
+//
 // Prints a table (stdout), a progress line (stderr), and writes JSON (--json);
 // the tables and the JSON are adam_bench_report.cpp's.
 //
@@ -779,7 +782,8 @@ tz::Status measure_size(std::size_t n, const Flags& flags, const Plan& plan, std
     TZ_TRY(measure(c, plan.kernels, arrays, flags, step, progress, where, out.rows));
     if (flags.whole_step) TZ_TRY(measure_whole_step(c, arrays, flags.repeats, step, progress, where, out.whole_rows));
   }
-  return tz::ok_status();
+  progress.show("size {}: remainder-master conversions", size_name);
+  return measure_conversions(n, flags.repeats, out.conversion_rows);
 }
 
 // Note [Layout rows] for one size: every layout's arrays at once (aliased

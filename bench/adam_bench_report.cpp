@@ -254,7 +254,7 @@ struct Sections {
   std::vector<CopyCost> costs;
   nlohmann::json remainder_master;
   nlohmann::json torch = nullptr;
-  nlohmann::json whole_step, layouts, targets;
+  nlohmann::json whole_step, layouts, conversions, targets;
 };
 
 tz::Status write_json(const Flags& flags, const Machine& machine, const Results& results, const Sections& s) {
@@ -305,6 +305,7 @@ tz::Status write_json(const Flags& flags, const Machine& machine, const Results&
       {"remainder_master", s.remainder_master},
       {"whole_step", s.whole_step},
       {"layouts", s.layouts},
+      {"remainder_conversions", s.conversions},
       {"torch", s.torch},
       {"torch_unavailable_reason", results.torch_reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(results.torch_reason)},
       {"targets", s.targets}};
@@ -331,6 +332,7 @@ tz::Status report(const Flags& flags, const Machine& machine, const Results& res
   }
   s.whole_step = print_whole_step(results.whole_rows, results.torch.medians);
   s.layouts = print_layouts(results.layout_rows);
+  s.conversions = print_conversions(results.conversion_rows);
   s.targets = print_targets(results.rows, s.costs, s.whole_step, results.threads);
   if (!flags.json_path.empty()) TZ_TRY(write_json(flags, machine, results, s));
   return tz::ok_status();

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "adam_bench.h"
+#include "adam_bench_conversions.h"
 #include "adam_bench_torch.h"
 
 namespace tzbench::adam {
@@ -18,6 +19,7 @@ struct Results {
   std::vector<Row> rows;
   std::vector<WholeRow> whole_rows;     // empty with --no-whole-step
   std::vector<LayoutRow> layout_rows;   // empty unless --layouts names more than separate
+  std::vector<ConversionRow> conversion_rows;  // one per size
   TorchRuns torch;
   std::string torch_reason;  // why torch was not timed; "" when it was
 };

@@ -5,7 +5,6 @@
 // Any differing bit fails.
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -155,25 +154,6 @@ TEST(CpuAdamRemainder, ConversionsRoundTripEveryPatternButNanPayloads) {
   check_round_trip(masters, masters.size() - 3, &seen);  // not a whole number of tie bytes
   EXPECT_GT(seen.nans, 0U);
   EXPECT_GT(seen.ties, 0U);
-}
-
-TEST(CpuAdamRemainder, ConversionsOfBillionsAreNotSlow) {
-  constexpr std::size_t kN = std::size_t{1} << 24;
-  RemainderArrays a(kN, false);
-  Buffer fp32(DType::kFp32, kN, false);
-  for (std::size_t i = 0; i < kN; ++i) fp32.set(i, uniform(-2, 2));
-  using Clock = std::chrono::steady_clock;
-  const auto t0 = Clock::now();
-  ASSERT_TRUE(encode_remainder_masters(fp32.f32(), kN, a.h(), a.r(), a.t()).ok());
-  const auto t1 = Clock::now();
-  ASSERT_TRUE(decode_remainder_masters(a.h(), a.r(), a.t(), kN, fp32.f32()).ok());
-  const auto t2 = Clock::now();
-  const double encode_ns = std::chrono::duration<double, std::nano>(t1 - t0).count() / kN;
-  const double decode_ns = std::chrono::duration<double, std::nano>(t2 - t1).count() / kN;
-  std::printf("[ cpu_adam ] remainder conversions of 16M masters: encode %.2f ns, decode %.2f ns an element\n",
-              encode_ns, decode_ns);
-  // Pathological would be far beyond this even on a loaded debug build.
-  EXPECT_LT(encode_ns + decode_ns, 50.0);
 }
 
 // One problem stepped in both formats: `fp32` with its bf16 copy-out, `rem`
