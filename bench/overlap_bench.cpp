@@ -14,7 +14,9 @@
 // optimizer's own work (the union of its CPU spans). --ahead both (default)
 // runs two engines, tierzero.step_under_backward off and on, alternating
 // step by step, so both figures come from the same run and the same load
-// (Note [Stepping under backward], engine/src/step_ahead.h).
+// (Note [Stepping under backward], engine/src/step_ahead.h). --next-fetches
+// off issues the next forward's first fetches after the optimizer pass, as
+// before Note [The next forward's fetches under the optimizer] (prefetch.h).
 //
 //   tierzero-overlap-bench --layers 12 --hidden 1024 --compute-ms 15 --placement nvme
 //       --nvme-path /var/tmp/tz --steps 6 --json out.json --trace step.json
@@ -55,6 +57,7 @@ struct Flags {
   std::string backend = "host";
   std::string ahead = "both";  // off | on | both (alternating)
   double max_norm = 1.0;       // gradient_clipping (the synthetic gradients' norm is ~0.0115 x sqrt(params))
+  std::string next_fetches = "on";  // ZeroOptions::next_fetches_under_step
 };
 
 // The engine's protocol without the MLP's arithmetic: fetch, "compute",
@@ -335,7 +338,8 @@ nlohmann::json arm_json(const Arm& arm, const Summary& sum) {
 tz::Status write_json(const Flags& f, const std::vector<Arm>& arms, const std::vector<Summary>& sums) {
   nlohmann::json out = {{"benchmark", "tierzero-overlap-bench"}, {"layers", f.layers}, {"hidden", f.hidden},
                         {"compute_ms", f.compute_ms}, {"placement", f.placement}, {"synthetic", f.synthetic},
-                        {"backend", f.backend}, {"ahead", f.ahead}, {"max_norm", f.max_norm}};
+                        {"backend", f.backend}, {"ahead", f.ahead}, {"max_norm", f.max_norm},
+                        {"next_fetches_under_step", f.next_fetches}};
   nlohmann::json runs = nlohmann::json::object();
   for (std::size_t i = 0; i < arms.size(); ++i) runs[arms[i].ahead] = arm_json(arms[i], sums[i]);
   // The headline figures are the switch-on arm's (the last one).
@@ -364,7 +368,8 @@ tz::Status run(const Flags& f) {
     config.step_under_backward = ahead == "on"     ? tz::StepUnderBackward::kAlways
                                  : ahead == "auto" ? tz::StepUnderBackward::kAuto
                                                    : tz::StepUnderBackward::kOff;
-    TZ_ASSIGN_OR_RETURN(arm.engine, tz::ZeroEngine::create({.config = config, .placement = parse_placement(f.placement)},
+    TZ_ASSIGN_OR_RETURN(arm.engine, tz::ZeroEngine::create({.config = config, .placement = parse_placement(f.placement),
+                                                           .next_fetches_under_step = f.next_fetches == "on"},
                                                           tz::mlp::model(mlp), tz::mlp::init(mlp)));
     std::printf("[step_under_backward %s] %s\n", ahead.c_str(), arm.engine->describe().c_str());
     arms.push_back(std::move(arm));
@@ -409,6 +414,10 @@ int main(int argc, char** argv) {
   app.add_option("--ahead", f.ahead, "tierzero.step_under_backward: off, on (true), auto, or both (two engines, off and on, alternating)")
       ->capture_default_str()
       ->check(CLI::IsMember({"off", "on", "auto", "both"}));
+  app.add_option("--next-fetches", f.next_fetches,
+                 "the next forward's fetches issued under the optimizer pass (on) or after it (off)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
   CLI11_PARSE(app, argc, argv);
   const tz::Status s = run(f);
   if (!s.ok()) {

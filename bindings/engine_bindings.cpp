@@ -167,6 +167,7 @@ nb::dict report_dict(const tz::StepReport& r) {
   d["kept_param_blocks"] = r.kept_param_blocks;  // Note [The step keeps backward's parameter shards]
   d["kept_param_bytes"] = r.kept_param_bytes;
   d["reread_param_blocks"] = r.reread_param_blocks;
+  d["next_fetches_under_step"] = r.next_fetches_under_step;  // Note [The next forward's fetches under the optimizer]
   d["nvme_read_bytes"] = r.nvme_read_bytes;
   d["nvme_write_bytes"] = r.nvme_write_bytes;
   d["nvme_read_busy_seconds"] = r.nvme_read_busy_seconds;

@@ -60,6 +60,14 @@ bool KeptParams::copy_to(std::size_t block, void* out) {
   return true;
 }
 
+void KeptParams::release(std::size_t block) {
+  Copy dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (block < copies_.size()) std::swap(dropped, copies_[block]);
+  }
+}
+
 void KeptParams::drop_all() {
   std::vector<Copy> dropped(copies_.size());
   {

@@ -115,8 +115,10 @@ Status CpuOptimizerPass::read_group(std::size_t group, StagingSet& set, std::vec
   }
   if (!remainder()) return ok_status();
   for (std::size_t b : groups_[group]) {
-    if (skipped(b) || (deps_.kept != nullptr && deps_.kept->copy_to(b, param16_out(b, set)))) continue;
-    TZ_TRY(deps_.param16->read_into(b, param16_out(b, set), *deps_.stream, reads));
+    if (skipped(b)) continue;
+    const bool copied = deps_.kept != nullptr && deps_.kept->copy_to(b, param16_out(b, set));
+    if (deps_.kept != nullptr) deps_.kept->release(b);  // this step's last use
+    if (!copied) TZ_TRY(deps_.param16->read_into(b, param16_out(b, set), *deps_.stream, reads));
   }
   return deps_.param16->settle(*deps_.stream);
 }
@@ -188,6 +190,18 @@ Status CpuOptimizerPass::step_group(std::size_t group, StagingSet& set, const cp
   return ok_status();
 }
 
+Status CpuOptimizerPass::tell_written(std::size_t group, bool skipped_ones, bool more_to_step) const {
+  if (!deps_.params_written) return ok_status();
+  for (std::size_t b : groups_[group]) {
+    if (skipped(b) == skipped_ones) TZ_TRY(deps_.params_written(b, more_to_step));
+  }
+  return ok_status();
+}
+
+// Three staging sets in turn: group g + 1's reads are issued before g steps,
+// and g's writes are waited for when its set comes round again. Each
+// group's blocks are told written (Note [The next forward's fetches under
+// the optimizer]) once their writes are waited for.
 Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale,
                              const std::vector<bool>& skip) {
   if (staging_.empty()) TZ_TRY(make_staging());
@@ -198,7 +212,20 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
   } unskip{skip_};
   const std::size_t groups = groups_.size(), sets = staging_.size();
   std::vector<std::vector<nvme::IoFuture>> reads(sets), writes(sets);
+  constexpr std::size_t kNone = static_cast<std::size_t>(-1);
+  std::vector<std::size_t> writing(sets, kNone);  // the group whose writes writes[set] holds
+  const auto written = [&](std::size_t set, bool more_to_step) -> Status {
+    TZ_TRY(wait_all(writes[set]));
+    const std::size_t group = std::exchange(writing[set], kNone);
+    return group == kNone ? ok_status() : tell_written(group, false, more_to_step);
+  };
   Status failed = read_group(0, staging_[0], reads[0]);
+  for (std::size_t b = 0; b < skip_.size() && deps_.kept != nullptr; ++b) {
+    if (skip_[b]) deps_.kept->release(b);  // stepped under backward: used already
+  }
+  const bool any_to_step = skip_.size() < deps_.layout->blocks.size() ||
+                           std::find(skip_.begin(), skip_.end(), false) != skip_.end();
+  for (std::size_t g = 0; g < groups && failed.ok(); ++g) failed = tell_written(g, true, any_to_step);  // committed
   for (std::size_t g = 0; g < groups && failed.ok(); ++g) {
     failed = wait_all(reads[g % sets]);
     const bool whole_group_skipped =
@@ -206,7 +233,7 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
     if (!failed.ok()) break;
     if (g + 1 < groups) {
       const std::size_t next = (g + 1) % sets;
-      failed = wait_all(writes[next]);  // the writes of g + 1 - sets used this set
+      failed = written(next, true);  // the writes of g + 1 - sets used this set; g steps next
       if (!failed.ok()) break;
       failed = read_group(g + 1, staging_[next], reads[next]);
       if (!failed.ok()) break;
@@ -216,14 +243,17 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
     failed = step_group(g, staging_[g % sets], h, step, grad_scale);
     deps_.timeline->record(Track::kOptimizer, fmt::format("sub-group {}", g), begin, std::chrono::steady_clock::now());
     if (failed.ok()) failed = write_group(g, staging_[g % sets], writes[g % sets]);
+    if (failed.ok()) writing[g % sets] = g;
+    if (failed.ok() && writes[g % sets].empty()) failed = written(g % sets, g + 1 < groups);  // in place: now
   }
   // Whatever happened, nothing may still be in flight into or out of staging.
   for (auto& r : reads) {
     Status s = wait_all(r);
     if (failed.ok()) failed = std::move(s);
   }
-  for (auto& w : writes) {
-    Status s = wait_all(w);
+  for (std::size_t i = 0; i < sets; ++i) {  // the last groups, in their order
+    const std::size_t set = (groups + i) % sets;
+    Status s = failed.ok() ? written(set, false) : wait_all(writes[set]);
     if (failed.ok()) failed = std::move(s);
   }
   return failed;

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -56,6 +57,11 @@ struct OptimizerPassDeps {
   // CPU variant's remainder master takes the 16-bit shards from there where
   // it can (set with the parameters on NVMe only).
   KeptParams* kept = nullptr;
+  // Note [The next forward's fetches under the optimizer] (prefetch.h): the
+  // CPU variant calls it for each block once its new parameters are in their
+  // tier (blocks it skips, stepped under backward and committed, first), and
+  // says whether it has sub-groups left to step; unset: nobody is told.
+  std::function<Status(std::size_t block, bool more_to_step)> params_written;
 };
 
 // What a block stepped under backward keeps until the step commits or

@@ -322,9 +322,14 @@ Expected<StepReport> ZeroEngineImpl::step() {
   micro_ = 0;
   // Blocks fetched ahead that this micro-batch did not use (it fetched
   // nothing, or was rewound) would be read while the optimizer writes their
-  // parameters, in device memory it may need: drop them; end_micro_batch
-  // issues the next window from the new parameters.
-  prefetcher_->drop_in_flight();
+  // parameters, in device memory it may need: the micro-batch ends now, and
+  // the next window is issued from the new parameters as the optimizer
+  // writes them (Note [The next forward's fetches under the optimizer]).
+  TZ_TRY(prefetcher_->begin_step_pass());
+  struct LiftGate {  // a step that fails issues nothing more
+    detail::Prefetcher* prefetcher;
+    ~LiftGate() { prefetcher->lift_gate(); }
+  } lift_gate{prefetcher_.get()};
   TZ_TRY(zero_stale_grads());
   TZ_TRY(grads_->window_norms());
   blocks_.end_window();
@@ -364,7 +369,8 @@ Expected<StepReport> ZeroEngineImpl::step() {
   }
   cancel_on_failure.ahead = nullptr;
   end_ahead_window(report, ahead);
-  TZ_TRY(prefetcher_->end_micro_batch());
+  report.next_fetches_under_step = prefetcher_->take_issued_under_step();
+  TZ_TRY(prefetcher_->end_step_pass());
   report.step = step_;
   fill_counters(report);
   return report;

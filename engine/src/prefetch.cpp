@@ -239,6 +239,8 @@ Status Prefetcher::top_up() {
     const std::size_t block = trace_[issued_until_];
     const std::uint64_t bytes = deps_.layout->blocks[block].whole_numel * elem;
     if (!in_flight_.empty() && in_flight_bytes + bytes > window_bytes_) break;
+    if (gated_ && !stepped_[block]) break;  // Note [The next forward's fetches under the optimizer]
+    if (gated_ && pass_busy_) ++issued_under_step_;
     Expected<PoolBlock> whole = deps_.device_pool->allocate(bytes);
     TZ_TRY_CTX(whole, "prefetching {} ({} of prefetch window in flight; lower "
                "zero_optimization.stage3_prefetch_bucket_size or raise the device budget)",
@@ -382,6 +384,31 @@ Status Prefetcher::close_pass() {
   recording_ = true;
   active_ = false;
   return ok_status();
+}
+
+// Note [The next forward's fetches under the optimizer] (prefetch.h).
+Status Prefetcher::begin_step_pass() {
+  stepped_.assign(deps_.layout->blocks.size(), false);
+  gated_ = true;  // end_micro_batch's prefetch_next() issues nothing: no block is stepped
+  Status ended = end_micro_batch();
+  if (!ended.ok()) gated_ = false;
+  return ended;
+}
+
+Status Prefetcher::block_stepped(std::size_t block, bool more_to_step) {
+  if (!gated_) return ok_status();
+  stepped_[block] = true;
+  pass_busy_ = more_to_step;
+  if (!prefetching() || issued_until_ >= trace_.size() || trace_[issued_until_] != block) return ok_status();
+  const bool was_empty = in_flight_.empty();
+  TZ_TRY(top_up());
+  if (was_empty && !in_flight_.empty()) post_gather(in_flight_.front());
+  return ok_status();
+}
+
+Status Prefetcher::end_step_pass() {
+  gated_ = false;
+  return prefetching() ? prefetch_next() : ok_status();
 }
 
 // The next micro-batch's first blocks, now (after a step or a load).

@@ -28,6 +28,25 @@
 // began (rewind()): the trace goes on from there, nothing re-recorded. A
 // micro-batch that fetched nothing by the trace (a step() with no forward, a
 // model of persistent blocks) leaves the trace, or its recording, as it was.
+//
+// Note [The next forward's fetches under the optimizer]
+// A step's optimizer pass writes each block's new parameters to their tier;
+// the next forward's first window used to be issued only when the whole pass
+// (and the persistent blocks' gathers) had ended. Now the micro-batch that
+// ends an accumulation closes its pass first (begin_step_pass()), and the
+// optimizer pass tells the prefetcher which blocks' new parameters have
+// reached their tier (block_stepped(): the CPU pass, once the writes of the
+// block's sub-group have completed; blocks stepped under backward and
+// committed before the pass count from the start). The window then fills in
+// trace order, stopping at the first trace position whose block is not yet
+// stepped, so a read never sees parameters older than the step's, and the
+// first blocks' NVMe reads and host-to-device copies run under the
+// optimizer's last sub-groups. end_step_pass() lifts the gate and fills the
+// rest of the window. Which entries are issued, and the order of their
+// gathers, depend only on the trace and the order of block_stepped() calls,
+// which the pass makes at the same points on every rank (Note [Collective
+// order]); a step that fails lifts the gate without issuing. The GPU
+// optimizer pass reports nothing: its next window starts after it, as before.
 #pragma once
 
 #include <chrono>
@@ -35,6 +54,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "tierzero/comm/communicator.h"
@@ -101,6 +121,19 @@ class Prefetcher {
   Status reissue() { return prefetching() ? prefetch_next() : ok_status(); }
   // Starts the next micro-batch's first window (when prefetching is on).
   Status prefetch_next();
+  // Note [The next forward's fetches under the optimizer]: the end of the
+  // micro-batch that ends an accumulation, before the optimizer pass (as
+  // end_micro_batch(), with the window gated: nothing is issued yet);
+  // block_stepped() as each block's new parameters reach their tier (may
+  // issue the window's next entries); end_step_pass() lifts the gate and
+  // fills the window; lift_gate() lifts it without issuing (a failed step).
+  Status begin_step_pass();
+  Status block_stepped(std::size_t block, bool more_to_step);
+  Status end_step_pass();
+  void lift_gate() { gated_ = false; }
+  // Entries issued while the optimizer pass had sub-groups left to step,
+  // since the last take (the step report's next_fetches_under_step).
+  std::uint64_t take_issued_under_step() { return std::exchange(issued_under_step_, 0); }
   bool prefetching() const { return active_ && !disabled_ && !diverged_; }
   // Fetches into an existing buffer on demand (persistent blocks).
   Status gather_into(std::size_t block, void* d_whole);
@@ -137,6 +170,10 @@ class Prefetcher {
   std::size_t position_ = 0;                // next trace position to be fetched
   std::size_t issued_until_ = 0;            // trace positions below this are in flight or used
   std::deque<std::shared_ptr<Entry>> in_flight_;  // in trace order
+  bool gated_ = false;                      // Note [The next forward's fetches under the optimizer]
+  std::vector<bool> stepped_;               // ... per block, while gated_
+  bool pass_busy_ = false;                  // ... the pass has sub-groups left to step
+  std::uint64_t issued_under_step_ = 0;
   std::mutex waits_mu_;
   StageWaits waits_;
 };

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "tierzero/kernels.h"
 #include "tierzero/comm/host_collectives.h"
@@ -352,7 +353,12 @@ Status ZeroEngineImpl::make_optimizer() {
        .grad_dtype = acc_type(), .master_format = c.states.master, .moment_dtype = moment_type(),
        .sub_group_size = static_cast<std::uint64_t>(std::max<std::int64_t>(c.zero.sub_group_size, 1)),
        .rank = comm_->rank(), .timeline = &timeline_, .weight_decay_segments = &weight_decay_segments_,
-       .kept = kept_params_.get()},
+       .kept = kept_params_.get(),
+       .params_written = options_.next_fetches_under_step
+                             ? std::function<Status(std::size_t, bool)>([this](std::size_t b, bool more) {
+                                 return prefetcher_->block_stepped(b, more);
+                               })
+                             : nullptr},
       gpu_optimizer_);
   return ok_status();
 }

@@ -127,9 +127,7 @@ double median_norm(tz::Config config, tz::Communicator* comm = nullptr) {
   auto run = train_new(config, kPlacements[1], false, {.steps = kSteps}, comm);
   EXPECT_TRUE(run.ok()) << run.status().to_string();
   if (!run.ok()) return 1.0;
-  std::vector<double> norms = run->bits.grad_norms;
-  std::nth_element(norms.begin(), norms.begin() + norms.size() / 2, norms.end());
-  return norms[norms.size() / 2];
+  return median_grad_norm(run->bits.grad_norms);
 }
 
 struct Tally {

@@ -150,6 +150,17 @@ void print_kept_params(const RunInfo& info, const std::vector<const StepRecord*>
               bytes * info.ranks / static_cast<double>(std::max<std::uint64_t>(info.params, 1)), reread);
 }
 
+// Note [Stepping under backward]
+void print_ahead(const std::vector<StepRecord>& steps, const std::vector<const StepRecord*>& st) {
+  const double ahead = mean_of(st, [](const StepRecord& r) { return r.report.ahead_seconds; });
+  const double hidden = mean_of(st, [](const StepRecord& r) { return r.report.ahead_hidden_seconds; });
+  const double kept = mean_of(st, [](const StepRecord& r) { return double(r.report.ahead_blocks); });
+  const double redone = mean_of(st, [](const StepRecord& r) { return double(r.report.ahead_redone); });
+  if (!steps.back().report.ahead_off.empty()) std::printf("optimizer under backward: %s\n", steps.back().report.ahead_off.c_str());
+  std::printf("optimizer under backward: %.3f s per step, %.3f s of it hidden (before step()); blocks kept %.1f, "
+              "redone %.1f per step\n", ahead, hidden, kept, redone);
+}
+
 void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, const std::vector<EvalRecord>& evals) {
   if (steps.empty()) return;
   const std::vector<const StepRecord*> st = steady(steps);
@@ -207,15 +218,11 @@ void print_summary(const RunInfo& info, const std::vector<StepRecord>& steps, co
   const double optim = mean_of(st, [](const StepRecord& r) { return r.report.optimizer_seconds; });
   std::printf("stage waits per step: compute waited %.3f s on NVMe, %.3f s on host-to-device, %.3f s on all-gather "
               "(%.1f%% of the step)\n", w_nvme, w_h2d, w_gather, 100 * (w_nvme + w_h2d + w_gather) / step_s);
-  std::printf("optimizer: %.3f s per step after backward (%.1f%% of the step)\n", optim, 100 * optim / step_s);
-  // Note [Stepping under backward]
-  const double ahead = mean_of(st, [](const StepRecord& r) { return r.report.ahead_seconds; });
-  const double hidden = mean_of(st, [](const StepRecord& r) { return r.report.ahead_hidden_seconds; });
-  const double kept = mean_of(st, [](const StepRecord& r) { return double(r.report.ahead_blocks); });
-  const double redone = mean_of(st, [](const StepRecord& r) { return double(r.report.ahead_redone); });
-  if (!steps.back().report.ahead_off.empty()) std::printf("optimizer under backward: %s\n", steps.back().report.ahead_off.c_str());
-  std::printf("optimizer under backward: %.3f s per step, %.3f s of it hidden (before step()); blocks kept %.1f, "
-              "redone %.1f per step\n", ahead, hidden, kept, redone);
+  // Note [The next forward's fetches under the optimizer]
+  const double under = mean_of(st, [](const StepRecord& r) { return double(r.report.next_fetches_under_step); });
+  std::printf("optimizer: %.3f s per step after backward (%.1f%% of the step); the next forward's fetches issued "
+              "under it: %.1f blocks per step\n", optim, 100 * optim / step_s, under);
+  print_ahead(steps, st);
   print_redone(info, steps);
   print_kept_params(info, st);
   std::uint64_t pg = 0, pc = 0, pn = 0;

@@ -122,6 +122,12 @@ struct ZeroOptions {
   // keeps backward's parameter shards] in engine/src/kept_params.h). false:
   // it reads every shard from NVMe again (tests compare the two).
   bool keep_fetched_params = true;
+  // With the CPU optimizer, the next forward's first fetches are issued as
+  // the step's optimizer pass writes their blocks' new parameters, under its
+  // last sub-groups (Note [The next forward's fetches under the optimizer] in
+  // engine/src/prefetch.h). false: after the pass, as before (tests and
+  // tierzero-overlap-bench compare the two).
+  bool next_fetches_under_step = true;
   // Tests only: injects NVMe faults (see tz::nvme::EngineOptions).
   nvme::FaultInjector nvme_fault_injector;
 };
@@ -299,6 +305,10 @@ struct StepReport {
   // read from NVMe (no copy kept: the CPU headroom, or the shard changed since
   // the fetch). A block stepped under backward and redone counts twice.
   std::uint64_t kept_param_blocks = 0, kept_param_bytes = 0, reread_param_blocks = 0;
+  // Note [The next forward's fetches under the optimizer] (engine/src/prefetch.h):
+  // the next forward's fetches this step issued while its optimizer pass
+  // was still running.
+  std::uint64_t next_fetches_under_step = 0;
 };
 
 // save_checkpoint's choices beyond the directory (DeepSpeed's save_checkpoint

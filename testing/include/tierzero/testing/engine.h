@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -188,6 +189,14 @@ inline tz::Expected<std::string> exported_after_training(const tz::ZeroOptions& 
   TZ_TRY(engine->export_safetensors(path));
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// The median of a run's gradient norms: as a max norm it clips about half
+// the steps (the clipping-bites-on-some-steps tests).
+inline double median_grad_norm(std::vector<double> norms) {
+  if (norms.empty()) return 1.0;
+  std::nth_element(norms.begin(), norms.begin() + static_cast<std::ptrdiff_t>(norms.size() / 2), norms.end());
+  return norms[norms.size() / 2];
 }
 
 // The first difference between two recorded runs, or "" when they are the same bit for bit.
