@@ -104,9 +104,8 @@ class KeptParams {
   // returns true when it is still the stored shard's bytes; else false, and
   // the caller reads the shard from its tier. Either way counted.
   bool copy_to(std::size_t block, void* out);
-  // Releases `block`'s copy to the pool: the step's last use of it (Note
-  // [The next forward's fetches under the optimizer] in prefetch.h: the next
-  // window's NVMe staging takes the room as the pass goes on).
+  // Releases `block`'s copy to the pool: the step's last use of it (the
+  // pass frees each copy as it takes it, not all at its end).
   void release(std::size_t block);
   // Releases every copy to the pool.
   void drop_all();

@@ -190,12 +190,11 @@ Status CpuOptimizerPass::step_group(std::size_t group, StagingSet& set, const cp
   return ok_status();
 }
 
-Status CpuOptimizerPass::tell_written(std::size_t group, bool skipped_ones, bool more_to_step) const {
-  if (!deps_.params_written) return ok_status();
+void CpuOptimizerPass::tell_written(std::size_t group, bool skipped_ones, bool more_to_step) const {
+  if (!deps_.params_written) return;
   for (std::size_t b : groups_[group]) {
-    if (skipped(b) == skipped_ones) TZ_TRY(deps_.params_written(b, more_to_step));
+    if (skipped(b) == skipped_ones) deps_.params_written(b, more_to_step);
   }
-  return ok_status();
 }
 
 // Three staging sets in turn: group g + 1's reads are issued before g steps,
@@ -217,15 +216,19 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
   const auto written = [&](std::size_t set, bool more_to_step) -> Status {
     TZ_TRY(wait_all(writes[set]));
     const std::size_t group = std::exchange(writing[set], kNone);
-    return group == kNone ? ok_status() : tell_written(group, false, more_to_step);
+    if (group != kNone) tell_written(group, false, more_to_step);
+    return ok_status();
   };
+  std::size_t last_to_step = kNone;  // the last group with a block to step
+  for (std::size_t g = 0; g < groups; ++g) {
+    if (std::any_of(groups_[g].begin(), groups_[g].end(), [&](std::size_t b) { return !skipped(b); })) last_to_step = g;
+  }
+  const auto steps_from = [&](std::size_t g) { return last_to_step != kNone && last_to_step >= g; };
   Status failed = read_group(0, staging_[0], reads[0]);
   for (std::size_t b = 0; b < skip_.size() && deps_.kept != nullptr; ++b) {
     if (skip_[b]) deps_.kept->release(b);  // stepped under backward: used already
   }
-  const bool any_to_step = skip_.size() < deps_.layout->blocks.size() ||
-                           std::find(skip_.begin(), skip_.end(), false) != skip_.end();
-  for (std::size_t g = 0; g < groups && failed.ok(); ++g) failed = tell_written(g, true, any_to_step);  // committed
+  for (std::size_t g = 0; g < groups && failed.ok(); ++g) tell_written(g, true, steps_from(0));  // committed
   for (std::size_t g = 0; g < groups && failed.ok(); ++g) {
     failed = wait_all(reads[g % sets]);
     const bool whole_group_skipped =
@@ -233,7 +236,7 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
     if (!failed.ok()) break;
     if (g + 1 < groups) {
       const std::size_t next = (g + 1) % sets;
-      failed = written(next, true);  // the writes of g + 1 - sets used this set; g steps next
+      failed = written(next, steps_from(g));  // the writes of g + 1 - sets used this set
       if (!failed.ok()) break;
       failed = read_group(g + 1, staging_[next], reads[next]);
       if (!failed.ok()) break;
@@ -244,7 +247,7 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
     deps_.timeline->record(Track::kOptimizer, fmt::format("sub-group {}", g), begin, std::chrono::steady_clock::now());
     if (failed.ok()) failed = write_group(g, staging_[g % sets], writes[g % sets]);
     if (failed.ok()) writing[g % sets] = g;
-    if (failed.ok() && writes[g % sets].empty()) failed = written(g % sets, g + 1 < groups);  // in place: now
+    if (failed.ok() && writes[g % sets].empty()) failed = written(g % sets, steps_from(g + 1));  // in place: now
   }
   // Whatever happened, nothing may still be in flight into or out of staging.
   for (auto& r : reads) {

@@ -61,7 +61,7 @@ struct OptimizerPassDeps {
   // CPU variant calls it for each block once its new parameters are in their
   // tier (blocks it skips, stepped under backward and committed, first), and
   // says whether it has sub-groups left to step; unset: nobody is told.
-  std::function<Status(std::size_t block, bool more_to_step)> params_written;
+  std::function<void(std::size_t block, bool more_to_step)> params_written;
 };
 
 // What a block stepped under backward keeps until the step commits or

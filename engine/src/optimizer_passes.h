@@ -72,7 +72,7 @@ class CpuOptimizerPass final : public OptimizerPass {
   bool skipped(std::size_t block) const { return block < skip_.size() && skip_[block]; }
   // Note [The next forward's fetches under the optimizer]: deps_.params_written
   // for `group`'s blocks that were stepped (`skipped`: those that were not).
-  Status tell_written(std::size_t group, bool skipped, bool more_to_step) const;
+  void tell_written(std::size_t group, bool skipped, bool more_to_step) const;
   // The states the step reads and writes (master, moments), and the
   // gradient, which it only reads.
   std::vector<TieredStore*> stepped_states() const { return {deps_.master, deps_.exp_avg, deps_.exp_avg_sq}; }

@@ -240,7 +240,6 @@ Status Prefetcher::top_up() {
     const std::uint64_t bytes = deps_.layout->blocks[block].whole_numel * elem;
     if (!in_flight_.empty() && in_flight_bytes + bytes > window_bytes_) break;
     if (gated_ && !stepped_[block]) break;  // Note [The next forward's fetches under the optimizer]
-    if (gated_ && pass_busy_) ++issued_under_step_;
     Expected<PoolBlock> whole = deps_.device_pool->allocate(bytes);
     TZ_TRY_CTX(whole, "prefetching {} ({} of prefetch window in flight; lower "
                "zero_optimization.stage3_prefetch_bucket_size or raise the device budget)",
@@ -249,6 +248,7 @@ Status Prefetcher::top_up() {
     in_flight_.push_back(issue(block, data, std::move(*whole)));
     in_flight_bytes += bytes;
     ++issued_until_;
+    if (gated_ && pass_busy_) ++issued_under_step_;
   }
   return ok_status();
 }
@@ -389,25 +389,29 @@ Status Prefetcher::close_pass() {
 // Note [The next forward's fetches under the optimizer] (prefetch.h).
 Status Prefetcher::begin_step_pass() {
   stepped_.assign(deps_.layout->blocks.size(), false);
+  issued_under_step_ = 0;
+  pass_busy_ = false;
+  gate_error_ = ok_status();
   gated_ = true;  // end_micro_batch's prefetch_next() issues nothing: no block is stepped
   Status ended = end_micro_batch();
   if (!ended.ok()) gated_ = false;
   return ended;
 }
 
-Status Prefetcher::block_stepped(std::size_t block, bool more_to_step) {
-  if (!gated_) return ok_status();
+// Reads and copies only: the gathers are posted after the pass (Note [The
+// next forward's fetches under the optimizer]). A failure to issue is kept
+// for end_step_pass(), so the optimizer pass itself always runs to its end.
+void Prefetcher::block_stepped(std::size_t block, bool more_to_step) {
+  if (!gated_ || !gate_error_.ok()) return;
   stepped_[block] = true;
   pass_busy_ = more_to_step;
-  if (!prefetching() || issued_until_ >= trace_.size() || trace_[issued_until_] != block) return ok_status();
-  const bool was_empty = in_flight_.empty();
-  TZ_TRY(top_up());
-  if (was_empty && !in_flight_.empty()) post_gather(in_flight_.front());
-  return ok_status();
+  if (!prefetching() || issued_until_ >= trace_.size() || trace_[issued_until_] != block) return;
+  gate_error_ = top_up();
 }
 
 Status Prefetcher::end_step_pass() {
   gated_ = false;
+  TZ_TRY(std::exchange(gate_error_, ok_status()));
   return prefetching() ? prefetch_next() : ok_status();
 }
 

@@ -45,8 +45,13 @@
 // rest of the window. Which entries are issued, and the order of their
 // gathers, depend only on the trace and the order of block_stepped() calls,
 // which the pass makes at the same points on every rank (Note [Collective
-// order]); a step that fails lifts the gate without issuing. The GPU
-// optimizer pass reports nothing: its next window starts after it, as before.
+// order]); a step that fails lifts the gate without issuing. Under the gate
+// only NVMe reads and host-to-device copies start: the window's all-gathers
+// are posted by end_step_pass(), after the persistent blocks' gathers, so
+// the collectives keep the order they had before (and a step that fails on
+// one rank leaves none queued), and a failure to issue (the device pool) is
+// returned there, after a whole pass, as it was. The GPU optimizer pass
+// reports nothing: its next window starts after it, as before.
 #pragma once
 
 #include <chrono>
@@ -128,7 +133,7 @@ class Prefetcher {
   // issue the window's next entries); end_step_pass() lifts the gate and
   // fills the window; lift_gate() lifts it without issuing (a failed step).
   Status begin_step_pass();
-  Status block_stepped(std::size_t block, bool more_to_step);
+  void block_stepped(std::size_t block, bool more_to_step);
   Status end_step_pass();
   void lift_gate() { gated_ = false; }
   // Entries issued while the optimizer pass had sub-groups left to step,
@@ -173,6 +178,7 @@ class Prefetcher {
   bool gated_ = false;                      // Note [The next forward's fetches under the optimizer]
   std::vector<bool> stepped_;               // ... per block, while gated_
   bool pass_busy_ = false;                  // ... the pass has sub-groups left to step
+  Status gate_error_;                       // ... the first failure to issue under it
   std::uint64_t issued_under_step_ = 0;
   std::mutex waits_mu_;
   StageWaits waits_;

@@ -355,8 +355,8 @@ Status ZeroEngineImpl::make_optimizer() {
        .rank = comm_->rank(), .timeline = &timeline_, .weight_decay_segments = &weight_decay_segments_,
        .kept = kept_params_.get(),
        .params_written = options_.next_fetches_under_step
-                             ? std::function<Status(std::size_t, bool)>([this](std::size_t b, bool more) {
-                                 return prefetcher_->block_stepped(b, more);
+                             ? std::function<void(std::size_t, bool)>([this](std::size_t b, bool more) {
+                                 prefetcher_->block_stepped(b, more);
                                })
                              : nullptr},
       gpu_optimizer_);

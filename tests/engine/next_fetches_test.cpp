@@ -53,6 +53,7 @@ struct Run {
   std::uint64_t under_step = 0;  // next_fetches_under_step, summed
   int overflows = 0;
   int clipped = 0;
+  std::uint64_t ahead = 0;  // blocks stepped under backward and kept (skipped by the pass, told first)
 };
 
 tz::Expected<Run> train(const std::string& nvme, const Arm& a, bool under, tz::Communicator* comm = nullptr) {
@@ -72,6 +73,7 @@ tz::Expected<Run> train(const std::string& nvme, const Arm& a, bool under, tz::C
       run.under_step += report.next_fetches_under_step;
       run.overflows += report.overflow ? 1 : 0;
       run.clipped += report.stepped && report.clip_coef < 1.0 ? 1 : 0;
+      run.ahead += report.ahead_blocks;
     }
     TZ_ASSIGN_OR_RETURN(run.bits.masters.emplace_back(), master_bits(*e));
   }
@@ -92,6 +94,7 @@ std::string compare(const Run& on, const Run& off, const Arm& a) {
     return fmt::format("next fetches under the step: {} with the switch on, {} off", on.under_step, off.under_step);
   }
   if (a.precision == "fp16" && on.overflows == 0) return "no step overflowed";
+  if (a.ahead == tz::StepUnderBackward::kAlways && on.ahead == 0) return "no block's step under backward was kept";
   if (a.clip > 0 && (on.clipped == 0 || on.clipped == static_cast<int>(on.bits.grad_norms.size()))) {
     return fmt::format("clipping bit on {} of {} steps", on.clipped, on.bits.grad_norms.size());
   }
