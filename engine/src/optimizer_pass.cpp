@@ -123,7 +123,10 @@ Status CpuOptimizerPass::read_group(std::size_t group, StagingSet& set, std::vec
   return deps_.param16->settle(*deps_.stream);
 }
 
-Status CpuOptimizerPass::write_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes) {
+// The states' writes go to `writes`, the new parameters' to `param_writes`
+// (what the next forward's fetches wait for).
+Status CpuOptimizerPass::write_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes,
+                                     std::vector<nvme::IoFuture>& param_writes) {
   for (const TieredStore* store : {deps_.master, deps_.exp_avg, deps_.exp_avg_sq}) {
     if (store == nullptr || store->resident()) continue;
     for (std::size_t b : groups_[group]) {
@@ -137,7 +140,7 @@ Status CpuOptimizerPass::write_group(std::size_t group, StagingSet& set, std::ve
   for (std::size_t b : groups_[group]) {
     if (skipped(b)) continue;
     const void* out = fp32 ? state_ptr(deps_.master, b, set) : param16_out(b, set);
-    TZ_TRY(param16.write_back(b, out, *deps_.stream, writes));
+    TZ_TRY(param16.write_back(b, out, *deps_.stream, param_writes));
   }
   return param16.settle(*deps_.stream);
 }
@@ -198,9 +201,9 @@ void CpuOptimizerPass::tell_written(std::size_t group, bool skipped_ones, bool m
 }
 
 // Three staging sets in turn: group g + 1's reads are issued before g steps,
-// and g's writes are waited for when its set comes round again. Each
-// group's blocks are told written (Note [The next forward's fetches under
-// the optimizer]) once their writes are waited for.
+// and g's writes are waited for when its set comes round again. Groups whose
+// new parameters have landed are told so (Note [The next forward's fetches
+// under the optimizer]) in group order, as soon as the pass sees it.
 Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double grad_scale,
                              const std::vector<bool>& skip) {
   if (staging_.empty()) TZ_TRY(make_staging());
@@ -210,25 +213,18 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
     ~Unskip() { skip.clear(); }
   } unskip{skip_};
   const std::size_t groups = groups_.size(), sets = staging_.size();
-  std::vector<std::vector<nvme::IoFuture>> reads(sets), writes(sets);
-  constexpr std::size_t kNone = static_cast<std::size_t>(-1);
-  std::vector<std::size_t> writing(sets, kNone);  // the group whose writes writes[set] holds
-  const auto written = [&](std::size_t set, bool more_to_step) -> Status {
-    TZ_TRY(wait_all(writes[set]));
-    const std::size_t group = std::exchange(writing[set], kNone);
-    if (group != kNone) tell_written(group, false, more_to_step);
-    return ok_status();
+  std::vector<std::vector<nvme::IoFuture>> reads(sets), writes(sets), param_writes(sets);
+  ParamsLanded landed(*this, param_writes);
+  const auto reuse = [&](std::size_t set, bool more_to_step) -> Status {  // the set's writes done; told
+    Status s = landed.wait(set, more_to_step);
+    Status w = wait_all(writes[set]);
+    return s.ok() ? w : s;
   };
-  std::size_t last_to_step = kNone;  // the last group with a block to step
-  for (std::size_t g = 0; g < groups; ++g) {
-    if (std::any_of(groups_[g].begin(), groups_[g].end(), [&](std::size_t b) { return !skipped(b); })) last_to_step = g;
-  }
-  const auto steps_from = [&](std::size_t g) { return last_to_step != kNone && last_to_step >= g; };
   Status failed = read_group(0, staging_[0], reads[0]);
   for (std::size_t b = 0; b < skip_.size() && deps_.kept != nullptr; ++b) {
     if (skip_[b]) deps_.kept->release(b);  // stepped under backward: used already
   }
-  for (std::size_t g = 0; g < groups && failed.ok(); ++g) tell_written(g, true, steps_from(0));  // committed
+  for (std::size_t g = 0; g < groups && failed.ok(); ++g) tell_written(g, true, landed.steps_from(0));  // committed
   for (std::size_t g = 0; g < groups && failed.ok(); ++g) {
     failed = wait_all(reads[g % sets]);
     const bool whole_group_skipped =
@@ -236,18 +232,19 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
     if (!failed.ok()) break;
     if (g + 1 < groups) {
       const std::size_t next = (g + 1) % sets;
-      failed = written(next, steps_from(g));  // the writes of g + 1 - sets used this set
+      failed = reuse(next, landed.steps_from(g));  // the writes of g + 1 - sets used this set
       if (!failed.ok()) break;
       failed = read_group(g + 1, staging_[next], reads[next]);
       if (!failed.ok()) break;
     }
     if (whole_group_skipped) continue;
+    landed.poll(landed.steps_from(g));
     const auto begin = std::chrono::steady_clock::now();
     failed = step_group(g, staging_[g % sets], h, step, grad_scale);
     deps_.timeline->record(Track::kOptimizer, fmt::format("sub-group {}", g), begin, std::chrono::steady_clock::now());
-    if (failed.ok()) failed = write_group(g, staging_[g % sets], writes[g % sets]);
-    if (failed.ok()) writing[g % sets] = g;
-    if (failed.ok() && writes[g % sets].empty()) failed = written(g % sets, steps_from(g + 1));  // in place: now
+    if (failed.ok()) failed = write_group(g, staging_[g % sets], writes[g % sets], param_writes[g % sets]);
+    if (failed.ok()) landed.writing(g % sets, g);
+    landed.poll(landed.steps_from(g + 1));
   }
   // Whatever happened, nothing may still be in flight into or out of staging.
   for (auto& r : reads) {
@@ -255,11 +252,60 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
     if (failed.ok()) failed = std::move(s);
   }
   for (std::size_t i = 0; i < sets; ++i) {  // the last groups, in their order
-    const std::size_t set = (groups + i) % sets;
-    Status s = failed.ok() ? written(set, false) : wait_all(writes[set]);
+    Status s = reuse((groups + i) % sets, false);
     if (failed.ok()) failed = std::move(s);
   }
   return failed;
+}
+
+CpuOptimizerPass::ParamsLanded::ParamsLanded(const CpuOptimizerPass& pass,
+                                             std::vector<std::vector<nvme::IoFuture>>& param_writes)
+    : pass_(pass), param_writes_(param_writes), group_of_set_(param_writes.size(), kNone) {
+  for (std::size_t g = 0; g < pass.groups_.size(); ++g) {
+    const std::vector<std::size_t>& blocks = pass.groups_[g];
+    if (std::any_of(blocks.begin(), blocks.end(), [&](std::size_t b) { return !pass.skipped(b); })) last_to_step_ = g;
+  }
+}
+
+bool CpuOptimizerPass::ParamsLanded::steps_from(std::size_t group) const {
+  return last_to_step_ != kNone && last_to_step_ >= group;
+}
+
+// The set holding the oldest group not yet told, or kNone.
+std::size_t CpuOptimizerPass::ParamsLanded::oldest() const {
+  std::size_t best = kNone;
+  for (std::size_t s = 0; s < group_of_set_.size(); ++s) {
+    if (group_of_set_[s] != kNone && (best == kNone || group_of_set_[s] < group_of_set_[best])) best = s;
+  }
+  return best;
+}
+
+// Waits for set s's parameter writes and tells its group, unless a write
+// failed (here or before: nothing more is told, and wait() returns it).
+Status CpuOptimizerPass::ParamsLanded::land(std::size_t s, bool more_to_step) {
+  Status landed = wait_all(param_writes_[s]);
+  const std::size_t group = std::exchange(group_of_set_[s], kNone);
+  if (!landed.ok() && error_.ok()) error_ = landed;
+  if (group != kNone && error_.ok()) pass_.tell_written(group, false, more_to_step);
+  return error_;
+}
+
+// Tells the oldest groups whose parameter writes have all landed, stopping
+// at the first that has not (group order).
+void CpuOptimizerPass::ParamsLanded::poll(bool more_to_step) {
+  for (std::size_t s = oldest(); s != kNone && error_.ok(); s = oldest()) {
+    const std::vector<nvme::IoFuture>& f = param_writes_[s];
+    if (!std::all_of(f.begin(), f.end(), [](const nvme::IoFuture& w) { return w.ready(); })) return;
+    (void)land(s, more_to_step);
+  }
+}
+
+// The set's parameter writes, waited for (older groups' first, in order);
+// the first failed parameter write of the pass, if any.
+Status CpuOptimizerPass::ParamsLanded::wait(std::size_t set, bool more_to_step) {
+  while (group_of_set_[set] != kNone) (void)land(oldest(), more_to_step);
+  (void)land(set, more_to_step);  // writes of a group whose write_group failed part-way
+  return error_;
 }
 
 }  // namespace optimizer_pass_impl

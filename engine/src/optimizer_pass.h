@@ -58,8 +58,9 @@ struct OptimizerPassDeps {
   // it can (set with the parameters on NVMe only).
   KeptParams* kept = nullptr;
   // Note [The next forward's fetches under the optimizer] (prefetch.h): the
-  // CPU variant calls it for each block once its new parameters are in their
-  // tier (blocks it skips, stepped under backward and committed, first), and
+  // CPU variant calls it for each block once its new parameters have landed
+  // in their tier, in sub-group order (blocks it skips, stepped under
+  // backward and committed, first), and
   // says whether it has sub-groups left to step; unset: nobody is told.
   std::function<void(std::size_t block, bool more_to_step)> params_written;
 };

@@ -60,7 +60,8 @@ class CpuOptimizerPass final : public OptimizerPass {
   std::uint64_t offset_in_group(const TieredStore& store, std::size_t block) const;
   void* state_ptr(const TieredStore* store, std::size_t block, StagingSet& set) const;
   Status read_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& reads);
-  Status write_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes);
+  Status write_group(std::size_t group, StagingSet& set, std::vector<nvme::IoFuture>& writes,
+                     std::vector<nvme::IoFuture>& param_writes);
   // Block b's spans over its staged states (the master in its format, the
   // moments, the fp32 gradient, the 16-bit copy-out): the one place a state
   // format's arrays meet cpu_adam, for run() and the steps under backward alike.
@@ -73,6 +74,26 @@ class CpuOptimizerPass final : public OptimizerPass {
   // Note [The next forward's fetches under the optimizer]: deps_.params_written
   // for `group`'s blocks that were stepped (`skipped`: those that were not).
   void tell_written(std::size_t group, bool skipped, bool more_to_step) const;
+  // run()'s record of the sub-groups whose new parameters are on their way
+  // to their tier, one per staging set, told in group order once landed.
+  class ParamsLanded {
+   public:
+    ParamsLanded(const CpuOptimizerPass& pass, std::vector<std::vector<nvme::IoFuture>>& param_writes);
+    bool steps_from(std::size_t group) const;  // a group at or after `group` has a block to step
+    void writing(std::size_t set, std::size_t group) { group_of_set_[set] = group; }
+    void poll(bool more_to_step);
+    Status wait(std::size_t set, bool more_to_step);
+
+   private:
+    static constexpr std::size_t kNone = static_cast<std::size_t>(-1);
+    std::size_t oldest() const;
+    Status land(std::size_t set, bool more_to_step);
+    const CpuOptimizerPass& pass_;
+    std::vector<std::vector<nvme::IoFuture>>& param_writes_;
+    std::vector<std::size_t> group_of_set_;  // the group whose parameter writes the set holds, or kNone
+    std::size_t last_to_step_ = kNone;
+    Status error_;  // the first failed parameter write
+  };
   // The states the step reads and writes (master, moments), and the
   // gradient, which it only reads.
   std::vector<TieredStore*> stepped_states() const { return {deps_.master, deps_.exp_avg, deps_.exp_avg_sq}; }

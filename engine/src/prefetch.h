@@ -35,23 +35,27 @@
 // (and the persistent blocks' gathers) had ended. Now the micro-batch that
 // ends an accumulation closes its pass first (begin_step_pass()), and the
 // optimizer pass tells the prefetcher which blocks' new parameters have
-// reached their tier (block_stepped(): the CPU pass, once the writes of the
-// block's sub-group have completed; blocks stepped under backward and
-// committed before the pass count from the start). The window then fills in
-// trace order, stopping at the first trace position whose block is not yet
-// stepped, so a read never sees parameters older than the step's, and the
-// first blocks' NVMe reads and host-to-device copies run under the
-// optimizer's last sub-groups. end_step_pass() lifts the gate and fills the
-// rest of the window. Which entries are issued, and the order of their
-// gathers, depend only on the trace and the order of block_stepped() calls,
-// which the pass makes at the same points on every rank (Note [Collective
-// order]); a step that fails lifts the gate without issuing. Under the gate
-// only NVMe reads and host-to-device copies start: the window's all-gathers
-// are posted by end_step_pass(), after the persistent blocks' gathers, so
-// the collectives keep the order they had before (and a step that fails on
-// one rank leaves none queued), and a failure to issue (the device pool) is
-// returned there, after a whole pass, as it was. The GPU optimizer pass
-// reports nothing: its next window starts after it, as before.
+// reached their tier (block_stepped()). The CPU pass tells a sub-group once
+// its parameter writes have landed: it looks between sub-groups (a write
+// still in flight is not waited for there) and when it reuses the
+// sub-group's staging set, always in sub-group order; parameters stepped in
+// place in CPU memory have landed when stepped, and blocks stepped under
+// backward and committed before the pass count from the start. The window
+// fills in trace order, stopping at the first trace position whose block is
+// not yet stepped, so a read never sees parameters older than the step's
+// (the swap store refuses a read of an extent with a write in flight, which
+// is how tests/engine/next_fetches_test.cpp fails when a block is told too
+// early), and the first blocks' NVMe reads and host-to-device copies run
+// under the optimizer's last sub-groups. end_step_pass() lifts the gate and
+// fills the rest of the window; a step that fails lifts it without issuing.
+// Under the gate only NVMe reads and host-to-device copies start: the
+// window's all-gathers are posted by end_step_pass(), after the persistent
+// blocks' gathers, so the collectives keep the order they had before (when
+// a read starts may differ between ranks; what is gathered, and in which
+// order, does not), a step that fails on one rank leaves none queued, and a
+// failure to issue (the device pool) is returned there, after a whole pass,
+// as it was. The GPU optimizer pass reports nothing: its next window starts
+// after it, as before.
 #pragma once
 
 #include <chrono>

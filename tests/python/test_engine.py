@@ -135,6 +135,26 @@ def test_the_step_report_counts_the_parameter_shards_kept_from_the_fetch(nvme_di
     assert report["kept_param_bytes"] == 2 * 2 * 2048  # each block's shard: one 2048-element run of bf16
 
 
+def test_the_step_report_counts_the_next_forwards_fetches_issued_under_the_optimizer(nvme_dir):
+    """Note [The next forward's fetches under the optimizer]: with one block a sub-group and the parameters in
+    CPU memory (stepped in place: written as soon as stepped), the next forward's first block is fetched while
+    the optimizer still steps the second; the report counts it."""
+    cfg = host_config(nvme_dir, lr=0.1)
+    cfg["zero_optimization"]["sub_group_size"] = 1  # each block its own sub-group
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    eng = tierzero.Engine(cfg, BLOCKS, init=[[np.ones((8, 16), np.float32), None], [np.ones((4, 8), np.float32)]])
+    counts = []
+    for _ in range(3):
+        for b in (0, 1):
+            eng.fetch(b)  # the forward's fetch, given back at once
+        eng.reduce_grads(0, [torch.ones(8, 16), None])
+        eng.reduce_grads(1, [torch.ones(4, 8)])
+        counts.append(eng.step()["next_fetches_under_step"])
+    # The first forward's fetch order is closed before the first step's pass, so from the first step on block 0
+    # is fetched under block 1's step (and block 1 only after the pass: nothing is left to step).
+    assert counts == [1, 1, 1], counts
+
+
 def test_a_none_gradient_is_zero_in_a_reused_buffer(nvme_dir):
     """reduce_grads writes each gradient into an unzeroed pool buffer and zeroes
     the rest: a None after a step that filled the same buffer must still be 0."""

@@ -260,7 +260,8 @@ Status write_json(const std::string& path, const RunInfo& info, const std::vecto
                   {"ahead_redone_seconds", r.report.ahead_redone_seconds},
                   {"ahead_redo_reason", r.report.ahead_redo_reason},
                   {"kept_param_blocks", r.report.kept_param_blocks}, {"kept_param_bytes", r.report.kept_param_bytes},
-                  {"reread_param_blocks", r.report.reread_param_blocks}});
+                  {"reread_param_blocks", r.report.reread_param_blocks},
+                  {"next_fetches_under_step", r.report.next_fetches_under_step}});
   }
   const NvmeRates rates = nvme_rates(steady(steps));
   const NvmeWrites writes = nvme_writes(info, steady(steps));
