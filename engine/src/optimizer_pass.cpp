@@ -238,14 +238,15 @@ Status CpuOptimizerPass::run(const cpu_adam::Hyper& h, std::int64_t step, double
       if (!failed.ok()) break;
     }
     if (whole_group_skipped) continue;
-    landed.poll(landed.steps_from(g));
+    if (failed = landed.poll(landed.steps_from(g)); !failed.ok()) break;
     const auto begin = std::chrono::steady_clock::now();
     failed = step_group(g, staging_[g % sets], h, step, grad_scale);
     deps_.timeline->record(Track::kOptimizer, fmt::format("sub-group {}", g), begin, std::chrono::steady_clock::now());
     if (failed.ok()) failed = write_group(g, staging_[g % sets], writes[g % sets], param_writes[g % sets]);
     if (failed.ok()) landed.writing(g % sets, g);
-    landed.poll(landed.steps_from(g + 1));
+    if (failed.ok()) failed = landed.poll(landed.steps_from(g + 1));
   }
+  if (!failed.ok()) landed.stop();  // a failed step tells nothing more
   // Whatever happened, nothing may still be in flight into or out of staging.
   for (auto& r : reads) {
     Status s = wait_all(r);
@@ -286,18 +287,19 @@ Status CpuOptimizerPass::ParamsLanded::land(std::size_t s, bool more_to_step) {
   Status landed = wait_all(param_writes_[s]);
   const std::size_t group = std::exchange(group_of_set_[s], kNone);
   if (!landed.ok() && error_.ok()) error_ = landed;
-  if (group != kNone && error_.ok()) pass_.tell_written(group, false, more_to_step);
+  if (group != kNone && error_.ok() && !stopped_) pass_.tell_written(group, false, more_to_step);
   return error_;
 }
 
 // Tells the oldest groups whose parameter writes have all landed, stopping
-// at the first that has not (group order).
-void CpuOptimizerPass::ParamsLanded::poll(bool more_to_step) {
+// at the first that has not (group order); the first failed parameter write.
+Status CpuOptimizerPass::ParamsLanded::poll(bool more_to_step) {
   for (std::size_t s = oldest(); s != kNone && error_.ok(); s = oldest()) {
     const std::vector<nvme::IoFuture>& f = param_writes_[s];
-    if (!std::all_of(f.begin(), f.end(), [](const nvme::IoFuture& w) { return w.ready(); })) return;
+    if (!std::all_of(f.begin(), f.end(), [](const nvme::IoFuture& w) { return w.ready(); })) break;
     (void)land(s, more_to_step);
   }
+  return error_;
 }
 
 // The set's parameter writes, waited for (older groups' first, in order);

@@ -81,7 +81,8 @@ class CpuOptimizerPass final : public OptimizerPass {
     ParamsLanded(const CpuOptimizerPass& pass, std::vector<std::vector<nvme::IoFuture>>& param_writes);
     bool steps_from(std::size_t group) const;  // a group at or after `group` has a block to step
     void writing(std::size_t set, std::size_t group) { group_of_set_[set] = group; }
-    void poll(bool more_to_step);
+    Status poll(bool more_to_step);
+    void stop() { stopped_ = true; }  // waits go on, tells stop
     Status wait(std::size_t set, bool more_to_step);
 
    private:
@@ -93,6 +94,7 @@ class CpuOptimizerPass final : public OptimizerPass {
     std::vector<std::size_t> group_of_set_;  // the group whose parameter writes the set holds, or kNone
     std::size_t last_to_step_ = kNone;
     Status error_;  // the first failed parameter write
+    bool stopped_ = false;
   };
   // The states the step reads and writes (master, moments), and the
   // gradient, which it only reads.

@@ -11,6 +11,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstring>
 
 #include "../nvme/nvme_test_util.h"
@@ -138,6 +140,38 @@ TEST(NextFetches, UnderTheOptimizerTrainBitForBitAsAfterIt) {
     std::printf("[ next fetches ] %s: %llu fetches issued under the optimizer in %d steps\n", describe(a).c_str(),
                 static_cast<unsigned long long>(on->under_step), kSteps);
   }
+}
+
+// Every NVMe write failing from the third step's pass on: the step fails with
+// the drive's error (not a hang, not a read refused for a write in flight),
+// and the engine goes away cleanly with nothing in flight (the sanitizer
+// build checks the memory).
+TEST(NextFetches, WritesFailingUnderThePassFailTheStepWithTheDrivesError) {
+  TempDir nvme;
+  std::atomic<bool> armed{false};
+  tz::ZeroOptions options{.config = config_for(nvme.path(), Arm{kMainJob, 1}), .placement = kMainJob};
+  options.nvme_fault_injector = [&armed](const tz::nvme::PieceInfo& p) {
+    return armed.load() && p.op == tz::nvme::IoOp::kWrite ? tz::nvme::Fault{.error = EIO} : tz::nvme::Fault{};
+  };
+  auto e = tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  for (int step = 0; step < 3; ++step) {
+    auto loss = tz::mlp::train_micro_batch(**e, kMlp, tz::mlp::make_batch(kMlp, 0, 0, step));
+    ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+    armed = step == 2;
+    auto r = (*e)->step();
+    if (step < 2) {
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      EXPECT_GT(r->next_fetches_under_step, 0u);
+      continue;
+    }
+    ASSERT_FALSE(r.ok());
+    std::printf("[ next fetches ] the failed step: %s\n", r.status().to_string().c_str());
+    EXPECT_NE(r.status().message().find("Input/output error"), std::string::npos) << r.status().to_string();
+    EXPECT_EQ(r.status().message().find("in flight"), std::string::npos) << r.status().to_string();
+  }
+  armed = false;
+  e->reset();
 }
 
 TEST(NextFetches, TwoRanksTrainBitForBitAsAfterTheStep) {
