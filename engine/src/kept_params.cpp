@@ -1,22 +1,12 @@
 // Note [The step keeps backward's parameter shards] (kept_params.h).
 #include "kept_params.h"
 
-#include <algorithm>
 #include <cstring>
 #include <utility>
 
-#include <unistd.h>
+#include "optimizer_pass.h"  // pool_bytes
 
 namespace tz::detail {
-namespace {
-
-// As the host pool reserves a block: whole pages (as OptimizerPass::ahead_bytes counts).
-std::uint64_t pool_bytes(std::uint64_t bytes) {
-  static const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-  return (std::max<std::uint64_t>(bytes, 1) + page - 1) / page * page;
-}
-
-}  // namespace
 
 KeptChoice choose_kept_blocks(const ModelLayout& layout, const TieredStore& param16, std::int64_t share) {
   KeptChoice c;

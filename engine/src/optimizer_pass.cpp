@@ -13,6 +13,12 @@
 #include "tierzero/kernels.h"
 
 namespace tz::detail {
+
+std::uint64_t pool_bytes(std::uint64_t bytes) {
+  static const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  return (std::max<std::uint64_t>(bytes, 1) + page - 1) / page * page;
+}
+
 namespace optimizer_pass_impl {
 
 Status wait_all(std::vector<nvme::IoFuture>& futures) {
@@ -28,11 +34,6 @@ Status wait_all(std::vector<nvme::IoFuture>& futures) {
 std::span<const cpu_adam::WeightDecaySegment> segments_of(const OptimizerPassDeps& deps, std::size_t block) {
   if (deps.weight_decay_segments == nullptr) return {};
   return (*deps.weight_decay_segments)[block];
-}
-
-std::uint64_t pool_bytes(std::uint64_t bytes) {
-  static const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-  return (std::max<std::uint64_t>(bytes, 1) + page - 1) / page * page;
 }
 
 CpuOptimizerPass::CpuOptimizerPass(const OptimizerPassDeps& deps) : deps_(deps) {

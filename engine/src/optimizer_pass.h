@@ -30,6 +30,10 @@
 
 namespace tz::detail {
 
+// Bytes as the host pool reserves a block of `bytes`: whole pages (what the
+// plan counts for staging sets, steps under backward and kept shards).
+std::uint64_t pool_bytes(std::uint64_t bytes);
+
 struct OptimizerPassDeps {
   Device* device = nullptr;
   Stream* stream = nullptr;              // copies of the new parameters to the GPU; the GPU variant's kernels

@@ -18,9 +18,6 @@ Status wait_all(std::vector<nvme::IoFuture>& futures);
 // A block's weight-decay segments (Note [Weight decay per parameter] in optimizer_step.cpp).
 std::span<const cpu_adam::WeightDecaySegment> segments_of(const OptimizerPassDeps& deps, std::size_t block);
 
-// As the host pool reserves them: whole pages.
-std::uint64_t pool_bytes(std::uint64_t bytes);
-
 std::unique_ptr<OptimizerPass> make_gpu_pass(const OptimizerPassDeps& deps);
 
 // Note [Optimizer pipeline]

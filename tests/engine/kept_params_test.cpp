@@ -159,13 +159,7 @@ tz::Expected<Run> train(const std::string& nvme, const Arm& a, bool keep, tz::Co
       if (report.stepped) run.bits.grad_norms.push_back(report.grad_norm);
       if (micro + 1 == a.gas) run.reports.push_back(report);
     }
-    std::vector<std::uint32_t>& bits = run.bits.masters.emplace_back();
-    for (std::size_t b = 0; b < e->layout().blocks.size(); ++b) {
-      TZ_ASSIGN_OR_RETURN(std::vector<float> master, e->gather_master(b));
-      const std::size_t at = bits.size();
-      bits.resize(at + master.size());
-      std::memcpy(bits.data() + at, master.data(), master.size() * 4);
-    }
+    TZ_ASSIGN_OR_RETURN(run.bits.masters.emplace_back(), master_bits(*e));
   }
   return run;
 }

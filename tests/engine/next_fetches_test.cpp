@@ -79,11 +79,7 @@ tz::Expected<Run> train(const std::string& nvme, const Arm& a, bool under, tz::C
     }
     TZ_ASSIGN_OR_RETURN(run.bits.masters.emplace_back(), master_bits(*e));
   }
-  for (std::size_t b = 0; b < e->layout().blocks.size(); ++b) {
-    TZ_ASSIGN_OR_RETURN(tz::GatheredBlock gathered, e->fetch(b, tz::FetchFor::kEvaluation));
-    const auto* data = static_cast<const std::uint8_t*>(gathered.data());
-    run.bits.params.emplace_back(data, data + e->layout().blocks[b].whole_numel * 2);
-  }
+  TZ_ASSIGN_OR_RETURN(run.bits.params, gathered_params(*e));
   return run;
 }
 

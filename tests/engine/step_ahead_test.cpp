@@ -74,20 +74,9 @@ tz::Expected<AheadRun> train(tz::ZeroEngine& e, const Options& o) {
       if (report.stepped) run.bits.grad_norms.push_back(report.grad_norm);
       if (last) run.reports.push_back(report);
     }
-    std::vector<std::uint32_t>& bits = run.bits.masters.emplace_back();
-    for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) {
-      TZ_ASSIGN_OR_RETURN(std::vector<float> master, e.gather_master(b));
-      const std::size_t at = bits.size();
-      bits.resize(at + master.size());
-      std::memcpy(bits.data() + at, master.data(), master.size() * 4);
-    }
+    TZ_ASSIGN_OR_RETURN(run.bits.masters.emplace_back(), master_bits(e));
   }
-  const std::size_t pbytes = tz::dtype_bytes(e.param_type());
-  for (std::size_t b = 0; b < e.layout().blocks.size(); ++b) {
-    TZ_ASSIGN_OR_RETURN(tz::GatheredBlock gathered, e.fetch(b, tz::FetchFor::kEvaluation));
-    const auto* data = static_cast<const std::uint8_t*>(gathered.data());
-    run.bits.params.emplace_back(data, data + e.layout().blocks[b].whole_numel * pbytes);
-  }
+  TZ_ASSIGN_OR_RETURN(run.bits.params, gathered_params(e));
   return run;
 }
 
@@ -421,15 +410,9 @@ TEST(StepAhead, ARunStoppedUnderBackwardResumesFromItsCheckpointsBitForBit) {
       auto r = (*e)->step();
       ASSERT_TRUE(r.ok()) << r.status().to_string();
       EXPECT_EQ(r->ahead_blocks, static_cast<std::uint64_t>(kMlp.layers));
-      std::vector<std::uint32_t> bits;
-      for (std::size_t b = 0; b < (*e)->layout().blocks.size(); ++b) {
-        auto master = (*e)->gather_master(b);
-        ASSERT_TRUE(master.ok());
-        const std::size_t at = bits.size();
-        bits.resize(at + master->size());
-        std::memcpy(bits.data() + at, master->data(), master->size() * 4);
-      }
-      EXPECT_TRUE(bits == unbroken->bits.masters[step]) << "after step " << step + 1;
+      const auto bits = master_bits(**e);
+      ASSERT_TRUE(bits.ok()) << bits.status().to_string();
+      EXPECT_TRUE(*bits == unbroken->bits.masters[step]) << "after step " << step + 1;
     }
   }
 }

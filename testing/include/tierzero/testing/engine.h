@@ -159,6 +159,19 @@ inline tz::Expected<std::vector<std::uint32_t>> master_bits(tz::ZeroEngine& engi
   return bits;
 }
 
+// Every block's gathered 16-bit (or fp32) parameters as bytes, fetched for
+// evaluation (Host backend: device memory is host memory).
+inline tz::Expected<std::vector<std::vector<std::uint8_t>>> gathered_params(tz::ZeroEngine& engine) {
+  std::vector<std::vector<std::uint8_t>> params;
+  const std::size_t elem = tz::dtype_bytes(engine.param_type());
+  for (std::size_t b = 0; b < engine.layout().blocks.size(); ++b) {
+    TZ_ASSIGN_OR_RETURN(tz::GatheredBlock gathered, engine.fetch(b, tz::FetchFor::kEvaluation));
+    const auto* data = static_cast<const std::uint8_t*>(gathered.data());
+    params.emplace_back(data, data + engine.layout().blocks[b].whole_numel * elem);
+  }
+  return params;
+}
+
 inline tz::Expected<RunBits> train_for_bits(tz::ZeroEngine& engine, const tz::mlp::MlpConfig& mlp, int steps,
                                             int gas) {
   RunBits run;
@@ -170,10 +183,8 @@ inline tz::Expected<RunBits> train_for_bits(tz::ZeroEngine& engine, const tz::ml
     }
     TZ_ASSIGN_OR_RETURN(run.masters.emplace_back(), master_bits(engine));
   }
-  for (std::size_t b = 0; engine.device().kind() == tz::BackendKind::kHost && b < engine.layout().blocks.size(); ++b) {
-    TZ_ASSIGN_OR_RETURN(tz::GatheredBlock gathered, engine.fetch(b, tz::FetchFor::kEvaluation));
-    const auto* data = static_cast<const std::uint8_t*>(gathered.data());
-    run.params.emplace_back(data, data + engine.layout().blocks[b].whole_numel * 2);
+  if (engine.device().kind() == tz::BackendKind::kHost) {
+    TZ_ASSIGN_OR_RETURN(run.params, gathered_params(engine));
   }
   return run;
 }
