@@ -13,6 +13,11 @@ one size that fits on the GPU, four ways:
                    CPU Adam (ZeRO-Offload)
   tierzero nvme    parameters and optimizer states on NVMe (ZeRO-Infinity)
 
+A way may carry options after '+': `cpu+ahead` steps each block's optimizer
+under backward in every window (tierzero.step_under_backward: true; the
+default is "auto"), `cpu+compact` keeps remainder masters and int8 moments
+(tierzero.states), `cpu+ahead+compact` both.
+
 Prints a table and writes --json. Needs torch with CUDA and transformers.
 
     python3 bench/python/gpt2_gpu_bench.py --layers 12 --hidden 768 --seq 1024 --batch 8 --nvme-path /var/tmp/tz
@@ -43,13 +48,22 @@ def make_model(args) -> torch.nn.Module:
     return model
 
 
-def tierzero_config(args, offload: str, nvme: str) -> dict:
+def tierzero_config(args, way: str, nvme: str) -> dict:
+    offload, *options = way.split("+")
+    unknown = set(options) - {"ahead", "compact"}
+    if unknown or offload not in ("gpu", "cpu", "nvme"):
+        raise SystemExit(f"--ways: {way!r}: a way is torch, gpu, cpu or nvme, optionally +ahead and +compact")
     zero: dict = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 100_000_000}
     if offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True}
+    tz: dict = {"backend": "cuda"}
+    if "ahead" in options:
+        tz["step_under_backward"] = True
+    if "compact" in options:
+        tz["states"] = {"master": "remainder", "moments": "int8"}
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -57,7 +71,7 @@ def tierzero_config(args, offload: str, nvme: str) -> dict:
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
         "zero_optimization": zero,
-        "tierzero": {"backend": "cuda"},
+        "tierzero": tz,
     }
 
 
@@ -95,11 +109,11 @@ def run_torch(args, batches) -> dict:
     return {"times": times, "losses": losses, "peak_gpu_bytes": peak}
 
 
-def run_tierzero(args, batches, offload: str) -> dict:
+def run_tierzero(args, batches, way: str) -> dict:
     nvme = tempfile.mkdtemp(prefix="tz-gpt2-", dir=args.nvme_path)
     model = make_model(args).to(torch.bfloat16).cuda()
     torch.cuda.reset_peak_memory_stats()
-    engine, *_ = tzt.initialize(model, tierzero_config(args, offload, nvme))
+    engine, *_ = tzt.initialize(model, tierzero_config(args, way, nvme))
     losses = []
 
     def step(i):

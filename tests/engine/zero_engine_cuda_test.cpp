@@ -52,17 +52,36 @@ TEST(ZeroEngineCuda, EveryPlacementMatchesTheInMemoryReference) {
       ASSERT_TRUE(engine.ok()) << c.what << ", " << precision << ": " << engine.status().to_string();
       EXPECT_EQ((*engine)->device().kind(), tz::BackendKind::kCuda);
       tz::mlp::Reference ref(kMlp, config, 1);
-      const double worst = train_and_compare(**engine, ref, kMlp, 4, 2);
-      std::printf("[ cuda   ] %-34s %-5s largest |master - reference| after 4 steps: %.3g\n", c.what, precision, worst);
-      // Note [fp16 rounding flips]: the engine's fp32 Adam and the reference's
-      // double Adam leave masters 1 fp32 ulp apart in about a fifth of the
-      // elements after one step; with fp16's finer steps one of them (seed 91)
-      // straddles a rounding boundary, so one 16-bit parameter differs by one
-      // fp16 ulp in step 2 and later updates move by ~1e-5 (seen: 1.89e-5 on
-      // every placement and on the Host backend alike). A wrong term would
-      // move many weights by ~lr = 1e-3.
-      const double tolerance = std::string_view(precision) == "fp16" ? 5e-5 : 1e-6;
-      EXPECT_LE(worst, tolerance) << c.what << ", " << precision;
+      const std::vector<Compare> by_step = train_and_compare_steps(**engine, ref, kMlp, 4, 2);
+      ASSERT_EQ(by_step.size(), 4U) << c.what << ", " << precision;
+      double worst = 0;
+      std::size_t beyond = 0;
+      for (const Compare& s : by_step) {
+        worst = std::max(worst, s.max_abs);
+        beyond = std::max(beyond, s.beyond_near);
+      }
+      std::printf("[ cuda   ] %-34s %-5s largest |master - reference| after 4 steps: %.3g (%zu of %zu beyond %.0e)\n",
+                  c.what, precision, worst, beyond, by_step.back().elements, Compare::near);
+      // Note [16-bit rounding flips]: the engine's fp32 Adam and the
+      // reference's double Adam leave masters 1 fp32 ulp apart in about a
+      // third of the elements after each step. Where one of them straddles a
+      // 16-bit rounding boundary, the next forward sees a parameter one
+      // 16-bit ulp apart, and the updates downstream of it move by ~1e-5 from
+      // then on. Seen with seed 91 (on the Host backend alike): fp16 from
+      // step 2 (42 elements beyond 1e-6 after step 4, largest 7.03e-6), bf16
+      // in step 4 (111 elements, 4.88e-6); at 88d33fd fp16 flipped in step 2
+      // (1.89e-5) and bf16 not within 4 steps: which element flips hangs on
+      // the last bit of the fp32 arithmetic, which later work changed. A
+      // wrong term (a bias correction missing, a gradient scaled twice, a
+      // stale parameter) moves most weights by ~lr = 1e-3. So: after the
+      // first step, whose forward used the initial weights, every master is
+      // within 1e-6; after later steps, with 16-bit parameters, at most 1% of
+      // them are beyond 1e-6 and none beyond 5e-5; fp32 parameters cannot
+      // flip: 1e-6 throughout.
+      const bool sixteen = std::string_view(precision) != "fp32";
+      EXPECT_LE(by_step.front().max_abs, Compare::near) << c.what << ", " << precision << ": step 1";
+      EXPECT_LE(worst, sixteen ? 5e-5 : Compare::near) << c.what << ", " << precision;
+      EXPECT_LE(beyond, sixteen ? by_step.back().elements / 100 : 0) << c.what << ", " << precision;
     }
   }
 }
