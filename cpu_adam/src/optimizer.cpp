@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <vector>
@@ -69,6 +70,7 @@ class CpuOptimizerImpl final : public CpuOptimizer {
   Status step(const Hyper& hyper, const StepArgs& args, const Spans& spans) override;
   Expected<GradStats> accumulate_grad(void* acc, DType acc_dtype, const void* grad, DType grad_dtype, std::size_t n,
                                       bool overwrite, double scale) override;
+  Status copy(std::span<const CopyJob> jobs) override;
   Simd simd() const override { return table_.simd; }
   int threads() const override { return threads_; }
 
@@ -121,6 +123,30 @@ Status CpuOptimizerImpl::run_tiles(std::size_t n, std::size_t tile, const Body& 
     return internal_error("cpu_adam: running {} tiles on {} threads failed: {}", tiles, threads_, e.what());
   }
   return ok_status();
+}
+
+// Chunks of 1 MiB: large enough that a chunk's memcpy runs at full speed,
+// small enough that a 2.4 GB block's copy spreads over every thread.
+Status CpuOptimizerImpl::copy(std::span<const CopyJob> jobs) {
+  constexpr std::size_t kChunk = std::size_t{1} << 20;
+  std::vector<std::size_t> first_chunk(jobs.size() + 1, 0);  // job j's chunks are [first_chunk[j], first_chunk[j + 1])
+  for (std::size_t j = 0; j < jobs.size(); ++j) {
+    if (jobs[j].bytes != 0 && (jobs[j].dst == nullptr || jobs[j].src == nullptr)) {
+      return invalid_argument("cpu_adam copy: job {} of {} bytes has a null pointer", j, jobs[j].bytes);
+    }
+    first_chunk[j + 1] = first_chunk[j] + (jobs[j].bytes + kChunk - 1) / kChunk;
+  }
+  const auto body = [&](std::size_t begin, std::size_t end) {
+    for (std::size_t c = begin; c < end; ++c) {
+      const std::size_t j = static_cast<std::size_t>(
+          std::upper_bound(first_chunk.begin(), first_chunk.end(), c) - first_chunk.begin() - 1);
+      const std::size_t at = (c - first_chunk[j]) * kChunk;
+      std::memcpy(static_cast<char*>(jobs[j].dst) + at, static_cast<const char*>(jobs[j].src) + at,
+                  std::min(kChunk, jobs[j].bytes - at));
+    }
+  };
+  std::lock_guard<std::mutex> lock(mu_);
+  return run_tiles(first_chunk.back(), 1, body);
 }
 
 // Note [Weight-decay segments]

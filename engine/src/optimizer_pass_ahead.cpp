@@ -146,10 +146,12 @@ Status CpuOptimizerPass::step_ahead(std::size_t block, std::size_t next, const c
   if (!read.ok() || !waited.ok()) set->block = kNoBlock;  // what it holds is in doubt
   TZ_TRY(read);
   TZ_TRY(waited);
+  std::vector<cpu_adam::CpuOptimizer::CopyJob> keep;
   for (TieredStore* store : stepped_states()) {
     if (store == nullptr || shadow_of(store) != nullptr) continue;
-    std::memcpy(slot.old.at(store).data(), ahead_ptr(store, block, *set), store->shard_bytes(block));
+    keep.push_back({slot.old.at(store).data(), ahead_ptr(store, block, *set), store->shard_bytes(block)});
   }
+  TZ_TRY_CTX(deps_.cpu_opt->copy(keep), "keeping the old states of {}", deps_.layout->blocks[block].name);
   slot.changed = true;  // from here on the tier may hold new states
   set->stepped = true;  // the set is this block's until its writes drain
   const bool fp32 = deps_.param_type == DType::kFp32;
@@ -233,29 +235,33 @@ Status CpuOptimizerPass::commit_ahead(std::span<const std::size_t> blocks, std::
 
 Status CpuOptimizerPass::undo_ahead(std::span<const std::size_t> blocks, std::vector<AheadSlot>& slots) {
   std::vector<std::vector<nvme::IoFuture>> writes(blocks.size());
+  std::vector<cpu_adam::CpuOptimizer::CopyJob> restore;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const std::size_t b = blocks[i];
     if (!slots[b].changed) continue;
     for (TieredStore* store : stepped_states()) {
       if (store == nullptr || shadow_of(store) != nullptr) continue;  // its own extent still holds the old values
       if (store->resident()) {
-        std::memcpy(store->memory(b), slots[b].old.at(store).data(), store->shard_bytes(b));
+        restore.push_back({store->memory(b), slots[b].old.at(store).data(), store->shard_bytes(b)});
       } else {
         writes[i].push_back(store->write(b, slots[b].old.at(store).data()));
       }
     }
   }
+  const Status restored = deps_.cpu_opt->copy(restore);
   std::vector<std::string> names;
   Status first;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     Status s = wait_all(writes[i]);
-    if (s.ok()) {
+    if (s.ok() && restored.ok()) {
       slots[blocks[i]].changed = false;  // still changed where it failed: a later undo tries again
       continue;
     }
+    if (s.ok()) continue;
     names.push_back(deps_.layout->blocks[blocks[i]].name);
     if (first.ok()) first = std::move(s);
   }
+  TZ_TRY_CTX(restored, "restoring the states in CPU memory of {} blocks stepped under backward", blocks.size());
   TZ_TRY_CTX(first, "restoring the states of {} stepped under backward", fmt::join(names, ", "));
   return ok_status();
 }

@@ -1,6 +1,7 @@
 // CpuOptimizer itself: options, thread count, tiling and concurrent callers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "reference.h"
@@ -126,6 +127,37 @@ TEST(CpuAdamOptimizer, ConcurrentCallersAreSerializedAndCorrect) {
     for (int k = 1; k <= 5; ++k) ASSERT_TRUE(opt->step(setup.hyper, {.step = k}, sequential[i].spans()).ok());
     EXPECT_TRUE(concurrent[i].param.snapshot() == sequential[i].param.snapshot()) << "caller " << i;
     EXPECT_TRUE(concurrent[i].param16.snapshot() == sequential[i].param16.snapshot()) << "caller " << i;
+  }
+}
+
+// CpuOptimizer::copy spreads 1 MiB chunks over the threads: every byte of
+// every job arrives, jobs that are not whole chunks and empty ones included,
+// nothing past a job's end is written, and a null pointer is refused by job.
+TEST(CpuAdamOptimizer, CopyMovesEveryByteOfEveryJobAndNothingElse) {
+  for (int threads : {1, 2}) {
+    const auto opt = make_optimizer(tz::cpu_adam::best_supported(), threads);
+    const std::size_t sizes[] = {(std::size_t{3} << 20) + 4097, 0, 1, std::size_t{1} << 20, 777};
+    std::vector<std::vector<unsigned char>> src, dst;
+    std::vector<CpuOptimizer::CopyJob> jobs;
+    std::uint32_t x = 12345 + threads;
+    for (std::size_t n : sizes) {
+      src.emplace_back(n);
+      for (auto& b : src.back()) b = static_cast<unsigned char>((x = x * 1664525u + 1013904223u) >> 24);
+      dst.emplace_back(n + 64, 0xA5);  // 64 guard bytes past the end
+    }
+    for (std::size_t j = 0; j < src.size(); ++j) jobs.push_back({dst[j].data(), src[j].data(), src[j].size()});
+    ASSERT_TRUE(opt->copy(jobs).ok());
+    for (std::size_t j = 0; j < src.size(); ++j) {
+      EXPECT_TRUE(std::equal(src[j].begin(), src[j].end(), dst[j].begin())) << "job " << j << ", " << threads << " threads";
+      EXPECT_TRUE(std::all_of(dst[j].begin() + static_cast<std::ptrdiff_t>(src[j].size()), dst[j].end(),
+                              [](unsigned char b) { return b == 0xA5; }))
+          << "job " << j << " wrote past its end";
+    }
+    EXPECT_TRUE(opt->copy({}).ok());
+    jobs[3].src = nullptr;
+    const tz::Status bad = opt->copy(jobs);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.message().find("job 3 of 1048576 bytes has a null pointer"), std::string::npos) << bad.message();
   }
 }
 

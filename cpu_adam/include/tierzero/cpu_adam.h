@@ -285,6 +285,17 @@ class CpuOptimizer {
   virtual Expected<GradStats> accumulate_grad(void* acc, DType acc_dtype, const void* grad, DType grad_dtype,
                                               std::size_t n, bool overwrite, double scale = 1.0) = 0;
 
+  // Copies each job's bytes (dst and src must not overlap) on the optimizer's
+  // threads, in chunks: a step under backward keeps a block's old states this
+  // way (Note [Stepping under backward], engine/src/step_ahead.h), and one
+  // thread's memcpy there ran at a fifth of the step's own speed.
+  struct CopyJob {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    std::size_t bytes = 0;
+  };
+  virtual Status copy(std::span<const CopyJob> jobs) = 0;
+
   virtual Simd simd() const = 0;
   virtual int threads() const = 0;
 };
