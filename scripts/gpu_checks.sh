@@ -152,13 +152,12 @@ if [[ $parts == *" accept "* ]]; then
   largest=${TZ_GPU_LARGEST:-}
   if [[ -z $largest ]]; then
     # The most layers of width 4096 the planner fits in this machine's budgets
-    # (the config's GPU and CPU bytes, the free space of its NVMe directory,
-    # on the disk the run's --nvme-path is on).
-    mkdir -p "$TMPDIR/tz-largest" /var/tmp/tierzero-train
+    # (the config's GPU and CPU bytes, the free space of the run's NVMe directory).
+    mkdir -p "$TMPDIR/tz-largest"
     for layers in $(seq 200 -1 8); do
       "$bin/tierzero-estimate" --config bench/gpu/8b_under_backward.json --master remainder --moments int8 \
         --grad-accum-dtype bf16 --hidden 4096 --heads 32 --seq 512 --layers "$layers" \
-        >"$out/largest_plan.txt" 2>&1 && break
+        --nvme-path "$TMPDIR/tz-largest" >"$out/largest_plan.txt" 2>&1 && break
     done
     # Two sequences a micro-batch: the activations of 4 (fp32, no recomputation)
     # would not fit beside the parameters on the GPU at this depth.

@@ -20,7 +20,8 @@
 // they were, and the new parameters, which stay out of their tier (in CPU
 // memory) until the commit, so fetches and prefetches during the rest of
 // backward (a block used twice, an evaluation) read the old ones. States in
-// CPU memory are stepped in place after a copy of the old ones is taken;
+// CPU memory are stepped in place after a copy of the old ones is taken (on
+// the optimizer's threads: CpuOptimizer::copy);
 // states on NVMe are read, stepped in staging and written to a second copy
 // of their store (the shadow: same shards, other extents), and the commit
 // trades the two extents (TieredStore::swap_shard), so the old ones stay

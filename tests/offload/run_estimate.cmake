@@ -39,4 +39,11 @@ estimate(bad_flag 2 "fp8" --gpu 80GB --precision fp8)
 # 1B params with the optimizer offloaded: 16-bit params fit 4 GB of GPU, fp32 ones do not.
 estimate(fits_bf16 0 "precision  16-bit params" --precision bf16 --gpu 4GB --offload-optimizer cpu)
 estimate(no_fit 1 "enable the config's \"bf16\" block" --precision fp32 --gpu 4GB --offload-optimizer cpu)
+# --nvme-path replaces the config's NVMe directories (as tierzero-train's
+# does): a config naming one that does not exist here plans on the given one.
+file(MAKE_DIRECTORY "${WORK_DIR}/given")
+file(WRITE "${WORK_DIR}/elsewhere.json" "{\"zero_optimization\": {\"stage\": 3}, \"tierzero\": {\"tiers\": {\"nvme_bytes\": \"auto\", \"nvme_paths\": [\"${WORK_DIR}/missing\"]}}}")
+set(ESTIMATE_ARGS --params 1B --gpu 80GB --cpu 120GB --config "${WORK_DIR}/elsewhere.json")
+estimate(config_path_missing 2 "${WORK_DIR}/missing does not exist")
+estimate(nvme_path_given 0 "auto: free space on ${WORK_DIR}/given" --nvme-path "${WORK_DIR}/given")
 message("estimate ok")

@@ -197,7 +197,8 @@ void add_options(CLI::App& app, Options& o) {
       ->check(bytes_or_auto());
   app.add_option("--nvme", o.nvme, "NVMe budget per node, or auto (free space on the --nvme-path dirs; the default)")
       ->check(bytes_or_auto());
-  app.add_option("--nvme-path", o.nvme_paths, "NVMe directory (repeatable), for --nvme auto");
+  app.add_option("--nvme-path", o.nvme_paths, "NVMe directory (repeatable), replacing the config's NVMe paths; "
+                                             "--nvme auto is their free space");
   app.add_option("--json", o.json_path, "also write the plan as JSON to this file");
   const auto speed = CLI::PositiveNumber;
   app.add_option("--nvme-read-gbps", o.nvme_read_gbps, "NVMe read speed, GB/s (default 2)")->check(speed);
@@ -263,7 +264,10 @@ tz::Expected<tz::Config> effective_config(const Options& o) {
   if (o.has_gpu || o.config_path.empty()) config.tiers.gpu = budget_of(o.gpu);
   if (o.has_cpu || o.config_path.empty()) config.tiers.cpu = budget_of(o.cpu);
   if (o.has_nvme || o.config_path.empty()) config.tiers.nvme = budget_of(o.nvme);
-  config.tiers.nvme_paths.insert(config.tiers.nvme_paths.end(), o.nvme_paths.begin(), o.nvme_paths.end());
+  if (!o.nvme_paths.empty()) {  // replacing the config's, as tierzero-train's --nvme-path does
+    config.tiers.nvme_paths = o.nvme_paths;
+    config.zero.offload_param.nvme_path = config.zero.offload_optimizer.nvme_path = o.nvme_paths.front();
+  }
   if (!o.offload_param.empty() || !o.offload_optimizer.empty()) config.placement = tz::PlacementMode::kDeepSpeed;
   if (!o.offload_param.empty()) config.zero.offload_param.device = device_of(o.offload_param);
   if (!o.offload_optimizer.empty()) config.zero.offload_optimizer.device = device_of(o.offload_optimizer);
