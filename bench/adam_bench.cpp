@@ -20,7 +20,9 @@
 // (adam_bench_torch.cpp).
 //
 // The remainder-master conversions (fp32 <-> bf16 + remainder + tie bit) are
-// timed once per size on one thread (adam_bench_conversions.cpp).
+// timed once per size on one thread (adam_bench_conversions.cpp), and the
+// copies a step under backward makes of a block's old states once per size
+// and thread count (adam_bench_copies.cpp).
 //
 // Prints a table (stdout), a progress line (stderr), and writes JSON (--json);
 // the tables and the JSON are adam_bench_report.cpp's.
@@ -783,7 +785,12 @@ tz::Status measure_size(std::size_t n, const Flags& flags, const Plan& plan, std
     if (flags.whole_step) TZ_TRY(measure_whole_step(c, arrays, flags.repeats, step, progress, where, out.whole_rows));
   }
   progress.show("size {}: remainder-master conversions", size_name);
-  return measure_conversions(n, flags.repeats, out.conversion_rows);
+  TZ_TRY(measure_conversions(n, flags.repeats, out.conversion_rows));
+  for (Config& c : configs) {
+    progress.show("size {}: old-state copies, {} thread(s)", size_name, c.threads);
+    TZ_TRY(measure_copies(n, *c.opt, flags.repeats, out.copy_rows));
+  }
+  return tz::ok_status();
 }
 
 // Note [Layout rows] for one size: every layout's arrays at once (aliased

@@ -254,7 +254,7 @@ struct Sections {
   std::vector<CopyCost> costs;
   nlohmann::json remainder_master;
   nlohmann::json torch = nullptr;
-  nlohmann::json whole_step, layouts, conversions, targets;
+  nlohmann::json whole_step, layouts, conversions, copies, targets;
 };
 
 tz::Status write_json(const Flags& flags, const Machine& machine, const Results& results, const Sections& s) {
@@ -306,6 +306,7 @@ tz::Status write_json(const Flags& flags, const Machine& machine, const Results&
       {"whole_step", s.whole_step},
       {"layouts", s.layouts},
       {"remainder_conversions", s.conversions},
+      {"old_state_copies", s.copies},
       {"torch", s.torch},
       {"torch_unavailable_reason", results.torch_reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(results.torch_reason)},
       {"targets", s.targets}};
@@ -333,6 +334,7 @@ tz::Status report(const Flags& flags, const Machine& machine, const Results& res
   s.whole_step = print_whole_step(results.whole_rows, results.torch.medians);
   s.layouts = print_layouts(results.layout_rows);
   s.conversions = print_conversions(results.conversion_rows);
+  s.copies = print_copies(results.copy_rows);
   s.targets = print_targets(results.rows, s.costs, s.whole_step, results.threads);
   if (!flags.json_path.empty()) TZ_TRY(write_json(flags, machine, results, s));
   return tz::ok_status();

@@ -8,6 +8,7 @@
 
 #include "adam_bench.h"
 #include "adam_bench_conversions.h"
+#include "adam_bench_copies.h"
 #include "adam_bench_torch.h"
 
 namespace tzbench::adam {
@@ -20,6 +21,7 @@ struct Results {
   std::vector<WholeRow> whole_rows;     // empty with --no-whole-step
   std::vector<LayoutRow> layout_rows;   // empty unless --layouts names more than separate
   std::vector<ConversionRow> conversion_rows;  // one per size
+  std::vector<CopyRow> copy_rows;              // one per size and thread count
   TorchRuns torch;
   std::string torch_reason;  // why torch was not timed; "" when it was
 };
