@@ -49,7 +49,7 @@ run() {
   fi
   ((limit > left)) && limit=$left
   local start=$SECONDS
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   local took=$((SECONDS - start))
   local tally
@@ -80,29 +80,35 @@ if [[ $parts == *" tests "* ]]; then
   run train_cuda_tests 500 "$bin/tierzero_train_tests" --gtest_filter='*Cuda*:-TrainLibraries.*'
 fi
 
-if [[ $parts == *" python "* ]]; then
-  if ls "$root"/.gpu/wheel/*.whl >/dev/null 2>&1; then
-    # As a user installs it (the tools land in the environment's bin/, where
-    # tests/python/test_tools.py looks); into a directory of its own where
-    # the environment will not take it.
-    if python3 -m pip install -q --no-index --no-deps --no-compile "$root"/.gpu/wheel/*.whl >"$out/pip.log" 2>&1; then
-      py_site=
-    else
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tz-site "$root"/.gpu/wheel/*.whl \
-        >>"$out/pip.log" 2>&1
-      py_site=/tmp/tz-site
-    fi
-    py_ok=1
-    if [[ ${TZ_GPU_PY_ALL:-1} != 0 ]]; then
-      PYTHONPATH=$py_site TIERZERO_NVME_BENCH=$bin/tierzero-nvme-bench run python_tests 400 python3 -m pytest -q -rs \
-        -p no:cacheprovider "$root/tests/python"
-    fi
-    # The GPU tests again, with their printed figures.
-    PYTHONPATH=$py_site run python_cuda_tests 200 python3 -m pytest -q -s -p no:cacheprovider -k "cuda or gpu or cupy" \
-      "$root/tests/python"
+# The wheel, as a user installs it (the tools land in the environment's bin/,
+# where tests/python/test_tools.py looks; --force-reinstall: a warm machine may
+# hold an earlier build of the same version), or into a directory of its own
+# where the environment will not take it. Once, for any part that needs it.
+install_wheel() {
+  [[ -n $py_ok ]] && return 0
+  ls "$root"/.gpu/wheel/*.whl >/dev/null 2>&1 || return 1
+  if timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall "$root"/.gpu/wheel/*.whl \
+    >"$out/pip.log" 2>&1; then
+    py_site=
   else
-    summary+=("python_tests: no wheel in .gpu/wheel")
+    timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tz-site "$root"/.gpu/wheel/*.whl \
+      >>"$out/pip.log" 2>&1 || return 1
+    py_site=/tmp/tz-site
   fi
+  py_ok=1
+}
+if [[ $parts == *" python "* || $parts == *" bench "* || $parts == *" accept "* ]]; then
+  install_wheel || summary+=("python: no wheel in .gpu/wheel, or it did not install (see pip.log): no Python tests or benches")
+fi
+
+if [[ $parts == *" python "* && -n $py_ok ]]; then
+  if [[ ${TZ_GPU_PY_ALL:-1} != 0 ]]; then
+    PYTHONPATH=$py_site TIERZERO_NVME_BENCH=$bin/tierzero-nvme-bench run python_tests 400 python3 -m pytest -q -rs \
+      -p no:cacheprovider "$root/tests/python"
+  fi
+  # The GPU tests again, with their printed figures.
+  PYTHONPATH=$py_site run python_cuda_tests 200 python3 -m pytest -q -s -p no:cacheprovider -k "cuda or gpu or cupy" \
+    "$root/tests/python"
 fi
 
 if [[ $parts == *" bench "* ]]; then
@@ -152,19 +158,31 @@ if [[ $parts == *" accept "* ]]; then
   largest=${TZ_GPU_LARGEST:-}
   if [[ -z $largest ]]; then
     # The most layers of width 4096 the planner fits in this machine's budgets
-    # (the config's GPU and CPU bytes, the free space of the run's NVMe directory).
+    # (the config's GPU and CPU bytes, the free space of the run's NVMe
+    # directory), for the run below: 2 sequences a micro-batch (the
+    # activations of 4, fp32 without recomputation, would not fit beside the
+    # parameters on the GPU at this depth), no evaluation.
     mkdir -p "$TMPDIR/tz-largest"
+    found=
     for layers in $(seq 200 -1 8); do
-      "$bin/tierzero-estimate" --config bench/gpu/8b_under_backward.json --master remainder --moments int8 \
-        --grad-accum-dtype bf16 --hidden 4096 --heads 32 --seq 512 --layers "$layers" \
-        --nvme-path "$TMPDIR/tz-largest" >"$out/largest_plan.txt" 2>&1 && break
+      ((SECONDS < deadline)) || break
+      if "$bin/tierzero-estimate" --config bench/gpu/8b_under_backward.json --master remainder --moments int8 \
+        --grad-accum-dtype bf16 --hidden 4096 --heads 32 --seq 512 --batch 2 --eval-batches 0 --layers "$layers" \
+        --nvme-path "$TMPDIR/tz-largest" >"$out/largest_plan.txt" 2>&1; then
+        found=$layers
+        break
+      fi
     done
-    # Two sequences a micro-batch: the activations of 4 (fp32, no recomputation)
-    # would not fit beside the parameters on the GPU at this depth.
-    largest="--layers $layers --batch 2"
+    [[ -n $found ]] && largest="--layers $found --batch 2"
+  fi
+  if [[ -z $largest ]] && ((SECONDS >= deadline)); then
+    summary+=("$(printf '%-34s not run: past TZ_GPU_DEADLINE_S=%s' train_largest_compact "$deadline")")
+  elif [[ -z $largest ]]; then
+    summary+=("$(printf '%-34s not run: no layer count fits (largest_plan.txt: the last estimate)' train_largest_compact)")
+    failed=1
   fi
   # shellcheck disable=SC2086
-  run train_largest_compact 400 "$bin/tierzero-train" --config bench/gpu/8b_under_backward.json --master remainder \
+  [[ -n $largest ]] && run train_largest_compact 400 "$bin/tierzero-train" --config bench/gpu/8b_under_backward.json --master remainder \
     --moments int8 --grad-accum-dtype bf16 --backend cuda --hidden 4096 --heads 32 --seq 512 $largest --steps 2 \
     --eval-every 0 --log-every 1 --nvme-path "$TMPDIR/tz-largest" --out "$out/train/largest_compact"
   rm -rf "$TMPDIR/tz-largest"

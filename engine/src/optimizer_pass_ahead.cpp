@@ -261,7 +261,8 @@ Status CpuOptimizerPass::undo_ahead(std::span<const std::size_t> blocks, std::ve
     names.push_back(deps_.layout->blocks[blocks[i]].name);
     if (first.ok()) first = std::move(s);
   }
-  TZ_TRY_CTX(restored, "restoring the states in CPU memory of {} blocks stepped under backward", blocks.size());
+  TZ_TRY_CTX(restored, "restoring the states in CPU memory of {} blocks stepped under backward{}", blocks.size(),
+             first.ok() ? std::string() : fmt::format(" (and on NVMe of {}: {})", fmt::join(names, ", "), first.message()));
   TZ_TRY_CTX(first, "restoring the states of {} stepped under backward", fmt::join(names, ", "));
   return ok_status();
 }

@@ -53,7 +53,8 @@ TEST(ZeroEngineCuda, EveryPlacementMatchesTheInMemoryReference) {
       EXPECT_EQ((*engine)->device().kind(), tz::BackendKind::kCuda);
       tz::mlp::Reference ref(kMlp, config, 1);
       const std::vector<Compare> by_step = train_and_compare_steps(**engine, ref, kMlp, 4, 2);
-      ASSERT_EQ(by_step.size(), 4U) << c.what << ", " << precision;
+      EXPECT_EQ(by_step.size(), 4U) << c.what << ", " << precision;
+      if (by_step.size() != 4U) continue;
       double worst = 0;
       std::size_t beyond = 0;
       for (const Compare& s : by_step) {
