@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 #include <random>
 
 #include "bench_common.h"
@@ -58,8 +59,8 @@ nlohmann::json print_conversions(const std::vector<ConversionRow>& rows) {
   if (rows.empty()) return out;
   // Bytes each must move: encode reads 4 and writes 2 + 2 + 1/8; decode the reverse.
   constexpr double kBytes = 4 + 2 + 2 + 0.125;
-  std::printf("\nremainder-master conversions, 1 thread (encode: fp32 -> bf16 + remainder + tie bit, at creation; "
-              "decode: back, for fp32 exports and checkpoints), %.3f B/element each\n", kBytes);
+  std::printf("\nremainder-master conversions, every core (%u threads; encode: fp32 -> bf16 + remainder + tie bit, at creation; "
+              "decode: back, for fp32 exports and checkpoints), %.3f B/element each\n", std::thread::hardware_concurrency(), kBytes);
   std::printf("%9s %14s %11s %14s %11s\n", "elements", "encode ns/el", "GB/s", "decode ns/el", "GB/s");
   for (const ConversionRow& r : rows) {
     const double n = static_cast<double>(r.n);

@@ -2,7 +2,7 @@
 // splits into bf16 + remainder + tie bit (encode_remainder_masters: the engine
 // runs it once per shard when it creates remainder masters from fp32 ones) and
 // joins back (decode_remainder_masters: the fp32 export and checkpoints in the
-// fp32 format). One thread, as the engine calls them.
+// fp32 format). On every core, as the engine calls them.
 #pragma once
 
 #include <nlohmann/json.hpp>

@@ -305,9 +305,12 @@ Status encode_int8_moment(Int8Moment which, const float* x, std::size_t n, std::
   TZ_TRY_CTX(detail::validate_int8_arrays(x, codes, scales, n), "cpu_adam encode_int8_moment");
   const detail::KernelTable& table = detail::kernel_table(best_supported());
   constexpr std::size_t kB = detail::kInt8Block;
-  for (std::size_t b = 0; b < n; b += kB) {
-    scales[b / kB] = table.int8_encode(int8_code(which), x + b, codes + b, std::min(kB, n - b));
-  }
+  // Every core, in runs of whole blocks (start-up and checkpoints encode billions at once).
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, (n + kB - 1) / kB, 256), [&](const auto& r) {
+    for (std::size_t i = r.begin(); i < r.end(); ++i) {
+      scales[i] = table.int8_encode(int8_code(which), x + i * kB, codes + i * kB, std::min(kB, n - i * kB));
+    }
+  });
   return ok_status();
 }
 
@@ -320,9 +323,11 @@ Status decode_int8_moment(Int8Moment which, const std::uint8_t* codes, const flo
   TZ_TRY_CTX(detail::validate_int8_arrays(x, codes, scales, n), "cpu_adam decode_int8_moment");
   const detail::KernelTable& table = detail::kernel_table(best_supported());
   constexpr std::size_t kB = detail::kInt8Block;
-  for (std::size_t b = 0; b < n; b += kB) {
-    table.int8_decode(int8_code(which), codes + b, scales[b / kB], x + b, std::min(kB, n - b));
-  }
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, (n + kB - 1) / kB, 256), [&](const auto& r) {
+    for (std::size_t i = r.begin(); i < r.end(); ++i) {
+      table.int8_decode(int8_code(which), codes + i * kB, scales[i], x + i * kB, std::min(kB, n - i * kB));
+    }
+  });
   return ok_status();
 }
 

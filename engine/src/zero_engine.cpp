@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+
 #include "tierzero/kernels.h"
 #include "tierzero/comm/host_collectives.h"
 #include "zero_engine_impl.h"
@@ -15,12 +18,17 @@ namespace tz {
 
 std::vector<std::uint8_t> to_param_type(const float* src, std::size_t n, DType type) {
   std::vector<std::uint8_t> out(n * dtype_bytes(type));
-  switch (type) {
-    case DType::kFp32: std::memcpy(out.data(), src, n * 4); break;
-    case DType::kBf16: kernels::cast_fp32_to_bf16_cpu(src, reinterpret_cast<std::uint16_t*>(out.data()), n); break;
-    case DType::kFp16: kernels::cast_fp32_to_fp16_cpu(src, reinterpret_cast<std::uint16_t*>(out.data()), n); break;
-    default: break;  // creation refuses other parameter types
-  }
+  // On every core: start-up and checkpoint loads convert billions of elements.
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, std::size_t{1} << 16), [&](const auto& r) {
+    const std::size_t k = r.size();
+    auto* to = reinterpret_cast<std::uint16_t*>(out.data()) + r.begin();
+    switch (type) {
+      case DType::kFp32: std::memcpy(out.data() + r.begin() * 4, src + r.begin(), k * 4); break;
+      case DType::kBf16: kernels::cast_fp32_to_bf16_cpu(src + r.begin(), to, k); break;
+      case DType::kFp16: kernels::cast_fp32_to_fp16_cpu(src + r.begin(), to, k); break;
+      default: break;  // creation refuses other parameter types
+    }
+  });
   return out;
 }
 

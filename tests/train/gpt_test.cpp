@@ -82,6 +82,21 @@ TEST(Gpt, ModelDescriptionCountsAndInitialisesLikeGpt2) {
   EXPECT_EQ(stddev(1, tz::train::kLn1W), 1.0);
   EXPECT_EQ(stddev(1, tz::train::kQkvB), 0.0);
   EXPECT_EQ(stddev(0, tz::train::kLnfB), 0.0);
+  // Normals come in Box-Muller pairs (elements 2k, 2k+1): the two of a pair
+  // must be uncorrelated, and the values centred.
+  const tz::ParamLayout& wte = layout.blocks[0].params[tz::train::kWte];
+  double sum = 0, lag = 0;
+  for (std::uint64_t i = 0; i < wte.numel; ++i) sum += w[0][wte.offset + i];
+  for (std::uint64_t i = 0; i + 1 < wte.numel; i += 2) lag += w[0][wte.offset + i] * w[0][wte.offset + i + 1];
+  const double n = static_cast<double>(wte.numel);
+  EXPECT_LT(std::abs(sum / n), 4 * 0.02 / std::sqrt(n));                      // 4 standard errors
+  EXPECT_LT(std::abs(lag / (n / 2) / (0.02 * 0.02)), 4 / std::sqrt(n / 2));  // correlation within 4 SE
+  // A parameter of odd length takes pair k's first normal as its last element.
+  std::vector<float> even(8), odd(7);
+  tz::train::init(cfg)(1, tz::train::kFcW, even.data(), even.size());
+  tz::train::init(cfg)(1, tz::train::kFcW, odd.data(), odd.size());
+  EXPECT_TRUE(std::equal(odd.begin(), odd.end(), even.begin()));
+  EXPECT_NE(even[6], even[7]);
   GptConfig bad = cfg;
   bad.heads = 5;
   const tz::Status s = bad.validate();

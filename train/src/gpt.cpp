@@ -39,11 +39,18 @@
 namespace tz::train {
 namespace {
 
-// A standard normal from a counter (Box-Muller on two hashed uniforms).
-double normal(std::uint64_t key) {
+// Two independent standard normals from a counter: Box-Muller on two hashed
+// uniforms, both its outputs (one logarithm and one sincos a pair, the cost
+// of initialising billions of weights at start-up).
+struct NormalPair {
+  double a, b;
+};
+NormalPair normal_pair(std::uint64_t key) {
   const double u1 = (static_cast<double>(splitmix64(key) >> 11) + 0.5) * 0x1p-53;
   const double u2 = static_cast<double>(splitmix64(key ^ 0xA5A5A5A5A5A5A5A5ULL) >> 11) * 0x1p-53;
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+  const double r = std::sqrt(-2.0 * std::log(u1));
+  const double theta = 2.0 * std::numbers::pi * u2;
+  return {r * std::cos(theta), r * std::sin(theta)};
 }
 
 }  // namespace
@@ -154,10 +161,18 @@ ParamInit init(const GptConfig& cfg) {
       if (p == kProjW || p == kFc2W) std_dev = cfg.init_std / std::sqrt(2.0 * cfg.layers);
     }
     const std::uint64_t key = splitmix64(cfg.seed ^ splitmix64((block << 20) + p));
-    // Counter-based, so the cores can share the work (billions of weights at start-up).
-    tbb::parallel_for(tbb::blocked_range<std::uint64_t>(0, numel, 1 << 16), [&](const auto& r) {
-      for (std::uint64_t i = r.begin(); i < r.end(); ++i) {
-        out[i] = one ? 1.0F : std_dev == 0 ? 0.0F : static_cast<float>(std_dev * normal(key + i));
+    if (one || std_dev == 0) {
+      std::fill(out, out + numel, one ? 1.0F : 0.0F);
+      return;
+    }
+    // Counter-based, so the cores can share the work: elements 2k and 2k+1
+    // are pair k's two normals, whoever computes them.
+    const std::uint64_t pairs = (numel + 1) / 2;
+    tbb::parallel_for(tbb::blocked_range<std::uint64_t>(0, pairs, 1 << 15), [&](const auto& r) {
+      for (std::uint64_t k = r.begin(); k < r.end(); ++k) {
+        const NormalPair z = normal_pair(key + k);
+        out[2 * k] = static_cast<float>(std_dev * z.a);
+        if (2 * k + 1 < numel) out[2 * k + 1] = static_cast<float>(std_dev * z.b);
       }
     });
   };
