@@ -13,6 +13,8 @@
 #     device tool's call limit), so the summary is always printed
 #   TZ_GPU_LARGEST="--layers L --hidden H ..." the accept part's largest compact model
 #     (default: the size tierzero-estimate --largest picks for these budgets)
+#   TZ_GPU_ACCEPT="3b gpt2 ..." the accept part's runs, in this order (default: 3b 8b_compact gpt2
+#     largest 3b_one_micro_batch 8b_fp32); TZ_GPU_3B="after_backward ..." its 3.2B CPU-optimizer configs
 # The accept part is issues #21 and #22's GPU acceptance: the 3.2B runs with the
 # optimizer after and under backward against every state on the GPU, the 8.1B
 # run with fp32 and with compact states, the GPT-2 Python bench with the CPU
@@ -136,26 +138,48 @@ if [[ $parts == *" train "* && -n ${TZ_GPU_TRAIN_ARGS:-} ]]; then
   done
 fi
 
-if [[ $parts == *" accept "* ]]; then
-  # Issue #22: 3.2B (16 x 4096) with the optimizer in CPU memory, after and
-  # under backward, against every state on the GPU, in one run of this script.
-  t3=(--backend cuda --layers 16 --hidden 4096 --heads 32 --seq 512 --steps 8 --warmup-steps 4 --eval-every 0 --log-every 1)
+# The accept part's runs, by name; TZ_GPU_ACCEPT picks and orders them.
+accept_gpt2() {
+  [[ -n $py_ok ]] || return 0
+  PYTHONPATH=$py_site run gpt2_python_bench_cpu 300 python3 "$root/bench/python/gpt2_gpu_bench.py" \
+    --ways torch,gpu,cpu,cpu+ahead,cpu+compact --nvme-path "$TMPDIR" --json "$out/gpt2_python_cpu.json"
+}
+# Issue #22: 3.2B (16 x 4096) with the optimizer in CPU memory, after and
+# under backward, against every state on the GPU, in one run of this script.
+t3=(--backend cuda --layers 16 --hidden 4096 --heads 32 --seq 512 --steps 8 --warmup-steps 4 --eval-every 0 --log-every 1)
+accept_3b() {
   run train_3b_all_gpu 120 "$bin/tierzero-train" --config examples/gpu_on_device.json --gpu-bytes 62GiB "${t3[@]}" \
     --out "$out/train/3b_all_gpu"
-  for c in after_backward under_backward under_backward_noclip; do
+  for c in ${TZ_GPU_3B:-after_backward under_backward under_backward_noclip}; do
     run "train_3b_cpu_$c" 150 "$bin/tierzero-train" --config "bench/gpu/3b_$c.json" --gpu-bytes 20GiB "${t3[@]}" \
       --out "$out/train/3b_cpu_$c"
   done
-  # Issue #21: 8.1B (40 x 4096) with compact states (they fit in CPU memory).
-  t8=(--backend cuda --layers 40 --hidden 4096 --heads 32 --seq 512 --eval-every 0 --log-every 1 --nvme-path "$TMPDIR/tz-big")
+}
+# The same tokens a step (16 sequences) in one micro-batch, clipping off:
+# the whole backward can run beside the optimizer (docs/engine.md's bound).
+accept_3b_one_micro_batch() {
+  run train_3b1_all_gpu 150 "$bin/tierzero-train" --config bench/gpu/3b_one_micro_batch_all_gpu.json --gpu-bytes 62GiB \
+    "${t3[@]}" --out "$out/train/3b1_all_gpu"
+  for c in after_backward under_backward_noclip; do
+    run "train_3b1_cpu_$c" 150 "$bin/tierzero-train" --config "bench/gpu/3b_one_micro_batch_$c.json" --gpu-bytes 20GiB \
+      "${t3[@]}" --out "$out/train/3b1_cpu_$c"
+  done
+}
+# Issue #21: 8.1B (40 x 4096) with compact states (they fit in CPU memory).
+t8=(--backend cuda --layers 40 --hidden 4096 --heads 32 --seq 512 --eval-every 0 --log-every 1 --nvme-path "$TMPDIR/tz-big")
+accept_8b_compact() {
   run train_8b_compact 200 "$bin/tierzero-train" --config bench/gpu/8b_under_backward.json --master remainder --moments int8 \
     --steps 4 "${t8[@]}" --out "$out/train/8b_compact"
-  if [[ -n $py_ok ]]; then
-    PYTHONPATH=$py_site run gpt2_python_bench_cpu 300 python3 "$root/bench/python/gpt2_gpu_bench.py" \
-      --ways torch,gpu,cpu,cpu+ahead,cpu+compact --nvme-path "$TMPDIR" --json "$out/gpt2_python_cpu.json"
-  fi
-  # The largest model the most compact states train on this machine.
-  largest=${TZ_GPU_LARGEST:-}
+  rm -rf "$TMPDIR/tz-big"
+}
+# The 8.1B run as the H100 ran it, fp32 states (the master on NVMe).
+accept_8b_fp32() {
+  run train_8b_fp32 240 "$bin/tierzero-train" --config bench/gpu/8b.json --steps 3 "${t8[@]}" --out "$out/train/8b_fp32"
+  rm -rf "$TMPDIR/tz-big"
+}
+# The largest model the most compact states train on this machine.
+accept_largest() {
+  local largest=${TZ_GPU_LARGEST:-}
   if [[ -z $largest ]]; then
     # The most layers of width 4096 the planner fits in this machine's budgets
     # (the config's GPU and CPU bytes, the free space of the run's NVMe
@@ -163,7 +187,7 @@ if [[ $parts == *" accept "* ]]; then
     # activations of 4, fp32 without recomputation, would not fit beside the
     # parameters on the GPU at this depth), no evaluation.
     mkdir -p "$TMPDIR/tz-largest"
-    found=
+    local found= layers
     for layers in $(seq 200 -1 8); do
       ((SECONDS < deadline)) || break
       if "$bin/tierzero-estimate" --config bench/gpu/8b_under_backward.json --master remainder --moments int8 \
@@ -186,9 +210,16 @@ if [[ $parts == *" accept "* ]]; then
     --moments int8 --grad-accum-dtype bf16 --backend cuda --hidden 4096 --heads 32 --seq 512 $largest --steps 2 \
     --eval-every 0 --log-every 1 --nvme-path "$TMPDIR/tz-largest" --out "$out/train/largest_compact"
   rm -rf "$TMPDIR/tz-largest"
-  # Last: the 8.1B run as the H100 ran it, fp32 states (the master on NVMe).
-  run train_8b_fp32 240 "$bin/tierzero-train" --config bench/gpu/8b.json --steps 3 "${t8[@]}" --out "$out/train/8b_fp32"
-  rm -rf "$TMPDIR/tz-big"
+}
+if [[ $parts == *" accept "* ]]; then
+  for item in ${TZ_GPU_ACCEPT:-3b 8b_compact gpt2 largest 3b_one_micro_batch 8b_fp32}; do
+    if ! declare -F "accept_$item" >/dev/null; then
+      summary+=("TZ_GPU_ACCEPT: no accept run '$item' (3b 3b_one_micro_batch 8b_compact 8b_fp32 gpt2 largest)")
+      failed=1
+      continue
+    fi
+    "accept_$item"
+  done
 fi
 
 echo
