@@ -136,7 +136,8 @@ Status ZeroEngineImpl::make_step_ahead() {
     return ok_status();
   }
   if (!ahead_off_.empty()) return ok_status();  // make_stores found no NVMe room for the second copies
-  ahead_policy_ = detail::AheadPolicy(options_.config.step_under_backward == StepUnderBackward::kAlways);
+  ahead_policy_ = detail::AheadPolicy(options_.config.step_under_backward == StepUnderBackward::kAlways,
+                                      options_.auto_ahead_by_pace);
   for (auto [store, shadow] : {std::pair{master_.get(), master_shadow_.get()}, std::pair{exp_avg_.get(), exp_avg_shadow_.get()},
                                std::pair{exp_avg_sq_.get(), exp_avg_sq_shadow_.get()}}) {
     if (shadow != nullptr) optimizer_->set_shadow(store, shadow);
@@ -252,6 +253,11 @@ void ZeroEngineImpl::end_ahead_window(StepReport& report, const detail::AheadOut
   if (!ahead_opened_ && !ahead_why_not_.empty()) report.ahead_off = ahead_why_not_;
   ahead_policy_.record(report.stepped, report.overflow, report.grad_norm, options_.config.gradient_clipping,
                        ahead_opened_, ahead.why);
+  const auto now = std::chrono::steady_clock::now();
+  const bool timed = last_window_end_ != std::chrono::steady_clock::time_point{};
+  ahead_policy_.record_pace(timed ? std::chrono::duration<double>(now - last_window_end_).count() : 0.0,
+                            ahead_opened_, ahead.why);
+  last_window_end_ = now;
   ahead_decided_ = ahead_opened_ = false;
   ahead_why_not_.clear();
 }

@@ -35,6 +35,12 @@ AheadRedo verdict(const AheadArgs& a, double clip_coef, const cpu_adam::Hyper& h
 // Note [When to speculate]
 bool AheadPolicy::speculate(std::string& why_not) const {
   if (always_) return true;
+  if (slow_skip_ > 0) {
+    why_not = fmt::format("auto: stepping under backward measured slower here ({:.3f} s a step against {:.3f} s "
+                          "after backward): {} more window(s) step after backward, then it measures again",
+                          slow_ahead_s_, slow_after_s_, slow_skip_);
+    return false;
+  }
   if (skip_ > 0) {
     why_not = fmt::format("auto: the last {} window(s) that stepped under backward were redone ({}): {} more "
                           "window(s) step after backward", failures_, ahead_redo_name(last_why_), skip_);
@@ -69,6 +75,26 @@ void AheadPolicy::record(bool stepped, bool overflow, double grad_norm, double m
   }
   failures_ = std::min(failures_ + 1, kMaxBackoffShift);
   skip_ = (1 << failures_) - 1;
+}
+
+void AheadPolicy::record_pace(double seconds, bool speculated, AheadRedo why) {
+  if (always_ || !by_pace_ || seconds <= 0) return;
+  if (!speculated) {
+    if (slow_skip_ > 0) --slow_skip_;
+    after_s_ = after_s_ > 0 ? std::min(after_s_, seconds) : seconds;
+    return;
+  }
+  if (why != AheadRedo::kNone) return;  // undone: the back-off's business
+  probe_s_.push_back(seconds);
+  if (probe_s_.size() < static_cast<std::size_t>(kProbeWindows)) return;
+  const double ahead = *std::min_element(probe_s_.begin(), probe_s_.end());
+  probe_s_.clear();
+  if (after_s_ > 0 && ahead > (1 + kSlowerMargin) * after_s_) {
+    slow_skip_ = kSlowSkip;
+    slow_after_s_ = after_s_;
+    slow_ahead_s_ = ahead;
+    after_s_ = 0;  // the next probe compares with the windows just before it
+  }
 }
 
 StepAhead::StepAhead(const StepAheadDeps& deps, std::vector<bool> may)

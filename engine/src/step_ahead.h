@@ -126,6 +126,20 @@
 // window hides optimizer time; a redone one costs its state traffic again.
 // A run with nothing near the max norm speculates from its third window on;
 // one that clips every step (early training, the README's job) never does.
+// - measured pace: "auto" times each window (step() to step()) and compares
+//   its first kProbeWindows kept speculating windows with the windows that
+//   stepped after backward before them (the fastest of each, so a warm-up
+//   spike decides nothing). Where speculating was more than kSlowerMargin
+//   slower, the next kSlowSkip windows step after backward, and then it
+//   probes again (the run's pace may change). Measured on the H200 (16
+//   cores, bench/RESULTS.md, twentieth session), states in CPU memory,
+//   clipping off so every block was kept: at 3.2B speculating took 2.42 s a
+//   step against 1.59 s after backward with one micro-batch a step, and
+//   3.07 s against 2.26 s with four. The old states' copies and the steps
+//   take the cores and memory bandwidth the gradient path needs (a block's
+//   gradient copy-out took 0.07-0.13 s beside them against 0.025 s after
+//   backward), so backward slowed by more than the optimizer time it hid.
+//   On the 2-vCPU VM with NVMe states it paid (the overlap bench above).
 #pragma once
 
 #include <atomic>
@@ -198,22 +212,33 @@ class AheadPolicy {
   static constexpr int kCalmWindows = 2;       // stepped windows in a row, each ...
   static constexpr double kNormMargin = 1.0;   // ... with its global norm at most this x max norm
   static constexpr int kMaxBackoffShift = 6;   // after failures in a row: skip up to 2^6 - 1 = 63 windows
+  static constexpr int kProbeWindows = 2;      // kept speculating windows timed before judging the pace
+  static constexpr double kSlowerMargin = 0.05;
+  static constexpr int kSlowSkip = 63;         // windows after backward once speculating measured slower
 
-  explicit AheadPolicy(bool always) : always_(always) {}
+  explicit AheadPolicy(bool always, bool by_pace = true) : always_(always), by_pace_(by_pace) {}
   // Whether the next window speculates; where not, `why_not` says why.
   bool speculate(std::string& why_not) const;
   // At each step() that ends a window: what the window did. `speculated`:
   // it opened; `why`: its outcome's (kNone: kept, or nothing to keep).
   void record(bool stepped, bool overflow, double grad_norm, double max_norm, bool speculated, AheadRedo why);
+  // Then the window's seconds, step() to step() (0: unknown, the first),
+  // for the measured-pace rule. Call record() first.
+  void record_pace(double seconds, bool speculated, AheadRedo why);
 
  private:
   bool always_;
+  bool by_pace_;       // ZeroOptions::auto_ahead_by_pace
   int calm_ = 0;       // the last windows in a row that stepped below the margin
   double last_norm_ = 0, last_max_norm_ = 0;
   bool last_overflow_ = false;
   int failures_ = 0;   // speculating windows undone in a row (a cancel does not count)
   int skip_ = 0;       // windows left to skip
   AheadRedo last_why_ = AheadRedo::kNone;
+  double after_s_ = 0;             // the fastest window after backward since the last probe (0: none)
+  std::vector<double> probe_s_;    // the kept speculating windows of this probe
+  int slow_skip_ = 0;              // windows left to step after backward: speculating measured slower
+  double slow_after_s_ = 0, slow_ahead_s_ = 0;
 };
 
 class StepAhead final : public AccumulationObserver {

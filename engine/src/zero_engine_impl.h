@@ -272,6 +272,7 @@ class ZeroEngineImpl final : public ZeroEngine, private GatheredBlock::Releaser 
   // decision (made at its first reduce_grads), and why not.
   detail::AheadPolicy ahead_policy_{false};
   bool ahead_decided_ = false, ahead_opened_ = false;
+  std::chrono::steady_clock::time_point last_window_end_{};  // Note [When to speculate]: the measured pace
   std::string ahead_why_not_;
   // Declared last: destroyed first, so no task outlives what it uses.
   std::unique_ptr<detail::TaskThread> grad_thread_;

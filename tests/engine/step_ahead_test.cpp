@@ -84,7 +84,9 @@ tz::Expected<std::unique_ptr<tz::ZeroEngine>> make(tz::Config config, const Plac
                                                    tz::StepUnderBackward mode, tz::Communicator* comm = nullptr,
                                                    tz::nvme::FaultInjector faults = {}) {
   config.step_under_backward = mode;
-  tz::ZeroOptions options{.config = config, .comm = comm, .placement = placement};
+  // The calm and back-off rules alone: these tests count windows, and the
+  // measured pace would depend on this machine's load.
+  tz::ZeroOptions options{.config = config, .comm = comm, .placement = placement, .auto_ahead_by_pace = false};
   options.auto_ahead_min_block_numel = 0;  // the test MLP's blocks are small; the floor has its own test
   options.nvme_fault_injector = std::move(faults);
   return tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
@@ -596,6 +598,45 @@ TEST(StepAhead, AheadPolicyWaitsForCalmWindowsAndBacksOffAfterRedos) {
   EXPECT_NE(why.find("1 more window"), std::string::npos) << why;
 }
 
+// Note [When to speculate], the measured pace: "auto" stops speculating
+// where its kept windows were slower than those after backward, says so,
+// and probes again kSlowSkip windows later; where they were not, it goes on.
+TEST(StepAhead, AheadPolicyStopsWhereSpeculatingMeasuredSlower) {
+  using tz::detail::AheadPolicy;
+  using tz::detail::AheadRedo;
+  std::string why;
+  // One window of the run: what the policy decides, then `seconds` as its pace.
+  auto window = [&](AheadPolicy& p, double after_s, double ahead_s) {
+    const bool s = p.speculate(why);
+    p.record(true, false, 0.5, 0.0, s, AheadRedo::kNone);
+    p.record_pace(s ? ahead_s : after_s, s, AheadRedo::kNone);
+    return s;
+  };
+  AheadPolicy slow(false);
+  slow.record_pace(0, false, AheadRedo::kNone);  // the first window: no pace
+  std::vector<bool> opened;
+  for (int w = 0; w < 4; ++w) opened.push_back(window(slow, w == 0 ? 9.0 : 1.59, w == 2 ? 9.0 : 2.42));
+  EXPECT_EQ(opened, (std::vector<bool>{false, false, true, true}));  // two calm windows, then the probe
+  EXPECT_FALSE(slow.speculate(why));
+  EXPECT_NE(why.find("measured slower here (2.420 s a step against 1.590 s after backward): 63 more"),
+            std::string::npos) << why;
+  int after = 0;
+  while (!window(slow, 1.59, 2.42)) ++after;
+  EXPECT_EQ(after, AheadPolicy::kSlowSkip);  // then it probes again, and finds it slower again
+  EXPECT_TRUE(window(slow, 1.59, 2.42));
+  EXPECT_FALSE(slow.speculate(why));
+  // Faster, or within the margin: it keeps speculating.
+  for (double ahead_s : {1.0, 1.59 * (1 + AheadPolicy::kSlowerMargin) * 0.999}) {
+    AheadPolicy fast(false);
+    int kept = 0;
+    for (int w = 0; w < 12; ++w) kept += window(fast, 1.59, ahead_s) ? 1 : 0;
+    EXPECT_EQ(kept, 12 - AheadPolicy::kCalmWindows) << ahead_s;
+  }
+  // true speculates whatever the pace.
+  AheadPolicy always(true);
+  for (int w = 0; w < 6; ++w) EXPECT_TRUE(window(always, 1.0, 5.0));
+}
+
 // Steps that clip and steps that do not, alternating: "auto" never finds two
 // calm windows in a row, so it never steps under backward and undoes
 // nothing; the weights are the switch-off engine's.
@@ -652,7 +693,7 @@ TEST(StepAhead, AutoLeavesBlocksBelowTheFloorToAfterBackwardAndSaysWhy) {
   tz::Config config = test_config(nvme.path(), 3, 1, "bf16");
   config.gradient_clipping = 0;
   config.step_under_backward = kAuto;
-  tz::ZeroOptions options{.config = config, .placement = kInfinity};
+  tz::ZeroOptions options{.config = config, .placement = kInfinity, .auto_ahead_by_pace = false};
   ASSERT_EQ(options.auto_ahead_min_block_numel, tz::ZeroOptions::kAutoAheadMinBlockNumel);
   auto e = tz::ZeroEngine::create(options, tz::mlp::model(kMlp), tz::mlp::init(kMlp));
   ASSERT_TRUE(e.ok()) << e.status().to_string();

@@ -110,6 +110,10 @@ struct ZeroOptions {
   // whatever this says.
   std::uint64_t auto_ahead_min_block_numel = kAutoAheadMinBlockNumel;
   static constexpr std::uint64_t kAutoAheadMinBlockNumel = tz::kAutoAheadMinBlockNumel;  // offload/planner.h
+  // "auto" also times its windows and steps after backward for a while where
+  // speculating measured slower (Note [When to speculate], the measured
+  // pace). false: the calm and back-off rules alone (tests that count windows).
+  bool auto_ahead_by_pace = true;
   // Note [Accumulating on the device across micro-batches] (gradient_path.cpp):
   // with the CPU optimizer, fp32 accumulators and gradient_accumulation_steps
   // > 1, blocks keep a device accumulator across the window where the GPU
