@@ -134,8 +134,9 @@
 //   probes again (the run's pace may change). Measured on the H200 (16
 //   cores, bench/RESULTS.md, twentieth session), states in CPU memory,
 //   clipping off so every block was kept: at 3.2B speculating took 2.42 s a
-//   step against 1.59 s after backward with one micro-batch a step, and
-//   3.07 s against 2.26 s with four. The old states' copies and the steps
+//   step against 1.59 s after backward with one micro-batch a step (one
+//   call, alternating runs); with four, 3.07 s (the nineteenth session's run
+//   after backward took 2.26 s). The old states' copies and the steps
 //   take the cores and memory bandwidth the gradient path needs (a block's
 //   gradient copy-out took 0.07-0.13 s beside them against 0.025 s after
 //   backward), so backward slowed by more than the optimizer time it hid.
