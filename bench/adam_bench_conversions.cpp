@@ -33,23 +33,20 @@ tz::Status measure_conversions(std::size_t size, int repeats, std::vector<Conver
   std::mt19937_64 gen(n);
   std::uniform_real_distribution<float> uniform(-2.0F, 2.0F);
   for (float& x : master) x = uniform(gen);
-  for (int r = -1; r < repeats; ++r) {  // -1: the warm-up
+  const tz::Status timed = time_pairs(repeats, row.times, [&](int, double& encode, double& decode) -> tz::Status {
     std::memset(back.data(), 0, n * sizeof(float));
     const auto t0 = Clock::now();
     TZ_TRY(ca::encode_remainder_masters(master.data(), n, bf16.data(), remainder.data(), ties.data()));
-    const double encode = seconds_since(t0);
+    encode = seconds_since(t0);
     const auto t1 = Clock::now();
     TZ_TRY(ca::decode_remainder_masters(bf16.data(), remainder.data(), ties.data(), n, back.data()));
-    const double decode = seconds_since(t1);
+    decode = seconds_since(t1);
     if (std::memcmp(master.data(), back.data(), n * sizeof(float)) != 0) {
       return tz::internal_error("remainder conversions of {} masters: the decode did not rebuild them bit for bit", n);
     }
-    if (r < 0) continue;
-    row.encode_s.push_back(encode);
-    row.decode_s.push_back(decode);
-  }
-  row.encode_median = median(row.encode_s);
-  row.decode_median = median(row.decode_s);
+    return tz::ok_status();
+  });
+  TZ_TRY(timed);
   out.push_back(std::move(row));
   return tz::ok_status();
 }
@@ -64,12 +61,12 @@ nlohmann::json print_conversions(const std::vector<ConversionRow>& rows) {
   std::printf("%9s %14s %11s %14s %11s\n", "elements", "encode ns/el", "GB/s", "decode ns/el", "GB/s");
   for (const ConversionRow& r : rows) {
     const double n = static_cast<double>(r.n);
-    std::printf("%9s %14.3f %11.2f %14.3f %11.2f\n", tz::format_count(n).c_str(), r.encode_median / n * 1e9,
-                kBytes * n / r.encode_median / 1e9, r.decode_median / n * 1e9, kBytes * n / r.decode_median / 1e9);
-    out.push_back({{"elements", r.n}, {"encode_seconds", r.encode_s}, {"decode_seconds", r.decode_s},
-                   {"encode_median_s", r.encode_median}, {"decode_median_s", r.decode_median},
-                   {"encode_ns_per_element", r.encode_median / n * 1e9},
-                   {"decode_ns_per_element", r.decode_median / n * 1e9}, {"bytes_per_element", kBytes}});
+    std::printf("%9s %14.3f %11.2f %14.3f %11.2f\n", tz::format_count(n).c_str(), r.times.a_median / n * 1e9,
+                kBytes * n / r.times.a_median / 1e9, r.times.b_median / n * 1e9, kBytes * n / r.times.b_median / 1e9);
+    out.push_back({{"elements", r.n}, {"encode_seconds", r.times.a_s}, {"decode_seconds", r.times.b_s},
+                   {"encode_median_s", r.times.a_median}, {"decode_median_s", r.times.b_median},
+                   {"encode_ns_per_element", r.times.a_median / n * 1e9},
+                   {"decode_ns_per_element", r.times.b_median / n * 1e9}, {"bytes_per_element", kBytes}});
   }
   return out;
 }

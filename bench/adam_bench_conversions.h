@@ -10,14 +10,14 @@
 #include <cstddef>
 #include <vector>
 
+#include "bench_common.h"
 #include "tierzero/common.h"
 
 namespace tzbench::adam {
 
 struct ConversionRow {
   std::size_t n = 0;  // elements converted per repetition (the size, capped: kConversionCap)
-  std::vector<double> encode_s, decode_s;
-  double encode_median = 0, decode_median = 0;
+  PairedTimes times;  // a: encode, b: decode
 };
 
 // Times `repeats` encode/decode pairs (after one warm-up) over min(size, cap)

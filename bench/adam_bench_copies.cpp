@@ -26,11 +26,11 @@ tz::Status measure_copies(std::size_t size, tz::cpu_adam::CpuOptimizer& opt, int
   }
   std::vector<tz::cpu_adam::CpuOptimizer::CopyJob> jobs;
   for (std::size_t s = 0; s < 3; ++s) jobs.push_back({kept[s].data(), states[s].data(), n * sizeof(float)});
-  for (int r = -1; r < repeats; ++r) {  // -1: the warm-up (and the first touch of `kept`)
+  const tz::Status timed = time_pairs(repeats, row.times, [&](int, double& ours, double& plain) -> tz::Status {  // the warm-up touches `kept` first
     for (auto& k : kept) std::fill(k.begin(), k.end(), 0.0F);
     const auto t0 = Clock::now();
     TZ_TRY(opt.copy(jobs));
-    const double ours = seconds_since(t0);
+    ours = seconds_since(t0);
     for (std::size_t s = 0; s < 3; ++s) {
       if (std::memcmp(kept[s].data(), states[s].data(), n * sizeof(float)) != 0) {
         return tz::internal_error("CpuOptimizer::copy of {} elements on {} threads: state {} differs", n,
@@ -39,13 +39,10 @@ tz::Status measure_copies(std::size_t size, tz::cpu_adam::CpuOptimizer& opt, int
     }
     const auto t1 = Clock::now();
     for (const auto& j : jobs) std::memcpy(j.dst, j.src, j.bytes);
-    const double plain = seconds_since(t1);
-    if (r < 0) continue;
-    row.ours_s.push_back(ours);
-    row.memcpy_s.push_back(plain);
-  }
-  row.ours_median = median(row.ours_s);
-  row.memcpy_median = median(row.memcpy_s);
+    plain = seconds_since(t1);
+    return tz::ok_status();
+  });
+  TZ_TRY(timed);
   out.push_back(std::move(row));
   return tz::ok_status();
 }
@@ -60,13 +57,13 @@ nlohmann::json print_copies(const std::vector<CopyRow>& rows) {
   for (const CopyRow& r : rows) {
     const double n = static_cast<double>(r.n);
     std::printf("%9s %8d %12.3f %11.2f %15.3f %11.2f %9.2f\n", tz::format_count(n).c_str(), r.threads,
-                r.ours_median / n * 1e9, kBytesPerElement * n / r.ours_median / 1e9, r.memcpy_median / n * 1e9,
-                kBytesPerElement * n / r.memcpy_median / 1e9, r.memcpy_median / r.ours_median);
-    out.push_back({{"elements", r.n}, {"threads", r.threads}, {"copy_seconds", r.ours_s},
-                   {"memcpy_seconds", r.memcpy_s}, {"copy_median_s", r.ours_median},
-                   {"memcpy_median_s", r.memcpy_median}, {"bytes_per_element", kBytesPerElement},
-                   {"copy_gb_per_s", kBytesPerElement * n / r.ours_median / 1e9},
-                   {"memcpy_gb_per_s", kBytesPerElement * n / r.memcpy_median / 1e9}});
+                r.times.a_median / n * 1e9, kBytesPerElement * n / r.times.a_median / 1e9, r.times.b_median / n * 1e9,
+                kBytesPerElement * n / r.times.b_median / 1e9, r.times.b_median / r.times.a_median);
+    out.push_back({{"elements", r.n}, {"threads", r.threads}, {"copy_seconds", r.times.a_s},
+                   {"memcpy_seconds", r.times.b_s}, {"copy_median_s", r.times.a_median},
+                   {"memcpy_median_s", r.times.b_median}, {"bytes_per_element", kBytesPerElement},
+                   {"copy_gb_per_s", kBytesPerElement * n / r.times.a_median / 1e9},
+                   {"memcpy_gb_per_s", kBytesPerElement * n / r.times.b_median / 1e9}});
   }
   return out;
 }

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "bench_common.h"
 #include "tierzero/common.h"
 #include "tierzero/cpu_adam.h"
 
@@ -18,8 +19,7 @@ namespace tzbench::adam {
 struct CopyRow {
   std::size_t n = 0;  // elements whose three fp32 states are copied (the size, capped: kCopyCap)
   int threads = 0;
-  std::vector<double> ours_s, memcpy_s;
-  double ours_median = 0, memcpy_median = 0;
+  PairedTimes times;  // a: CpuOptimizer::copy, b: one thread's memcpy
 };
 
 // Times `repeats` copies (after one warm-up) of min(size, cap) elements' master

@@ -49,6 +49,30 @@ inline double median(std::vector<double> values) {
   return k % 2 == 1 ? values[k / 2] : 0.5 * (values[k / 2 - 1] + values[k / 2]);
 }
 
+// Two timed parts a round, side by side: round(r, a, b) runs once as a
+// warm-up (r = -1) and then `repeats` times, putting its two parts' seconds
+// in a and b and checking what it must; the first result that is not ok()
+// is returned. `out` gets each part's seconds and medians.
+struct PairedTimes {
+  std::vector<double> a_s, b_s;
+  double a_median = 0, b_median = 0;
+};
+template <typename Round>
+auto time_pairs(int repeats, PairedTimes& out, Round round) {
+  using Result = decltype(round(0, std::declval<double&>(), std::declval<double&>()));
+  for (int r = -1; r < repeats; ++r) {
+    double a = 0, b = 0;
+    Result result = round(r, a, b);
+    if (!result.ok()) return result;
+    if (r < 0) continue;
+    out.a_s.push_back(a);
+    out.b_s.push_back(b);
+  }
+  out.a_median = median(out.a_s);
+  out.b_median = median(out.b_s);
+  return Result{};
+}
+
 // "128K, 1M,8M" -> {"128K", "1M", "8M"}: items split at commas, blanks
 // trimmed, empty items kept (for the caller to refuse by name).
 inline std::vector<std::string> split_list(const std::string& text) {
