@@ -14,7 +14,7 @@
 #   TZ_GPU_LARGEST="--layers L --hidden H ..." the accept part's largest compact model
 #     (default: the size tierzero-estimate --largest picks for these budgets)
 #   TZ_GPU_ACCEPT="3b gpt2 ..." the accept part's runs, in this order (default: 3b 8b_compact gpt2
-#     largest 3b_one_micro_batch 8b_fp32); TZ_GPU_3B="after_backward ..." its 3.2B CPU-optimizer configs
+#     largest 3b_one_micro_batch 8b_fp32; also 3b_auto); TZ_GPU_3B="after_backward ..." its 3.2B CPU-optimizer configs
 # The accept part is issues #21 and #22's GPU acceptance: the 3.2B runs with the
 # optimizer after and under backward against every state on the GPU, the 8.1B
 # run with fp32 and with compact states, the GPT-2 Python bench with the CPU
@@ -165,6 +165,14 @@ accept_3b_one_micro_batch() {
       "${t3[@]}" --out "$out/train/3b1_cpu_$c"
   done
 }
+# "auto" (the default) with clipping off: its measured pace (Note [When to
+# speculate]) should stop speculating after its first two kept windows where
+# they were slower; ahead_off in the log names both times.
+accept_3b_auto() {
+  run train_3b1_cpu_auto_noclip 150 "$bin/tierzero-train" --config bench/gpu/3b_one_micro_batch_auto_noclip.json \
+    --gpu-bytes 20GiB --backend cuda --layers 16 --hidden 4096 --heads 32 --seq 512 --steps 12 --warmup-steps 4 \
+    --eval-every 0 --log-every 1 --out "$out/train/3b1_cpu_auto_noclip"
+}
 # Issue #21: 8.1B (40 x 4096) with compact states (they fit in CPU memory).
 t8=(--backend cuda --layers 40 --hidden 4096 --heads 32 --seq 512 --eval-every 0 --log-every 1 --nvme-path "$TMPDIR/tz-big")
 accept_8b_compact() {
@@ -214,7 +222,7 @@ accept_largest() {
 if [[ $parts == *" accept "* ]]; then
   for item in ${TZ_GPU_ACCEPT:-3b 8b_compact gpt2 largest 3b_one_micro_batch 8b_fp32}; do
     if ! declare -F "accept_$item" >/dev/null; then
-      summary+=("TZ_GPU_ACCEPT: no accept run '$item' (3b 3b_one_micro_batch 8b_compact 8b_fp32 gpt2 largest)")
+      summary+=("TZ_GPU_ACCEPT: no accept run '$item' (3b 3b_one_micro_batch 3b_auto 8b_compact 8b_fp32 gpt2 largest)")
       failed=1
       continue
     fi
