@@ -233,6 +233,7 @@ Status ZeroEngineImpl::cancel_step_ahead(detail::AheadRedo why) {
   // writes states outside a step finds the kept shards' headroom free (the
   // step reads the shards from NVMe instead).
   if (kept_params_) kept_params_->drop_all();
+  last_window_end_ = {};  // Note [When to speculate]: this window's time may hold a save or load
   if (!ahead_) return ok_status();
   TZ_TRY(grads_->wait());
   return ahead_->cancel(why);
@@ -256,7 +257,7 @@ void ZeroEngineImpl::end_ahead_window(StepReport& report, const detail::AheadOut
   const auto now = std::chrono::steady_clock::now();
   const bool timed = last_window_end_ != std::chrono::steady_clock::time_point{};
   ahead_policy_.record_pace(timed ? std::chrono::duration<double>(now - last_window_end_).count() : 0.0,
-                            ahead_opened_, ahead.why);
+                            report.stepped, ahead_opened_, ahead.why);
   last_window_end_ = now;
   ahead_decided_ = ahead_opened_ = false;
   ahead_why_not_.clear();

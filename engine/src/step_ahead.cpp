@@ -77,23 +77,35 @@ void AheadPolicy::record(bool stepped, bool overflow, double grad_norm, double m
   skip_ = (1 << failures_) - 1;
 }
 
-void AheadPolicy::record_pace(double seconds, bool speculated, AheadRedo why) {
-  if (always_ || !by_pace_ || seconds <= 0) return;
+void AheadPolicy::record_pace(double seconds, bool stepped, bool speculated, AheadRedo why) {
+  if (always_ || !by_pace_) return;
   if (!speculated) {
     if (slow_skip_ > 0) --slow_skip_;
-    after_s_ = after_s_ > 0 ? std::min(after_s_, seconds) : seconds;
+    probe_s_.clear();
+    probing_ = true;  // the next run of speculating windows is judged afresh
+    // A window that did not step (an overflow) skipped the optimizer: no measure of either way.
+    if (!stepped || seconds <= 0) return;
+    after_recent_.push_back(seconds);
+    if (after_recent_.size() > static_cast<std::size_t>(kProbeWindows)) after_recent_.erase(after_recent_.begin());
     return;
   }
-  if (why != AheadRedo::kNone) return;  // undone: the back-off's business
+  if (why != AheadRedo::kNone || !stepped || seconds <= 0) {  // undone or untimed: the probe starts over
+    probe_s_.clear();
+    return;
+  }
+  if (!probing_) return;  // judged: speculate on until a window after backward comes between
   probe_s_.push_back(seconds);
   if (probe_s_.size() < static_cast<std::size_t>(kProbeWindows)) return;
+  probing_ = false;
   const double ahead = *std::min_element(probe_s_.begin(), probe_s_.end());
   probe_s_.clear();
-  if (after_s_ > 0 && ahead > (1 + kSlowerMargin) * after_s_) {
+  if (after_recent_.size() < static_cast<std::size_t>(kProbeWindows)) return;  // nothing alike to compare with
+  const double after = *std::min_element(after_recent_.begin(), after_recent_.end());
+  if (ahead > (1 + kSlowerMargin) * after) {
     slow_skip_ = kSlowSkip;
-    slow_after_s_ = after_s_;
+    slow_after_s_ = after;
     slow_ahead_s_ = ahead;
-    after_s_ = 0;  // the next probe compares with the windows just before it
+    after_recent_.clear();
   }
 }
 

@@ -127,11 +127,13 @@
 // A run with nothing near the max norm speculates from its third window on;
 // one that clips every step (early training, the README's job) never does.
 // - measured pace: "auto" times each window (step() to step()) and compares
-//   its first kProbeWindows kept speculating windows with the windows that
-//   stepped after backward before them (the fastest of each, so a warm-up
-//   spike decides nothing). Where speculating was more than kSlowerMargin
-//   slower, the next kSlowSkip windows step after backward, and then it
-//   probes again (the run's pace may change). Measured on the H200 (16
+//   the first kProbeWindows kept speculating windows of each run of them
+//   with the last kProbeWindows windows that stepped after backward before
+//   them (the fastest of each, so a warm-up spike decides nothing; a window
+//   that did not step, an overflow, and one after a cancel, which may hold
+//   a checkpoint save, are not timed). Where speculating was more than
+//   kSlowerMargin slower, the next kSlowSkip windows step after backward,
+//   and then it probes again (the run's pace may change). Measured on the H200 (16
 //   cores, bench/RESULTS.md, twentieth session), states in CPU memory,
 //   clipping off so every block was kept: at 3.2B speculating took 2.42 s a
 //   step against 1.59 s after backward with one micro-batch a step (one
@@ -223,9 +225,9 @@ class AheadPolicy {
   // At each step() that ends a window: what the window did. `speculated`:
   // it opened; `why`: its outcome's (kNone: kept, or nothing to keep).
   void record(bool stepped, bool overflow, double grad_norm, double max_norm, bool speculated, AheadRedo why);
-  // Then the window's seconds, step() to step() (0: unknown, the first),
-  // for the measured-pace rule. Call record() first.
-  void record_pace(double seconds, bool speculated, AheadRedo why);
+  // Then the window's seconds, step() to step() (0: unknown: the first, one
+  // after a cancel), for the measured-pace rule. Call record() first.
+  void record_pace(double seconds, bool stepped, bool speculated, AheadRedo why);
 
  private:
   bool always_;
@@ -236,8 +238,9 @@ class AheadPolicy {
   int failures_ = 0;   // speculating windows undone in a row (a cancel does not count)
   int skip_ = 0;       // windows left to skip
   AheadRedo last_why_ = AheadRedo::kNone;
-  double after_s_ = 0;             // the fastest window after backward since the last probe (0: none)
-  std::vector<double> probe_s_;    // the kept speculating windows of this probe
+  std::vector<double> after_recent_;  // the last kProbeWindows stepped windows after backward
+  std::vector<double> probe_s_;       // the kept speculating windows of this probe
+  bool probing_ = true;               // the current run of speculating windows is not judged yet
   int slow_skip_ = 0;              // windows left to step after backward: speculating measured slower
   double slow_after_s_ = 0, slow_ahead_s_ = 0;
 };

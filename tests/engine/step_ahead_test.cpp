@@ -609,11 +609,11 @@ TEST(StepAhead, AheadPolicyStopsWhereSpeculatingMeasuredSlower) {
   auto window = [&](AheadPolicy& p, double after_s, double ahead_s) {
     const bool s = p.speculate(why);
     p.record(true, false, 0.5, 0.0, s, AheadRedo::kNone);
-    p.record_pace(s ? ahead_s : after_s, s, AheadRedo::kNone);
+    p.record_pace(s ? ahead_s : after_s, true, s, AheadRedo::kNone);
     return s;
   };
   AheadPolicy slow(false);
-  slow.record_pace(0, false, AheadRedo::kNone);  // the first window: no pace
+  slow.record_pace(0, true, false, AheadRedo::kNone);  // the first window: no pace
   std::vector<bool> opened;
   for (int w = 0; w < 4; ++w) opened.push_back(window(slow, w == 0 ? 9.0 : 1.59, w == 2 ? 9.0 : 2.42));
   EXPECT_EQ(opened, (std::vector<bool>{false, false, true, true}));  // two calm windows, then the probe
@@ -631,6 +631,24 @@ TEST(StepAhead, AheadPolicyStopsWhereSpeculatingMeasuredSlower) {
     int kept = 0;
     for (int w = 0; w < 12; ++w) kept += window(fast, 1.59, ahead_s) ? 1 : 0;
     EXPECT_EQ(kept, 12 - AheadPolicy::kCalmWindows) << ahead_s;
+  }
+  // Judged once a run of speculating windows: slower windows later on do not stop it.
+  {
+    AheadPolicy judged(false);
+    for (int w = 0; w < 4; ++w) window(judged, 1.59, 1.6);
+    EXPECT_TRUE(window(judged, 1.59, 5.0));
+    EXPECT_TRUE(window(judged, 1.59, 5.0));
+    EXPECT_TRUE(judged.speculate(why));
+  }
+  // A window that did not step (an overflow: no optimizer) is no baseline.
+  {
+    AheadPolicy overflowed(false);
+    overflowed.record(true, false, 0.5, 0.0, false, AheadRedo::kNone);
+    overflowed.record_pace(1.59, true, false, AheadRedo::kNone);
+    overflowed.record(false, true, INFINITY, 0.0, false, AheadRedo::kNone);
+    overflowed.record_pace(0.5, false, false, AheadRedo::kNone);
+    for (int w = 0; w < 2; ++w) EXPECT_FALSE(window(overflowed, 1.59, 1.6));  // calm again
+    for (int w = 0; w < 4; ++w) EXPECT_TRUE(window(overflowed, 1.59, 1.6)) << w;
   }
   // true speculates whatever the pace.
   AheadPolicy always(true);
